@@ -1,0 +1,1 @@
+"""Compression stages: quantization now; sparsity and structured pruning join later."""

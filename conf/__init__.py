@@ -1,0 +1,1 @@
+"""Hydra configuration groups (installed as slimlm.conf so Hydra finds them with pkg://)."""

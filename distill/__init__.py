@@ -1,0 +1,1 @@
+"""Distillation: teacher-to-student training (arrives with the distillation issue)."""

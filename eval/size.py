@@ -1,0 +1,28 @@
+"""Model size in memory: bytes, parameters and average bits per weight."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from torch import nn
+
+from slimlm.qlinear import QuantLinear
+
+
+@dataclass(frozen=True)
+class SizeReport:
+    bytes: int  # every parameter and buffer, each shared tensor counted once
+    parameters: int  # weights as the original model counts them (a quantized matrix counts its elements)
+    bits_per_weight: float  # bytes * 8 / parameters: scales, norms and embeddings included
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def model_size(model: nn.Module) -> SizeReport:
+    unique = {t.data_ptr(): t for t in (*model.parameters(), *model.buffers())}
+    total_bytes = sum(t.numel() * t.element_size() for t in unique.values())
+    parameters = sum(p.numel() for p in {p.data_ptr(): p for p in model.parameters()}.values())
+    # A quantized matrix is a buffer, but it is the layer's weight: count it as parameters.
+    parameters += sum(m.qweight.numel() for m in model.modules() if isinstance(m, QuantLinear))
+    return SizeReport(bytes=total_bytes, parameters=parameters, bits_per_weight=round(8 * total_bytes / max(parameters, 1), 3))

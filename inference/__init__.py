@@ -1,0 +1,1 @@
+"""Running compressed models: generation now; the bundled packed-kernel decoder joins later."""

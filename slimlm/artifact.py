@@ -1,0 +1,171 @@
+"""The slimlm artifact: a directory a compressed model leaves the process in.
+
+    manifest.json      format name and version, source model, recipe, per-module schemes,
+                       evaluation results, and the sha256 and size of every other file
+    model.safetensors  quantized layers as `<module>.qweight` (int8) + `<module>.scales` (fp16),
+                       every other tensor as it was; a tied LM head is stored once
+    config.json, generation_config.json, tokenizer files (the HF layout)
+
+Writing is atomic (a hidden staging directory renamed into place), an existing artifact is
+never overwritten, and loading verifies the format version and every checksum before any
+tensor is used. Tensors are read with safetensors only: nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from slimlm import __version__
+from slimlm.errors import SlimlmError
+from slimlm.qlinear import QuantLinear, QuantScheme, set_submodule
+from slimlm.resources import sha256_file
+
+FORMAT = "slimlm"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+WEIGHTS = "model.safetensors"
+
+
+@dataclass
+class Artifact:
+    model: Any
+    tokenizer: Any
+    manifest: dict
+    path: Path
+
+
+def save_artifact(
+    model,
+    tokenizer,
+    out_dir: Path,
+    schemes: dict[str, dict],
+    source: dict,
+    recipe: Optional[dict] = None,
+    results: Optional[dict] = None,
+) -> Path:
+    """Write `model` (with its QuantLinear layers) as an artifact directory at `out_dir`."""
+    from safetensors.torch import save_file
+
+    out_dir = Path(out_dir)
+    if out_dir.exists():
+        raise SlimlmError(f"'{out_dir}' already exists; artifacts are never overwritten: choose another path or remove it")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-partial-", dir=out_dir.parent))
+    try:
+        tensors = _unique_state_dict(model)
+        save_file(tensors, staging / WEIGHTS, metadata={"format": FORMAT, "format_version": str(FORMAT_VERSION)})
+        model.config.save_pretrained(staging)
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        float_dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in tensors.values() if t.is_floating_point()})
+        manifest = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "slimlm_version": __version__,
+            "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "source": source,
+            "recipe": recipe,
+            "dtype": _model_dtype(model),
+            "tensor_dtypes": float_dtypes,
+            "modules": schemes,
+            "tied_word_embeddings": bool(getattr(model.config, "tie_word_embeddings", False)),
+            "results": results or {},
+            "files": _describe_files(staging),
+        }
+        (staging / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=False))
+        staging.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def _unique_state_dict(model) -> dict[str, torch.Tensor]:
+    """The state dict with each shared tensor once (safetensors refuses aliases)."""
+    tensors: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, tensor in model.state_dict().items():
+        pointer = tensor.data_ptr()
+        if pointer in seen:
+            continue
+        seen.add(pointer)
+        tensors[name] = tensor.detach().cpu().contiguous()
+    return tensors
+
+
+def _model_dtype(model) -> str:
+    return str(next(p.dtype for p in model.parameters() if p.is_floating_point())).removeprefix("torch.")
+
+
+def _describe_files(directory: Path) -> dict[str, dict]:
+    return {
+        file.name: {"sha256": sha256_file(file), "bytes": file.stat().st_size}
+        for file in sorted(directory.iterdir())
+        if file.is_file() and file.name != MANIFEST
+    }
+
+
+def read_manifest(path: Path) -> dict:
+    """The manifest, after checking the format, the version and every file's checksum."""
+    path = Path(path)
+    manifest_file = path / MANIFEST
+    if not manifest_file.is_file():
+        raise SlimlmError(f"'{path}' is not a slimlm artifact (no {MANIFEST}); export one with a recipe's export stage")
+    try:
+        manifest = json.loads(manifest_file.read_text())
+    except json.JSONDecodeError as error:
+        raise SlimlmError(f"'{manifest_file}' is damaged ({error}); re-export the artifact") from None
+    if manifest.get("format") != FORMAT:
+        raise SlimlmError(f"'{path}' is not a slimlm artifact (format '{manifest.get('format')}')")
+    version = manifest.get("format_version")
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise SlimlmError(f"'{path}' uses artifact format version {version}, newer than this slimlm reads ({FORMAT_VERSION}); upgrade slimlm")
+    for name, expected in manifest.get("files", {}).items():
+        file = path / name
+        if not file.is_file():
+            raise SlimlmError(f"artifact '{path}' is missing '{name}'; re-export it")
+        if file.stat().st_size != expected["bytes"] or sha256_file(file) != expected["sha256"]:
+            raise SlimlmError(f"artifact file '{file}' is damaged (checksum mismatch); re-export the artifact")
+    return manifest
+
+
+def load_artifact(path: Path, device: torch.device = torch.device("cpu")) -> Artifact:
+    """Rebuild the model an artifact holds, quantized layers included, ready for evaluation."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.initialization import no_init_weights
+
+    path = Path(path)
+    manifest = read_manifest(path)
+    config = AutoConfig.from_pretrained(path)
+    dtype = getattr(torch, manifest.get("dtype", "float32"))
+    with no_init_weights():  # every weight is overwritten below; random init would be wasted time
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    for name, scheme in manifest["modules"].items():
+        try:
+            linear = model.get_submodule(name)
+        except AttributeError:
+            raise SlimlmError(f"artifact '{path}' names module '{name}', which its config.json does not have") from None
+        layer = QuantLinear(linear.in_features, linear.out_features, QuantScheme(**scheme), bias=linear.bias is not None)
+        set_submodule(model, name, layer)
+    tensors = load_file(path / WEIGHTS)
+    result = model.load_state_dict(tensors, strict=False)
+    tied = {"lm_head.weight"} if manifest.get("tied_word_embeddings") else set()
+    missing = set(result.missing_keys) - tied
+    if missing or result.unexpected_keys:
+        raise SlimlmError(
+            f"artifact '{path}' does not match its config.json: missing {sorted(missing)[:3]}, unexpected {sorted(result.unexpected_keys)[:3]}"
+        )
+    if tied:
+        model.tie_weights()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return Artifact(model=model.to(device).eval(), tokenizer=tokenizer, manifest=manifest, path=path)

@@ -1,0 +1,1 @@
+"""Data bundled with slimlm so the demo needs nothing else (see README.md here)."""

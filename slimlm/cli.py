@@ -1,0 +1,231 @@
+"""The `slimlm` command: Hydra composes the config, the recipe's stages run in order.
+
+This is the one module that sees every stage: it maps the stage names recipes use to the
+stage records that `compress`, `eval`, `inference` and the export module define.
+
+Bad input (an unknown recipe, a misspelled key, a missing file) is reported as one line on
+stderr with exit code 2, before any model loads and before a run directory is created.
+`hydra.verbose=true` or SLIMLM_DEBUG=1 shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import NoReturn, Sequence
+
+import hydra
+import torch
+from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
+from hydra.errors import HydraException
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from slimlm.compress.quantize import QUANTIZE
+from slimlm.config import register_schemas
+from slimlm.data import check_text_source
+from slimlm.errors import SlimlmError
+from slimlm.eval.stage import EVALUATE
+from slimlm.export import EXPORT
+from slimlm.inference.stage import GENERATE
+from slimlm.models import ModelSource, load_model, resolve_model
+from slimlm.pipeline import PlannedStage, RunState, Stage, plan_stages
+from slimlm.report import build_report, write_report, write_status
+
+STAGES: dict[str, Stage] = {stage.name: stage for stage in (QUANTIZE, EVALUATE, EXPORT, GENERATE)}
+CONFIG_MODULE = "slimlm.conf"
+log = logging.getLogger("slimlm")
+
+
+@dataclass(frozen=True)
+class Plan:
+    stages: list[PlannedStage]
+    source: ModelSource
+
+
+def register_recipes() -> None:
+    """Make every recipes/*.yaml an option of the `recipe` config group.
+
+    The recipes folder installs as the package `slimlm.recipe`; registering its files in
+    Hydra's ConfigStore works the same in editable and regular installs.
+    """
+    store = ConfigStore.instance()
+    for entry in resources.files("slimlm.recipe").iterdir():
+        if entry.name.endswith(".yaml"):
+            store.store(group="recipe", name=entry.name[: -len(".yaml")], node=OmegaConf.create(entry.read_text()))
+
+
+def validate(cfg: DictConfig) -> Plan:
+    """Every check that needs no weights: schemas, stage parameters, paths, devices."""
+    try:
+        OmegaConf.to_object(cfg)  # runs each group dataclass's value checks
+    except OmegaConfBaseException as error:
+        raise SlimlmError(f"config error: {str(error).splitlines()[0]}") from None
+    stages = plan_stages(cfg.recipe.stages, STAGES)
+    source = resolve_model(cfg.model)
+    if any(planned.stage.needs_eval_text for planned in stages):
+        check_text_source(cfg.data.eval_text, "eval_text")
+    if cfg.hardware.device == "cuda" and not torch.cuda.is_available():
+        raise SlimlmError("hardware.device=cuda but no CUDA GPU is visible; use hardware=cpu")
+    return Plan(stages=stages, source=source)
+
+
+def execute(cfg: DictConfig, plan: Plan, run_dir: Path) -> str:
+    """Load the model, run the stages, write the report; returns the Markdown report."""
+    if cfg.hardware.threads:
+        torch.set_num_threads(cfg.hardware.threads)
+    torch.manual_seed(cfg.seed)
+    device = torch.device("cuda" if cfg.hardware.device == "auto" and torch.cuda.is_available() else cfg.hardware.device.replace("auto", "cpu"))
+    started = time.perf_counter()
+    loaded = load_model(cfg.model, device)
+    timings = [("load model", time.perf_counter() - started)]
+    state = RunState(cfg=cfg, run_dir=run_dir, model=loaded.model, tokenizer=loaded.tokenizer, source=loaded.source, source_sha256=loaded.sha256, device=device)
+    for planned in plan.stages:
+        log.info("%s: starting", planned.title)
+        started = time.perf_counter()
+        planned.stage.run(state, planned.params)
+        timings.append((f"{planned.index + 1}. {planned.stage.name}", time.perf_counter() - started))
+        log.info("%s: done in %.1f s", planned.title, timings[-1][1])
+    header = {
+        "recipe": cfg.recipe.name,
+        "model": cfg.model.name,
+        "model_path": cfg.model.path,
+        "source_sha256": loaded.sha256,
+        "eval_text": cfg.data.eval_text.path,
+        "command": " ".join(["slimlm", *HydraConfig.get().overrides.task]),
+        "run_dir": display_path(run_dir),
+        "stage_seconds": timings,
+    }
+    return write_report(run_dir, build_report(header, state.evaluations, state.sections))
+
+
+@hydra.main(config_path=f"pkg://{CONFIG_MODULE}", config_name="config", version_base="1.3")
+def run_recipe(cfg: DictConfig) -> None:
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    try:
+        plan = validate(cfg)
+    except SlimlmError as error:
+        discard_fresh_run_dir(run_dir)
+        exit_with(error)
+    write_status(run_dir, "running")
+    try:
+        markdown = execute(cfg, plan, run_dir)
+    except SlimlmError as error:
+        write_status(run_dir, "failed", str(error))
+        exit_with(error)
+    except BaseException as error:
+        write_status(run_dir, "failed", repr(error))
+        raise
+    write_status(run_dir, "complete")
+    print(markdown)
+    print(f"\nreport: {display_path(run_dir / 'report.md')}")
+
+
+def display_path(path: Path) -> str:
+    """Relative to the working directory when inside it: shorter, and free of machine paths."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
+def discard_fresh_run_dir(run_dir: Path) -> None:
+    """Remove a run directory that holds only what Hydra wrote before validation failed."""
+    if run_dir.is_dir() and all(p.name == ".hydra" or p.suffix == ".log" for p in run_dir.iterdir()):
+        shutil.rmtree(run_dir)
+
+
+def debug_requested(args: Sequence[str] = ()) -> bool:
+    return os.environ.get("SLIMLM_DEBUG", "") not in ("", "0") or any(a.lower() == "hydra.verbose=true" for a in args) or (
+        HydraConfig.initialized() and bool(HydraConfig.get().verbose)
+    )
+
+
+def exit_with(error: BaseException) -> NoReturn:
+    if debug_requested(sys.argv[1:]):
+        raise error
+    print(f"slimlm: error: {error}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def prevalidate(overrides: list[str]) -> None:
+    """Compose and validate each configuration a command would run, before Hydra starts.
+
+    Hydra would otherwise create a run directory first and report composition errors over
+    several lines with exit code 1. For a sweep, every swept value is checked (each with the
+    other overrides at their first value).
+    """
+    from hydra import compose, initialize_config_module
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except HydraException as error:
+        raise SlimlmError(f"cannot parse the overrides: {str(error).splitlines()[0]}") from None
+    choices = [
+        [f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()] if o.is_sweep_override() else [o.input_line]
+        for o in parsed
+    ]
+    combinations = {tuple(c[0] for c in choices)}
+    for position, values in enumerate(choices):
+        for value in values[1:]:
+            combinations.add(tuple(value if i == position else c[0] for i, c in enumerate(choices)))
+    with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
+        for combination in sorted(combinations):
+            validate(compose_or_explain(compose, list(combination)))
+
+
+def compose_or_explain(compose, overrides: list[str]) -> DictConfig:
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import MissingConfigException
+
+    try:
+        return compose(config_name="config", overrides=overrides)
+    except MissingConfigException as error:
+        missing = str(getattr(error, "missing_cfg_file", "") or "")
+        group, _, name = missing.rpartition("/")
+        if group:
+            options = GlobalHydra.instance().config_loader().get_group_options(group)
+            where = "recipes/" if group == "recipe" else f"conf/{group}/"
+            raise SlimlmError(f"unknown {group} '{name}': choose one of {', '.join(options)} (or add {where}{name}.yaml)") from None
+        raise SlimlmError(str(error).splitlines()[0]) from None
+    except (HydraException, OmegaConfBaseException) as error:
+        detail = [line for line in str(error).splitlines() if line.strip()]
+        cause = error.__cause__
+        if cause is not None:
+            detail.append(str(cause).splitlines()[0])
+        message = ": ".join(dict.fromkeys(line.strip().rstrip(".") for line in detail[:1] + detail[-1:]))
+        raise SlimlmError(f"config error: {message}. `slimlm --cfg job` prints every key and its current value") from None
+
+
+def plain_overrides(args: Sequence[str]) -> list[str] | None:
+    """The overrides of a run or sweep, or None for other Hydra modes (--help, --cfg, ...)."""
+    overrides = [a for a in args if a not in ("-m", "--multirun")]
+    if any(a.startswith("-") for a in overrides):
+        return None
+    return overrides
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = list(sys.argv[1:] if argv is None else argv)
+    register_schemas()
+    register_recipes()
+    overrides = plain_overrides(args)
+    if overrides is not None:
+        try:
+            prevalidate(overrides)
+        except SlimlmError as error:
+            exit_with(error)
+    sys.argv = [sys.argv[0], *args]
+    run_recipe()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""Structured config schemas: Hydra checks every key and type against these before any work.
+
+The primary config composes one option from each group (model, data, eval, hardware, decoder,
+recipe). Values that a type cannot express (an existing path, a known device) are checked in
+`slimlm.pipeline.validate`, still before any model loads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+from slimlm.errors import ConfigError
+
+DEVICES = ("cpu", "cuda", "auto")
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING
+    # A local HF checkpoint directory, a .gguf file, `pkg://module/file.gguf` inside an
+    # installed package, or a hub id such as `HuggingFaceTB/SmolLM2-135M-Instruct`.
+    path: str = MISSING
+    dtype: str = "float32"
+    revision: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "float16", "bfloat16"):
+            raise ConfigError(f"model.dtype='{self.dtype}' is not supported; use float32, float16 or bfloat16")
+
+
+@dataclass
+class TextSourceConfig:
+    path: str = MISSING
+    format: str = "text"  # text: the whole file is one document; jsonl: one record per line
+    field: str = "text"  # the jsonl field holding the text
+
+
+@dataclass
+class DataConfig:
+    name: str = MISSING
+    eval_text: TextSourceConfig = field(default_factory=TextSourceConfig)
+    calibration: TextSourceConfig = field(default_factory=TextSourceConfig)
+
+
+@dataclass
+class PerplexityConfig:
+    window: int = 2048  # tokens per non-overlapping window (the GPTQ/AWQ papers' protocol)
+    max_windows: Optional[int] = None  # None scores the whole text
+    batch_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.window < 2:
+            raise ConfigError(f"eval.perplexity.window={self.window} must be at least 2 tokens")
+        if self.max_windows is not None and self.max_windows < 1:
+            raise ConfigError(f"eval.perplexity.max_windows={self.max_windows} must be at least 1 (or null for the whole text)")
+        if self.batch_size < 1:
+            raise ConfigError(f"eval.perplexity.batch_size={self.batch_size} must be at least 1")
+
+
+@dataclass
+class EvalConfig:
+    name: str = MISSING
+    perplexity: PerplexityConfig = field(default_factory=PerplexityConfig)
+
+
+@dataclass
+class HardwareConfig:
+    name: str = MISSING
+    device: str = "cpu"  # cpu | cuda | auto
+    threads: Optional[int] = None  # CPU threads for torch; None keeps torch's default
+
+    def __post_init__(self) -> None:
+        if self.device not in DEVICES:
+            raise ConfigError(f"hardware.device='{self.device}' is unknown; use one of {', '.join(DEVICES)}")
+        if self.threads is not None and self.threads < 1:
+            raise ConfigError(f"hardware.threads={self.threads} must be at least 1 (or null)")
+
+
+@dataclass
+class DecoderConfig:
+    name: str = MISSING
+    max_new_tokens: int = 48
+    chat_template: bool = True  # wrap prompts in the tokenizer's chat template when it has one
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"decoder.max_new_tokens={self.max_new_tokens} must be at least 1")
+
+
+@dataclass
+class RecipeConfig:
+    name: str = MISSING
+    description: str = ""
+    # Each stage is a mapping with a `stage` key; its other keys are checked against that
+    # stage's own dataclass (see slimlm.pipeline.Stage) before the run starts.
+    stages: List[Any] = MISSING
+
+
+@dataclass
+class SlimlmConfig:
+    model: ModelConfig = MISSING
+    data: DataConfig = MISSING
+    eval: EvalConfig = MISSING
+    hardware: HardwareConfig = MISSING
+    decoder: DecoderConfig = MISSING
+    recipe: RecipeConfig = MISSING
+    seed: int = 0
+
+
+def register_schemas() -> None:
+    ConfigStore.instance().store(name="slimlm_schema", node=SlimlmConfig)

@@ -1,0 +1,43 @@
+"""Text data through `datasets`: local text or jsonl files (or a hub data set when reachable)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from slimlm.config import TextSourceConfig
+from slimlm.errors import SlimlmError
+from slimlm.resources import resolve_path
+
+FORMATS = ("text", "jsonl")
+
+
+def check_text_source(src: TextSourceConfig, role: str) -> Path:
+    """Fail early, naming the file and where it comes from, if a data file is missing."""
+    if src.format not in FORMATS:
+        raise SlimlmError(f"data.{role}.format='{src.format}' is unknown; use one of {', '.join(FORMATS)}")
+    path = resolve_path(src.path)
+    if not path.is_file():
+        raise SlimlmError(
+            f"data file for data.{role} not found: '{src.path}'. The bundled demo data needs no setup "
+            "(data=demo); other data sets are read from the folder in $SLIMLM_DATA_DIR (data=shared)"
+        )
+    return path
+
+
+def load_text(src: TextSourceConfig, role: str) -> str:
+    """The whole source as one string; line endings normalised to \\n."""
+    from datasets import load_dataset
+
+    path = check_text_source(src, role)
+    if src.format == "text":
+        dataset = load_dataset("text", data_files=str(path), sample_by="document", split="train")
+        texts = dataset["text"]
+    else:
+        dataset = load_dataset("json", data_files=str(path), split="train")
+        if src.field not in dataset.column_names:
+            raise SlimlmError(f"data.{role}: '{path.name}' has no field '{src.field}'; its fields are {dataset.column_names}")
+        texts = dataset[src.field]
+    text = "\n\n".join(t.replace("\r\n", "\n") for t in texts if t)
+    if not text.strip():
+        raise SlimlmError(f"data.{role}: '{src.path}' contains no text")
+    return text

@@ -1,0 +1,156 @@
+"""Model loading, one entry point for every stage: HF directory, GGUF file or hub id.
+
+A GGUF file is dequantized by transformers once and cached as a safetensors checkpoint keyed
+by the file's sha256, so later runs load in about a second instead of converting again.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from slimlm.config import ModelConfig
+from slimlm.errors import SlimlmError
+from slimlm.resources import cache_dir, resolve_path, sha256_file
+
+# The decoder and the compression stages are written for Llama-family blocks.
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model comes from, decided without reading its weights."""
+
+    id: str  # what the user wrote (path or hub id)
+    kind: str  # "hf-dir" | "gguf" | "hub"
+    path: Optional[Path]  # local file or directory; None for a hub id
+    architecture: Optional[str]  # model_type, when it can be read without loading
+
+
+def resolve_model(cfg: ModelConfig) -> ModelSource:
+    """Classify and check a model path; reads only config.json or the GGUF header."""
+    path = resolve_path(cfg.path)
+    if path.is_file() and path.suffix == ".gguf":
+        source = ModelSource(cfg.path, "gguf", path, _gguf_architecture(path))
+    elif path.is_dir():
+        config_file = path / "config.json"
+        if not config_file.is_file():
+            raise SlimlmError(f"model.path '{cfg.path}' is a directory without config.json: point it at a Hugging Face checkpoint directory or a .gguf file")
+        model_type = json.loads(config_file.read_text()).get("model_type")
+        source = ModelSource(cfg.path, "hf-dir", path, model_type)
+    elif path.exists():
+        raise SlimlmError(f"model.path '{cfg.path}' is neither a checkpoint directory nor a .gguf file")
+    elif HUB_ID.match(cfg.path) and not cfg.path.startswith((".", "/", "~")):
+        source = ModelSource(cfg.path, "hub", None, None)
+    else:
+        raise SlimlmError(f"model.path '{cfg.path}' does not exist: give a local checkpoint directory, a .gguf file or a hub id (org/name)")
+    if source.architecture is not None and source.architecture not in SUPPORTED_ARCHITECTURES:
+        raise SlimlmError(
+            f"model '{cfg.path}' has architecture '{source.architecture}', which slimlm does not support; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    return source
+
+
+def _gguf_architecture(path: Path) -> str:
+    from gguf import GGUFReader
+
+    try:
+        field = GGUFReader(path, "r").get_field("general.architecture")
+    except Exception as error:  # the gguf reader raises many kinds on a damaged file
+        raise SlimlmError(f"'{path.name}' is not a readable GGUF file ({error}); re-download or re-export it") from None
+    if field is None:
+        raise SlimlmError(f"GGUF file '{path.name}' has no general.architecture key; it was not written by a GGUF converter")
+    return field.contents()
+
+
+@dataclass
+class LoadedModel:
+    model: Any
+    tokenizer: Any
+    source: ModelSource
+    sha256: Optional[str]  # of the GGUF file or the checkpoint's weight files
+
+
+def load_model(cfg: ModelConfig, device: torch.device) -> LoadedModel:
+    """Load weights and tokenizer for `cfg` onto `device`, in eval mode."""
+    source = resolve_model(cfg)
+    dtype = DTYPES[cfg.dtype]
+    sha256 = None
+    if source.kind == "gguf":
+        sha256 = sha256_file(source.path)
+        directory = gguf_checkpoint(source.path, sha256)
+    elif source.kind == "hf-dir":
+        directory = source.path
+        sha256 = checkpoint_sha256(directory)
+    else:
+        directory = source.id
+    model, tokenizer = _from_pretrained(str(directory), dtype, cfg.revision, source)
+    if model.config.model_type not in SUPPORTED_ARCHITECTURES:
+        raise SlimlmError(f"model '{cfg.path}' has architecture '{model.config.model_type}', which slimlm does not support; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    return LoadedModel(model.to(device).eval(), tokenizer, source, sha256)
+
+
+def _from_pretrained(location: str, dtype: torch.dtype, revision: Optional[str], source: ModelSource, **kwargs: Any):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(location, revision=revision, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype, revision=revision, **kwargs)
+    except OSError as error:
+        if source.kind == "hub":
+            raise SlimlmError(f"could not fetch '{location}' from the Hugging Face hub ({str(error).splitlines()[0]}); without network, point model.path at a local checkpoint directory or .gguf file") from None
+        raise SlimlmError(f"could not load the model at '{location}': {str(error).splitlines()[0]}") from None
+    return model, tokenizer
+
+
+def checkpoint_sha256(directory: Path) -> Optional[str]:
+    """One hash over a checkpoint's weight files (names and bytes), for provenance."""
+    files = sorted(directory.glob("*.safetensors")) or sorted(directory.glob("*.bin"))
+    if not files:
+        return None
+    import hashlib
+
+    digest = hashlib.sha256()
+    for file in files:
+        digest.update(file.name.encode())
+        digest.update(sha256_file(file).encode())
+    return digest.hexdigest()
+
+
+def gguf_checkpoint(gguf_path: Path, sha256: str) -> Path:
+    """The cached safetensors checkpoint for a GGUF file, converting it the first time."""
+    target = cache_dir() / "models" / f"{gguf_path.stem}-{sha256[:16]}"
+    if (target / "slimlm_source.json").is_file():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        kwargs = {"gguf_file": gguf_path.name}
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=torch.float32, **kwargs)
+        # The weights are now plain float tensors; the GGUF quantization record no longer applies.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        provenance = {"gguf_file": gguf_path.name, "sha256": sha256, "dtype": "float32"}
+        (staging / "slimlm_source.json").write_text(json.dumps(provenance, indent=2))
+        if target.exists():  # a conversion interrupted before its marker was written
+            shutil.rmtree(target)
+        staging.rename(target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target

@@ -1,0 +1,77 @@
+"""Shared fixtures: a tiny random-weight Llama with a real (tiny) BPE tokenizer, built in-process."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+CALIBRATION = REPO / "slimlm" / "assets" / "gutenberg" / "calibration.txt"
+CHAT_TEMPLATE = "{% for m in messages %}<|user|>{{ m['content'] }}<|end|>{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _isolated_environment(tmp_path_factory):
+    """No hub access and a private cache, so tests never depend on the user's machine state."""
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ["HF_DATASETS_OFFLINE"] = "1"
+    os.environ.setdefault("SLIMLM_CACHE", str(tmp_path_factory.mktemp("slimlm-cache")))
+    torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+def build_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=384, special_tokens=["<|endoftext|>", "<|user|>", "<|assistant|>", "<|end|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator([CALIBRATION.read_text(encoding="utf-8")[:60_000]], trainer)
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|end|>", bos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    wrapped.chat_template = CHAT_TEMPLATE
+    return wrapped
+
+
+def build_tiny_llama(vocab_size: int, seed: int = 0, **overrides):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    settings = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        bos_token_id=0,
+        eos_token_id=3,
+        pad_token_id=0,
+    )
+    settings.update(overrides)
+    return LlamaForCausalLM(LlamaConfig(**settings)).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, tiny_tokenizer) -> Path:
+    """A saved tiny Llama checkpoint directory (config, safetensors, tokenizer)."""
+    directory = tmp_path_factory.mktemp("tiny-llama")
+    model = build_tiny_llama(len(tiny_tokenizer))
+    model.save_pretrained(directory)
+    tiny_tokenizer.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture
+def tiny_model(tiny_tokenizer):
+    return build_tiny_llama(len(tiny_tokenizer))

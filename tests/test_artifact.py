@@ -1,0 +1,98 @@
+import json
+
+import pytest
+import torch
+
+from slimlm.artifact import FORMAT_VERSION, WEIGHTS, load_artifact, read_manifest, save_artifact
+from slimlm.compress.quantize import QuantizeParams, run as quantize
+from slimlm.errors import SlimlmError
+from slimlm.pipeline import RunState
+
+
+def quantized_state(model, tokenizer, tmp_path):
+    state = RunState(cfg=None, run_dir=tmp_path, model=model, tokenizer=tokenizer, source=None, source_sha256=None, device=torch.device("cpu"))
+    quantize(state, QuantizeParams())
+    return state
+
+
+def export(state, path):
+    return save_artifact(state.model, state.tokenizer, path, state.schemes, source={"id": "tiny"}, recipe={"name": "test"})
+
+
+def test_round_trip_gives_identical_tensors_and_logits(tiny_model, tiny_tokenizer, tmp_path):
+    state = quantized_state(tiny_model, tiny_tokenizer, tmp_path)
+    path = export(state, tmp_path / "artifact")
+    loaded = load_artifact(path)
+    original = state.model.state_dict()
+    reloaded = loaded.model.state_dict()
+    assert original.keys() == reloaded.keys()
+    for name in original:
+        assert torch.equal(original[name], reloaded[name]), name
+    ids = torch.randint(0, tiny_model.config.vocab_size, (2, 12))
+    with torch.no_grad():
+        assert torch.equal(state.model(ids).logits, loaded.model(ids).logits)
+    assert loaded.model.lm_head.weight is loaded.model.model.embed_tokens.weight
+    assert loaded.tokenizer("hello world")["input_ids"] == tiny_tokenizer("hello world")["input_ids"]
+    assert loaded.manifest["modules"]["model.layers.0.self_attn.q_proj"]["bits"] == 8
+
+
+def test_manifest_records_every_file(tiny_model, tiny_tokenizer, tmp_path):
+    path = export(quantized_state(tiny_model, tiny_tokenizer, tmp_path), tmp_path / "artifact")
+    manifest = read_manifest(path)
+    on_disk = {p.name for p in path.iterdir()} - {"manifest.json"}
+    assert set(manifest["files"]) == on_disk
+    assert manifest["format_version"] == FORMAT_VERSION
+
+
+def test_damaged_weights_are_refused(tiny_model, tiny_tokenizer, tmp_path):
+    path = export(quantized_state(tiny_model, tiny_tokenizer, tmp_path), tmp_path / "artifact")
+    data = bytearray((path / WEIGHTS).read_bytes())
+    data[-10] ^= 0xFF
+    (path / WEIGHTS).write_bytes(bytes(data))
+    with pytest.raises(SlimlmError, match="checksum mismatch"):
+        load_artifact(path)
+
+
+def test_truncated_or_missing_files_are_refused(tiny_model, tiny_tokenizer, tmp_path):
+    path = export(quantized_state(tiny_model, tiny_tokenizer, tmp_path), tmp_path / "artifact")
+    (path / WEIGHTS).write_bytes((path / WEIGHTS).read_bytes()[:1000])
+    with pytest.raises(SlimlmError, match="damaged"):
+        load_artifact(path)
+    (path / WEIGHTS).unlink()
+    with pytest.raises(SlimlmError, match="missing"):
+        load_artifact(path)
+
+
+def test_newer_format_version_is_refused(tiny_model, tiny_tokenizer, tmp_path):
+    path = export(quantized_state(tiny_model, tiny_tokenizer, tmp_path), tmp_path / "artifact")
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["format_version"] = FORMAT_VERSION + 1
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(SlimlmError, match="upgrade slimlm"):
+        load_artifact(path)
+
+
+def test_not_an_artifact(tmp_path):
+    with pytest.raises(SlimlmError, match="not a slimlm artifact"):
+        load_artifact(tmp_path)
+
+
+def test_existing_artifact_is_never_overwritten(tiny_model, tiny_tokenizer, tmp_path):
+    state = quantized_state(tiny_model, tiny_tokenizer, tmp_path)
+    path = export(state, tmp_path / "artifact")
+    before = read_manifest(path)
+    with pytest.raises(SlimlmError, match="already exists"):
+        export(state, path)
+    assert read_manifest(path) == before
+
+
+def test_failed_write_leaves_nothing_behind(tiny_model, tiny_tokenizer, tmp_path, monkeypatch):
+    state = quantized_state(tiny_model, tiny_tokenizer, tmp_path / "run")
+
+    def broken_save(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(type(tiny_tokenizer), "save_pretrained", broken_save)
+    with pytest.raises(OSError, match="disk full"):
+        export(state, tmp_path / "out" / "artifact")
+    assert list((tmp_path / "out").iterdir()) == []

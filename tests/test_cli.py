@@ -1,0 +1,122 @@
+"""The `slimlm` command: help, config printing, bad input, and whole runs on a tiny model."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from slimlm.cli import main
+from slimlm.errors import SlimlmError
+
+
+def slimlm(*args, cwd, check=True):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    result = subprocess.run([sys.executable, "-m", "slimlm.cli", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    if check and result.returncode != 0:
+        raise AssertionError(f"slimlm {' '.join(args)} exited {result.returncode}:\n{result.stderr[-3000:]}")
+    return result
+
+
+def tiny_run_args(model_dir):
+    return [
+        "model=custom",
+        f"model.path={model_dir}",
+        "eval.perplexity.window=64",
+        "eval.perplexity.max_windows=3",
+        "decoder.max_new_tokens=8",
+    ]
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("recipe=nope", "unknown recipe 'nope': choose one of demo, w8-rtn"),
+        ("model=nope", "unknown model 'nope'"),
+        ("model.pathh=x", "Key 'pathh' not in 'ModelConfig'"),
+        ("eval.perplexity.window=abc", "could not be converted to Integer"),
+        ("eval.perplexity.window=1", "must be at least 2"),
+        ("model.path=/definitely/not/here", "does not exist"),
+        ("data.eval_text.path=/definitely/not/here.raw", "data file for data.eval_text not found"),
+        ("recipe.stages.0.labl=x", "Key 'labl' is not in struct"),
+        ("+recipe.stages.1.bitz=8", "unknown key(s) ['bitz']"),
+        ("recipe.stages.1.bits=4", "bits=4 is not available yet"),
+        ("hardware.device=tpu", "hardware.device='tpu' is unknown"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_code_2(override, expected, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exited:
+        main([override])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("slimlm: error: ")
+    assert expected in err[0]
+    assert not (tmp_path / "runs").exists()  # nothing written
+
+
+def test_bad_value_in_a_sweep_is_caught_before_anything_runs(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exited:
+        main(["-m", "recipe=demo,w8-rtn,typo"])
+    assert exited.value.code == 2
+    assert "unknown recipe 'typo'" in capsys.readouterr().err
+    assert not (tmp_path / "multirun").exists()
+
+
+def test_debug_flag_shows_the_exception(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("SLIMLM_DEBUG", "1")
+    with pytest.raises(SlimlmError, match="unknown recipe"):
+        main(["recipe=nope"])
+
+
+def test_help_lists_groups_and_recipes(tmp_path):
+    out = slimlm("--help", cwd=tmp_path).stdout
+    assert "recipe: demo, w8-rtn" in out and "model: custom, smollm2-135m" in out
+
+
+def test_cfg_job_prints_the_recipe_without_running(tmp_path):
+    out = slimlm("--cfg", "job", "recipe=w8-rtn", cwd=tmp_path).stdout
+    assert "name: w8-rtn" in out and "stage: quantize" in out
+    assert not (tmp_path / "runs").exists()
+
+
+def test_demo_recipe_on_a_tiny_model_end_to_end(tiny_model_dir, tmp_path):
+    first = slimlm(*tiny_run_args(tiny_model_dir), cwd=tmp_path)
+    second = slimlm(*tiny_run_args(tiny_model_dir), cwd=tmp_path)
+    runs = sorted((tmp_path / "runs" / "demo").iterdir())
+    assert len(runs) == 2  # the second run never lands in the first one's directory
+    for run in runs:
+        assert json.loads((run / "status.json").read_text())["status"] == "complete"
+        assert (run / ".hydra" / "config.yaml").is_file() and (run / "slimlm.log").is_file()
+        assert (run / "artifact" / "manifest.json").is_file()
+    report = json.loads((runs[0] / "report.json").read_text())
+    names = [row["name"] for row in report["rows"]]
+    assert names == ["fp32", "w8-rtn", "w8-rtn (reloaded)"]
+    fp32, int8, reloaded = report["rows"]
+    assert int8["bytes"] < 0.6 * fp32["bytes"]
+    assert reloaded["ppl"] == int8["ppl"]  # the artifact round trip is exact
+    assert abs(int8["delta_ppl_pct"]) < 1.0
+    assert report["generations"][0]["new_tokens"] >= 1
+    assert "| fp32 |" in first.stdout and "report: runs/demo/" in second.stdout
+
+
+def test_failure_after_start_is_marked_failed(tiny_model_dir, tmp_path):
+    # the tiny model's context is 512 tokens: a 1024-token window is refused once the model is known
+    result = slimlm(*tiny_run_args(tiny_model_dir), "eval.perplexity.window=1024", cwd=tmp_path, check=False)
+    assert result.returncode == 2
+    assert "longer than the model's context (512)" in result.stderr.strip().splitlines()[-1]
+    (run,) = (tmp_path / "runs" / "demo").iterdir()
+    assert json.loads((run / "status.json").read_text())["status"] == "failed"
+    assert not (run / "report.json").exists()
+
+
+def test_multirun_sweep_writes_one_directory_per_recipe(tiny_model_dir, tmp_path):
+    slimlm("-m", "recipe=demo,w8-rtn", *tiny_run_args(tiny_model_dir), cwd=tmp_path)
+    (sweep,) = (tmp_path / "multirun").iterdir()
+    jobs = sorted(p.name for p in sweep.iterdir() if p.is_dir())
+    assert jobs == ["0_demo", "1_w8-rtn"]
+    for job in jobs:
+        assert json.loads((sweep / job / "status.json").read_text())["status"] == "complete"

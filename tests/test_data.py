@@ -1,0 +1,45 @@
+import json
+
+import pytest
+
+from slimlm.config import TextSourceConfig
+from slimlm.data import load_text
+from slimlm.errors import SlimlmError
+
+
+def test_text_file_is_one_document_with_unix_newlines(tmp_path):
+    path = tmp_path / "t.raw"
+    path.write_bytes(b" = Title = \r\n line one\r\n\r\n line two\r\n")
+    assert load_text(TextSourceConfig(path=str(path)), "eval_text") == " = Title = \n line one\n\n line two\n"
+
+
+def test_jsonl_records_are_joined(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text("\n".join(json.dumps({"text": t, "id": i}) for i, t in enumerate(["first", "second"])))
+    assert load_text(TextSourceConfig(path=str(path), format="jsonl"), "calibration") == "first\n\nsecond"
+
+
+def test_jsonl_without_the_field_is_refused(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"body": "x"}))
+    with pytest.raises(SlimlmError, match="no field 'text'"):
+        load_text(TextSourceConfig(path=str(path), format="jsonl"), "calibration")
+
+
+def test_missing_and_empty_files_are_refused(tmp_path):
+    with pytest.raises(SlimlmError, match="not found"):
+        load_text(TextSourceConfig(path=str(tmp_path / "nope.txt")), "eval_text")
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n\n")
+    with pytest.raises(SlimlmError, match="no text"):
+        load_text(TextSourceConfig(path=str(empty)), "eval_text")
+
+
+def test_unknown_format_is_refused(tmp_path):
+    with pytest.raises(SlimlmError, match="format"):
+        load_text(TextSourceConfig(path=str(tmp_path), format="parquet"), "eval_text")
+
+
+def test_bundled_demo_data_is_present():
+    text = load_text(TextSourceConfig(path="pkg://slimlm/assets/wikitext-2-raw/wiki.test.raw"), "eval_text")
+    assert text.startswith(" = Robert Boulter = \n") and "\r" not in text
