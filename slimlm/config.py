@@ -34,9 +34,11 @@ class ModelConfig:
 
 @dataclass
 class TextSourceConfig:
-    path: str = MISSING
-    format: str = "text"  # text: the whole file is one document; jsonl: one record per line
-    field: str = "text"  # the jsonl field holding the text
+    path: str = MISSING  # a local file, or a hub data set id with format=hub
+    format: str = "text"  # text: the whole file is one document; jsonl: one record per line; hub
+    field: str = "text"  # the field holding the text (jsonl and hub)
+    subset: Optional[str] = None  # hub data set configuration, e.g. wikitext-2-raw-v1
+    split: str = "test"  # hub data set split
 
 
 @dataclass

@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 from slimlm.config import TextSourceConfig
 from slimlm.errors import SlimlmError
 from slimlm.resources import resolve_path
 
-FORMATS = ("text", "jsonl")
+FORMATS = ("text", "jsonl", "hub")
 
 
-def check_text_source(src: TextSourceConfig, role: str) -> Path:
+def check_text_source(src: TextSourceConfig, role: str) -> Optional[Path]:
     """Fail early, naming the file and where it comes from, if a data file is missing."""
     if src.format not in FORMATS:
         raise SlimlmError(f"data.{role}.format='{src.format}' is unknown; use one of {', '.join(FORMATS)}")
+    if src.format == "hub":
+        return None  # only the download can tell whether the hub has it
     path = resolve_path(src.path)
     if not path.is_file():
         raise SlimlmError(
@@ -30,12 +33,17 @@ def load_text(src: TextSourceConfig, role: str) -> str:
 
     path = check_text_source(src, role)
     if src.format == "text":
-        dataset = load_dataset("text", data_files=str(path), sample_by="document", split="train")
-        texts = dataset["text"]
+        texts = load_dataset("text", data_files=str(path), sample_by="document", split="train")["text"]
     else:
-        dataset = load_dataset("json", data_files=str(path), split="train")
+        if src.format == "jsonl":
+            dataset = load_dataset("json", data_files=str(path), split="train")
+        else:
+            try:
+                dataset = load_dataset(src.path, src.subset, split=src.split)
+            except Exception as error:  # offline, unknown id or split: datasets raises many kinds
+                raise SlimlmError(f"data.{role}: could not load hub data set '{src.path}' ({str(error).splitlines()[0]}); without network, use a local text or jsonl file") from None
         if src.field not in dataset.column_names:
-            raise SlimlmError(f"data.{role}: '{path.name}' has no field '{src.field}'; its fields are {dataset.column_names}")
+            raise SlimlmError(f"data.{role}: '{src.path}' has no field '{src.field}'; its fields are {dataset.column_names}")
         texts = dataset[src.field]
     text = "\n\n".join(t.replace("\r\n", "\n") for t in texts if t)
     if not text.strip():

@@ -56,6 +56,18 @@ def test_bad_input_is_one_line_and_exit_code_2(override, expected, capsys, tmp_p
     assert not (tmp_path / "runs").exists()  # nothing written
 
 
+def test_gguf_of_unsupported_architecture_exits_2(capsys, tmp_path, monkeypatch):
+    from tests.test_models import write_gguf
+
+    monkeypatch.chdir(tmp_path)
+    write_gguf(tmp_path / "encoder.gguf", "bert")
+    with pytest.raises(SystemExit) as exited:
+        main(["model=custom", f"model.path={tmp_path / 'encoder.gguf'}"])
+    assert exited.value.code == 2
+    assert "architecture 'bert', which slimlm does not support" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
+
+
 def test_bad_value_in_a_sweep_is_caught_before_anything_runs(capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as exited:

@@ -43,3 +43,8 @@ def test_unknown_format_is_refused(tmp_path):
 def test_bundled_demo_data_is_present():
     text = load_text(TextSourceConfig(path="pkg://slimlm/assets/wikitext-2-raw/wiki.test.raw"), "eval_text")
     assert text.startswith(" = Robert Boulter = \n") and "\r" not in text
+
+
+def test_hub_data_set_offline_is_explained():
+    with pytest.raises(SlimlmError, match="could not load hub data set 'Salesforce/wikitext'"):
+        load_text(TextSourceConfig(path="Salesforce/wikitext", format="hub", subset="wikitext-2-raw-v1"), "eval_text")
