@@ -20,6 +20,11 @@ class SizeReport:
 
 
 def model_size(model: nn.Module) -> SizeReport:
+    if getattr(model, "hf_quantizer", None) is not None:
+        # bitsandbytes keeps part of its quantization state outside parameters and buffers;
+        # transformers accounts for it.
+        total_bytes, parameters = model.get_memory_footprint(), model.num_parameters()
+        return SizeReport(bytes=total_bytes, parameters=parameters, bits_per_weight=round(8 * total_bytes / parameters, 3))
     unique = {t.data_ptr(): t for t in (*model.parameters(), *model.buffers())}
     total_bytes = sum(t.numel() * t.element_size() for t in unique.values())
     parameters = sum(p.numel() for p in {p.data_ptr(): p for p in model.parameters()}.values())

@@ -1,37 +1,167 @@
-"""The `evaluate` stage: perplexity and size of the current model, as one report row."""
+"""The `evaluate` stage: one report row for the current model, every metric on one code path.
+
+Metrics (eval.metrics, or the stage's own list): perplexity on the evaluation text; kl, the
+distance to the original model's next-token distributions (computed in the same pass, against
+a cached reference); size; zeroshot accuracy; speed.
+"""
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
+from typing import List, Optional
 
-from slimlm.data import load_text
+from slimlm.config import check_metrics
+from slimlm.data import check_text_source, load_text
 from slimlm.errors import ConfigError
-from slimlm.eval.perplexity import perplexity, tokenize_text
+from slimlm.eval.kl import ReferenceLogits, reference_path
+from slimlm.eval.perplexity import score_text, tokenize_text, window_count
 from slimlm.eval.size import model_size
+from slimlm.models import load_model
 from slimlm.pipeline import RunState, Stage
 
 
 @dataclass
 class EvaluateParams:
     label: str = "model"  # the row's name in the report
+    metrics: Optional[List[str]] = None  # None: eval.metrics
 
     def __post_init__(self) -> None:
         if not self.label.strip():
             raise ConfigError("evaluate.label is empty: name the row, e.g. 'fp32' or 'w8-rtn'")
+        if self.metrics is not None:
+            check_metrics(self.metrics, "evaluate.metrics")
+
+
+def metrics_of(state_cfg, params: EvaluateParams) -> list[str]:
+    return list(params.metrics if params.metrics is not None else state_cfg.eval.metrics)
 
 
 def run(state: RunState, params: EvaluateParams) -> None:
-    ppl_cfg = state.cfg.eval.perplexity
-    token_ids = state.memo.get("eval_token_ids")
-    if token_ids is None:  # tokenized once per run; every row scores the same windows
-        token_ids = tokenize_text(state.tokenizer, load_text(state.cfg.data.eval_text, "eval_text"))
-        state.memo["eval_token_ids"] = token_ids
-    context = getattr(state.model.config, "max_position_embeddings", None)
-    if context is not None and ppl_cfg.window > context:
-        raise ConfigError(f"eval.perplexity.window={ppl_cfg.window} is longer than the model's context ({context}); lower it")
-    result = perplexity(state.model, token_ids, ppl_cfg.window, ppl_cfg.max_windows, ppl_cfg.batch_size, desc=f"perplexity [{params.label}]")
-    row = {"name": params.label, **result.to_dict(), **model_size(state.model).to_dict()}
+    metrics = metrics_of(state.cfg, params)
+    row: dict = {"name": params.label}
+    if "perplexity" in metrics:
+        row.update(text_metrics(state, params.label, with_kl="kl" in metrics))
+    if "size" in metrics:
+        row.update(model_size(state.model).to_dict())
+    if "zeroshot" in metrics:
+        row.update(zeroshot_metrics(state))
+    if "speed" in metrics:
+        row.update(speed_metrics(state))
     state.evaluations.append(row)
 
 
-EVALUATE = Stage(name="evaluate", params=EvaluateParams, run=run, needs_eval_text=True)
+def check_window(window: int, context: Optional[int]) -> None:
+    if context is not None and window > context:
+        raise ConfigError(f"eval.perplexity.window={window} is longer than the model's context ({context}); lower it")
+
+
+def eval_token_ids(state: RunState):
+    """The evaluation text, tokenized once per run: every row scores the same windows."""
+    if "eval_token_ids" not in state.memo:
+        state.memo["eval_token_ids"] = tokenize_text(state.tokenizer, load_text(state.cfg.data.eval_text, "eval_text"))
+    return state.memo["eval_token_ids"]
+
+
+def text_metrics(state: RunState, label: str, with_kl: bool) -> dict:
+    ppl_cfg = state.cfg.eval.perplexity
+    check_window(ppl_cfg.window, getattr(state.model.config, "max_position_embeddings", None))
+    ids = eval_token_ids(state)
+    reference = None
+    collect = 0
+    if with_kl:
+        reference = cached_reference(state, ids)
+        if reference is None and state.is_original():
+            collect = state.cfg.eval.kl.top_k  # this pass is the reference
+        elif reference is None:
+            reference = compute_reference_from_source(state, ids)
+    scores = score_text(state.model, ids, ppl_cfg.window, ppl_cfg.max_windows, ppl_cfg.batch_size, reference=reference, collect_top_k=collect, desc=f"perplexity [{label}]")
+    row = scores.perplexity.to_dict()
+    if scores.reference is not None:
+        store_reference(state, ids, scores.reference)
+        row.update({"kl_mean": 0.0, "kl_median": 0.0, "kl_p99": 0.0, "top1_agreement": 1.0, "reference_nll": scores.reference.nll, "is_reference": True})
+    elif scores.distance is not None:
+        row.update(scores.distance)
+    return row
+
+
+def reference_file(state: RunState, ids):
+    ppl_cfg = state.cfg.eval.perplexity
+    windows = window_count(ids.numel(), ppl_cfg.window, ppl_cfg.max_windows)
+    model_key = state.source_sha256 or f"id:{state.source.id}"
+    return reference_path(model_key, ids, ppl_cfg.window, windows, state.cfg.eval.kl.top_k)
+
+
+def cached_reference(state: RunState, ids) -> Optional[ReferenceLogits]:
+    path = reference_file(state, ids)
+    if path not in state.memo:
+        if not path.is_file():
+            return None
+        state.memo[path] = ReferenceLogits.load(path)
+    return state.memo[path]
+
+
+def store_reference(state: RunState, ids, reference: ReferenceLogits) -> None:
+    path = reference_file(state, ids)
+    reference.save(path)
+    state.memo[path] = reference
+
+
+def compute_reference_from_source(state: RunState, ids) -> ReferenceLogits:
+    """The model was already changed and no reference is cached: run the original once."""
+    ppl_cfg = state.cfg.eval.perplexity
+    original = load_model(state.original_model_cfg(), state.device).model
+    scores = score_text(original, ids, ppl_cfg.window, ppl_cfg.max_windows, ppl_cfg.batch_size, collect_top_k=state.cfg.eval.kl.top_k, desc="reference [original]")
+    del original
+    gc.collect()
+    store_reference(state, ids, scores.reference)
+    return scores.reference
+
+
+def zeroshot_metrics(state: RunState) -> dict:
+    """Flat keys per task: `<task>_acc`, `<task>_acc_norm`, `<task>_n`, ..."""
+    from slimlm.eval.zeroshot import evaluate_task, load_task
+
+    cfg = state.cfg.eval.zeroshot
+    flat = {}
+    for name in cfg.tasks:
+        task = load_task(name, state.cfg.data.benchmarks_root)
+        result = evaluate_task(state.model, state.tokenizer, task, limit=cfg.limit, batch_size=cfg.batch_size).to_dict()
+        flat.update({f"{name}_{key}": value for key, value in result.items() if isinstance(value, (int, float)) and not isinstance(value, bool)})
+    return flat
+
+
+def speed_metrics(state: RunState) -> dict:
+    """Batch 1 under plain names (decode_tok_s, ttft_s, ...), other batches suffixed `_b<N>`."""
+    from slimlm.eval.bandwidth import bandwidth_fraction, decode_bytes_per_token, memory_bandwidth
+    from slimlm.eval.speed import measure_speed
+
+    cfg = state.cfg.eval.speed
+    bandwidth = memory_bandwidth(state.device)
+    flat = {}
+    for batch_size in cfg.batch_sizes:
+        result = measure_speed(state.model, state.tokenizer, cfg.prompt_tokens, cfg.new_tokens, batch_size, cfg.warmup, cfg.repeats).to_dict()
+        suffix = "" if batch_size == 1 else f"_b{batch_size}"
+        flat.update({f"{key}{suffix}": result[key] for key in ("ttft_s", "prefill_tok_s", "decode_tok_s", "peak_memory_bytes")})
+        if batch_size == 1:
+            per_token = decode_bytes_per_token(state.model, cfg.prompt_tokens + cfg.new_tokens // 2)
+            flat["decode_bytes_per_token"] = per_token
+            flat["bandwidth_bytes_s"] = bandwidth.bytes_per_s
+            flat["bandwidth_fraction"] = bandwidth_fraction(result["decode_tok_s"], per_token, bandwidth.bytes_per_s)
+    return flat
+
+
+def check(cfg, params: EvaluateParams, source) -> None:
+    """The data this stage will read exists, windows fit the model, zero-shot tasks are valid."""
+    metrics = metrics_of(cfg, params)
+    if "perplexity" in metrics:
+        check_text_source(cfg.data.eval_text, "eval_text")
+        check_window(cfg.eval.perplexity.window, source.context_length)
+    if "zeroshot" in metrics:
+        from slimlm.eval.zeroshot import load_task
+
+        for name in cfg.eval.zeroshot.tasks:
+            load_task(name, cfg.data.benchmarks_root)
+
+
+EVALUATE = Stage(name="evaluate", params=EvaluateParams, run=run, check=check)

@@ -30,16 +30,17 @@ from omegaconf.errors import OmegaConfBaseException
 
 from slimlm.compress.quantize import QUANTIZE
 from slimlm.config import register_schemas
-from slimlm.data import check_text_source
 from slimlm.errors import SlimlmError
 from slimlm.eval.stage import EVALUATE
 from slimlm.export import EXPORT
+from slimlm.load import LOAD
 from slimlm.inference.stage import GENERATE
 from slimlm.models import ModelSource, load_model, resolve_model
 from slimlm.pipeline import PlannedStage, RunState, Stage, plan_stages
-from slimlm.report import build_report, write_report, write_status
+from slimlm.eval.report import write_report
+from slimlm.rundir import write_status
 
-STAGES: dict[str, Stage] = {stage.name: stage for stage in (QUANTIZE, EVALUATE, EXPORT, GENERATE)}
+STAGES: dict[str, Stage] = {stage.name: stage for stage in (LOAD, QUANTIZE, EVALUATE, EXPORT, GENERATE)}
 CONFIG_MODULE = "slimlm.conf"
 log = logging.getLogger("slimlm")
 
@@ -70,8 +71,9 @@ def validate(cfg: DictConfig) -> Plan:
         raise SlimlmError(f"config error: {str(error).splitlines()[0]}") from None
     stages = plan_stages(cfg.recipe.stages, STAGES)
     source = resolve_model(cfg.model)
-    if any(planned.stage.needs_eval_text for planned in stages):
-        check_text_source(cfg.data.eval_text, "eval_text")
+    for planned in stages:
+        if planned.stage.check is not None:
+            planned.stage.check(cfg, planned.params, source)
     if cfg.hardware.device == "cuda" and not torch.cuda.is_available():
         raise SlimlmError("hardware.device=cuda but no CUDA GPU is visible; use hardware=cpu")
     return Plan(stages=stages, source=source)
@@ -86,7 +88,8 @@ def execute(cfg: DictConfig, plan: Plan, run_dir: Path) -> str:
     started = time.perf_counter()
     loaded = load_model(cfg.model, device)
     timings = [("load model", time.perf_counter() - started)]
-    state = RunState(cfg=cfg, run_dir=run_dir, model=loaded.model, tokenizer=loaded.tokenizer, source=loaded.source, source_sha256=loaded.sha256, device=device)
+    state = RunState(cfg=cfg, run_dir=run_dir, model=None, tokenizer=None, source=loaded.source, source_sha256=loaded.sha256, device=device)
+    state.adopt(loaded, origin=None)
     for planned in plan.stages:
         log.info("%s: starting", planned.title)
         started = time.perf_counter()
@@ -103,7 +106,7 @@ def execute(cfg: DictConfig, plan: Plan, run_dir: Path) -> str:
         "run_dir": display_path(run_dir),
         "stage_seconds": timings,
     }
-    return write_report(run_dir, build_report(header, state.evaluations, state.sections))
+    return write_report(run_dir, header, state.evaluations, state.sections)
 
 
 @hydra.main(config_path=f"pkg://{CONFIG_MODULE}", config_name="config", version_base="1.3")
@@ -213,8 +216,32 @@ def plain_overrides(args: Sequence[str]) -> list[str] | None:
     return overrides
 
 
+def compare_command(args: Sequence[str]) -> None:
+    """slimlm compare RUN_OR_SWEEP_DIR... [--out DIR]"""
+    import argparse
+
+    from slimlm.eval.compare import compare
+
+    parser = argparse.ArgumentParser(prog="slimlm compare", description="One table and plot across runs or a sweep.")
+    parser.add_argument("runs", nargs="+", type=Path, help="run directories or sweep directories")
+    parser.add_argument("--out", type=Path, default=None, help="output directory (default: runs/compare/<time>)")
+    options = parser.parse_args(args)
+    out = options.out or Path("runs") / "compare" / time.strftime("%Y-%m-%d_%H-%M-%S")
+    try:
+        print(compare(options.runs, out))
+    except SlimlmError as error:
+        exit_with(error)
+    print(f"\ncomparison: {display_path(out / 'comparison.md')}")
+
+
+SUBCOMMANDS = {"compare": compare_command}
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] in SUBCOMMANDS:
+        SUBCOMMANDS[args[0]](args[1:])
+        return
     register_schemas()
     register_recipes()
     overrides = plain_overrides(args)

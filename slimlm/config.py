@@ -26,10 +26,13 @@ class ModelConfig:
     path: str = MISSING
     dtype: str = "float32"
     revision: Optional[str] = None
+    bnb: Optional[str] = None  # int8 | nf4: quantize on load with bitsandbytes (the peer baselines)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "float16", "bfloat16"):
             raise ConfigError(f"model.dtype='{self.dtype}' is not supported; use float32, float16 or bfloat16")
+        if self.bnb not in (None, "int8", "nf4"):
+            raise ConfigError(f"model.bnb='{self.bnb}' is unknown; use int8, nf4 or null")
 
 
 @dataclass
@@ -46,6 +49,8 @@ class DataConfig:
     name: str = MISSING
     eval_text: TextSourceConfig = field(default_factory=TextSourceConfig)
     calibration: TextSourceConfig = field(default_factory=TextSourceConfig)
+    # The folder holding the zero-shot benchmark sets (lambada/, arc/, piqa/, hellaswag/).
+    benchmarks_root: str = "${oc.env:SLIMLM_DATA_DIR,../shared/data}"
 
 
 @dataclass
@@ -64,9 +69,64 @@ class PerplexityConfig:
 
 
 @dataclass
+class KLConfig:
+    top_k: int = 32  # the original model's top-k log-probs kept per position
+
+    def __post_init__(self) -> None:
+        if self.top_k < 1:
+            raise ConfigError(f"eval.kl.top_k={self.top_k} must be at least 1")
+
+
+@dataclass
+class ZeroShotConfig:
+    tasks: List[str] = field(default_factory=lambda: ["lambada", "arc_easy", "piqa", "hellaswag"])
+    limit: Optional[int] = None  # the first N items of each task; None: all
+    batch_size: int = 16
+
+    def __post_init__(self) -> None:
+        if self.limit is not None and self.limit < 1:
+            raise ConfigError(f"eval.zeroshot.limit={self.limit} must be at least 1 (or null for every item)")
+        if self.batch_size < 1:
+            raise ConfigError(f"eval.zeroshot.batch_size={self.batch_size} must be at least 1")
+
+
+@dataclass
+class SpeedConfig:
+    prompt_tokens: int = 16
+    new_tokens: int = 128
+    batch_sizes: List[int] = field(default_factory=lambda: [1, 8])
+    warmup: int = 1
+    repeats: int = 3
+
+    def __post_init__(self) -> None:
+        if self.prompt_tokens < 1 or self.new_tokens < 1 or self.repeats < 1 or self.warmup < 0:
+            raise ConfigError("eval.speed: prompt_tokens, new_tokens and repeats must be at least 1, warmup at least 0")
+        if not self.batch_sizes or min(self.batch_sizes) < 1:
+            raise ConfigError(f"eval.speed.batch_sizes={list(self.batch_sizes)} must list batch sizes of at least 1")
+
+
+METRICS = ("perplexity", "kl", "size", "zeroshot", "speed")
+
+
+def check_metrics(metrics: List[str], where: str) -> None:
+    unknown = [m for m in metrics if m not in METRICS]
+    if unknown:
+        raise ConfigError(f"{where}: unknown metric(s) {unknown}; choose from {', '.join(METRICS)}")
+    if "kl" in metrics and "perplexity" not in metrics:
+        raise ConfigError(f"{where}: 'kl' is computed in the perplexity pass; add 'perplexity' to the metrics")
+
+
+@dataclass
 class EvalConfig:
     name: str = MISSING
+    metrics: List[str] = field(default_factory=lambda: ["perplexity", "kl", "size"])
     perplexity: PerplexityConfig = field(default_factory=PerplexityConfig)
+    kl: KLConfig = field(default_factory=KLConfig)
+    zeroshot: ZeroShotConfig = field(default_factory=ZeroShotConfig)
+    speed: SpeedConfig = field(default_factory=SpeedConfig)
+
+    def __post_init__(self) -> None:
+        check_metrics(self.metrics, "eval.metrics")
 
 
 @dataclass

@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 import torch
 
+from slimlm.artifact import MANIFEST, load_artifact
 from slimlm.config import ModelConfig
 from slimlm.errors import SlimlmError
 from slimlm.resources import cache_dir, resolve_path, sha256_file
@@ -31,22 +32,24 @@ class ModelSource:
     """Where a model comes from, decided without reading its weights."""
 
     id: str  # what the user wrote (path or hub id)
-    kind: str  # "hf-dir" | "gguf" | "hub"
+    kind: str  # "hf-dir" | "gguf" | "hub" | "artifact"
     path: Optional[Path]  # local file or directory; None for a hub id
     architecture: Optional[str]  # model_type, when it can be read without loading
+    context_length: Optional[int] = None  # the model's maximum positions, when known up front
 
 
 def resolve_model(cfg: ModelConfig) -> ModelSource:
     """Classify and check a model path; reads only config.json or the GGUF header."""
     path = resolve_path(cfg.path)
     if path.is_file() and path.suffix == ".gguf":
-        source = ModelSource(cfg.path, "gguf", path, _gguf_architecture(path))
+        source = ModelSource(cfg.path, "gguf", path, *_gguf_header(path))
     elif path.is_dir():
         config_file = path / "config.json"
         if not config_file.is_file():
-            raise SlimlmError(f"model.path '{cfg.path}' is a directory without config.json: point it at a Hugging Face checkpoint directory or a .gguf file")
-        model_type = json.loads(config_file.read_text()).get("model_type")
-        source = ModelSource(cfg.path, "hf-dir", path, model_type)
+            raise SlimlmError(f"model.path '{cfg.path}' is a directory without config.json: point it at a Hugging Face checkpoint directory, a slimlm artifact or a .gguf file")
+        config = json.loads(config_file.read_text())
+        kind = "artifact" if (path / MANIFEST).is_file() else "hf-dir"
+        source = ModelSource(cfg.path, kind, path, config.get("model_type"), config.get("max_position_embeddings"))
     elif path.exists():
         raise SlimlmError(f"model.path '{cfg.path}' is neither a checkpoint directory nor a .gguf file")
     elif HUB_ID.match(cfg.path) and not cfg.path.startswith((".", "/", "~")):
@@ -61,16 +64,20 @@ def resolve_model(cfg: ModelConfig) -> ModelSource:
     return source
 
 
-def _gguf_architecture(path: Path) -> str:
+def _gguf_header(path: Path) -> tuple[str, Optional[int]]:
+    """Architecture and context length from a GGUF file's header (no tensors are read)."""
     from gguf import GGUFReader
 
     try:
-        field = GGUFReader(path, "r").get_field("general.architecture")
+        reader = GGUFReader(path, "r")
     except Exception as error:  # the gguf reader raises many kinds on a damaged file
         raise SlimlmError(f"'{path.name}' is not a readable GGUF file ({error}); re-download or re-export it") from None
+    field = reader.get_field("general.architecture")
     if field is None:
         raise SlimlmError(f"GGUF file '{path.name}' has no general.architecture key; it was not written by a GGUF converter")
-    return field.contents()
+    architecture = field.contents()
+    context = reader.get_field(f"{architecture}.context_length")
+    return architecture, (int(context.contents()) if context is not None else None)
 
 
 @dataclass
@@ -79,6 +86,7 @@ class LoadedModel:
     tokenizer: Any
     source: ModelSource
     sha256: Optional[str]  # of the GGUF file or the checkpoint's weight files
+    manifest: Optional[dict] = None  # when loaded from a slimlm artifact
 
 
 def load_model(cfg: ModelConfig, device: torch.device) -> LoadedModel:
@@ -86,6 +94,12 @@ def load_model(cfg: ModelConfig, device: torch.device) -> LoadedModel:
     source = resolve_model(cfg)
     dtype = DTYPES[cfg.dtype]
     sha256 = None
+    if source.kind == "artifact":
+        if cfg.bnb is not None:
+            raise SlimlmError("model.bnb applies to an original checkpoint, not to a slimlm artifact; drop model.bnb")
+        artifact = load_artifact(source.path, device)
+        # The artifact's source hash: its KL is measured against the model it was made from.
+        return LoadedModel(artifact.model, artifact.tokenizer, source, artifact.manifest.get("source", {}).get("sha256"), artifact.manifest)
     if source.kind == "gguf":
         sha256 = sha256_file(source.path)
         directory = gguf_checkpoint(source.path, sha256)
@@ -94,10 +108,29 @@ def load_model(cfg: ModelConfig, device: torch.device) -> LoadedModel:
         sha256 = checkpoint_sha256(directory)
     else:
         directory = source.id
-    model, tokenizer = _from_pretrained(str(directory), dtype, cfg.revision, source)
+    model, tokenizer = _from_pretrained(str(directory), dtype, cfg.revision, source, **bnb_arguments(cfg.bnb, dtype, device))
     if model.config.model_type not in SUPPORTED_ARCHITECTURES:
         raise SlimlmError(f"model '{cfg.path}' has architecture '{model.config.model_type}', which slimlm does not support; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-    return LoadedModel(model.to(device).eval(), tokenizer, source, sha256)
+    if cfg.bnb is None:
+        model = model.to(device)
+    return LoadedModel(model.eval(), tokenizer, source, sha256)
+
+
+def bnb_arguments(bnb: Optional[str], dtype: torch.dtype, device: torch.device) -> dict:
+    """from_pretrained arguments that quantize on load with bitsandbytes (the peer baselines).
+
+    int8 is LLM.int8() (per-row absmax, outlier threshold 6.0); nf4 uses bitsandbytes' default
+    block size of 64 with float32 absmax, computing in the model's dtype.
+    """
+    if bnb is None:
+        return {}
+    from transformers import BitsAndBytesConfig
+
+    if bnb == "int8":
+        config = BitsAndBytesConfig(load_in_8bit=True)
+    else:
+        config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
+    return {"quantization_config": config, "device_map": str(device)}
 
 
 def _from_pretrained(location: str, dtype: torch.dtype, revision: Optional[str], source: ModelSource, **kwargs: Any):

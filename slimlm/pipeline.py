@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -35,13 +35,33 @@ class RunState:
     sections: dict[str, Any] = field(default_factory=dict)  # other report sections by name
     memo: dict[str, Any] = field(default_factory=dict)  # values stages reuse within a run, not reported
 
+    def is_original(self) -> bool:
+        """True while the model is the source model as loaded (nothing compressed or swapped)."""
+        return not self.schemes and self.memo.get("model_origin") is None
+
+    def original_model_cfg(self) -> Any:
+        """The config that loads the uncompressed model this run's model descends from."""
+        return self.memo.get("original_model_cfg", self.cfg.model)
+
+    def adopt(self, loaded: Any, origin: Optional[str]) -> None:
+        """Make a freshly loaded model (slimlm.models.LoadedModel) the current one."""
+        self.model, self.tokenizer = loaded.model, loaded.tokenizer
+        self.schemes = {}
+        self.memo["model_origin"] = origin
+        if loaded.manifest is not None:  # a slimlm artifact: compressed, made from its source model
+            self.schemes = dict(loaded.manifest["modules"])
+            self.memo["model_origin"] = origin or f"artifact {loaded.source.id}"
+            self.memo["original_model_cfg"] = OmegaConf.merge(self.cfg.model, {"path": loaded.manifest["source"]["id"]})
+
 
 @dataclass(frozen=True)
 class Stage:
     name: str
     params: type  # a dataclass; its __post_init__ checks values
     run: Callable[[RunState, Any], None]
-    needs_eval_text: bool = False
+    # Checks that need the whole config and the model source (data files a stage will read,
+    # limits of the model), run before any model loads: check(cfg, params, source).
+    check: Optional[Callable[[DictConfig, Any, Any], None]] = None
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import pytest
-import torch
+# Before anything imports huggingface_hub, which reads these once: tests never touch the hub.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 CALIBRATION = REPO / "slimlm" / "assets" / "gutenberg" / "calibration.txt"
@@ -15,9 +19,7 @@ CHAT_TEMPLATE = "{% for m in messages %}<|user|>{{ m['content'] }}<|end|>{% endf
 
 @pytest.fixture(autouse=True, scope="session")
 def _isolated_environment(tmp_path_factory):
-    """No hub access and a private cache, so tests never depend on the user's machine state."""
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    os.environ["HF_DATASETS_OFFLINE"] = "1"
+    """A private cache, so tests never depend on the user's machine state."""
     os.environ.setdefault("SLIMLM_CACHE", str(tmp_path_factory.mktemp("slimlm-cache")))
     torch.set_num_threads(min(2, torch.get_num_threads()))
 

@@ -26,13 +26,15 @@ def tiny_run_args(model_dir):
         "eval.perplexity.window=64",
         "eval.perplexity.max_windows=3",
         "decoder.max_new_tokens=8",
+        "eval.metrics=[perplexity,kl,size]",
+        "eval.kl.top_k=8",
     ]
 
 
 @pytest.mark.parametrize(
     "override, expected",
     [
-        ("recipe=nope", "unknown recipe 'nope': choose one of demo, w8-rtn"),
+        ("recipe=nope", "unknown recipe 'nope': choose one of demo, eval-peers, evaluate, w8-rtn"),
         ("model=nope", "unknown model 'nope'"),
         ("model.pathh=x", "Key 'pathh' not in 'ModelConfig'"),
         ("eval.perplexity.window=abc", "could not be converted to Integer"),
@@ -86,7 +88,7 @@ def test_debug_flag_shows_the_exception(monkeypatch, tmp_path):
 
 def test_help_lists_groups_and_recipes(tmp_path):
     out = slimlm("--help", cwd=tmp_path).stdout
-    assert "recipe: demo, w8-rtn" in out and "model: custom, smollm2-135m" in out
+    assert "recipe: demo, eval-peers, evaluate, w8-rtn" in out and "model: custom, smollm2-135m" in out
 
 
 def test_cfg_job_prints_the_recipe_without_running(tmp_path):
@@ -111,18 +113,53 @@ def test_demo_recipe_on_a_tiny_model_end_to_end(tiny_model_dir, tmp_path):
     assert int8["bytes"] < 0.6 * fp32["bytes"]
     assert reloaded["ppl"] == int8["ppl"]  # the artifact round trip is exact
     assert abs(int8["delta_ppl_pct"]) < 1.0
+    assert fp32["is_reference"] and fp32["kl_mean"] == 0.0
+    assert 0.0 < int8["kl_mean"] < 0.01 and int8["top1_agreement"] > 0.9
     assert report["generations"][0]["new_tokens"] >= 1
     assert "| fp32 |" in first.stdout and "report: runs/demo/" in second.stdout
+    assert (runs[0] / "size_vs_quality.png").is_file() and (runs[0] / "layer_error_1.png").is_file()
+    assert "![size_vs_quality](size_vs_quality.png)" in (runs[0] / "report.md").read_text()
+    compared = slimlm("compare", *map(str, runs), "--out", str(tmp_path / "cmp"), cwd=tmp_path)
+    assert "| demo: w8-rtn |" in compared.stdout and (tmp_path / "cmp" / "comparison.png").is_file()
+
+
+def test_kl_reference_comes_from_the_source_model_when_the_recipe_starts_compressed(tiny_model_dir, tmp_path):
+    stages = "recipe.stages=[{stage:quantize},{stage:evaluate,label:w8}]"
+    slimlm(*tiny_run_args(tiny_model_dir), stages, cwd=tmp_path)
+    (run,) = (tmp_path / "runs" / "demo").iterdir()
+    (row,) = json.loads((run / "report.json").read_text())["rows"]
+    assert row["name"] == "w8" and row["kl_mean"] > 0 and row["reference_nll"] > 0
+    assert abs(row["delta_ppl_pct"]) < 1.0  # against the original's perplexity, not its own
+
+
+def test_window_longer_than_the_context_is_refused_before_loading(tiny_model_dir, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exited:
+        main([*tiny_run_args(tiny_model_dir), "eval.perplexity.window=1024"])
+    assert exited.value.code == 2
+    assert "longer than the model's context (512)" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
 
 
 def test_failure_after_start_is_marked_failed(tiny_model_dir, tmp_path):
-    # the tiny model's context is 512 tokens: a 1024-token window is refused once the model is known
-    result = slimlm(*tiny_run_args(tiny_model_dir), "eval.perplexity.window=1024", cwd=tmp_path, check=False)
+    # a text too short for even one window is only found once the model's tokenizer has run
+    short = tmp_path / "short.txt"
+    short.write_text("Too short to fill a window.")
+    result = slimlm(*tiny_run_args(tiny_model_dir), f"data.eval_text.path={short}", cwd=tmp_path, check=False)
     assert result.returncode == 2
-    assert "longer than the model's context (512)" in result.stderr.strip().splitlines()[-1]
+    assert "fewer than one window" in result.stderr.strip().splitlines()[-1]
     (run,) = (tmp_path / "runs" / "demo").iterdir()
     assert json.loads((run / "status.json").read_text())["status"] == "failed"
     assert not (run / "report.json").exists()
+
+
+def test_bitsandbytes_peers_load_through_the_load_stage(tiny_model_dir, tmp_path):
+    stages = "recipe.stages=[{stage:evaluate,label:fp32},{stage:load,bnb:nf4},{stage:evaluate,label:nf4}]"
+    slimlm(*tiny_run_args(tiny_model_dir), stages, cwd=tmp_path)
+    (run,) = (tmp_path / "runs" / "demo").iterdir()
+    fp32, nf4 = json.loads((run / "report.json").read_text())["rows"]
+    assert nf4["bytes"] < 0.6 * fp32["bytes"] and nf4["parameters"] == fp32["parameters"]
+    assert nf4["kl_mean"] > 0
 
 
 def test_multirun_sweep_writes_one_directory_per_recipe(tiny_model_dir, tmp_path):

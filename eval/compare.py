@@ -1,0 +1,48 @@
+"""`slimlm compare`: one table and one plot across runs, or across every run of a sweep."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Sequence
+
+from slimlm.errors import SlimlmError
+from slimlm.eval.plots import plot_size_quality
+from slimlm.eval.report import markdown_tables
+from slimlm.rundir import write_atomic
+
+
+def find_reports(paths: Sequence[Path]) -> list[Path]:
+    """report.json of each run directory given, or of every run below a sweep directory."""
+    found: list[Path] = []
+    for path in paths:
+        if (path / "report.json").is_file():
+            found.append(path / "report.json")
+        elif path.is_dir():
+            below = sorted(path.rglob("report.json"))
+            if not below:
+                raise SlimlmError(f"'{path}' holds no finished run (no report.json below it); give run directories or a sweep directory")
+            found.extend(below)
+        else:
+            raise SlimlmError(f"'{path}' does not exist; give run directories (runs/<recipe>/<time>) or a sweep directory (multirun/<time>)")
+    return found
+
+
+def compare(paths: Sequence[Path], out_dir: Path) -> str:
+    """Write comparison.md/.json/.png into out_dir; returns the Markdown."""
+    rows = []
+    for report_file in find_reports(paths):
+        report = json.loads(report_file.read_text())
+        for row in report["rows"]:
+            rows.append({**row, "run": report["recipe"], "name": f"{report['recipe']}: {row['name']}", "run_dir": str(report_file.parent)})
+    if not rows:
+        raise SlimlmError("the runs given have no evaluation rows to compare; add an evaluate stage to their recipes")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plot = plot_size_quality(rows, out_dir / "comparison.png")
+    lines = ["# slimlm comparison", "", f"{len(rows)} rows from {len({r['run_dir'] for r in rows})} runs.", "", *markdown_tables(rows)]
+    if plot is not None:
+        lines += [f"![comparison]({plot.name})", ""]
+    markdown = "\n".join(lines)
+    write_atomic(out_dir / "comparison.json", json.dumps({"rows": rows}, indent=2) + "\n")
+    write_atomic(out_dir / "comparison.md", markdown + "\n")
+    return markdown

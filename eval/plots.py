@@ -1,0 +1,63 @@
+"""Plots for reports: size against quality with the Pareto front, and per-layer error."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional, Sequence
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only; never needs a display
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
+    """Indices of points no other point beats in both coordinates (lower is better in both)."""
+    front = []
+    for i, (x, y) in enumerate(points):
+        dominated = any((ox <= x and oy <= y) and (ox < x or oy < y) for j, (ox, oy) in enumerate(points) if j != i)
+        if not dominated:
+            front.append(i)
+    return sorted(front, key=lambda i: points[i][0])
+
+
+def plot_size_quality(rows: Sequence[dict], path: Path) -> Optional[Path]:
+    """Bytes against perplexity and against KL, one panel each; None if under two rows qualify."""
+    metrics = [(key, label) for key, label in (("ppl", "perplexity"), ("kl_mean", "mean KL to the original (nats)")) if sum(key in r and "bytes" in r for r in rows) >= 2]
+    if not metrics:
+        return None
+    figure, axes = plt.subplots(1, len(metrics), figsize=(6.5 * len(metrics), 4.5), squeeze=False)
+    for axis, (key, label) in zip(axes[0], metrics):
+        chosen = [r for r in rows if key in r and "bytes" in r]
+        points = [(r["bytes"] / 2**20, r[key]) for r in chosen]
+        axis.scatter([p[0] for p in points], [p[1] for p in points], color="tab:blue", zorder=3)
+        for (x, y), row in zip(points, chosen):
+            axis.annotate(row["name"], (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+        front = pareto_front(points)
+        axis.plot([points[i][0] for i in front], [points[i][1] for i in front], color="tab:orange", linestyle="--", label="Pareto front", zorder=2)
+        axis.set_xlabel("size (MiB)")
+        axis.set_ylabel(label)
+        if key == "kl_mean" and all(p[1] > 0 for p in points):
+            axis.set_yscale("log")
+        axis.grid(alpha=0.3)
+        axis.legend(loc="upper right")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path
+
+
+def plot_layer_errors(errors: dict[str, float], title: str, path: Path) -> Optional[Path]:
+    """Relative weight error of each quantized layer, in model order."""
+    if not errors:
+        return None
+    figure, axis = plt.subplots(figsize=(max(8, len(errors) * 0.05), 4))
+    axis.bar(range(len(errors)), list(errors.values()), color="tab:blue", width=1.0)
+    axis.set_xlabel("layer (model order)")
+    axis.set_ylabel("‖W − Q(W)‖ / ‖W‖")
+    axis.set_title(title)
+    axis.grid(axis="y", alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path

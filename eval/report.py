@@ -1,0 +1,159 @@
+"""Reports: report.json for machines, report.md and PNG plots for people.
+
+Rows are flat dicts with snake_case metric keys (units in the name). Δppl is taken against the
+original model's perplexity on the same windows when the row was compared with it (KL on),
+otherwise against the first row.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from slimlm.eval.plots import plot_layer_errors, plot_size_quality
+from slimlm.rundir import machine_info, write_atomic
+
+# Report tables: (title, [(key, header, formatter)]); a column appears when any row has its key.
+Column = tuple[str, str, Callable[[Any], str]]
+TABLES: list[tuple[str, list[Column]]] = [
+    ("Accuracy and size", [
+        ("ppl", "ppl", lambda v: f"{v:.4f}"),
+        ("delta_ppl_pct", "Δppl %", lambda v: f"{v:+.2f}"),
+        ("kl_mean", "KL", lambda v: f"{v:.5f}"),
+        ("top1_agreement", "top-1 %", lambda v: f"{100 * v:.2f}"),
+        ("bytes", "bytes", lambda v: f"{v:,}"),
+        ("size_pct_of_first", "size %", lambda v: f"{v:.1f}"),
+        ("bits_per_weight", "bits/weight", lambda v: f"{v:.2f}"),
+    ]),
+    ("Zero-shot accuracy (%)", [
+        ("lambada_acc", "LAMBADA acc", lambda v: f"{100 * v:.2f}"),
+        ("lambada_ppl", "LAMBADA ppl", lambda v: f"{v:.2f}"),
+        ("arc_easy_acc", "ARC-E acc", lambda v: f"{100 * v:.2f}"),
+        ("arc_easy_acc_norm", "ARC-E acc_norm", lambda v: f"{100 * v:.2f}"),
+        ("piqa_acc", "PIQA acc", lambda v: f"{100 * v:.2f}"),
+        ("piqa_acc_norm", "PIQA acc_norm", lambda v: f"{100 * v:.2f}"),
+        ("hellaswag_acc", "HellaSwag acc", lambda v: f"{100 * v:.2f}"),
+        ("hellaswag_acc_norm", "HellaSwag acc_norm", lambda v: f"{100 * v:.2f}"),
+    ]),
+    ("Speed and memory", [
+        ("ttft_s", "TTFT s", lambda v: f"{v:.3f}"),
+        ("prefill_tok_s", "prefill tok/s", lambda v: f"{v:.0f}"),
+        ("decode_tok_s", "decode tok/s (b1)", lambda v: f"{v:.1f}"),
+        ("decode_tok_s_b8", "decode tok/s (b8)", lambda v: f"{v:.1f}"),
+        ("bandwidth_fraction", "% of bandwidth (b1)", lambda v: f"{100 * v:.1f}"),
+        ("peak_memory_bytes", "peak RSS (b1)", lambda v: f"{v / 2**20:,.0f} MiB"),
+    ]),
+]
+
+
+def add_deltas(rows: Sequence[dict]) -> list[dict]:
+    rows = [dict(row) for row in rows]
+    first_ppl = next((r["ppl"] for r in rows if "ppl" in r), None)
+    first_bytes = next((r["bytes"] for r in rows if "bytes" in r), None)
+    for row in rows:
+        if "ppl" in row:
+            base = math.exp(row["reference_nll"]) if row.get("reference_nll") is not None else first_ppl
+            row["delta_ppl_pct"] = 100.0 * (row["ppl"] / base - 1.0)
+        if "bytes" in row and first_bytes:
+            row["size_pct_of_first"] = 100.0 * row["bytes"] / first_bytes
+    return rows
+
+
+def markdown_table(rows: Sequence[dict], columns: Sequence[Column]) -> list[str]:
+    """A Markdown table of the given columns that any row has (empty if none)."""
+    present = [c for c in columns if any(r.get(c[0]) is not None for r in rows)]
+    if not present:
+        return []
+    lines = ["| " + " | ".join(["model", *(c[1] for c in present)]) + " |", "|---|" + "---:|" * len(present)]
+    for row in rows:
+        cells = [row["name"]] + [fmt(row[key]) if row.get(key) is not None else "–" for key, _, fmt in present]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def markdown_tables(rows: Sequence[dict]) -> list[str]:
+    """Every report table that has data, each under its own heading."""
+    lines: list[str] = []
+    for title, columns in TABLES:
+        table = markdown_table(rows, columns)
+        if table:
+            lines += [f"### {title}", "", *table, ""]
+    return lines
+
+
+def perplexity_note(rows: Sequence[dict], eval_text: str) -> list[str]:
+    row = next((r for r in rows if "windows" in r), None)
+    if row is None:
+        return []
+    return [
+        f"Perplexity over {row['windows']} non-overlapping windows of {row['window']} tokens "
+        f"({row['tokens_scored']:,} tokens scored) of `{eval_text}`. KL: mean per-token KL divergence "
+        "to the original model's next-token distribution (its top-k log-probs plus the rest, k = eval.kl.top_k); top-1: how often both models' "
+        "most likely token agree.",
+        "",
+    ]
+
+
+def render_markdown(report: dict[str, Any], plots: Sequence[str]) -> str:
+    machine = report["machine"]
+    lines = [
+        f"# slimlm run: recipe `{report['recipe']}` on `{report['model']}`",
+        "",
+        f"- command: `{report['command']}`",
+        f"- run directory: `{report['run_dir']}`",
+        f"- machine: {machine['processor']}, {machine['cpu_count']} CPUs ({machine['torch_threads']} torch threads), torch {machine['torch']}"
+        + (f", {machine['cuda']}" if machine.get("cuda") else ""),
+        "",
+    ]
+    if report["rows"]:
+        lines += ["## Results", "", *perplexity_note(report["rows"], report["eval_text"]), *markdown_tables(report["rows"])]
+    lines += [f"![{Path(p).stem}]({p})" for p in plots]
+    if plots:
+        lines.append("")
+    for quant in report.get("quantization", []):
+        errors = list(quant["weight_rel_error"].values())
+        lines += [
+            "## Quantization",
+            "",
+            f"{quant['method']} int{quant['bits']}: {quant['layers']} Linear layers; relative weight error "
+            f"‖W−Q(W)‖/‖W‖ mean {sum(errors) / len(errors):.5f}, max {max(errors):.5f}.",
+            "",
+        ]
+    for artifact in report.get("artifacts", []):
+        lines += ["## Artifact", "", f"`{artifact['path']}` in the run directory ({artifact['format']}), {artifact['bytes_on_disk']:,} bytes on disk.", ""]
+    for gen in report.get("generations", []):
+        lines += [
+            "## Greedy completion",
+            "",
+            f"Model: {gen['model']}; {gen['new_tokens']} new tokens at {gen['decode_tok_s']} tokens/s (transformers `generate`).",
+            "",
+            f"> **Prompt:** {gen['prompt']}",
+            ">",
+            f"> **Completion:** {gen['completion']}",
+            "",
+        ]
+    if report.get("stage_seconds"):
+        lines += ["## Time", "", "| stage | seconds |", "|---|---:|"]
+        lines += [f"| {name} | {seconds:.1f} |" for name, seconds in report["stage_seconds"]]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def write_plots(run_dir: Path, report: dict[str, Any]) -> list[str]:
+    """Plots next to the report; returns their names relative to the run directory."""
+    written = [plot_size_quality(report["rows"], run_dir / "size_vs_quality.png")]
+    for index, quant in enumerate(report.get("quantization", [])):
+        title = f"{quant['method']} int{quant['bits']}: per-layer weight error"
+        written.append(plot_layer_errors(quant["weight_rel_error"], title, run_dir / f"layer_error_{index + 1}.png"))
+    return [p.name for p in written if p is not None]
+
+
+def write_report(run_dir: Path, header: dict[str, Any], evaluations: Sequence[dict], sections: dict[str, Any]) -> str:
+    report = {**header, "machine": machine_info(), "rows": add_deltas(evaluations), **sections}
+    plots = write_plots(run_dir, report)
+    markdown = render_markdown(report, plots)
+    write_atomic(run_dir / "report.json", json.dumps(report, indent=2) + "\n")
+    write_atomic(run_dir / "report.md", markdown + "\n")
+    return markdown

@@ -1,0 +1,46 @@
+"""Run directories: the status file, atomic writes, and the machine a run happened on.
+
+`status.json` says whether a run directory holds a finished result: it is written as
+"running" before any work and becomes "complete" only after the report is in place, so an
+interrupted or failed run never looks complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+STATUS = "status.json"
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write via a temporary file and rename, so a reader never sees half a file."""
+    fd, temp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(text)
+    os.replace(temp, path)
+
+
+def write_status(run_dir: Path, status: str, error: Optional[str] = None) -> None:
+    record = {"status": status, "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    if error:
+        record["error"] = error
+    write_atomic(run_dir / STATUS, json.dumps(record, indent=2) + "\n")
+
+
+def machine_info() -> dict[str, Any]:
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
