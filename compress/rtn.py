@@ -1,17 +1,65 @@
-"""Round-to-nearest weight quantization: the baseline every other method is measured against."""
+"""Round-to-nearest weight quantization: the baseline every other method is measured against.
+
+`group_params` and `quantize_to_codes` are also the grid GPTQ rounds onto, so both methods
+produce exactly the storage format of slimlm.qlinear.QuantLinear.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
 import torch
 
+from slimlm.qlinear import QuantScheme
 
-def quantize_int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 with one fp16 scale per output channel (row).
 
-    The scale is rounded to fp16 first and the integers are computed against that rounded
-    scale, so dequantizing the stored pair gives exactly the weights we evaluated.
+@dataclass
+class QuantizedWeight:
+    codes: torch.Tensor  # uint8 [out, in]
+    scales: torch.Tensor  # float16 [out, groups]
+    zeros: Optional[torch.Tensor]  # uint8 [out, groups], asymmetric schemes only
+
+
+def group_params(weight: torch.Tensor, scheme: QuantScheme) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Scale (fp16-rounded) and integer zero point of each row of `weight` [rows, cols] (one group).
+
+    Symmetric: scale = max|w| / (2**(b-1) - 1), zero fixed at 2**(b-1).
+    Asymmetric: scale = (max - min) / (2**b - 1) over a range that includes 0, zero = round(-min / scale).
     """
-    absmax = weight.detach().float().abs().amax(dim=1, keepdim=True)
-    scales = (absmax / 127.0).clamp(min=torch.finfo(torch.float16).tiny).to(torch.float16)
-    qweight = torch.round(weight.detach().float() / scales.float()).clamp(-127, 127).to(torch.int8)
-    return qweight, scales
+    w = weight.detach().float()
+    tiny = torch.finfo(torch.float16).tiny
+    if scheme.symmetric:
+        scale = (w.abs().amax(dim=1) / (scheme.symmetric_zero - 1)).clamp(min=tiny).half()
+        return scale, None
+    low = w.amin(dim=1).clamp(max=0.0)
+    high = w.amax(dim=1).clamp(min=0.0)
+    scale = ((high - low) / scheme.max_code).clamp(min=tiny).half()
+    zero = torch.round(-low / scale.float()).clamp(0, scheme.max_code).to(torch.uint8)
+    return scale, zero
+
+
+def quantize_to_codes(weight: torch.Tensor, scale: torch.Tensor, zero: Optional[torch.Tensor], scheme: QuantScheme) -> torch.Tensor:
+    """Codes of `weight` [rows, cols] on the grid given by per-row `scale` and `zero`."""
+    offset = scheme.symmetric_zero if zero is None else zero.float().unsqueeze(1)
+    codes = torch.round(weight.detach().float() / scale.float().unsqueeze(1)) + offset
+    return codes.clamp(0, scheme.max_code).to(torch.uint8)
+
+
+def dequantize_codes(codes: torch.Tensor, scale: torch.Tensor, zero: Optional[torch.Tensor], scheme: QuantScheme) -> torch.Tensor:
+    offset = scheme.symmetric_zero if zero is None else zero.float().unsqueeze(1)
+    return (codes.float() - offset) * scale.float().unsqueeze(1)
+
+
+def quantize_rtn(weight: torch.Tensor, scheme: QuantScheme) -> QuantizedWeight:
+    """Every group rounded to its nearest grid point independently."""
+    out_features, in_features = weight.shape
+    groups = scheme.groups(in_features)
+    grouped = weight.detach().float().reshape(out_features * groups, in_features // groups)
+    scale, zero = group_params(grouped, scheme)
+    codes = quantize_to_codes(grouped, scale, zero, scheme)
+    return QuantizedWeight(
+        codes=codes.reshape(out_features, in_features),
+        scales=scale.reshape(out_features, groups),
+        zeros=None if zero is None else zero.reshape(out_features, groups),
+    )

@@ -15,35 +15,43 @@ from typing import Any, Callable, Sequence
 from slimlm.eval.plots import plot_layer_errors, plot_size_quality
 from slimlm.rundir import machine_info, write_atomic
 
+def decimals(places: int) -> Callable[[Any], str]:
+    return lambda value: f"{value:.{places}f}"
+
+
+def percent(fraction: float) -> str:
+    return f"{100 * fraction:.2f}"
+
+
 # Report tables: (title, [(key, header, formatter)]); a column appears when any row has its key.
 Column = tuple[str, str, Callable[[Any], str]]
 TABLES: list[tuple[str, list[Column]]] = [
     ("Accuracy and size", [
-        ("ppl", "ppl", lambda v: f"{v:.4f}"),
+        ("ppl", "ppl", decimals(4)),
         ("delta_ppl_pct", "Δppl %", lambda v: f"{v:+.2f}"),
-        ("kl_mean", "KL", lambda v: f"{v:.5f}"),
-        ("top1_agreement", "top-1 %", lambda v: f"{100 * v:.2f}"),
+        ("kl_mean", "KL", decimals(5)),
+        ("top1_agreement", "top-1 %", percent),
         ("bytes", "bytes", lambda v: f"{v:,}"),
-        ("size_pct_of_first", "size %", lambda v: f"{v:.1f}"),
-        ("bits_per_weight", "bits/weight", lambda v: f"{v:.2f}"),
+        ("size_pct_of_first", "size %", decimals(1)),
+        ("bits_per_weight", "bits/weight", decimals(2)),
     ]),
     ("Zero-shot accuracy (%)", [
-        ("lambada_acc", "LAMBADA acc", lambda v: f"{100 * v:.2f}"),
-        ("lambada_ppl", "LAMBADA ppl", lambda v: f"{v:.2f}"),
-        ("arc_easy_acc", "ARC-E acc", lambda v: f"{100 * v:.2f}"),
-        ("arc_easy_acc_norm", "ARC-E acc_norm", lambda v: f"{100 * v:.2f}"),
-        ("piqa_acc", "PIQA acc", lambda v: f"{100 * v:.2f}"),
-        ("piqa_acc_norm", "PIQA acc_norm", lambda v: f"{100 * v:.2f}"),
-        ("hellaswag_acc", "HellaSwag acc", lambda v: f"{100 * v:.2f}"),
-        ("hellaswag_acc_norm", "HellaSwag acc_norm", lambda v: f"{100 * v:.2f}"),
+        ("lambada_acc", "LAMBADA acc", percent),
+        ("lambada_ppl", "LAMBADA ppl", decimals(2)),
+        ("arc_easy_acc", "ARC-E acc", percent),
+        ("arc_easy_acc_norm", "ARC-E acc_norm", percent),
+        ("piqa_acc", "PIQA acc", percent),
+        ("piqa_acc_norm", "PIQA acc_norm", percent),
+        ("hellaswag_acc", "HellaSwag acc", percent),
+        ("hellaswag_acc_norm", "HellaSwag acc_norm", percent),
     ]),
     ("Speed and memory", [
-        ("ttft_s", "TTFT s", lambda v: f"{v:.3f}"),
-        ("prefill_tok_s", "prefill tok/s", lambda v: f"{v:.0f}"),
-        ("decode_tok_s", "decode tok/s (b1)", lambda v: f"{v:.1f}"),
-        ("decode_tok_s_b8", "decode tok/s (b8)", lambda v: f"{v:.1f}"),
+        ("ttft_s", "TTFT s", decimals(3)),
+        ("prefill_tok_s", "prefill tok/s", decimals(0)),
+        ("decode_tok_s", "decode tok/s (b1)", decimals(1)),
+        ("decode_tok_s_b8", "decode tok/s (b8)", decimals(1)),
         ("bandwidth_fraction", "% of bandwidth (b1)", lambda v: f"{100 * v:.1f}"),
-        ("peak_memory_bytes", "peak RSS (b1)", lambda v: f"{v / 2**20:,.0f} MiB"),
+        ("peak_memory_bytes", "peak memory (b1)", lambda v: f"{v / 2**20:,.0f} MiB"),
     ]),
 ]
 

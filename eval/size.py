@@ -29,5 +29,5 @@ def model_size(model: nn.Module) -> SizeReport:
     total_bytes = sum(t.numel() * t.element_size() for t in unique.values())
     parameters = sum(p.numel() for p in {p.data_ptr(): p for p in model.parameters()}.values())
     # A quantized matrix is a buffer, but it is the layer's weight: count it as parameters.
-    parameters += sum(m.qweight.numel() for m in model.modules() if isinstance(m, QuantLinear))
+    parameters += sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, QuantLinear))
     return SizeReport(bytes=total_bytes, parameters=parameters, bits_per_weight=round(8 * total_bytes / max(parameters, 1), 3))

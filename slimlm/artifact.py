@@ -2,8 +2,10 @@
 
     manifest.json      format name and version, source model, recipe, per-module schemes,
                        evaluation results, and the sha256 and size of every other file
-    model.safetensors  quantized layers as `<module>.qweight` (int8) + `<module>.scales` (fp16),
-                       every other tensor as it was; a tied LM head is stored once
+    model.safetensors  quantized layers as `<module>.qweight` (b-bit codes packed 8 per b bytes,
+                       see slimlm.packing), `<module>.scales` (fp16, one per group) and, for
+                       asymmetric schemes, `<module>.zeros` (uint8 zero points); every other
+                       tensor as it was; a tied LM head is stored once
     config.json, generation_config.json, tokenizer files (the HF layout)
 
 Writing is atomic (a hidden staging directory renamed into place), an existing artifact is
@@ -29,7 +31,8 @@ from slimlm.qlinear import QuantLinear, QuantScheme, set_submodule
 from slimlm.resources import sha256_file
 
 FORMAT = "slimlm"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: packed b-bit codes with group scales (1 stored unpacked int8 only)
+OLDEST_READABLE = 2
 MANIFEST = "manifest.json"
 WEIGHTS = "model.safetensors"
 
@@ -129,6 +132,8 @@ def read_manifest(path: Path) -> dict:
     version = manifest.get("format_version")
     if not isinstance(version, int) or version > FORMAT_VERSION:
         raise SlimlmError(f"'{path}' uses artifact format version {version}, newer than this slimlm reads ({FORMAT_VERSION}); upgrade slimlm")
+    if version < OLDEST_READABLE:
+        raise SlimlmError(f"'{path}' uses artifact format version {version}, older than this slimlm reads ({OLDEST_READABLE}); re-export it from its run")
     for name, expected in manifest.get("files", {}).items():
         file = path / name
         if not file.is_file():

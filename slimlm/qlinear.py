@@ -2,6 +2,10 @@
 
 Shared by `compress` (which fills them), the artifact format (which saves and loads them) and
 `inference` (which runs them), so that none of those needs to import another.
+
+A weight row is cut into groups of `group_size` input features (or one group per row); each
+group has an fp16 scale and, when asymmetric, an integer zero point. Codes are unsigned b-bit
+integers, W = (code - zero) * scale, with zero = 2**(b-1) for symmetric schemes.
 """
 
 from __future__ import annotations
@@ -13,26 +17,45 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from slimlm.packing import PACKABLE_BITS, pack_codes, unpack_codes
+
 
 @dataclass(frozen=True)
 class QuantScheme:
     """How one weight matrix is quantized."""
 
     bits: int = 8
-    group_size: Optional[int] = None  # None: one scale per output channel
+    group_size: Optional[int] = None  # None: one group (one scale) per output channel
     symmetric: bool = True
     method: str = "rtn"
 
     @property
-    def qmax(self) -> int:
-        return 2 ** (self.bits - 1) - 1
+    def max_code(self) -> int:
+        return 2**self.bits - 1
+
+    @property
+    def symmetric_zero(self) -> int:
+        return 2 ** (self.bits - 1)
+
+    def groups(self, in_features: int) -> int:
+        return 1 if self.group_size is None else in_features // self.group_size
+
+    def shape_problem(self, in_features: int) -> Optional[str]:
+        """Why a layer with `in_features` inputs cannot take this scheme, or None if it can."""
+        if self.bits not in PACKABLE_BITS:
+            return f"{self.bits}-bit weights are not supported (choose one of {PACKABLE_BITS})"
+        if self.group_size is not None and (self.group_size < 8 or in_features % self.group_size):
+            return f"group size {self.group_size} does not divide its {in_features} input features into groups of at least 8"
+        if in_features % 8:
+            return f"its {in_features} input features are not a multiple of 8 (needed to pack codes)"
+        return None
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
 class QuantLinear(nn.Module):
-    """y = x W^T + b with W = qweight * scale (int8, one fp16 scale per output channel).
+    """y = x W^T + b with W = (code - zero) * scale per group; codes packed b bits each.
 
     The forward pass dequantizes into the activation dtype and calls an ordinary matmul:
     correct everywhere and exact to the stored integers; the decoder swaps in packed kernels.
@@ -40,33 +63,47 @@ class QuantLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, scheme: QuantScheme, bias: bool = False):
         super().__init__()
-        if scheme.bits != 8 or scheme.group_size is not None or not scheme.symmetric:
-            raise ValueError(f"QuantLinear stores int8 per-channel symmetric weights, not {scheme}")
+        problem = scheme.shape_problem(in_features)
+        if problem:
+            raise ValueError(f"cannot build a {scheme} layer: {problem}")
         self.in_features = in_features
         self.out_features = out_features
         self.scheme = scheme
-        self.register_buffer("qweight", torch.zeros(out_features, in_features, dtype=torch.int8))
-        self.register_buffer("scales", torch.ones(out_features, 1, dtype=torch.float16))
+        groups = scheme.groups(in_features)
+        self.register_buffer("qweight", torch.zeros(out_features, in_features * scheme.bits // 8, dtype=torch.uint8))
+        self.register_buffer("scales", torch.ones(out_features, groups, dtype=torch.float16))
+        self.register_buffer("zeros", None if scheme.symmetric else torch.zeros(out_features, groups, dtype=torch.uint8))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
 
     @classmethod
-    def from_quantized(cls, qweight: torch.Tensor, scales: torch.Tensor, scheme: QuantScheme, bias: Optional[torch.Tensor]) -> "QuantLinear":
-        layer = cls(qweight.shape[1], qweight.shape[0], scheme, bias=bias is not None)
-        layer.qweight.copy_(qweight)
-        layer.scales.copy_(scales.reshape(-1, 1))
+    def from_codes(cls, codes: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor], scheme: QuantScheme, bias: Optional[torch.Tensor]) -> "QuantLinear":
+        """Build from unpacked codes [out, in] (uint8), scales [out, groups] and zeros (asymmetric)."""
+        layer = cls(codes.shape[1], codes.shape[0], scheme, bias=bias is not None).to(codes.device)
+        layer.qweight.copy_(pack_codes(codes, scheme.bits))
+        layer.scales.copy_(scales.reshape(layer.scales.shape))
+        if zeros is not None:
+            layer.zeros.copy_(zeros.reshape(layer.zeros.shape))
         if bias is not None:
             layer.bias.data = bias.detach().clone()
-        return layer.to(qweight.device)
+        return layer
+
+    def codes(self) -> torch.Tensor:
+        return unpack_codes(self.qweight, self.scheme.bits)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return self.qweight.to(dtype) * self.scales.to(dtype)
+        groups = self.scales.shape[1]
+        codes = self.codes().to(dtype).view(self.out_features, groups, -1)
+        zeros = self.scheme.symmetric_zero if self.zeros is None else self.zeros.to(dtype).unsqueeze(-1)
+        weight = (codes - zeros) * self.scales.to(dtype).unsqueeze(-1)
+        return weight.view(self.out_features, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return F.linear(x, self.dequantize(x.dtype), bias)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bits={self.scheme.bits}, method={self.scheme.method}"
+        s = self.scheme
+        return f"in_features={self.in_features}, out_features={self.out_features}, bits={s.bits}, group_size={s.group_size}, symmetric={s.symmetric}, method={s.method}"
 
 
 def set_submodule(root: nn.Module, name: str, module: nn.Module) -> None:

@@ -9,9 +9,9 @@ from slimlm.errors import SlimlmError
 from slimlm.pipeline import RunState
 
 
-def quantized_state(model, tokenizer, tmp_path):
+def quantized_state(model, tokenizer, tmp_path, **params):
     state = RunState(cfg=None, run_dir=tmp_path, model=model, tokenizer=tokenizer, source=None, source_sha256=None, device=torch.device("cpu"))
-    quantize(state, QuantizeParams())
+    quantize(state, QuantizeParams(**params))
     return state
 
 
@@ -19,8 +19,9 @@ def export(state, path):
     return save_artifact(state.model, state.tokenizer, path, state.schemes, source={"id": "tiny"}, recipe={"name": "test"})
 
 
-def test_round_trip_gives_identical_tensors_and_logits(tiny_model, tiny_tokenizer, tmp_path):
-    state = quantized_state(tiny_model, tiny_tokenizer, tmp_path)
+@pytest.mark.parametrize("params", [{"bits": 8}, {"bits": 4, "group_size": 32, "symmetric": False}, {"bits": 3, "group_size": 32}, {"bits": 2, "group_size": 16}], ids=str)
+def test_round_trip_gives_identical_tensors_and_logits(tiny_model, tiny_tokenizer, tmp_path, params):
+    state = quantized_state(tiny_model, tiny_tokenizer, tmp_path, **params)
     path = export(state, tmp_path / "artifact")
     loaded = load_artifact(path)
     original = state.model.state_dict()
@@ -33,7 +34,7 @@ def test_round_trip_gives_identical_tensors_and_logits(tiny_model, tiny_tokenize
         assert torch.equal(state.model(ids).logits, loaded.model(ids).logits)
     assert loaded.model.lm_head.weight is loaded.model.model.embed_tokens.weight
     assert loaded.tokenizer("hello world")["input_ids"] == tiny_tokenizer("hello world")["input_ids"]
-    assert loaded.manifest["modules"]["model.layers.0.self_attn.q_proj"]["bits"] == 8
+    assert loaded.manifest["modules"]["model.layers.0.self_attn.q_proj"]["bits"] == params["bits"]
 
 
 def test_manifest_records_every_file(tiny_model, tiny_tokenizer, tmp_path):
@@ -69,6 +70,15 @@ def test_newer_format_version_is_refused(tiny_model, tiny_tokenizer, tmp_path):
     manifest["format_version"] = FORMAT_VERSION + 1
     (path / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(SlimlmError, match="upgrade slimlm"):
+        load_artifact(path)
+
+
+def test_older_format_version_is_refused(tiny_model, tiny_tokenizer, tmp_path):
+    path = export(quantized_state(tiny_model, tiny_tokenizer, tmp_path), tmp_path / "artifact")
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["format_version"] = 1
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(SlimlmError, match="re-export it"):
         load_artifact(path)
 
 

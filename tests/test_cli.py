@@ -34,7 +34,7 @@ def tiny_run_args(model_dir):
 @pytest.mark.parametrize(
     "override, expected",
     [
-        ("recipe=nope", "unknown recipe 'nope': choose one of demo, eval-peers, evaluate, w8-rtn"),
+        ("recipe=nope", "unknown recipe 'nope': choose one of demo, eval-peers, evaluate, w3-gptq, w3-rtn, w4-gptq, w4-rtn, w8-rtn"),
         ("model=nope", "unknown model 'nope'"),
         ("model.pathh=x", "Key 'pathh' not in 'ModelConfig'"),
         ("eval.perplexity.window=abc", "could not be converted to Integer"),
@@ -43,7 +43,7 @@ def tiny_run_args(model_dir):
         ("data.eval_text.path=/definitely/not/here.raw", "data file for data.eval_text not found"),
         ("recipe.stages.0.labl=x", "Key 'labl' is not in struct"),
         ("+recipe.stages.1.bitz=8", "unknown key(s) ['bitz']"),
-        ("recipe.stages.1.bits=4", "bits=4 is not available yet"),
+        ("recipe.stages.1.bits=5", "bits=5 is not supported"),
         ("hardware.device=tpu", "hardware.device='tpu' is unknown"),
     ],
 )
@@ -88,7 +88,7 @@ def test_debug_flag_shows_the_exception(monkeypatch, tmp_path):
 
 def test_help_lists_groups_and_recipes(tmp_path):
     out = slimlm("--help", cwd=tmp_path).stdout
-    assert "recipe: demo, eval-peers, evaluate, w8-rtn" in out and "model: custom, smollm2-135m" in out
+    assert "recipe: demo, eval-peers, evaluate, w3-gptq, w3-rtn, w4-gptq, w4-rtn, w8-rtn" in out and "model: custom, smollm2-135m" in out
 
 
 def test_cfg_job_prints_the_recipe_without_running(tmp_path):
@@ -151,6 +151,25 @@ def test_failure_after_start_is_marked_failed(tiny_model_dir, tmp_path):
     (run,) = (tmp_path / "runs" / "demo").iterdir()
     assert json.loads((run / "status.json").read_text())["status"] == "failed"
     assert not (run / "report.json").exists()
+
+
+def test_gptq_recipe_on_a_tiny_model(tiny_model_dir, tmp_path):
+    slimlm("recipe=w4-gptq", *tiny_run_args(tiny_model_dir), "recipe.stages.1.group_size=32", "+recipe.stages.1.samples=8", "+recipe.stages.1.seq_len=64", cwd=tmp_path)
+    (run,) = (tmp_path / "runs" / "w4-gptq").iterdir()
+    report = json.loads((run / "report.json").read_text())
+    (section,) = report["quantization"]
+    assert section["method"] == "gptq" and section["calibration_tokens"] == 8 * 64 and section["peak_rss_bytes"] > 0
+    manifest = json.loads((run / "artifact" / "manifest.json").read_text())
+    assert manifest["modules"]["model.layers.1.mlp.down_proj"] == {"bits": 4, "group_size": 32, "symmetric": True, "method": "gptq"}
+    assert report["rows"][1]["kl_mean"] > 0
+
+
+def test_calibration_text_too_short_is_refused(tiny_model_dir, tmp_path):
+    short = tmp_path / "short.txt"
+    short.write_text("A few words of calibration text. " * 20)
+    result = slimlm("recipe=w4-gptq", *tiny_run_args(tiny_model_dir), "recipe.stages.1.group_size=32", f"data.calibration.path={short}", cwd=tmp_path, check=False)
+    assert result.returncode == 2
+    assert "fewer than the 64 samples asked for" in result.stderr.strip().splitlines()[-1]
 
 
 def test_bitsandbytes_peers_load_through_the_load_stage(tiny_model_dir, tmp_path):

@@ -2,48 +2,84 @@ import pytest
 import torch
 from torch import nn
 
-from slimlm.compress.quantize import QuantizeParams, relative_error
-from slimlm.compress.rtn import quantize_int8_per_channel
+from slimlm.compress.quantize import QuantizeParams, check_shapes, relative_error
+from slimlm.compress.rtn import dequantize_codes, quantize_rtn
 from slimlm.compress.targets import select_linear_modules
 from slimlm.errors import ConfigError, SlimlmError
 from slimlm.pipeline import build_params
 from slimlm.qlinear import QuantLinear, QuantScheme
 
+SCHEMES = [
+    QuantScheme(bits=8),
+    QuantScheme(bits=4, group_size=16),
+    QuantScheme(bits=4, group_size=16, symmetric=False),
+    QuantScheme(bits=3, group_size=32),
+    QuantScheme(bits=3, group_size=32, symmetric=False),
+    QuantScheme(bits=2, group_size=8, symmetric=False),
+]
 
-def test_int8_rtn_error_is_at_most_half_a_step():
-    torch.manual_seed(0)
-    weight = torch.randn(32, 48) * torch.logspace(-2, 1, 32).unsqueeze(1)  # rows of very different scale
-    qweight, scales = quantize_int8_per_channel(weight)
-    assert qweight.dtype == torch.int8 and scales.dtype == torch.float16
-    assert qweight.abs().max() <= 127
-    error = (qweight.float() * scales.float() - weight).abs()
-    assert torch.all(error <= scales.float() / 2 + 1e-6)
-    # the largest entry of every row lands on the end of the grid
-    assert torch.all(qweight.abs().amax(dim=1) == 127)
+
+def scaled_weight(rows=32, cols=64, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, cols, generator=generator) * torch.logspace(-2, 1, rows).unsqueeze(1)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES, ids=str)
+def test_rtn_error_is_at_most_half_a_step(scheme):
+    weight = scaled_weight()
+    q = quantize_rtn(weight, scheme)
+    assert q.codes.dtype == torch.uint8 and q.codes.max() <= scheme.max_code
+    assert q.scales.dtype == torch.float16 and q.scales.shape == (32, scheme.groups(64))
+    group = 64 // scheme.groups(64)
+    scale = q.scales.float().repeat_interleave(group, dim=1)
+    zero = scheme.symmetric_zero if q.zeros is None else q.zeros.float().repeat_interleave(group, dim=1)
+    error = ((q.codes.float() - zero) * scale - weight).abs()
+    assert torch.all(error <= scale / 2 + 1e-6)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES, ids=str)
+def test_quant_linear_matches_its_dequantized_weight(scheme):
+    torch.manual_seed(1)
+    linear = nn.Linear(64, 24, bias=True)
+    q = quantize_rtn(linear.weight, scheme)
+    layer = QuantLinear.from_codes(q.codes, q.scales, q.zeros, scheme, linear.bias)
+    assert torch.equal(layer.codes(), q.codes)  # packing is bit-exact
+    assert layer.qweight.numel() == 24 * 64 * scheme.bits // 8
+    x = torch.randn(3, 5, 64)
+    torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.dequantize(), linear.bias))
+    assert relative_error(linear.weight, layer.dequantize()) < {8: 0.01, 4: 0.15, 3: 0.3, 2: 0.7}[scheme.bits]
 
 
 def test_all_zero_rows_quantize_to_zero():
     weight = torch.zeros(4, 8)
     weight[0] = 1.0
-    qweight, scales = quantize_int8_per_channel(weight)
-    assert torch.isfinite(scales.float()).all()
-    assert torch.equal(qweight[1:], torch.zeros_like(qweight[1:]))
+    for scheme in (QuantScheme(bits=8), QuantScheme(bits=4, symmetric=False)):
+        q = quantize_rtn(weight, scheme)
+        restored = dequantize_codes(q.codes, q.scales[:, 0], None if q.zeros is None else q.zeros[:, 0], scheme)
+        assert torch.isfinite(q.scales.float()).all()
+        assert torch.equal(restored[1:], torch.zeros(3, 8))
 
 
-def test_quant_linear_matches_dequantized_linear():
-    torch.manual_seed(1)
-    linear = nn.Linear(40, 24, bias=True)
-    qweight, scales = quantize_int8_per_channel(linear.weight)
-    layer = QuantLinear.from_quantized(qweight, scales, QuantScheme(), linear.bias)
-    x = torch.randn(3, 5, 40)
-    expected = torch.nn.functional.linear(x, qweight.float() * scales.float(), linear.bias)
-    torch.testing.assert_close(layer(x), expected)
-    assert relative_error(linear.weight, layer.dequantize()) < 0.01
+def dequantized(weight, scheme):
+    q = quantize_rtn(weight, scheme)
+    return QuantLinear.from_codes(q.codes, q.scales, q.zeros, scheme, None).dequantize()
 
 
-def test_quant_linear_refuses_schemes_it_cannot_store():
-    with pytest.raises(ValueError):
-        QuantLinear(8, 8, QuantScheme(bits=4, group_size=64))
+def test_more_bits_and_smaller_groups_mean_less_error():
+    weight = scaled_weight(64, 128)
+    error = {s: relative_error(weight, dequantized(weight, s)) for s in [QuantScheme(bits=8), QuantScheme(bits=4, group_size=128), QuantScheme(bits=4, group_size=16), QuantScheme(bits=3, group_size=16)]}
+    assert error[QuantScheme(bits=8)] < error[QuantScheme(bits=4, group_size=16)] < error[QuantScheme(bits=4, group_size=128)]
+    assert error[QuantScheme(bits=4, group_size=16)] < error[QuantScheme(bits=3, group_size=16)]
+
+
+def test_shapes_a_scheme_cannot_take_are_refused(tiny_model):
+    with pytest.raises(ValueError, match="does not divide"):
+        QuantLinear(100, 8, QuantScheme(bits=4, group_size=64))
+    with pytest.raises(ValueError, match="multiple of 8"):
+        QuantLinear(20, 8, QuantScheme(bits=4))
+    names = select_linear_modules(tiny_model, [r".*mlp\.down_proj"], [])
+    with pytest.raises(SlimlmError, match="cannot quantize model.layers.0.mlp.down_proj: group size 96"):
+        check_shapes(tiny_model, names, QuantScheme(bits=4, group_size=96))
 
 
 def test_patterns_select_exactly_the_intended_modules(tiny_model):
@@ -66,9 +102,11 @@ def test_pattern_matching_nothing_is_an_error(tiny_model):
 
 
 def test_quantize_params_are_checked():
-    assert build_params(QuantizeParams, {"bits": 8}, "stage").bits == 8
-    with pytest.raises(ConfigError, match="bits=4"):
-        build_params(QuantizeParams, {"bits": 4}, "stage")
+    assert build_params(QuantizeParams, {"bits": 4, "group_size": 64}, "stage").scheme == QuantScheme(bits=4, group_size=64)
+    with pytest.raises(ConfigError, match="bits=5 is not supported"):
+        build_params(QuantizeParams, {"bits": 5}, "stage")
+    with pytest.raises(ConfigError, match="group_size=4"):
+        build_params(QuantizeParams, {"bits": 4, "group_size": 4}, "stage")
     with pytest.raises(ConfigError, match="unknown key"):
         build_params(QuantizeParams, {"bitz": 8}, "stage")
     with pytest.raises(ConfigError, match="method"):

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from slimlm.compress.rtn import quantize_int8_per_channel
+from slimlm.compress.rtn import quantize_rtn
 from slimlm.errors import SlimlmError
 from slimlm.eval import speed
 from slimlm.eval.bandwidth import CACHE_FILE, bandwidth_fraction, decode_bytes_per_token, memory_bandwidth
@@ -125,8 +125,8 @@ def test_bytes_per_token_counts_a_tied_head_once(tiny_model, tiny_tokenizer):
 def quantize_linears(model: nn.Module, names: list[str]) -> None:
     for name in names:
         linear = model.get_submodule(name)
-        qweight, scales = quantize_int8_per_channel(linear.weight)
-        set_submodule(model, name, QuantLinear.from_quantized(qweight, scales, QuantScheme(), linear.bias))
+        q = quantize_rtn(linear.weight, QuantScheme())
+        set_submodule(model, name, QuantLinear.from_codes(q.codes, q.scales, q.zeros, QuantScheme(), linear.bias))
 
 
 def test_bytes_per_token_of_quant_linear_layers(tiny_model, tiny_tokenizer):

@@ -1,0 +1,115 @@
+"""Calibration data and sequential, layer-by-layer calibration.
+
+Only one decoder layer and its inputs are worked on at a time: the inputs of layer i+1 are
+the outputs of layer i after it was quantized, so each layer is calibrated on the activations
+it will really see, and memory holds one layer's activations, not the whole model's.
+"""
+
+from __future__ import annotations
+
+import resource
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from slimlm.errors import SlimlmError
+
+Captured = list[tuple[torch.Tensor, dict[str, Any]]]  # per chunk: hidden states and the layer's other arguments
+
+
+def calibration_samples(token_ids: torch.Tensor, samples: int, seq_len: int, seed: int) -> torch.Tensor:
+    """`samples` distinct non-overlapping windows of `seq_len` tokens, chosen at random (seeded)."""
+    available = token_ids.numel() // seq_len
+    if available < samples:
+        raise SlimlmError(
+            f"the calibration text has {token_ids.numel():,} tokens: {available} windows of {seq_len}, fewer than the "
+            f"{samples} samples asked for; lower quantize.samples or quantize.seq_len, or use a longer data.calibration"
+        )
+    chosen = torch.randperm(available, generator=torch.Generator().manual_seed(seed))[:samples].sort().values
+    return token_ids[: available * seq_len].view(available, seq_len)[chosen]
+
+
+class _Stop(Exception):
+    """Raised by the capture hook: nothing after the first decoder layer needs to run."""
+
+
+def decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    """The decoder's layer list and its qualified name (Llama family: model.layers)."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise SlimlmError(f"{type(model).__name__} has no model.layers list; sequential calibration supports Llama-family models")
+    return "model.layers", layers
+
+
+@torch.no_grad()
+def capture_layer_inputs(model: nn.Module, samples: torch.Tensor, chunk_size: int) -> Captured:
+    """Inputs (hidden states and keyword arguments) of the first decoder layer, chunk by chunk."""
+    _, layers = decoder_layers(model)
+    captured: Captured = []
+
+    def hook(module, args, kwargs):
+        hidden = args[0] if args else kwargs.pop("hidden_states")
+        captured.append((hidden, dict(kwargs)))
+        raise _Stop
+
+    handle = layers[0].register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        device = next(model.parameters()).device
+        for chunk in samples.split(chunk_size):
+            try:
+                model(input_ids=chunk.to(device), use_cache=False)
+            except _Stop:
+                pass
+    finally:
+        handle.remove()
+    return captured
+
+
+@torch.no_grad()
+def calibrate_sequentially(
+    model: nn.Module,
+    samples: torch.Tensor,
+    targets: list[str],
+    observe: Callable[[str, torch.Tensor], None],
+    finish_layer: Callable[[list[str]], None],
+    chunk_size: int = 8,
+    desc: str = "calibrate",
+) -> int:
+    """Walk the decoder layer by layer: show each target Linear its inputs (`observe`), let
+    `finish_layer` replace that layer's targets, then run the changed layer to make the next
+    layer's inputs. Returns the process's peak resident memory in bytes."""
+    prefix, layers = decoder_layers(model)
+    outside = [name for name in targets if not name.startswith(prefix + ".")]
+    if outside:
+        raise SlimlmError(f"calibrated quantization handles Linear layers inside decoder layers; {outside[0]} is outside them: quantize it in a separate rtn stage")
+    captured = capture_layer_inputs(model, samples, chunk_size)
+    for index, layer in enumerate(tqdm(layers, desc=desc, unit="layer")):
+        names = [name for name in targets if name.startswith(f"{prefix}.{index}.")]
+        if names:
+            handles = [_observer(model.get_submodule(name), name, observe) for name in names]
+            try:
+                _run_layer(layer, captured)
+            finally:
+                for handle in handles:
+                    handle.remove()
+            finish_layer(names)
+        captured = [(output, kwargs) for output, (_, kwargs) in zip(_run_layer(layer, captured), captured)]
+    return peak_rss_bytes()
+
+
+def _observer(module: nn.Module, name: str, observe: Callable[[str, torch.Tensor], None]):
+    return module.register_forward_hook(lambda _module, inputs, _output: observe(name, inputs[0]))
+
+
+def _run_layer(layer: nn.Module, captured: Captured) -> Iterable[torch.Tensor]:
+    outputs = []
+    for hidden, kwargs in captured:
+        output = layer(hidden, **kwargs)
+        outputs.append(output[0] if isinstance(output, tuple) else output)
+    return outputs
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports kB

@@ -1,0 +1,106 @@
+"""GPTQ (Frantar et al., 2022): quantize a weight matrix column by column, each rounding error
+spread over the columns not yet quantized, in proportion to the inverse Hessian of the layer's
+reconstruction loss ||XW^T - XQ^T||^2 (H = 2 X^T X over calibration inputs X).
+
+Lazy batch updates: columns are processed in blocks; inside a block updates are immediate,
+the rest of the matrix is updated once per block. With act-order, columns go by decreasing
+H diagonal (the inputs with most energy first); group parameters are then fixed up front from
+the original weights (static groups), so the groups still follow the stored column order.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from slimlm.compress.rtn import QuantizedWeight, dequantize_codes, group_params, quantize_to_codes
+from slimlm.errors import SlimlmError
+from slimlm.qlinear import QuantScheme
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GPTQOptions:
+    damp: float = 0.01  # fraction of the mean Hessian diagonal added to it
+    block_size: int = 128
+    act_order: bool = True
+
+
+class HessianAccumulator:
+    """Running H = 2/n sum x x^T over every input row a Linear layer sees."""
+
+    def __init__(self, in_features: int):
+        self.hessian = torch.zeros(in_features, in_features, dtype=torch.float64)
+        self.rows = 0
+
+    def add(self, inputs: torch.Tensor) -> None:
+        x = inputs.detach().reshape(-1, inputs.shape[-1]).float()
+        if not torch.isfinite(x).all():
+            raise SlimlmError("calibration activations contain NaN or Inf; the model or calibration text is broken (check the fp32 perplexity first)")
+        total = self.rows + x.shape[0]
+        self.hessian *= self.rows / total
+        # The product in float32 (fast), the running sum in float64 (it adds many chunks).
+        self.hessian += (2.0 / total) * (x.T @ x).double().cpu()
+        self.rows = total
+
+
+def inverse_hessian_factor(hessian: torch.Tensor, damp: float, name: str) -> torch.Tensor:
+    """Upper Cholesky factor of H^-1, raising the damping tenfold (up to 3 times) if H is singular."""
+    mean_diag = float(hessian.diagonal().mean())
+    for attempt in range(4):
+        damping = damp * 10**attempt * mean_diag
+        try:
+            lower = torch.linalg.cholesky(hessian + damping * torch.eye(hessian.shape[0], dtype=hessian.dtype))
+            return torch.linalg.cholesky(torch.cholesky_inverse(lower), upper=True)
+        except torch.linalg.LinAlgError:
+            log.warning("%s: Hessian not positive definite at damping %.3g; raising it", name, damping)
+    raise SlimlmError(f"{name}: the Hessian stayed singular with damping up to {damp * 1000:g} of its mean diagonal; use more or longer calibration samples")
+
+
+def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, scheme: QuantScheme, options: GPTQOptions = GPTQOptions(), name: str = "layer") -> QuantizedWeight:
+    out_features, in_features = weight.shape
+    group = scheme.group_size or in_features
+    W = weight.detach().double().clone()
+    H = hessian.double().clone()
+    dead = H.diagonal() == 0  # inputs that were always zero carry no information
+    H[dead, dead] = 1.0
+    W[:, dead] = 0.0
+    # Group parameters: from the original weights up front when act-order reorders columns (or one
+    # group spans the row); otherwise from the updated weights when a group's first column is reached.
+    static = options.act_order or scheme.group_size is None
+    scales = torch.zeros(out_features, in_features // group, dtype=torch.float16)
+    zeros = None if scheme.symmetric else torch.zeros(out_features, in_features // group, dtype=torch.uint8)
+    if static:
+        for g in range(in_features // group):
+            _set_group(scales, zeros, g, *group_params(W[:, g * group : (g + 1) * group], scheme))
+    order = torch.argsort(H.diagonal(), descending=True) if options.act_order else torch.arange(in_features)
+    W, H = W[:, order], H[order][:, order]
+    Hinv = inverse_hessian_factor(H, options.damp, name)
+    codes = torch.zeros(out_features, in_features, dtype=torch.uint8)
+    block = group * max(1, options.block_size // group) if not static else options.block_size
+    for start in range(0, in_features, block):
+        end = min(start + block, in_features)
+        W1 = W[:, start:end].clone()
+        errors = torch.zeros_like(W1)
+        for i in range(end - start):
+            column = int(order[start + i])
+            g = column // group
+            if not static and column % group == 0:
+                _set_group(scales, zeros, g, *group_params(W1[:, i : i + group], scheme))
+            scale, zero = scales[:, g : g + 1].squeeze(1), None if zeros is None else zeros[:, g]
+            q = quantize_to_codes(W1[:, i : i + 1], scale, zero, scheme)
+            codes[:, column] = q[:, 0]
+            error = (W1[:, i] - dequantize_codes(q, scale, zero, scheme)[:, 0].double()) / Hinv[start + i, start + i]
+            W1[:, i:] -= error.unsqueeze(1) @ Hinv[start + i, start + i : end].unsqueeze(0)
+            errors[:, i] = error
+        W[:, end:] -= errors @ Hinv[start:end, end:]
+    return QuantizedWeight(codes=codes, scales=scales, zeros=zeros)
+
+
+def _set_group(scales: torch.Tensor, zeros, g: int, scale: torch.Tensor, zero) -> None:
+    scales[:, g] = scale
+    if zeros is not None:
+        zeros[:, g] = zero

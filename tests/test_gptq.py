@@ -1,0 +1,73 @@
+import pytest
+import torch
+
+from slimlm.compress.gptq import GPTQOptions, HessianAccumulator, gptq_quantize
+from slimlm.compress.rtn import quantize_rtn
+from slimlm.errors import SlimlmError
+from slimlm.qlinear import QuantLinear, QuantScheme
+
+
+def correlated_inputs(rows=2048, features=64, seed=0):
+    """Inputs whose features are strongly correlated and of very different energy, like activations."""
+    generator = torch.Generator().manual_seed(seed)
+    energy = torch.logspace(-1, 1, features)[torch.randperm(features, generator=generator)]
+    mixing = torch.randn(features, features, generator=generator) * energy
+    return torch.randn(rows, features, generator=generator) @ mixing
+
+
+def output_error(x, weight, quantized, scheme):
+    restored = QuantLinear.from_codes(quantized.codes, quantized.scales, quantized.zeros, scheme, None).dequantize()
+    return float(((x @ weight.T - x @ restored.T) ** 2).mean())
+
+
+def hessian_of(x):
+    accumulator = HessianAccumulator(x.shape[1])
+    for chunk in x.split(300):  # the running average must equal the one-shot 2/n X^T X
+        accumulator.add(chunk)
+    return accumulator.hessian
+
+
+def test_running_hessian_equals_the_closed_form():
+    x = correlated_inputs(rows=1000)
+    torch.testing.assert_close(hessian_of(x), 2.0 / 1000 * (x.double().T @ x.double()), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("scheme", [QuantScheme(bits=4, group_size=16), QuantScheme(bits=3, group_size=32, symmetric=False), QuantScheme(bits=4)], ids=str)
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gptq_beats_rtn_on_layer_output_error(scheme, act_order):
+    x = correlated_inputs()
+    weight = torch.randn(48, 64, generator=torch.Generator().manual_seed(1))
+    rtn = output_error(x, weight, quantize_rtn(weight, scheme), scheme)
+    gptq = output_error(x, weight, gptq_quantize(weight, hessian_of(x), scheme, GPTQOptions(act_order=act_order, block_size=32)), scheme)
+    assert gptq < 0.8 * rtn
+
+
+def test_lazy_block_updates_are_exact():
+    x = correlated_inputs()
+    weight = torch.randn(16, 64, generator=torch.Generator().manual_seed(4))
+    scheme = QuantScheme(bits=4, group_size=16)
+    for act_order in (False, True):
+        results = [gptq_quantize(weight, hessian_of(x), scheme, GPTQOptions(act_order=act_order, block_size=b)).codes for b in (16, 32, 64)]
+        assert all(torch.equal(results[0], other) for other in results[1:])
+
+
+def test_gptq_codes_lie_on_the_stored_grid():
+    x = correlated_inputs()
+    weight = torch.randn(16, 64, generator=torch.Generator().manual_seed(2))
+    scheme = QuantScheme(bits=4, group_size=16, symmetric=False)
+    q = gptq_quantize(weight, hessian_of(x), scheme)
+    assert q.codes.max() <= 15 and q.scales.shape == (16, 4) and q.zeros.shape == (16, 4)
+
+
+def test_dead_inputs_are_handled_and_singular_hessians_damped():
+    x = correlated_inputs()
+    x[:, 5] = 0.0  # an input that never fires
+    weight = torch.randn(8, 64, generator=torch.Generator().manual_seed(3))
+    q = gptq_quantize(weight, hessian_of(x), QuantScheme(bits=4, group_size=16))
+    assert torch.isfinite(q.scales.float()).all()
+
+
+def test_non_finite_activations_are_refused():
+    accumulator = HessianAccumulator(4)
+    with pytest.raises(SlimlmError, match="NaN or Inf"):
+        accumulator.add(torch.tensor([[1.0, float("nan"), 0.0, 1.0]]))
