@@ -55,4 +55,4 @@ if __name__ == "__main__":
     parser.add_argument("--command", required=True, help="the command that reproduces the run")
     parser.add_argument("--notes", type=Path, default=None, help="a Markdown file appended to the result")
     options = parser.parse_args()
-    print(publish(options.run_dir, options.name, options.command, options.notes))
+    print(publish(options.run_dir, options.name, options.command.strip(), options.notes))

@@ -79,12 +79,18 @@ def validate(cfg: DictConfig) -> Plan:
     return Plan(stages=stages, source=source)
 
 
+def pick_device(setting: str) -> torch.device:
+    if setting == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(setting)
+
+
 def execute(cfg: DictConfig, plan: Plan, run_dir: Path) -> str:
     """Load the model, run the stages, write the report; returns the Markdown report."""
     if cfg.hardware.threads:
         torch.set_num_threads(cfg.hardware.threads)
     torch.manual_seed(cfg.seed)
-    device = torch.device("cuda" if cfg.hardware.device == "auto" and torch.cuda.is_available() else cfg.hardware.device.replace("auto", "cpu"))
+    device = pick_device(cfg.hardware.device)
     started = time.perf_counter()
     loaded = load_model(cfg.model, device)
     timings = [("load model", time.perf_counter() - started)]
