@@ -16,7 +16,7 @@ from slimlm.compress.calibration import calibrate_sequentially, calibration_samp
 from slimlm.compress.gptq import GPTQOptions, HessianAccumulator, gptq_quantize
 from slimlm.compress.rtn import QuantizedWeight, quantize_rtn
 from slimlm.compress.targets import select_linear_modules
-from slimlm.data import check_text_source, load_text
+from slimlm.data import check_text_source, load_text, tokenize_text
 from slimlm.errors import ConfigError, SlimlmError
 from slimlm.packing import PACKABLE_BITS
 from slimlm.pipeline import RunState, Stage
@@ -96,8 +96,7 @@ def run(state: RunState, params: QuantizeParams) -> None:
 
 def run_gptq(state: RunState, params: QuantizeParams, names: list[str], replace) -> dict:
     """GPTQ layer by layer on calibration windows; returns what the report states about it."""
-    text = load_text(state.cfg.data.calibration, "calibration")
-    token_ids = torch.tensor(state.tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+    token_ids = tokenize_text(state.tokenizer, load_text(state.cfg.data.calibration, "calibration"))
     samples = calibration_samples(token_ids, params.samples, params.seq_len, params.seed)
     options = GPTQOptions(damp=params.damp, block_size=params.block_size, act_order=params.act_order)
     hessians: dict[str, HessianAccumulator] = {}

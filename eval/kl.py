@@ -26,6 +26,8 @@ import torch
 
 from slimlm.resources import cache_dir
 
+REST_FLOOR = 1e-6  # a rest of P below this is float32 rounding, not probability mass
+
 
 @dataclass
 class ReferenceLogits:
@@ -108,9 +110,6 @@ def topk_kl(reference: ReferenceLogits, log_q: torch.Tensor) -> torch.Tensor:
     has_rest = p_rest > REST_FLOOR
     kl_rest = torch.where(has_rest, p_rest.clamp(min=REST_FLOOR) * (p_rest.clamp(min=REST_FLOOR).log() - q_rest.log()), torch.zeros_like(p_rest))
     return (kl_top + kl_rest).clamp(min=0.0)
-
-
-REST_FLOOR = 1e-6
 
 
 class DistanceAccumulator:

@@ -43,10 +43,6 @@ class TextScores:
     reference: Optional[ReferenceLogits]  # collected when asked (the model is the original)
 
 
-def tokenize_text(tokenizer, text: str) -> torch.Tensor:
-    return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
-
-
 def window_count(n_tokens: int, window: int, max_windows: Optional[int]) -> int:
     available = n_tokens // window
     if available == 0:

@@ -26,7 +26,7 @@ from transformers import DynamicCache
 from transformers.generation.streamers import BaseStreamer
 
 from slimlm.errors import SlimlmError
-from slimlm.eval.perplexity import tokenize_text
+from slimlm.data import tokenize_text
 
 # The benchmark prompt: real English (so attention and tokenization behave as on real input), the
 # same for every model. Dickens, A Tale of Two Cities (1859), public domain.

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 from slimlm.config import check_metrics
-from slimlm.data import check_text_source, load_text
+from slimlm.data import check_text_source, load_text, tokenize_text
 from slimlm.errors import ConfigError
 from slimlm.eval.kl import ReferenceLogits, reference_path
-from slimlm.eval.perplexity import score_text, tokenize_text, window_count
+from slimlm.eval.perplexity import score_text, window_count
 from slimlm.eval.size import model_size
 from slimlm.models import load_model
 from slimlm.pipeline import RunState, Stage

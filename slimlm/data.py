@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
+import torch
+
 from slimlm.config import TextSourceConfig
 from slimlm.errors import SlimlmError
 from slimlm.resources import resolve_path
@@ -49,3 +51,8 @@ def load_text(src: TextSourceConfig, role: str) -> str:
     if not text.strip():
         raise SlimlmError(f"data.{role}: '{src.path}' contains no text")
     return text
+
+
+def tokenize_text(tokenizer, text: str) -> torch.Tensor:
+    """A whole text as one 1-D tensor of token ids, without special tokens (windows are cut later)."""
+    return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
