@@ -16,6 +16,7 @@ from omegaconf import MISSING
 from slimlm.errors import ConfigError
 
 DEVICES = ("cpu", "cuda", "auto")
+BNB_MODES = ("int8", "nf4")  # bitsandbytes quantization on load (the peer baselines)
 
 
 @dataclass
@@ -31,8 +32,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "float16", "bfloat16"):
             raise ConfigError(f"model.dtype='{self.dtype}' is not supported; use float32, float16 or bfloat16")
-        if self.bnb not in (None, "int8", "nf4"):
-            raise ConfigError(f"model.bnb='{self.bnb}' is unknown; use int8, nf4 or null")
+        if self.bnb is not None and self.bnb not in BNB_MODES:
+            raise ConfigError(f"model.bnb='{self.bnb}' is unknown; use {' or '.join(BNB_MODES)}, or null")
 
 
 @dataclass

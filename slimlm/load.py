@@ -12,6 +12,7 @@ from typing import Optional
 
 from omegaconf import OmegaConf
 
+from slimlm.config import BNB_MODES
 from slimlm.errors import ConfigError
 from slimlm.models import load_model
 from slimlm.pipeline import RunState, Stage
@@ -23,8 +24,8 @@ class LoadParams:
     artifact: Optional[str] = None  # a slimlm artifact directory to load instead
 
     def __post_init__(self) -> None:
-        if self.bnb not in (None, "int8", "nf4"):
-            raise ConfigError(f"load.bnb='{self.bnb}' is unknown; use int8, nf4 or leave it out")
+        if self.bnb is not None and self.bnb not in BNB_MODES:
+            raise ConfigError(f"load.bnb='{self.bnb}' is unknown; use {' or '.join(BNB_MODES)}, or leave it out")
         if self.bnb and self.artifact:
             raise ConfigError("load: give either bnb or artifact, not both")
 

@@ -56,12 +56,14 @@ def resolve_model(cfg: ModelConfig) -> ModelSource:
         source = ModelSource(cfg.path, "hub", None, None)
     else:
         raise SlimlmError(f"model.path '{cfg.path}' does not exist: give a local checkpoint directory, a .gguf file or a hub id (org/name)")
-    if source.architecture is not None and source.architecture not in SUPPORTED_ARCHITECTURES:
-        raise SlimlmError(
-            f"model '{cfg.path}' has architecture '{source.architecture}', which slimlm does not support; "
-            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
+    if source.architecture is not None:
+        check_architecture(cfg.path, source.architecture)
     return source
+
+
+def check_architecture(path: str, architecture: str) -> None:
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise SlimlmError(f"model '{path}' has architecture '{architecture}', which slimlm does not support; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
 
 
 def _gguf_header(path: Path) -> tuple[str, Optional[int]]:
@@ -109,8 +111,7 @@ def load_model(cfg: ModelConfig, device: torch.device) -> LoadedModel:
     else:
         directory = source.id
     model, tokenizer = _from_pretrained(str(directory), dtype, cfg.revision, source, **bnb_arguments(cfg.bnb, dtype, device))
-    if model.config.model_type not in SUPPORTED_ARCHITECTURES:
-        raise SlimlmError(f"model '{cfg.path}' has architecture '{model.config.model_type}', which slimlm does not support; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    check_architecture(cfg.path, model.config.model_type)  # hub ids are only known once loaded
     if cfg.bnb is None:
         model = model.to(device)
     return LoadedModel(model.eval(), tokenizer, source, sha256)
