@@ -7,7 +7,6 @@ it will really see, and memory holds one layer's activations, not the whole mode
 
 from __future__ import annotations
 
-import resource
 from typing import Any, Callable, Iterable
 
 import torch
@@ -15,6 +14,7 @@ from torch import nn
 from tqdm import tqdm
 
 from slimlm.errors import SlimlmError
+from slimlm.memory import peak_memory
 
 Captured = list[tuple[torch.Tensor, dict[str, Any]]]  # per chunk: hidden states and the layer's other arguments
 
@@ -79,24 +79,26 @@ def calibrate_sequentially(
 ) -> int:
     """Walk the decoder layer by layer: show each target Linear its inputs (`observe`), let
     `finish_layer` replace that layer's targets, then run the changed layer to make the next
-    layer's inputs. Returns the process's peak resident memory in bytes."""
+    layer's inputs. Returns the peak memory of the walk in bytes (resident set on a CPU,
+    torch's allocations on a GPU)."""
     prefix, layers = decoder_layers(model)
     outside = [name for name in targets if not name.startswith(prefix + ".")]
     if outside:
         raise SlimlmError(f"calibrated quantization handles Linear layers inside decoder layers; {outside[0]} is outside them: quantize it in a separate rtn stage")
-    captured = capture_layer_inputs(model, samples, chunk_size)
-    for index, layer in enumerate(tqdm(layers, desc=desc, unit="layer")):
-        names = [name for name in targets if name.startswith(f"{prefix}.{index}.")]
-        if names:
-            handles = [_observer(model.get_submodule(name), name, observe) for name in names]
-            try:
-                _run_layer(layer, captured)
-            finally:
-                for handle in handles:
-                    handle.remove()
-            finish_layer(names)
-        captured = [(output, kwargs) for output, (_, kwargs) in zip(_run_layer(layer, captured), captured)]
-    return peak_rss_bytes()
+    with peak_memory(next(model.parameters()).device) as peak:
+        captured = capture_layer_inputs(model, samples, chunk_size)
+        for index, layer in enumerate(tqdm(layers, desc=desc, unit="layer")):
+            names = [name for name in targets if name.startswith(f"{prefix}.{index}.")]
+            if names:
+                handles = [_observer(model.get_submodule(name), name, observe) for name in names]
+                try:
+                    _run_layer(layer, captured)
+                finally:
+                    for handle in handles:
+                        handle.remove()
+                finish_layer(names)
+            captured = [(output, kwargs) for output, (_, kwargs) in zip(_run_layer(layer, captured), captured)]
+    return peak.bytes
 
 
 def _observer(module: nn.Module, name: str, observe: Callable[[str, torch.Tensor], None]):
@@ -109,7 +111,3 @@ def _run_layer(layer: nn.Module, captured: Captured) -> Iterable[torch.Tensor]:
         output = layer(hidden, **kwargs)
         outputs.append(output[0] if isinstance(output, tuple) else output)
     return outputs
-
-
-def peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports kB

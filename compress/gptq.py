@@ -30,10 +30,12 @@ class GPTQOptions:
 
 
 class HessianAccumulator:
-    """Running H = 2/n sum x x^T over every input row a Linear layer sees."""
+    """Running H = 2/n sum x x^T over every input row a Linear layer sees, and the mean |x| of
+    each input feature (AWQ's activation statistic)."""
 
     def __init__(self, in_features: int):
         self.hessian = torch.zeros(in_features, in_features, dtype=torch.float64)
+        self.abs_mean = torch.zeros(in_features, dtype=torch.float64)
         self.rows = 0
 
     def add(self, inputs: torch.Tensor) -> None:
@@ -44,7 +46,15 @@ class HessianAccumulator:
         self.hessian *= self.rows / total
         # The product in float32 (fast), the running sum in float64 (it adds many chunks).
         self.hessian += (2.0 / total) * (x.T @ x).double().cpu()
+        self.abs_mean *= self.rows / total
+        self.abs_mean += x.abs().sum(dim=0).double().cpu() / total
         self.rows = total
+
+    def divide_inputs(self, scale: torch.Tensor) -> None:
+        """The statistics of x / scale: what the layer sees after AWQ moves `scale` into its weight."""
+        scale = scale.double().cpu()
+        self.hessian /= scale[:, None] * scale[None, :]
+        self.abs_mean /= scale
 
 
 def inverse_hessian_factor(hessian: torch.Tensor, damp: float, name: str) -> torch.Tensor:

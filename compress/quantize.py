@@ -1,39 +1,56 @@
 """The `quantize` stage: replace the selected Linear layers with quantized ones.
 
-Methods: `rtn` (round to nearest, no data) and `gptq` (calibrated on data.calibration, layer by
-layer; see compress/gptq.py and compress/calibration.py).
+Methods: `rtn` (round to nearest, no data), `gptq` and `awq` (calibrated on data.calibration,
+layer by layer; see compress/gptq.py, compress/awq.py and compress/calibration.py). Layers
+outside the decoder layers (the LM head) are rounded with RTN whatever the method. With `bpw`
+set, each layer's bit width is chosen from `candidate_bits` to meet that average budget
+(compress/mixed.py).
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import torch
 from tqdm import tqdm
 
-from slimlm.compress.calibration import calibrate_sequentially, calibration_samples
+from slimlm.compress.awq import AWQOptions, awq_quantize_layer
+from slimlm.compress.calibration import calibrate_sequentially, calibration_samples, decoder_layers
 from slimlm.compress.gptq import GPTQOptions, HessianAccumulator, gptq_quantize
+from slimlm.compress.mixed import bits_per_weight, choose_bits, fisher_diagonal, predicted_loss
 from slimlm.compress.rtn import QuantizedWeight, quantize_rtn
 from slimlm.compress.targets import select_linear_modules
 from slimlm.data import check_text_source, load_text, tokenize_text
 from slimlm.errors import ConfigError, SlimlmError
+from slimlm.memory import peak_memory
 from slimlm.packing import PACKABLE_BITS
 from slimlm.pipeline import RunState, Stage
-from slimlm.qlinear import QuantLinear, QuantScheme, set_submodule
+from slimlm.qlinear import QuantLinear, QuantScheme, set_submodule, tie_quantized_head
 
-METHODS = ("rtn", "gptq")
+log = logging.getLogger(__name__)
+
+METHODS = ("rtn", "gptq", "awq")
+CALIBRATED = ("gptq", "awq")
 
 
 @dataclass
 class QuantizeParams:
     method: str = "rtn"
-    bits: int = 8
+    bits: Optional[int] = None  # uniform bit width (8 when neither bits nor bpw is given)
     group_size: Optional[int] = None  # None: one scale per output channel
     symmetric: bool = True
     targets: List[str] = field(default_factory=lambda: [r"model\.layers\.\d+\..*"])
     ignore: List[str] = field(default_factory=list)
-    # Calibration (gptq): windows of data.calibration, chosen at random with `seed`.
+    # Mixed precision: a budget in average bits per weight over the quantized layers (scales and
+    # zero points counted), met by choosing each layer's bit width from candidate_bits by its
+    # measured sensitivity (Fisher-weighted rounding error on sensitivity_samples windows).
+    bpw: Optional[float] = None
+    candidate_bits: List[int] = field(default_factory=lambda: [2, 3, 4, 8])
+    sensitivity_samples: int = 32
+    # Calibration (gptq, awq, sensitivity): windows of data.calibration, chosen at random with `seed`.
     samples: int = 64
     seq_len: int = 256
     seed: int = 0
@@ -41,26 +58,38 @@ class QuantizeParams:
     damp: float = 0.01
     block_size: int = 128
     act_order: bool = True
+    # AWQ: points of the scale search and of the clipping search.
+    awq_grid: int = 20
+    awq_clip_grid: int = 20
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ConfigError(f"quantize.method='{self.method}' is unknown; available: {', '.join(METHODS)}")
-        if self.bits not in PACKABLE_BITS:
-            raise ConfigError(f"quantize.bits={self.bits} is not supported; choose one of {', '.join(map(str, PACKABLE_BITS))}")
+        if self.bits is not None and self.bpw is not None:
+            raise ConfigError("quantize: give bits (one width for every layer) or bpw (a mixed-precision budget), not both")
+        for bits in [self.bits] if self.bpw is None else self.candidate_bits:
+            if bits is not None and bits not in PACKABLE_BITS:
+                raise ConfigError(f"quantize: {bits}-bit weights are not supported; choose from {', '.join(map(str, PACKABLE_BITS))}")
+        if self.bpw is not None and len(set(self.candidate_bits)) < 2:
+            raise ConfigError(f"quantize.candidate_bits={self.candidate_bits}: mixed precision needs at least two bit widths to choose from")
         if self.group_size is not None and self.group_size < 8:
             raise ConfigError(f"quantize.group_size={self.group_size} must be at least 8 (or null for one scale per output channel)")
-        if self.samples < 1 or self.seq_len < 2:
-            raise ConfigError(f"quantize: samples ({self.samples}) must be at least 1 and seq_len ({self.seq_len}) at least 2")
+        if self.samples < 1 or self.seq_len < 2 or self.sensitivity_samples < 1:
+            raise ConfigError(f"quantize: samples ({self.samples}) and sensitivity_samples ({self.sensitivity_samples}) must be at least 1 and seq_len ({self.seq_len}) at least 2")
         if not 0 < self.damp < 1:
             raise ConfigError(f"quantize.damp={self.damp} must lie between 0 and 1 (0.01 is usual)")
-        if self.block_size < 1:
-            raise ConfigError(f"quantize.block_size={self.block_size} must be at least 1")
+        if self.block_size < 1 or self.awq_grid < 1 or self.awq_clip_grid < 2:
+            raise ConfigError("quantize: block_size and awq_grid must be at least 1, awq_clip_grid at least 2")
         if not self.targets:
             raise ConfigError("quantize.targets is empty: give at least one regex over module names, e.g. 'model\\.layers\\.\\d+\\..*'")
 
+    def scheme_for(self, bits: int) -> QuantScheme:
+        return QuantScheme(bits=bits, group_size=self.group_size, symmetric=self.symmetric, method=self.method)
+
     @property
     def scheme(self) -> QuantScheme:
-        return QuantScheme(bits=self.bits, group_size=self.group_size, symmetric=self.symmetric, method=self.method)
+        """The uniform scheme (mixed precision uses scheme_for each chosen width)."""
+        return self.scheme_for(self.bits or 8)
 
 
 def check_shapes(model, names: list[str], scheme: QuantScheme) -> None:
@@ -73,37 +102,51 @@ def check_shapes(model, names: list[str], scheme: QuantScheme) -> None:
 
 @torch.no_grad()
 def run(state: RunState, params: QuantizeParams) -> None:
-    scheme = params.scheme
+    started = time.perf_counter()
     names = select_linear_modules(state.model, params.targets, params.ignore)
-    check_shapes(state.model, names, scheme)
+    check_shapes(state.model, names, params.scheme)
+    section: dict = {"method": params.method, "bits": params.bits, "group_size": params.group_size, "symmetric": params.symmetric, "layers": len(names)}
+    if params.bpw is None:
+        schemes = {name: params.scheme for name in names}
+    else:
+        schemes, section["mixed_precision"] = mixed_schemes(state, params, names)
     errors: dict[str, float] = {}
 
-    def replace(name: str, quantized: QuantizedWeight) -> None:
+    def replace(name: str, quantized: QuantizedWeight, scheme: QuantScheme) -> None:
         linear = state.model.get_submodule(name)
         layer = QuantLinear.from_codes(quantized.codes, quantized.scales, quantized.zeros, scheme, linear.bias)
         errors[name] = relative_error(linear.weight, layer.dequantize())
+        tied = linear is state.model.get_output_embeddings() and getattr(state.model.get_input_embeddings(), "weight", None) is linear.weight
         set_submodule(state.model, name, layer)
+        if tied:
+            tie_quantized_head(state.model)
         state.schemes[name] = scheme.to_dict()
 
-    section = {"method": params.method, "bits": params.bits, "group_size": params.group_size, "symmetric": params.symmetric, "layers": len(names)}
-    if params.method == "gptq":
-        section.update(run_gptq(state, params, names, replace))
-    else:
-        for name in tqdm(names, desc=f"quantize rtn int{params.bits}", unit="layer"):
-            replace(name, quantize_rtn(state.model.get_submodule(name).weight, scheme))
+    inside = []
+    if params.method in CALIBRATED:
+        layer_prefix = decoder_layers(state.model)[0] + "."
+        inside = [name for name in names if name.startswith(layer_prefix)]
+    if inside:
+        section.update(run_calibrated(state, params, {name: schemes[name] for name in inside}, replace))
+    rounded = [name for name in names if name not in inside]
+    if inside and rounded:
+        log.info("%d layer(s) outside the decoder layers (%s) are rounded with RTN", len(rounded), ", ".join(rounded[:3]))
+    for name in tqdm(rounded, desc="quantize rtn", unit="layer", disable=not rounded):
+        scheme = QuantScheme(**{**schemes[name].to_dict(), "method": "rtn"})
+        replace(name, quantize_rtn(state.model.get_submodule(name).weight, scheme), scheme)
+    section["seconds"] = round(time.perf_counter() - started, 2)
     state.sections.setdefault("quantization", []).append({**section, "weight_rel_error": errors})
 
 
-def run_gptq(state: RunState, params: QuantizeParams, names: list[str], replace) -> dict:
-    """GPTQ layer by layer on calibration windows; returns what the report states about it."""
-    token_ids = tokenize_text(state.tokenizer, load_text(state.cfg.data.calibration, "calibration"))
-    samples = calibration_samples(token_ids, params.samples, params.seq_len, params.seed)
-    options = GPTQOptions(damp=params.damp, block_size=params.block_size, act_order=params.act_order)
+def run_calibrated(state: RunState, params: QuantizeParams, schemes: dict[str, QuantScheme], replace: Callable) -> dict:
+    """GPTQ or AWQ layer by layer on calibration windows; returns what the report states about it."""
+    samples = calibration_windows(state, params.samples, params.seq_len, params.seed)
     hessians: dict[str, HessianAccumulator] = {}
     previous: list = [None, None]  # the last input tensor seen and its accumulator
+    awq_errors: dict[str, list[float]] = {}
 
     def observe(name: str, inputs: torch.Tensor) -> None:
-        # q/k/v (and gate/up) read the very same activations: share one Hessian between them.
+        # q/k/v (and gate/up) read the very same activations: share one accumulator between them.
         if inputs is previous[0]:
             hessians[name] = previous[1]
             return
@@ -112,16 +155,74 @@ def run_gptq(state: RunState, params: QuantizeParams, names: list[str], replace)
         previous[:] = [inputs, accumulator]
 
     def finish_layer(layer_names: list[str]) -> None:
+        if params.method == "gptq":
+            options = GPTQOptions(damp=params.damp, block_size=params.block_size, act_order=params.act_order)
+            for name in layer_names:
+                weight = state.model.get_submodule(name).weight
+                replace(name, gptq_quantize(weight, hessians[name].hessian, schemes[name], options, name), schemes[name])
+        else:
+            prefix = decoder_layer_name(layer_names[0])
+            quantized = awq_quantize_layer(
+                state.model.get_submodule(prefix), prefix, {n: schemes[n] for n in layer_names}, hessians,
+                AWQOptions(grid=params.awq_grid, clip_grid=params.awq_clip_grid),
+                on_scaled=lambda name, error, rtn: awq_errors.__setitem__(name, [round(error, 6), round(rtn, 6)]),
+            )
+            for name, weight in quantized.items():
+                replace(name, weight, schemes[name])
         for name in layer_names:
-            weight = state.model.get_submodule(name).weight
-            replace(name, gptq_quantize(weight, hessians.pop(name).hessian, params.scheme, options, name))
+            hessians.pop(name, None)
 
-    peak = calibrate_sequentially(state.model, samples, names, observe, finish_layer, desc=f"gptq int{params.bits}")
-    return {"calibration_tokens": samples.numel(), "samples": params.samples, "seq_len": params.seq_len, "peak_rss_bytes": peak}
+    peak = calibrate_sequentially(state.model, samples, list(schemes), observe, finish_layer, desc=f"{params.method} {describe_bits(schemes)}")
+    result = {"calibration_tokens": samples.numel(), "samples": params.samples, "seq_len": params.seq_len, "calibration_peak_memory_bytes": peak}
+    if awq_errors:
+        result["awq_output_error"] = awq_errors  # per scaled mapping: [with the chosen scale, plain RTN]
+    return result
+
+
+def decoder_layer_name(name: str) -> str:
+    """'model.layers.3.self_attn.q_proj' -> 'model.layers.3'."""
+    return ".".join(name.split(".")[:3])
+
+
+def describe_bits(schemes: dict[str, QuantScheme]) -> str:
+    widths = sorted({scheme.bits for scheme in schemes.values()})
+    return f"int{widths[0]}" if len(widths) == 1 else "mixed int" + "/".join(map(str, widths))
+
+
+def calibration_windows(state: RunState, samples: int, seq_len: int, seed: int) -> torch.Tensor:
+    """Windows of data.calibration; the text is tokenized once per run."""
+    if "calibration_ids" not in state.memo:
+        state.memo["calibration_ids"] = tokenize_text(state.tokenizer, load_text(state.cfg.data.calibration, "calibration"))
+    return calibration_samples(state.memo["calibration_ids"], samples, seq_len, seed)
+
+
+def mixed_schemes(state: RunState, params: QuantizeParams, names: list[str]) -> tuple[dict[str, QuantScheme], dict]:
+    """Each layer's scheme under the bpw budget, and the report section that explains the choice."""
+    windows = calibration_windows(state, params.sensitivity_samples, params.seq_len, params.seed + 1)
+    with torch.enable_grad(), peak_memory(state.device) as peak:
+        fisher = fisher_diagonal(state.model, windows, names)
+    candidates = sorted(set(params.candidate_bits))
+    costs, sizes = {}, {}
+    for name in tqdm(names, desc="sensitivity per layer", unit="layer"):
+        linear = state.model.get_submodule(name)
+        costs[name] = {b: predicted_loss(linear.weight, fisher[name], params.scheme_for(b), params.seq_len) for b in candidates}
+        sizes[name] = (linear.weight.numel(), {b: bits_per_weight(params.scheme_for(b), linear.in_features) for b in candidates})
+    allocation = choose_bits(costs, sizes, params.bpw)
+    section = {
+        "budget_bpw": params.bpw,
+        "achieved_bpw": round(allocation.bpw, 4),
+        "candidate_bits": candidates,
+        "predicted_kl": round(allocation.predicted_loss, 6),
+        "sensitivity_windows": params.sensitivity_samples,
+        "sensitivity_peak_memory_bytes": peak.bytes,
+        "bits": allocation.bits,
+        "predicted_kl_per_layer": {name: {str(b): cost for b, cost in per_bits.items()} for name, per_bits in costs.items()},
+    }
+    return {name: params.scheme_for(allocation.bits[name]) for name in names}, section
 
 
 def check(cfg, params: QuantizeParams, source) -> None:
-    if params.method == "gptq":
+    if params.method in CALIBRATED or params.bpw is not None:
         check_text_source(cfg.data.calibration, "calibration")
 
 

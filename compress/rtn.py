@@ -63,3 +63,17 @@ def quantize_rtn(weight: torch.Tensor, scheme: QuantScheme) -> QuantizedWeight:
         scales=scale.reshape(out_features, groups),
         zeros=None if zero is None else zero.reshape(out_features, groups),
     )
+
+
+def dequantize_weight(quantized: QuantizedWeight, scheme: QuantScheme) -> torch.Tensor:
+    """The float32 weight [out, in] that `quantized` stands for."""
+    out_features, in_features = quantized.codes.shape
+    groups = quantized.scales.shape[1]
+    codes = quantized.codes.reshape(out_features * groups, in_features // groups)
+    zeros = None if quantized.zeros is None else quantized.zeros.reshape(-1)
+    return dequantize_codes(codes, quantized.scales.reshape(-1), zeros, scheme).reshape(out_features, in_features)
+
+
+def fake_quantize(weight: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
+    """RTN quantize and dequantize: the weight as the quantized layer will see it (float32)."""
+    return dequantize_weight(quantize_rtn(weight, scheme), scheme)

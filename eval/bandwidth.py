@@ -159,7 +159,7 @@ def decode_bytes_per_token(model: nn.Module, context_tokens: int, batch_size: in
     An embedding table counts as one row, except when it is also the LM head (tied weights):
     then the LM head reads all of it, counted once. Norms and biases are parameters, counted.
     The KV cache assumes every layer attends to the whole context (no sliding window) and is
-    stored in the dtype of the input embeddings (the activation dtype). This is the minimum a
+    stored in the model's floating-point dtype (the activation dtype). This is the minimum a
     step must read; layers that dequantize into a temporary (QuantLinear) move more.
     """
     if context_tokens < 0 or batch_size < 1:
@@ -186,7 +186,7 @@ def kv_cache_bytes(model: nn.Module, context_tokens: int) -> int:
         raise SlimlmError(f"cannot size the KV cache: the model's config has no {error.name}; decode_bytes_per_token needs a decoder-only transformer config") from None
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    dtype_bytes = model.get_input_embeddings().weight.element_size()
+    dtype_bytes = next(p for p in model.parameters() if p.is_floating_point()).element_size()
     return 2 * layers * kv_heads * head_dim * context_tokens * dtype_bytes
 
 

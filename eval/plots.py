@@ -61,3 +61,29 @@ def plot_layer_errors(errors: dict[str, float], title: str, path: Path) -> Optio
     figure.savefig(path, dpi=120)
     plt.close(figure)
     return path
+
+
+def plot_bit_map(bits: dict[str, int], title: str, path: Path) -> Optional[Path]:
+    """The bit width chosen for each Linear layer: decoder layers down, module kinds across."""
+    if not bits:
+        return None
+    rows: dict[str, dict[str, int]] = {}
+    for name, width in bits.items():
+        block, _, kind = name.rpartition(".")
+        rows.setdefault(block.rsplit(".", 1)[0], {})[kind] = width  # 'model.layers.3.mlp' -> 'model.layers.3'
+    kinds = list(dict.fromkeys(kind for per_kind in rows.values() for kind in per_kind))
+    grid = [[per_kind.get(kind, float("nan")) for kind in kinds] for per_kind in rows.values()]
+    widths = sorted(set(bits.values()))
+    figure, axis = plt.subplots(figsize=(1.2 * len(kinds) + 2, 0.25 * len(rows) + 1.5))
+    cmap = plt.get_cmap("viridis", len(widths))
+    image = axis.imshow(grid, aspect="auto", cmap=cmap, vmin=min(widths) - 0.5, vmax=max(widths) + 0.5)
+    axis.set_xticks(range(len(kinds)), kinds, rotation=30, ha="right")
+    axis.set_yticks(range(len(rows)), [block.rsplit(".", 1)[-1] for block in rows], fontsize=7)
+    axis.set_ylabel("decoder layer")
+    axis.set_title(title)
+    colorbar = figure.colorbar(image, ticks=widths)
+    colorbar.set_label("bits")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path

@@ -12,7 +12,7 @@ import math
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from slimlm.eval.plots import plot_layer_errors, plot_size_quality
+from slimlm.eval.plots import plot_bit_map, plot_layer_errors, plot_size_quality
 from slimlm.rundir import machine_info, write_atomic
 
 def decimals(places: int) -> Callable[[Any], str]:
@@ -34,6 +34,8 @@ TABLES: list[tuple[str, list[Column]]] = [
         ("bytes", "bytes", lambda v: f"{v:,}"),
         ("size_pct_of_first", "size %", decimals(1)),
         ("bits_per_weight", "bits/weight", decimals(2)),
+        ("quant_s", "quantize s", decimals(1)),
+        ("calibration_peak_memory_bytes", "calibration peak", lambda v: f"{v / 2**20:,.0f} MiB"),
     ]),
     ("Zero-shot accuracy (%)", [
         ("lambada_acc", "LAMBADA acc", percent),
@@ -125,10 +127,21 @@ def render_markdown(report: dict[str, Any], plots: Sequence[str]) -> str:
         lines += [
             "## Quantization",
             "",
-            f"{quant['method']} int{quant['bits']}: {quant['layers']} Linear layers; relative weight error "
-            f"‖W−Q(W)‖/‖W‖ mean {sum(errors) / len(errors):.5f}, max {max(errors):.5f}.",
+            f"{quantization_title(quant)}: {quant['layers']} Linear layers in {quant['seconds']:.1f} s; relative weight error "
+            f"‖W−Q(W)‖/‖W‖ mean {sum(errors) / len(errors):.5f}, max {max(errors):.5f}."
+            + (f" Peak memory while calibrating layer by layer: {quant['calibration_peak_memory_bytes'] / 2**20:,.0f} MiB." if "calibration_peak_memory_bytes" in quant else ""),
             "",
         ]
+        mixed = quant.get("mixed_precision")
+        if mixed:
+            counts = {b: sum(1 for chosen in mixed["bits"].values() if chosen == b) for b in mixed["candidate_bits"]}
+            lines += [
+                f"Mixed precision: budget {mixed['budget_bpw']} bits per weight, achieved {mixed['achieved_bpw']:.3f} "
+                f"(scales counted); layers per width: " + ", ".join(f"int{b}: {n}" for b, n in counts.items())
+                + f"; predicted KL {mixed['predicted_kl']:.4f} (Fisher proxy, {mixed['sensitivity_windows']} windows; "
+                f"peak memory of that pass {mixed['sensitivity_peak_memory_bytes'] / 2**20:,.0f} MiB).",
+                "",
+            ]
     for artifact in report.get("artifacts", []):
         lines += ["## Artifact", "", f"`{artifact['path']}` in the run directory ({artifact['format']}), {artifact['bytes_on_disk']:,} bytes on disk.", ""]
     for gen in report.get("generations", []):
@@ -149,12 +162,21 @@ def render_markdown(report: dict[str, Any], plots: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
+def quantization_title(quant: dict) -> str:
+    mixed = quant.get("mixed_precision")
+    width = f"mixed {mixed['budget_bpw']} bpw" if mixed else f"int{quant['bits'] or 8}"
+    group = f" g{quant['group_size']}" if quant.get("group_size") else ""
+    return f"{quant['method']} {width}{group}"
+
+
 def write_plots(run_dir: Path, report: dict[str, Any]) -> list[str]:
     """Plots next to the report; returns their names relative to the run directory."""
     written = [plot_size_quality(report["rows"], run_dir / "size_vs_quality.png")]
     for index, quant in enumerate(report.get("quantization", [])):
-        title = f"{quant['method']} int{quant['bits']}: per-layer weight error"
+        title = f"{quantization_title(quant)}: per-layer weight error"
         written.append(plot_layer_errors(quant["weight_rel_error"], title, run_dir / f"layer_error_{index + 1}.png"))
+        if quant.get("mixed_precision"):
+            written.append(plot_bit_map(quant["mixed_precision"]["bits"], f"{quantization_title(quant)}: bits per layer", run_dir / f"bit_map_{index + 1}.png"))
     return [p.name for p in written if p is not None]
 
 

@@ -13,12 +13,9 @@ from __future__ import annotations
 import functools
 import inspect
 import statistics
-import threading
 import time
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from pathlib import Path
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -27,6 +24,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from slimlm.errors import SlimlmError
 from slimlm.data import tokenize_text
+from slimlm.memory import peak_memory
 
 # The benchmark prompt: real English (so attention and tokenization behave as on real input), the
 # same for every model. Dickens, A Tale of Two Cities (1859), public domain.
@@ -39,10 +37,6 @@ PASSAGE = (
     "present period, that some of its noisiest authorities insisted on its being received, for good "
     "or for evil, in the superlative degree of comparison only."
 )
-
-PROC_STATUS = Path("/proc/self/status")
-PROC_CLEAR_REFS = Path("/proc/self/clear_refs")
-
 
 @dataclass(frozen=True)
 class DecodeRun:
@@ -82,12 +76,6 @@ class SpeedResult:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-@dataclass
-class PeakMemory:
-    kind: str  # "rss" or "cuda_allocated"
-    bytes: int = 0  # filled in when the measured block ends
 
 
 Decoder = Callable[[nn.Module, torch.Tensor, int], DecodeRun]
@@ -180,71 +168,6 @@ def generate_decode(model: nn.Module, input_ids: torch.Tensor, new_tokens: int, 
     )
     end = device_clock(device)
     return DecodeRun(tokens=output[:, input_ids.shape[1] :], ttft_s=clock.first_token_at - start, decode_s=end - clock.first_token_at)
-
-
-def peak_memory(device: torch.device):
-    """A context manager yielding a PeakMemory that holds the block's peak memory when it ends.
-
-    CUDA: the peak of torch's allocations (`max_memory_allocated` after resetting the peak).
-    Elsewhere, the process's peak resident set size. On Linux we reset the kernel's own peak
-    (VmHWM, via /proc/self/clear_refs) and read it afterwards: exact, free, and it misses no
-    short-lived allocation. Where that is not possible a thread samples RSS every millisecond,
-    which costs a little CPU and can miss peaks shorter than that.
-    """
-    if device.type == "cuda":
-        return _cuda_peak(device)
-    return _kernel_peak_rss() if _reset_kernel_peak_rss() else _sampled_peak_rss()
-
-
-@contextmanager
-def _cuda_peak(device: torch.device) -> Iterator[PeakMemory]:
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    peak = PeakMemory("cuda_allocated")
-    yield peak
-    torch.cuda.synchronize(device)
-    peak.bytes = torch.cuda.max_memory_allocated(device)
-
-
-def _reset_kernel_peak_rss() -> bool:
-    """Reset this process's VmHWM to its current RSS; False where the kernel does not allow it (not Linux)."""
-    try:
-        PROC_CLEAR_REFS.write_text("5")
-    except OSError:
-        return False
-    return True
-
-
-@contextmanager
-def _kernel_peak_rss() -> Iterator[PeakMemory]:
-    peak = PeakMemory("rss")
-    yield peak
-    line = next(line for line in PROC_STATUS.read_text().splitlines() if line.startswith("VmHWM:"))
-    peak.bytes = int(line.split()[1]) * 1024  # reported in kB
-
-
-@contextmanager
-def _sampled_peak_rss(interval_s: float = 0.001) -> Iterator[PeakMemory]:
-    try:
-        import psutil
-    except ImportError:
-        raise SlimlmError("measuring peak memory on this system needs psutil: run `pip install psutil`") from None
-    process = psutil.Process()
-    peak = PeakMemory("rss", process.memory_info().rss)
-    stop = threading.Event()
-
-    def sample() -> None:
-        while not stop.wait(interval_s):
-            peak.bytes = max(peak.bytes, process.memory_info().rss)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    try:
-        yield peak
-    finally:
-        stop.set()
-        sampler.join()
-    peak.bytes = max(peak.bytes, process.memory_info().rss)
 
 
 def measure_speed(model: nn.Module, tokenizer, prompt_tokens: int = 16, new_tokens: int = 128, batch_size: int = 1, warmup: int = 1, repeats: int = 3, prompt_text: Optional[str] = None) -> SpeedResult:

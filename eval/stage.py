@@ -8,6 +8,7 @@ a cached reference); size; zeroshot accuracy; speed.
 from __future__ import annotations
 
 import gc
+import math
 from dataclasses import dataclass
 from typing import List, Optional
 
@@ -15,7 +16,7 @@ from slimlm.config import check_metrics
 from slimlm.data import check_text_source, load_text, tokenize_text
 from slimlm.errors import ConfigError
 from slimlm.eval.kl import ReferenceLogits, reference_path
-from slimlm.eval.perplexity import score_text, window_count
+from slimlm.eval.perplexity import PerplexityResult, score_text, window_count
 from slimlm.eval.size import model_size
 from slimlm.models import load_model
 from slimlm.pipeline import RunState, Stage
@@ -40,6 +41,12 @@ def metrics_of(state_cfg, params: EvaluateParams) -> list[str]:
 def run(state: RunState, params: EvaluateParams) -> None:
     metrics = metrics_of(state.cfg, params)
     row: dict = {"name": params.label}
+    quantization = state.sections.get("quantization", [])
+    if quantization and not state.is_original():
+        row["quant_s"] = round(sum(section["seconds"] for section in quantization), 1)
+        peaks = [section["calibration_peak_memory_bytes"] for section in quantization if "calibration_peak_memory_bytes" in section]
+        if peaks:
+            row["calibration_peak_memory_bytes"] = max(peaks)
     if "perplexity" in metrics:
         row.update(text_metrics(state, params.label, with_kl="kl" in metrics))
     if "size" in metrics:
@@ -67,10 +74,11 @@ def text_metrics(state: RunState, label: str, with_kl: bool) -> dict:
     ppl_cfg = state.cfg.eval.perplexity
     check_window(ppl_cfg.window, getattr(state.model.config, "max_position_embeddings", None))
     ids = eval_token_ids(state)
-    reference = None
+    reference = cached_reference(state, ids) if state.cfg.eval.kl.top_k else None
+    if reference is not None and state.is_original():
+        return original_from_reference(reference, with_kl)
     collect = 0
     if with_kl:
-        reference = cached_reference(state, ids)
         if reference is None and state.is_original():
             collect = state.cfg.eval.kl.top_k  # this pass is the reference
         elif reference is None:
@@ -79,10 +87,25 @@ def text_metrics(state: RunState, label: str, with_kl: bool) -> dict:
     row = scores.perplexity.to_dict()
     if scores.reference is not None:
         store_reference(state, ids, scores.reference)
-        row.update({"kl_mean": 0.0, "kl_median": 0.0, "kl_p99": 0.0, "top1_agreement": 1.0, "reference_nll": scores.reference.nll, "is_reference": True})
+        row.update(self_distance(scores.reference.nll))
     elif scores.distance is not None:
         row.update(scores.distance)
     return row
+
+
+def original_from_reference(reference: ReferenceLogits, with_kl: bool) -> dict:
+    """The original model's row from its cached reference pass on the same windows (its NLL is
+    stored there): the same numbers a new pass would give, without the pass."""
+    row = PerplexityResult(ppl=math.exp(reference.nll), nll=reference.nll, tokens_scored=reference.log_probs.shape[0], windows=reference.windows, window=reference.window).to_dict()
+    row["from_cached_reference"] = True
+    if with_kl:
+        row.update(self_distance(reference.nll))
+    return row
+
+
+def self_distance(nll: float) -> dict:
+    """The distance columns of the original model's own row."""
+    return {"kl_mean": 0.0, "kl_median": 0.0, "kl_p99": 0.0, "top1_agreement": 1.0, "reference_nll": nll, "is_reference": True}
 
 
 def reference_file(state: RunState, ids):

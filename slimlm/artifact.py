@@ -5,7 +5,8 @@
     model.safetensors  quantized layers as `<module>.qweight` (b-bit codes packed 8 per b bytes,
                        see slimlm.packing), `<module>.scales` (fp16, one per group) and, for
                        asymmetric schemes, `<module>.zeros` (uint8 zero points); every other
-                       tensor as it was; a tied LM head is stored once
+                       tensor as it was; a tied LM head is stored once (quantized, the embedding
+                       reads its codes)
     config.json, generation_config.json, tokenizer files (the HF layout)
 
 Writing is atomic (a hidden staging directory renamed into place), an existing artifact is
@@ -27,7 +28,7 @@ import torch
 
 from slimlm import __version__
 from slimlm.errors import SlimlmError
-from slimlm.qlinear import QuantLinear, QuantScheme, set_submodule
+from slimlm.qlinear import QuantLinear, QuantScheme, set_submodule, tie_quantized_head
 from slimlm.resources import sha256_file
 
 FORMAT = "slimlm"
@@ -162,15 +163,18 @@ def load_artifact(path: Path, device: torch.device = torch.device("cpu")) -> Art
             raise SlimlmError(f"artifact '{path}' names module '{name}', which its config.json does not have") from None
         layer = QuantLinear(linear.in_features, linear.out_features, QuantScheme(**scheme), bias=linear.bias is not None)
         set_submodule(model, name, layer)
+    tied = bool(manifest.get("tied_word_embeddings"))
+    head_quantized = isinstance(model.get_output_embeddings(), QuantLinear)
+    if tied and head_quantized:
+        tie_quantized_head(model)  # the embedding reads the head's codes; nothing of its own to load
     tensors = load_file(path / WEIGHTS)
     result = model.load_state_dict(tensors, strict=False)
-    tied = {"lm_head.weight"} if manifest.get("tied_word_embeddings") else set()
-    missing = set(result.missing_keys) - tied
+    missing = set(result.missing_keys) - ({"lm_head.weight"} if tied else set())
     if missing or result.unexpected_keys:
         raise SlimlmError(
             f"artifact '{path}' does not match its config.json: missing {sorted(missing)[:3]}, unexpected {sorted(result.unexpected_keys)[:3]}"
         )
-    if tied:
+    if tied and not head_quantized:
         model.tie_weights()
     tokenizer = AutoTokenizer.from_pretrained(path)
     return Artifact(model=model.to(device).eval(), tokenizer=tokenizer, manifest=manifest, path=path)

@@ -90,12 +90,16 @@ class QuantLinear(nn.Module):
     def codes(self) -> torch.Tensor:
         return unpack_codes(self.qweight, self.scheme.bits)
 
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        groups = self.scales.shape[1]
-        codes = self.codes().to(dtype).view(self.out_features, groups, -1)
-        zeros = self.scheme.symmetric_zero if self.zeros is None else self.zeros.to(dtype).unsqueeze(-1)
-        weight = (codes - zeros) * self.scales.to(dtype).unsqueeze(-1)
-        return weight.view(self.out_features, self.in_features)
+    def dequantize(self, dtype: torch.dtype = torch.float32, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The weight [out, in] in `dtype`, or only the output rows indexed by `rows`."""
+        qweight, scales, zeros = self.qweight, self.scales, self.zeros
+        if rows is not None:
+            qweight, scales = qweight[rows], scales[rows]
+            zeros = None if zeros is None else zeros[rows]
+        codes = unpack_codes(qweight, self.scheme.bits).to(dtype).view(qweight.shape[0], scales.shape[1], -1)
+        offset = self.scheme.symmetric_zero if zeros is None else zeros.to(dtype).unsqueeze(-1)
+        weight = (codes - offset) * scales.to(dtype).unsqueeze(-1)
+        return weight.view(qweight.shape[0], self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.to(x.dtype)
@@ -104,6 +108,39 @@ class QuantLinear(nn.Module):
     def extra_repr(self) -> str:
         s = self.scheme
         return f"in_features={self.in_features}, out_features={self.out_features}, bits={s.bits}, group_size={s.group_size}, symmetric={s.symmetric}, method={s.method}"
+
+
+class QuantEmbedding(nn.Module):
+    """The token embedding of a model whose embedding is tied to its quantized LM head.
+
+    Row i of the head's weight is token i's vector, so the lookup dequantizes just the rows it
+    needs from the head's codes. The head is held outside the module tree (not a submodule):
+    its tensors stay stored, saved and moved to a device once, under the head's name.
+    """
+
+    def __init__(self, head: QuantLinear, dtype: torch.dtype):
+        super().__init__()
+        self._head = (head,)
+        self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
+        self.dtype = dtype
+
+    @property
+    def head(self) -> QuantLinear:
+        return self._head[0]
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        vectors = self.head.dequantize(self.dtype, rows=input_ids.reshape(-1))
+        return vectors.view(*input_ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, tied to the quantized LM head ({self.head.scheme.bits}-bit)"
+
+
+def tie_quantized_head(model: nn.Module) -> None:
+    """Point a tied model's input embedding at its quantized LM head (see QuantEmbedding)."""
+    head = model.get_output_embeddings()
+    dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+    model.set_input_embeddings(QuantEmbedding(head, dtype))
 
 
 def set_submodule(root: nn.Module, name: str, module: nn.Module) -> None:

@@ -106,3 +106,15 @@ def test_failed_write_leaves_nothing_behind(tiny_model, tiny_tokenizer, tmp_path
     with pytest.raises(OSError, match="disk full"):
         export(state, tmp_path / "out" / "artifact")
     assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_round_trip_of_a_quantized_tied_head(tiny_model, tiny_tokenizer, tmp_path):
+    from slimlm.qlinear import QuantEmbedding
+
+    state = quantized_state(tiny_model, tiny_tokenizer, tmp_path, bits=4, group_size=32, targets=[r"model\.layers\.\d+\..*", "lm_head"])
+    loaded = load_artifact(export(state, tmp_path / "artifact")).model
+    assert isinstance(loaded.get_input_embeddings(), QuantEmbedding) and loaded.get_input_embeddings().head is loaded.lm_head
+    assert not any("embed_tokens" in key for key in loaded.state_dict())  # the table is stored once, as the head
+    ids = torch.randint(0, tiny_model.config.vocab_size, (2, 12))
+    with torch.no_grad():
+        assert torch.equal(state.model(ids).logits, loaded(ids).logits)

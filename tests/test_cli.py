@@ -158,10 +158,36 @@ def test_gptq_recipe_on_a_tiny_model(tiny_model_dir, tmp_path):
     (run,) = (tmp_path / "runs" / "w4-gptq").iterdir()
     report = json.loads((run / "report.json").read_text())
     (section,) = report["quantization"]
-    assert section["method"] == "gptq" and section["calibration_tokens"] == 8 * 64 and section["peak_rss_bytes"] > 0
+    assert section["method"] == "gptq" and section["calibration_tokens"] == 8 * 64 and section["calibration_peak_memory_bytes"] > 0
     manifest = json.loads((run / "artifact" / "manifest.json").read_text())
     assert manifest["modules"]["model.layers.1.mlp.down_proj"] == {"bits": 4, "group_size": 32, "symmetric": True, "method": "gptq"}
     assert report["rows"][1]["kl_mean"] > 0
+
+
+def test_awq_recipe_on_a_tiny_model(tiny_model_dir, tmp_path):
+    slimlm("recipe=w4-awq", *tiny_run_args(tiny_model_dir), "recipe.stages.1.group_size=32", "+recipe.stages.1.samples=8", "+recipe.stages.1.seq_len=64", cwd=tmp_path)
+    (run,) = (tmp_path / "runs" / "w4-awq").iterdir()
+    report = json.loads((run / "report.json").read_text())
+    (section,) = report["quantization"]
+    assert section["method"] == "awq" and section["seconds"] > 0
+    # input_layernorm, post_attention_layernorm and up_proj take scales in every layer; v_proj does not (GQA)
+    assert len(section["awq_output_error"]) == 3 * 2
+    assert all(error <= rtn for error, rtn in section["awq_output_error"].values())
+    assert report["rows"][1]["quant_s"] > 0 and report["rows"][1]["kl_mean"] > 0
+    manifest = json.loads((run / "artifact" / "manifest.json").read_text())
+    assert manifest["modules"]["model.layers.0.self_attn.q_proj"]["method"] == "awq"
+
+
+def test_mixed_precision_recipe_on_a_tiny_model(tiny_model_dir, tmp_path):
+    overrides = ["recipe.stages.1.group_size=32", "+recipe.stages.1.samples=8", "+recipe.stages.1.seq_len=64", "+recipe.stages.1.sensitivity_samples=4"]
+    slimlm("recipe=mixed-3.5bpw", *tiny_run_args(tiny_model_dir), *overrides, cwd=tmp_path)
+    (run,) = (tmp_path / "runs" / "mixed-3.5bpw").iterdir()
+    report = json.loads((run / "report.json").read_text())
+    mixed = report["quantization"][0]["mixed_precision"]
+    assert 3.0 < mixed["achieved_bpw"] <= 3.5 and len(mixed["bits"]) == 14
+    manifest = json.loads((run / "artifact" / "manifest.json").read_text())
+    assert {name: scheme["bits"] for name, scheme in manifest["modules"].items()} == mixed["bits"]
+    assert (run / "bit_map_1.png").is_file() and "Mixed precision: budget 3.5" in (run / "report.md").read_text()
 
 
 def test_calibration_text_too_short_is_refused(tiny_model_dir, tmp_path):

@@ -71,3 +71,11 @@ def test_non_finite_activations_are_refused():
     accumulator = HessianAccumulator(4)
     with pytest.raises(SlimlmError, match="NaN or Inf"):
         accumulator.add(torch.tensor([[1.0, float("nan"), 0.0, 1.0]]))
+
+
+def test_a_hessian_that_stays_singular_is_a_clear_error_after_warnings(caplog):
+    hessian = torch.ones(16, 16, dtype=torch.float64)  # rank one: X had one direction only
+    hessian[0, 1] = hessian[1, 0] = 4.0  # and not even positive semi-definite
+    with pytest.raises(SlimlmError, match="layer.x: the Hessian stayed singular"):
+        gptq_quantize(torch.randn(4, 16), hessian, QuantScheme(bits=4, group_size=8), GPTQOptions(damp=1e-6), name="layer.x")
+    assert sum("raising it" in record.message for record in caplog.records) == 4

@@ -103,7 +103,7 @@ def test_pattern_matching_nothing_is_an_error(tiny_model):
 
 def test_quantize_params_are_checked():
     assert build_params(QuantizeParams, {"bits": 4, "group_size": 64}, "stage").scheme == QuantScheme(bits=4, group_size=64)
-    with pytest.raises(ConfigError, match="bits=5 is not supported"):
+    with pytest.raises(ConfigError, match="5-bit weights are not supported"):
         build_params(QuantizeParams, {"bits": 5}, "stage")
     with pytest.raises(ConfigError, match="group_size=4"):
         build_params(QuantizeParams, {"bits": 4, "group_size": 4}, "stage")
@@ -113,3 +113,35 @@ def test_quantize_params_are_checked():
         build_params(QuantizeParams, {"method": "magic"}, "stage")
     with pytest.raises(ConfigError, match="could not be converted"):
         build_params(QuantizeParams, {"bits": "eight"}, "stage")
+
+
+def test_bits_and_a_mixed_budget_are_exclusive():
+    with pytest.raises(ConfigError, match="give bits .* or bpw"):
+        build_params(QuantizeParams, {"bits": 4, "bpw": 3.5}, "stage")
+    with pytest.raises(ConfigError, match="at least two bit widths"):
+        build_params(QuantizeParams, {"bpw": 3.5, "candidate_bits": [4]}, "stage")
+    with pytest.raises(ConfigError, match="5-bit weights"):
+        build_params(QuantizeParams, {"bpw": 3.5, "candidate_bits": [3, 5]}, "stage")
+    assert build_params(QuantizeParams, {}, "stage").scheme == QuantScheme(bits=8)
+
+
+def test_quantizing_a_tied_lm_head_quantizes_the_embedding_with_it(tiny_model, tiny_tokenizer, tmp_path):
+    from slimlm.compress.quantize import run as quantize
+    from slimlm.eval.size import model_size
+    from slimlm.pipeline import RunState
+    from slimlm.qlinear import QuantEmbedding
+
+    ids = torch.randint(0, tiny_model.config.vocab_size, (2, 12))
+    with torch.no_grad():
+        before = tiny_model(ids).logits
+    fp32_bytes = model_size(tiny_model).bytes
+    state = RunState(cfg=None, run_dir=tmp_path, model=tiny_model, tokenizer=tiny_tokenizer, source=None, source_sha256=None, device=torch.device("cpu"))
+    quantize(state, QuantizeParams(bits=8, targets=[r"model\.layers\.\d+\..*", "lm_head"]))
+    embedding, head = tiny_model.get_input_embeddings(), tiny_model.get_output_embeddings()
+    assert isinstance(head, QuantLinear) and isinstance(embedding, QuantEmbedding) and embedding.head is head
+    torch.testing.assert_close(embedding(ids), head.dequantize()[ids])
+    with torch.no_grad():
+        torch.testing.assert_close(tiny_model(ids).logits, before, rtol=0.05, atol=0.05)
+    # Every matrix is int8 now: about a quarter of fp32, scales and norms on top.
+    assert model_size(tiny_model).bytes < 0.3 * fp32_bytes
+    assert state.schemes["lm_head"]["bits"] == 8

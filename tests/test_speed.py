@@ -6,11 +6,12 @@ import pytest
 import torch
 from torch import nn
 
+from slimlm import memory
 from slimlm.compress.rtn import quantize_rtn
 from slimlm.errors import SlimlmError
-from slimlm.eval import speed
 from slimlm.eval.bandwidth import CACHE_FILE, bandwidth_fraction, decode_bytes_per_token, memory_bandwidth
-from slimlm.eval.speed import PASSAGE, benchmark_prompt, generate_decode, greedy_decode, measure_generate, measure_speed, peak_memory
+from slimlm.eval.speed import PASSAGE, benchmark_prompt, generate_decode, greedy_decode, measure_generate, measure_speed
+from slimlm.memory import peak_memory
 from slimlm.qlinear import QuantLinear, QuantScheme, set_submodule
 from tests.conftest import build_tiny_llama
 
@@ -99,7 +100,7 @@ def test_bad_arguments_are_errors(tiny_model, tiny_tokenizer, arguments, message
 @pytest.mark.parametrize("kernel_peak", [True, False], ids=["vmhwm", "sampled"])
 def test_peak_rss_sees_a_short_lived_allocation(monkeypatch, kernel_peak):
     if not kernel_peak:
-        monkeypatch.setattr(speed, "_reset_kernel_peak_rss", lambda: False)
+        monkeypatch.setattr(memory, "_reset_kernel_peak_rss", lambda: False)
     with peak_memory(torch.device("cpu")) as baseline:
         pass
     with peak_memory(torch.device("cpu")) as peak:

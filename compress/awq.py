@@ -1,0 +1,165 @@
+"""AWQ (Lin et al., 2023): activation-aware weight quantization.
+
+A few input channels carry much larger activations than the rest, and the rounding error of
+their weights costs the most. AWQ multiplies those weight columns by s > 1 before rounding
+(their relative error shrinks) and divides the previous operation's output by s, so the
+full-precision function is unchanged:
+
+    y = W (x) = (W diag(s)) (x / s),   with x / s folded into an RMSNorm weight or the rows of
+                                        the Linear layer that produces x.
+
+The scale of each group of Linear layers that read the same input is searched on a grid,
+s = mean|x|^a / mean_w^(1-a) (the released AutoAWQ's "duo" scaling; a in [0, 1), plus s = 1,
+which is plain RTN), and the best s minimises the layers' output error on the calibration
+data. Then each layer's clipping range is searched per group: shrinking the range a little
+rounds most weights more finely at the cost of clipping a few outliers.
+
+Both searches measure the output error ||X (W - Q(W))^T||^2 exactly through the input Hessian
+H = 2/n X^T X that GPTQ also collects: the error is tr(D H D^T) / 2 for D = W - Q(W), so every
+calibration token counts while a candidate costs one [out, in] x [in, in] product.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from slimlm.compress.gptq import HessianAccumulator
+from slimlm.compress.rtn import QuantizedWeight, fake_quantize, quantize_rtn
+from slimlm.qlinear import QuantScheme
+
+# (operation whose output feeds the Linear layers, the Linear layers), inside one Llama-family
+# decoder layer. The operation absorbs 1/s: an RMSNorm through its weight, a Linear through its
+# rows. v_proj -> o_proj applies only when their shapes agree (no grouped-query attention).
+MAPPINGS = (
+    ("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+    ("self_attn.v_proj", ("self_attn.o_proj",)),
+    ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
+    ("mlp.up_proj", ("mlp.down_proj",)),
+)
+# Queries and keys meet in a softmax, where a per-output error says little: no clipping there.
+NO_CLIP = ("self_attn.q_proj", "self_attn.k_proj")
+
+
+@dataclass(frozen=True)
+class AWQOptions:
+    grid: int = 20  # scale exponents a = 0, 1/grid, ..., (grid-1)/grid
+    clip_grid: int = 20  # clipping ratios 1, 1 - 1/clip_grid, ... down to 1 - max_shrink
+    max_shrink: float = 0.5
+
+
+def output_error(delta: torch.Tensor, hessian: torch.Tensor) -> torch.Tensor:
+    """tr(D H D^T) / 2 = ||X D^T||^2 / n: the summed squared output error per input row."""
+    return ((delta @ hessian) * delta).sum() / 2
+
+
+def search_scale(weights: list[torch.Tensor], schemes: list[QuantScheme], stats: HessianAccumulator, options: AWQOptions) -> tuple[torch.Tensor, float, float]:
+    """The per-input-channel scale s for Linear layers reading the same input; returns s, the
+    output error with it, and the output error of plain RTN (s = 1)."""
+    hessian = stats.hessian.float()
+    x_mean = stats.abs_mean.float()
+    w_mean = torch.cat([_normalised_magnitude(w, scheme) for w, scheme in zip(weights, schemes)]).mean(dim=0)
+
+    def error(scale: torch.Tensor) -> float:
+        total = torch.zeros(())
+        for weight, scheme in zip(weights, schemes):
+            w = weight.detach().float()
+            total += output_error(w - fake_quantize(w * scale, scheme) / scale, hessian)
+        return float(total)
+
+    best_scale = torch.ones_like(x_mean)
+    rtn_error = best_error = error(best_scale)
+    for step in range(options.grid):
+        ratio = step / options.grid
+        scale = (x_mean.pow(ratio) / (w_mean.pow(1 - ratio) + 1e-4)).clamp(min=1e-4)
+        scale = scale / (scale.max() * scale.min()).sqrt()  # centre the scales around 1
+        candidate = error(scale)
+        if candidate < best_error:
+            best_scale, best_error = scale, candidate
+    return best_scale, best_error, rtn_error
+
+
+def _normalised_magnitude(weight: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
+    """|w| relative to the largest |w| of its quantization group, shaped like the weight."""
+    w = weight.detach().float()
+    group = scheme.group_size or w.shape[1]
+    grouped = w.abs().reshape(-1, group)
+    return (grouped / (grouped.amax(dim=1, keepdim=True) + 1e-6)).reshape(w.shape)
+
+
+def apply_scale(previous: nn.Module, linears: list[nn.Linear], scale: torch.Tensor) -> None:
+    """Divide `previous`'s output by `scale` and multiply the Linear layers' input columns by it."""
+    scale = scale.to(previous.weight.device)
+    if isinstance(previous, nn.Linear):
+        previous.weight.data.div_(scale[:, None].to(previous.weight.dtype))
+        if previous.bias is not None:
+            previous.bias.data.div_(scale.to(previous.bias.dtype))
+    else:  # an RMSNorm: y = weight * x / rms(x)
+        previous.weight.data.div_(scale.to(previous.weight.dtype))
+    for linear in linears:
+        linear.weight.data.mul_(scale[None, :].to(linear.weight.dtype))
+
+
+def search_clip(weight: torch.Tensor, scheme: QuantScheme, hessian: torch.Tensor, options: AWQOptions) -> torch.Tensor:
+    """The weight clipped, group by group, to the range that minimises that group's output error
+    (each group's error through its own block of the Hessian)."""
+    w = weight.detach().float()
+    out_features, in_features = w.shape
+    group = scheme.group_size or in_features
+    groups = in_features // group
+    blocks = torch.stack([hessian[g * group : (g + 1) * group, g * group : (g + 1) * group] for g in range(groups)]).float()
+    grouped = w.reshape(out_features, groups, group)
+    high = grouped.amax(dim=2, keepdim=True)
+    low = grouped.amin(dim=2, keepdim=True)
+    if scheme.symmetric:
+        high = torch.maximum(high.abs(), low.abs())
+        low = -high
+    best = grouped
+    best_error = torch.full((out_features, groups), float("inf"))
+    for step in range(int(options.max_shrink * options.clip_grid)):
+        ratio = 1 - step / options.clip_grid
+        clipped = torch.minimum(torch.maximum(grouped, low * ratio), high * ratio)
+        delta = grouped - fake_quantize(clipped.reshape(out_features, in_features), scheme).reshape(grouped.shape)
+        error = torch.einsum("ogi,gij,ogj->og", delta, blocks, delta)
+        better = error < best_error
+        best = torch.where(better[:, :, None], clipped, best)
+        best_error = torch.where(better, error, best_error)
+    return best.reshape(out_features, in_features)
+
+
+def awq_quantize_layer(
+    layer: nn.Module,
+    prefix: str,
+    schemes: dict[str, QuantScheme],
+    stats: dict[str, HessianAccumulator],
+    options: AWQOptions = AWQOptions(),
+    on_scaled: Optional[Callable[[str, float, float], None]] = None,
+) -> dict[str, QuantizedWeight]:
+    """AWQ for the Linear layers of one decoder layer named in `schemes` (full names under
+    `prefix`): scale search and folding for each mapping whose layers are all quantized here,
+    then clipping search and rounding of every layer. `on_scaled(name, error, rtn_error)`
+    hears each mapping's output error with its scale and with plain RTN."""
+    for previous_name, linear_names in MAPPINGS:
+        names = [f"{prefix}.{name}" for name in linear_names]
+        if not all(name in schemes for name in names):
+            continue
+        previous = layer.get_submodule(previous_name)
+        linears = [layer.get_submodule(name) for name in linear_names]
+        if previous.weight.shape[0] != linears[0].in_features:
+            continue  # grouped-query attention: v_proj has fewer outputs than o_proj has inputs
+        scale, error, rtn_error = search_scale([l.weight for l in linears], [schemes[n] for n in names], stats[names[0]], options)
+        apply_scale(previous, linears, scale)
+        for accumulator in {id(stats[n]): stats[n] for n in names}.values():  # q/k/v share one
+            accumulator.divide_inputs(scale)
+        if on_scaled is not None:
+            on_scaled(f"{prefix}.{previous_name}", error, rtn_error)
+    quantized = {}
+    for name, scheme in schemes.items():
+        weight = layer.get_submodule(name.removeprefix(prefix + ".")).weight
+        if not name.endswith(NO_CLIP):
+            weight = search_clip(weight, scheme, stats[name].hessian, options)
+        quantized[name] = quantize_rtn(weight, scheme)
+    return quantized
