@@ -143,7 +143,13 @@ def render_markdown(report: dict[str, Any], plots: Sequence[str]) -> str:
                 "",
             ]
     for artifact in report.get("artifacts", []):
-        lines += ["## Artifact", "", f"`{artifact['path']}` in the run directory ({artifact['format']}), {artifact['bytes_on_disk']:,} bytes on disk.", ""]
+        line = f"`{artifact['path']}` in the run directory ({artifact['format']}), {artifact['bytes_on_disk']:,} bytes on disk."
+        if artifact["format"] == "gguf":
+            line += (
+                f" Block type {artifact['gguf_type']}: {len(artifact['exact'])} quantized weights written exactly as slimlm chose them, "
+                f"{len(artifact['requantized'])} re-quantized from another grid, {len(artifact['rounded'])} rounded from float."
+            )
+        lines += ["## Artifact", "", line, ""]
     for gen in report.get("generations", []):
         lines += [
             "## Greedy completion",

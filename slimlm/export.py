@@ -1,32 +1,53 @@
-"""The `export` stage: write the current model as a slimlm artifact, then run from the copy on disk."""
+"""The `export` stage: write the current model out, then (by default) run from the copy on disk.
+
+Formats: `slimlm`, the versioned artifact directory (slimlm/artifact.py); `gguf`, one file for
+llama.cpp and the tools built on it (slimlm/gguf_export.py); `hf`, a plain transformers
+checkpoint with the quantized layers dequantized (slimlm/hf_export.py).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from omegaconf import OmegaConf
 
 from slimlm.artifact import load_artifact, save_artifact
 from slimlm.errors import ConfigError
+from slimlm.gguf_export import ARCHITECTURES, GGUF_TYPES, export_gguf
+from slimlm.hf_export import export_hf
+from slimlm.models import DTYPES, load_model
 from slimlm.pipeline import RunState, Stage
 
-FORMATS = ("slimlm",)
+FORMATS = ("slimlm", "gguf", "hf")
+DEFAULT_NAMES = {"slimlm": "artifact", "gguf": "model.gguf", "hf": "hf"}
 
 
 @dataclass
 class ExportParams:
     format: str = "slimlm"
-    name: str = "artifact"  # directory name inside the run directory
+    name: Optional[str] = None  # inside the run directory; default artifact/, model.gguf or hf/
     reload: bool = True  # continue with the model read back from disk (proves the round trip)
+    gguf_type: str = "Q4_0"  # gguf: the block type of every weight matrix
+    requantize: bool = False  # gguf: allow rounding layers that lie on another grid again
+    dtype: str = "bfloat16"  # hf: the dtype of the dequantized weights
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
             raise ConfigError(f"export.format='{self.format}' is not available; available: {', '.join(FORMATS)}")
-        if not self.name or "/" in self.name or self.name.startswith("."):
-            raise ConfigError(f"export.name='{self.name}' must be a plain directory name")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"export.dtype='{self.dtype}' is unknown; choose one of {', '.join(DTYPES)}")
+        if self.gguf_type not in GGUF_TYPES:
+            raise ConfigError(f"export.gguf_type='{self.gguf_type}' is unknown; choose one of {', '.join(GGUF_TYPES)}")
+        self.name = self.name or DEFAULT_NAMES[self.format]
+        if "/" in self.name or self.name.startswith("."):
+            raise ConfigError(f"export.name='{self.name}' must be a plain file or directory name")
 
 
 def run(state: RunState, params: ExportParams) -> None:
+    if params.format != "slimlm":
+        export_file(state, params)
+        return
     source = {"id": state.source.id, "kind": state.source.kind, "sha256": state.source_sha256}
     recipe = OmegaConf.to_container(state.cfg.recipe, resolve=True)
     results = {"evaluations": state.evaluations}
@@ -40,4 +61,24 @@ def run(state: RunState, params: ExportParams) -> None:
         state.memo["model_origin"] = f"reloaded from {path.name}/"
 
 
-EXPORT = Stage(name="export", params=ExportParams, run=run)
+def export_file(state: RunState, params: ExportParams) -> None:
+    """GGUF or HF export; with reload, the run continues on the exported model as transformers
+    reads it: what a user of that format gets, measured with the same metrics."""
+    path = state.run_dir / params.name
+    if params.format == "gguf":
+        source_gguf = state.source.path if state.source.kind == "gguf" else None
+        summary = export_gguf(state.model, state.tokenizer, path, params.gguf_type, source_gguf, params.requantize)
+    else:
+        summary = export_hf(state.model, state.tokenizer, path, params.dtype)
+    state.sections.setdefault("artifacts", []).append(summary)
+    if params.reload:
+        model_cfg = OmegaConf.merge(state.original_model_cfg(), {"path": str(path), "bnb": None})
+        state.adopt(load_model(model_cfg, state.device), f"reloaded from {params.name}")
+
+
+def check(cfg, params: ExportParams, source) -> None:
+    if params.format == "gguf" and source.architecture is not None and source.architecture not in ARCHITECTURES:
+        raise ConfigError(f"export.format=gguf supports {', '.join(ARCHITECTURES)} models; this one is {source.architecture}")
+
+
+EXPORT = Stage(name="export", params=ExportParams, run=run, check=check)

@@ -214,3 +214,33 @@ def test_multirun_sweep_writes_one_directory_per_recipe(tiny_model_dir, tmp_path
     assert jobs == ["0_demo", "1_w8-rtn"]
     for job in jobs:
         assert json.loads((sweep / job / "status.json").read_text())["status"] == "complete"
+
+
+def test_gguf_export_stage_reloads_the_file(tiny_model_dir, tmp_path):
+    stages = "recipe.stages=[{stage:quantize,bits:4,group_size:32},{stage:evaluate,label:w4},{stage:export,format:gguf},{stage:evaluate,label:gguf}]"
+    slimlm(*tiny_run_args(tiny_model_dir), stages, cwd=tmp_path)
+    (run,) = (tmp_path / "runs" / "demo").iterdir()
+    report = json.loads((run / "report.json").read_text())
+    ours, reloaded = report["rows"]
+    # The decoder layers are on the Q4_0 grid and written as they are; only the float embedding is rounded.
+    assert reloaded["ppl"] == pytest.approx(ours["ppl"], rel=1e-2) and reloaded["kl_mean"] > 0
+    (artifact,) = report["artifacts"]
+    assert artifact["gguf_type"] == "Q4_0" and len(artifact["exact"]) == 14 and not artifact["requantized"]
+    assert artifact["rounded"] == ["model.embed_tokens.weight"]
+    assert (run / "model.gguf").is_file() and "written exactly" in (run / "report.md").read_text()
+
+
+def test_gguf_export_of_layers_off_its_grid_is_refused(tiny_model_dir, tmp_path):
+    stages = "recipe.stages=[{stage:quantize,bits:4,group_size:16},{stage:export,format:gguf}]"
+    result = slimlm(*tiny_run_args(tiny_model_dir), stages, cwd=tmp_path, check=False)
+    assert result.returncode == 2
+    assert "requantize=true" in result.stderr.strip().splitlines()[-1]
+
+
+def test_hf_export_stage_reloads_the_checkpoint_with_the_same_perplexity(tiny_model_dir, tmp_path):
+    stages = "recipe.stages=[{stage:quantize,bits:4,group_size:32},{stage:evaluate,label:w4},{stage:export,format:hf,dtype:float32},{stage:evaluate,label:hf}]"
+    slimlm(*tiny_run_args(tiny_model_dir), stages, cwd=tmp_path)
+    (run,) = (tmp_path / "runs" / "demo").iterdir()
+    ours, reloaded = json.loads((run / "report.json").read_text())["rows"]
+    assert reloaded["ppl"] == pytest.approx(ours["ppl"], rel=1e-5)
+    assert (run / "hf" / "config.json").is_file()

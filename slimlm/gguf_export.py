@@ -1,0 +1,250 @@
+"""GGUF export: the model as one file that llama.cpp, Ollama and LM Studio load.
+
+Weights are written in one GGUF block type (Q8_0, Q4_0, Q4_1, or F16/F32), 1-D tensors (norms,
+biases) in F32. A slimlm layer whose codes already lie on that type's grid is written as it is,
+so what GPTQ or AWQ chose reaches llama.cpp unchanged:
+
+    Q8_0  blocks of 32, fp16 scale d, int8 q:          w = d * q         <- int8 (or fewer bits) g32 symmetric
+    Q4_0  blocks of 32, fp16 scale d, 4-bit q:         w = d * (q - 8)   <- int4/int3/int2 g32 symmetric
+    Q4_1  blocks of 32, fp16 scale d and minimum m:    w = d * q + m     <- int4/int3/int2 g32 asymmetric
+                                                       (m = -d * zero, rounded to fp16)
+
+A quantized layer on another grid (another group size, more bits) would lose what its method
+chose if rounded again, so it is refused unless `requantize` allows it. Float tensors are
+rounded to the type by the gguf package's quantizer, as llama.cpp's converter does. The
+returned summary says which tensors were written exactly, rounded from float, or re-quantized.
+
+Llama-family names map to llama.cpp's (`token_embd`, `blk.N.attn_q`, ...), and the rows of
+q_proj and k_proj are permuted from the Hugging Face rotary layout back to llama.cpp's, as
+llama.cpp's own converter does. The tokenizer comes from the source GGUF when there was one
+(every `tokenizer.*` key copied), otherwise from the Hugging Face tokenizer (byte-level BPE).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+from torch import nn
+
+from slimlm.errors import SlimlmError
+from slimlm.qlinear import QuantEmbedding, QuantLinear, QuantScheme
+
+GGUF_TYPES = ("F32", "F16", "Q8_0", "Q4_0", "Q4_1")
+BLOCK = 32
+# The grid of each block type: (bits, symmetric). A slimlm layer with groups of 32, as many bits
+# or fewer and the same symmetry lies on it (int3 codes are int4 codes that use half the range).
+GRIDS = {"Q8_0": (8, True), "Q4_0": (4, True), "Q4_1": (4, False)}
+ARCHITECTURES = ("llama", "mistral")  # both are llama.cpp's "llama"
+
+
+def export_gguf(model: nn.Module, tokenizer: Any, path: Path, gguf_type: str, source_gguf: Optional[Path] = None, requantize: bool = False) -> dict:
+    """Write `model` to the GGUF file `path` (atomically); returns how each weight was stored."""
+    import gguf
+
+    config = model.config
+    if config.model_type not in ARCHITECTURES:
+        raise SlimlmError(f"GGUF export supports {', '.join(ARCHITECTURES)} models; this one is {config.model_type}")
+    if gguf_type not in GGUF_TYPES:
+        raise SlimlmError(f"unknown GGUF type '{gguf_type}'; choose one of {', '.join(GGUF_TYPES)}")
+    off_grid = [name for name, value in _named_tensors(model) if isinstance(value, QuantLinear) and not on_grid(value.scheme, gguf_type)]
+    if off_grid and not requantize:
+        raise SlimlmError(
+            f"GGUF {gguf_type} cannot hold {len(off_grid)} quantized layer(s) as they are (e.g. {off_grid[0]}: "
+            f"{_describe(model, off_grid[0])}); quantize with group_size 32 for this type, or allow rounding them again with requantize=true"
+        )
+    path = Path(path)
+    if path.exists():
+        raise SlimlmError(f"'{path}' already exists; exports are never overwritten: choose another name or remove it")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, partial = tempfile.mkstemp(prefix=f".{path.name}-partial-", dir=path.parent)
+    os.close(fd)
+    try:
+        writer = gguf.GGUFWriter(partial, "llama")
+        _write_hyperparameters(writer, config, gguf_type)
+        if source_gguf is not None:
+            _copy_tokenizer(writer, source_gguf)
+        else:
+            _write_hf_tokenizer(writer, tokenizer)
+        stored = _write_tensors(writer, model, gguf_type)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        os.replace(partial, path)
+    finally:
+        if os.path.exists(partial):
+            os.remove(partial)
+    summary = {"format": "gguf", "gguf_type": gguf_type, "path": path.name, "bytes_on_disk": path.stat().st_size}
+    for how in ("exact", "rounded", "requantized"):
+        summary[how] = sorted(name for name, stored_as in stored.items() if stored_as == how)
+    return summary
+
+
+def on_grid(scheme: QuantScheme, gguf_type: str) -> bool:
+    """Whether a slimlm scheme's values are exactly representable in the block type."""
+    if gguf_type not in GRIDS:
+        return False
+    bits, symmetric = GRIDS[gguf_type]
+    return scheme.group_size == BLOCK and scheme.bits <= bits and scheme.symmetric == symmetric
+
+
+def _describe(model: nn.Module, tensor_name: str) -> str:
+    scheme = model.get_submodule(tensor_name.removesuffix(".weight")).scheme if tensor_name != "model.embed_tokens.weight" else model.get_output_embeddings().scheme
+    group = f"groups of {scheme.group_size}" if scheme.group_size else "one scale per row"
+    return f"int{scheme.bits}, {group}, {'symmetric' if scheme.symmetric else 'asymmetric'}"
+
+
+def _write_hyperparameters(writer, config, gguf_type: str) -> None:
+    import gguf
+
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    writer.add_name(getattr(config, "_name_or_path", "") or "slimlm export")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(float(_rope_theta(config)))
+    writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_file_type(int(gguf.LlamaFileType[{"F32": "ALL_F32", "F16": "MOSTLY_F16"}.get(gguf_type, f"MOSTLY_{gguf_type}")]))
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+
+def _rope_theta(config) -> float:
+    parameters = getattr(config, "rope_parameters", None) or {}
+    return parameters.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+
+
+def _copy_tokenizer(writer, source: Path) -> None:
+    """Every tokenizer.* key of the source GGUF, as it was."""
+    import gguf
+
+    reader = gguf.GGUFReader(source)
+    for key, field in reader.fields.items():
+        if key.startswith("tokenizer."):
+            sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+            writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub_type)
+
+
+def _write_hf_tokenizer(writer, tokenizer) -> None:
+    """A byte-level BPE tokenizer (GPT-2 style, as SmolLM and Llama 3 use) from its tokenizer.json."""
+    import gguf
+
+    with tempfile.TemporaryDirectory() as directory:
+        tokenizer.save_pretrained(directory)
+        try:
+            vocab = gguf.vocab.BpeVocab(Path(directory))
+        except (FileNotFoundError, ValueError) as error:
+            raise SlimlmError(f"GGUF export writes byte-level BPE tokenizers only; this tokenizer is not one ({error})") from None
+        tokens, types = [], []
+        for text, _score, token_type in vocab.all_tokens():
+            tokens.append(text)
+            types.append(token_type)
+        special = {token.content for token in getattr(tokenizer, "added_tokens_decoder", {}).values() if token.special}
+        types = [gguf.TokenType.CONTROL if (t.decode() if isinstance(t, bytes) else t) in special else kind for t, kind in zip(tokens, types)]
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("default")
+        writer.add_token_list(tokens)
+        writer.add_token_types(types)
+        gguf.SpecialVocab(Path(directory), load_merges=True, n_vocab=len(tokens)).add_to_gguf(writer, quiet=True)
+
+
+def _write_tensors(writer, model: nn.Module, gguf_type: str) -> dict[str, str]:
+    import gguf
+
+    config = model.config
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
+    stored: dict[str, str] = {}
+    for hf_name, value in _named_tensors(model):
+        gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if gguf_name is None:
+            raise SlimlmError(f"GGUF export: no llama.cpp name for tensor '{hf_name}'")
+        data, raw_type, how = _encode(value, gguf_type, _rotary_heads(hf_name, config))
+        writer.add_tensor(gguf_name, data, raw_dtype=raw_type)
+        if how != "float" or data.ndim == 2:
+            stored[hf_name] = how
+    return stored
+
+
+def _named_tensors(model: nn.Module):
+    """(Hugging Face name, float tensor or QuantLinear) for every tensor llama.cpp needs. A tied
+    LM head is written once, as token_embd: llama.cpp reuses it when output.weight is absent."""
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    tied = isinstance(embedding, QuantEmbedding) or getattr(embedding, "weight", None) is getattr(head, "weight", None)
+    yield "model.embed_tokens.weight", head if isinstance(embedding, QuantEmbedding) else embedding.weight
+    for name, module in model.named_modules():
+        if module is head or module is embedding:
+            continue
+        if isinstance(module, (nn.Linear, QuantLinear)):
+            yield f"{name}.weight", module if isinstance(module, QuantLinear) else module.weight
+            if module.bias is not None:
+                yield f"{name}.bias", module.bias
+        else:
+            for key, parameter in module.named_parameters(recurse=False):
+                yield f"{name}.{key}", parameter
+    if not tied:
+        yield "lm_head.weight", head if isinstance(head, QuantLinear) else head.weight
+
+
+def _rotary_heads(tensor_name: str, config) -> Optional[int]:
+    """Heads whose rows llama.cpp orders differently (q_proj: attention heads, k_proj: KV heads)."""
+    if ".self_attn.q_proj." in tensor_name:
+        return config.num_attention_heads
+    if ".self_attn.k_proj." in tensor_name:
+        return config.num_key_value_heads
+    return None
+
+
+def _permute_rows(rows: torch.Tensor, heads: Optional[int]) -> torch.Tensor:
+    """Hugging Face's rotary layout (halves) to llama.cpp's (interleaved pairs), per head."""
+    if heads is None:
+        return rows
+    return rows.reshape(heads, 2, rows.shape[0] // heads // 2, *rows.shape[1:]).transpose(1, 2).reshape(rows.shape)
+
+
+def _encode(value, gguf_type: str, heads: Optional[int]) -> tuple[np.ndarray, Any, str]:
+    """The bytes (or floats) of one tensor, its GGML type and whether it was written exactly."""
+    import gguf
+
+    if isinstance(value, QuantLinear) and on_grid(value.scheme, gguf_type):
+        bits, symmetric = GRIDS[gguf_type]
+        codes = value.codes() + (2 ** (bits - 1) - value.scheme.symmetric_zero if symmetric else 0)  # same values, wider range
+        codes = _permute_rows(codes, heads)
+        scales = _permute_rows(value.scales, heads)
+        zeros = None if value.zeros is None else _permute_rows(value.zeros, heads)
+        return _blocks(codes, scales, zeros, gguf_type), gguf.GGMLQuantizationType[gguf_type], "exact"
+    weight = value.dequantize() if isinstance(value, QuantLinear) else value
+    weight = _permute_rows(weight.detach().float().cpu(), heads)
+    array = weight.numpy()
+    if array.ndim == 1 or gguf_type == "F32":
+        return array.astype(np.float32), gguf.GGMLQuantizationType.F32, "float"
+    if gguf_type == "F16":
+        return array.astype(np.float16), gguf.GGMLQuantizationType.F16, "float"
+    qtype = gguf.GGMLQuantizationType[gguf_type]
+    if array.shape[-1] % BLOCK:
+        raise SlimlmError(f"GGUF {gguf_type} needs rows that are a multiple of {BLOCK} values; a tensor of shape {tuple(array.shape)} is not; export as F16")
+    return gguf.quants.quantize(array, qtype), qtype, "requantized" if isinstance(value, QuantLinear) else "rounded"
+
+
+def _blocks(codes: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor], gguf_type: str) -> np.ndarray:
+    """GGML blocks of 32 from slimlm codes [rows, in], fp16 scales and zeros [rows, in / 32]."""
+    rows, columns = codes.shape
+    blocks = columns // BLOCK
+    q = codes.cpu().numpy().reshape(rows, blocks, BLOCK)
+    d = scales.cpu().numpy().astype(np.float16).reshape(rows, blocks, 1).view(np.uint8)
+    if gguf_type == "Q8_0":
+        payload = (q.astype(np.int16) - 128).astype(np.int8).view(np.uint8)
+        return np.concatenate([d, payload], axis=-1).reshape(rows, -1)
+    nibbles = (q[..., :16] | (q[..., 16:] << 4)).astype(np.uint8)  # element j low, j + 16 high
+    if gguf_type == "Q4_0":
+        return np.concatenate([d, nibbles], axis=-1).reshape(rows, -1)
+    minimum = (-scales.float() * zeros.float()).cpu().numpy().astype(np.float16).reshape(rows, blocks, 1).view(np.uint8)
+    return np.concatenate([d, minimum, nibbles], axis=-1).reshape(rows, -1)

@@ -1,0 +1,71 @@
+"""Hugging Face export: a plain checkpoint that `AutoModelForCausalLM.from_pretrained` loads.
+
+Every quantized layer is dequantized into an ordinary weight in the chosen dtype, so the
+checkpoint runs anywhere transformers (or vLLM, or any tool that reads HF checkpoints) runs,
+at the size of that dtype: the rounding slimlm chose is kept, the memory savings are not.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from slimlm.errors import SlimlmError
+from slimlm.models import DTYPES
+from slimlm.qlinear import QuantEmbedding, QuantLinear
+
+
+def dequantized_state_dict(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The model's tensors under transformers' names, quantized layers as dequantized weights."""
+    quantized = {name: module for name, module in model.named_modules() if isinstance(module, QuantLinear)}
+    tensors = {}
+    for key, tensor in model.state_dict().items():
+        module_name = key.rpartition(".")[0]
+        if module_name not in quantized:
+            tensors[key] = tensor.detach().to(dtype if tensor.is_floating_point() else tensor.dtype)
+    for name, layer in quantized.items():
+        tensors[f"{name}.weight"] = layer.dequantize(dtype)
+        if layer.bias is not None:
+            tensors[f"{name}.bias"] = layer.bias.detach().to(dtype)
+    embedding = model.get_input_embeddings()
+    if isinstance(embedding, QuantEmbedding):  # tied to the quantized head: one table, the head's
+        name = next(name for name, module in model.named_modules() if module is embedding)
+        tensors[f"{name}.weight"] = tensors[f"{next(n for n, m in quantized.items() if m is embedding.head)}.weight"]
+    return tensors
+
+
+def export_hf(model: nn.Module, tokenizer: Any, path: Path, dtype: str) -> dict:
+    """Write the dequantized model as an HF checkpoint directory at `path` (atomically)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+
+    if dtype not in DTYPES:
+        raise SlimlmError(f"unknown dtype '{dtype}' for the HF export; choose one of {', '.join(DTYPES)}")
+    path = Path(path)
+    if path.exists():
+        raise SlimlmError(f"'{path}' already exists; exports are never overwritten: choose another name or remove it")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch_dtype = DTYPES[dtype]
+    with no_init_weights():
+        plain = AutoModelForCausalLM.from_config(model.config, dtype=torch_dtype)
+    result = plain.load_state_dict(dequantized_state_dict(model, torch_dtype), strict=False)
+    tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
+    if set(result.missing_keys) - tied or result.unexpected_keys:
+        raise SlimlmError(f"HF export: the model's tensors do not match its config (missing {sorted(set(result.missing_keys) - tied)[:3]}, unexpected {result.unexpected_keys[:3]})")
+    if tied:
+        plain.tie_weights()
+    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}-partial-", dir=path.parent))
+    try:
+        plain.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        staging.rename(path)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+    return {"format": "hf", "dtype": dtype, "path": f"{path.name}/", "bytes_on_disk": size}
