@@ -147,7 +147,8 @@ def render_markdown(report: dict[str, Any], plots: Sequence[str]) -> str:
         if artifact["format"] == "gguf":
             line += (
                 f" Block type {artifact['gguf_type']}: {len(artifact['exact'])} quantized weights written exactly as slimlm chose them, "
-                f"{len(artifact['requantized'])} re-quantized from another grid, {len(artifact['rounded'])} rounded from float."
+                f"{len(artifact['requantized'])} re-quantized from another grid, {len(artifact['dequantized'])} dequantized, "
+                f"{len(artifact['rounded'])} rounded from float."
             )
         lines += ["## Artifact", "", line, ""]
     for gen in report.get("generations", []):

@@ -12,7 +12,8 @@ so what GPTQ or AWQ chose reaches llama.cpp unchanged:
 A quantized layer on another grid (another group size, more bits) would lose what its method
 chose if rounded again, so it is refused unless `requantize` allows it. Float tensors are
 rounded to the type by the gguf package's quantizer, as llama.cpp's converter does. The
-returned summary says which tensors were written exactly, rounded from float, or re-quantized.
+returned summary says which tensors were written exactly, rounded from float, re-quantized, or
+(for F16/F32 files) dequantized.
 
 Llama-family names map to llama.cpp's (`token_embd`, `blk.N.attn_q`, ...), and the rows of
 q_proj and k_proj are permuted from the Hugging Face rotary layout back to llama.cpp's, as
@@ -52,7 +53,7 @@ def export_gguf(model: nn.Module, tokenizer: Any, path: Path, gguf_type: str, so
     if gguf_type not in GGUF_TYPES:
         raise SlimlmError(f"unknown GGUF type '{gguf_type}'; choose one of {', '.join(GGUF_TYPES)}")
     off_grid = [name for name, value in _named_tensors(model) if isinstance(value, QuantLinear) and not on_grid(value.scheme, gguf_type)]
-    if off_grid and not requantize:
+    if off_grid and gguf_type in GRIDS and not requantize:
         raise SlimlmError(
             f"GGUF {gguf_type} cannot hold {len(off_grid)} quantized layer(s) as they are (e.g. {off_grid[0]}: "
             f"{_describe(model, off_grid[0])}); quantize with group_size 32 for this type, or allow rounding them again with requantize=true"
@@ -80,7 +81,7 @@ def export_gguf(model: nn.Module, tokenizer: Any, path: Path, gguf_type: str, so
         if os.path.exists(partial):
             os.remove(partial)
     summary = {"format": "gguf", "gguf_type": gguf_type, "path": path.name, "bytes_on_disk": path.stat().st_size}
-    for how in ("exact", "rounded", "requantized"):
+    for how in ("exact", "rounded", "requantized", "dequantized"):
         summary[how] = sorted(name for name, stored_as in stored.items() if stored_as == how)
     return summary
 
@@ -169,7 +170,7 @@ def _write_tensors(writer, model: nn.Module, gguf_type: str) -> dict[str, str]:
             raise SlimlmError(f"GGUF export: no llama.cpp name for tensor '{hf_name}'")
         data, raw_type, how = _encode(value, gguf_type, _rotary_heads(hf_name, config))
         writer.add_tensor(gguf_name, data, raw_dtype=raw_type)
-        if how != "float" or data.ndim == 2:
+        if how != "float":
             stored[hf_name] = how
     return stored
 
@@ -224,10 +225,11 @@ def _encode(value, gguf_type: str, heads: Optional[int]) -> tuple[np.ndarray, An
     weight = value.dequantize() if isinstance(value, QuantLinear) else value
     weight = _permute_rows(weight.detach().float().cpu(), heads)
     array = weight.numpy()
-    if array.ndim == 1 or gguf_type == "F32":
-        return array.astype(np.float32), gguf.GGMLQuantizationType.F32, "float"
-    if gguf_type == "F16":
-        return array.astype(np.float16), gguf.GGMLQuantizationType.F16, "float"
+    if array.ndim == 1 or gguf_type in ("F32", "F16"):
+        how = "dequantized" if isinstance(value, QuantLinear) else "float"
+        if array.ndim == 1 or gguf_type == "F32":
+            return array.astype(np.float32), gguf.GGMLQuantizationType.F32, how
+        return array.astype(np.float16), gguf.GGMLQuantizationType.F16, how
     qtype = gguf.GGMLQuantizationType[gguf_type]
     if array.shape[-1] % BLOCK:
         raise SlimlmError(f"GGUF {gguf_type} needs rows that are a multiple of {BLOCK} values; a tensor of shape {tuple(array.shape)} is not; export as F16")

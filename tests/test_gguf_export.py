@@ -84,3 +84,10 @@ def test_existing_files_and_unknown_types_are_refused(tiny_model, tiny_tokenizer
     with pytest.raises(SlimlmError, match="unknown GGUF type 'Q3_X'"):
         export_gguf(tiny_model, tiny_tokenizer, tmp_path / "other.gguf", "Q3_X")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.gguf"]  # nothing half-written
+
+
+def test_float_files_hold_dequantized_layers(tiny_model, tiny_tokenizer, tmp_path):
+    model = quantized(tiny_model, tiny_tokenizer, tmp_path, bits=3, group_size=16)
+    summary = export_gguf(model, tiny_tokenizer, tmp_path / "model.gguf", "F32")
+    assert len(summary["dequantized"]) == 14 and not summary["exact"] and not summary["rounded"]
+    assert torch.equal(read_back(tmp_path / "model.gguf")["blk.1.ffn_down.weight"], model.model.layers[1].mlp.down_proj.dequantize())
