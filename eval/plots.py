@@ -72,16 +72,18 @@ def plot_bit_map(bits: dict[str, int], title: str, path: Path) -> Optional[Path]
         block, _, kind = name.rpartition(".")
         rows.setdefault(block.rsplit(".", 1)[0], {})[kind] = width  # 'model.layers.3.mlp' -> 'model.layers.3'
     kinds = list(dict.fromkeys(kind for per_kind in rows.values() for kind in per_kind))
-    grid = [[per_kind.get(kind, float("nan")) for kind in kinds] for per_kind in rows.values()]
     widths = sorted(set(bits.values()))
+    # One colour per width (categorical): the map shows which width each layer got, not a scale.
+    grid = [[widths.index(per_kind[kind]) if kind in per_kind else float("nan") for kind in kinds] for per_kind in rows.values()]
     figure, axis = plt.subplots(figsize=(1.2 * len(kinds) + 2, 0.25 * len(rows) + 1.5))
     cmap = plt.get_cmap("viridis", len(widths))
-    image = axis.imshow(grid, aspect="auto", cmap=cmap, vmin=min(widths) - 0.5, vmax=max(widths) + 0.5)
+    image = axis.imshow(grid, aspect="auto", cmap=cmap, vmin=-0.5, vmax=len(widths) - 0.5)
     axis.set_xticks(range(len(kinds)), kinds, rotation=30, ha="right")
     axis.set_yticks(range(len(rows)), [block.rsplit(".", 1)[-1] for block in rows], fontsize=7)
     axis.set_ylabel("decoder layer")
     axis.set_title(title)
-    colorbar = figure.colorbar(image, ticks=widths)
+    colorbar = figure.colorbar(image, ticks=range(len(widths)))
+    colorbar.set_ticklabels([str(width) for width in widths])
     colorbar.set_label("bits")
     figure.tight_layout()
     figure.savefig(path, dpi=120)
