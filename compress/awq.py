@@ -14,7 +14,8 @@ which is plain RTN), and the best s minimises the layers' output error on the ca
 data. Then each layer's clipping range is searched per group: shrinking the range a little
 rounds most weights more finely at the cost of clipping a few outliers.
 
-Both searches measure the output error ||X (W - Q(W))^T||^2 exactly through the input Hessian
+Both searches (clipping lives in compress/clipping.py) measure the output error
+||X (W - Q(W))^T||^2 exactly through the input Hessian
 H = 2/n X^T X that GPTQ also collects: the error is tr(D H D^T) / 2 for D = W - Q(W), so every
 calibration token counts while a candidate costs one [out, in] x [in, in] product.
 """
@@ -27,6 +28,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
+from slimlm.compress.clipping import output_error, search_clip
 from slimlm.compress.gptq import HessianAccumulator
 from slimlm.compress.rtn import QuantizedWeight, fake_quantize, quantize_rtn
 from slimlm.qlinear import QuantScheme
@@ -49,11 +51,7 @@ class AWQOptions:
     grid: int = 20  # scale exponents a = 0, 1/grid, ..., (grid-1)/grid
     clip_grid: int = 20  # clipping ratios 1, 1 - 1/clip_grid, ... down to 1 - max_shrink
     max_shrink: float = 0.5
-
-
-def output_error(delta: torch.Tensor, hessian: torch.Tensor) -> torch.Tensor:
-    """tr(D H D^T) / 2 = ||X D^T||^2 / n: the summed squared output error per input row."""
-    return ((delta @ hessian) * delta).sum() / 2
+    clip: bool = True  # run the clipping search after scaling
 
 
 def search_scale(weights: list[torch.Tensor], schemes: list[QuantScheme], stats: HessianAccumulator, options: AWQOptions) -> tuple[torch.Tensor, float, float]:
@@ -103,33 +101,6 @@ def apply_scale(previous: nn.Module, linears: list[nn.Linear], scale: torch.Tens
         linear.weight.data.mul_(scale[None, :].to(linear.weight.dtype))
 
 
-def search_clip(weight: torch.Tensor, scheme: QuantScheme, hessian: torch.Tensor, options: AWQOptions) -> torch.Tensor:
-    """The weight clipped, group by group, to the range that minimises that group's output error
-    (each group's error through its own block of the Hessian)."""
-    w = weight.detach().float()
-    out_features, in_features = w.shape
-    group = scheme.group_size or in_features
-    groups = in_features // group
-    blocks = torch.stack([hessian[g * group : (g + 1) * group, g * group : (g + 1) * group] for g in range(groups)]).float()
-    grouped = w.reshape(out_features, groups, group)
-    high = grouped.amax(dim=2, keepdim=True)
-    low = grouped.amin(dim=2, keepdim=True)
-    if scheme.symmetric:
-        high = torch.maximum(high.abs(), low.abs())
-        low = -high
-    best = grouped
-    best_error = torch.full((out_features, groups), float("inf"))
-    for step in range(int(options.max_shrink * options.clip_grid)):
-        ratio = 1 - step / options.clip_grid
-        clipped = torch.minimum(torch.maximum(grouped, low * ratio), high * ratio)
-        delta = grouped - fake_quantize(clipped.reshape(out_features, in_features), scheme).reshape(grouped.shape)
-        error = torch.einsum("ogi,gij,ogj->og", delta, blocks, delta)
-        better = error < best_error
-        best = torch.where(better[:, :, None], clipped, best)
-        best_error = torch.where(better, error, best_error)
-    return best.reshape(out_features, in_features)
-
-
 def awq_quantize_layer(
     layer: nn.Module,
     prefix: str,
@@ -159,7 +130,7 @@ def awq_quantize_layer(
     quantized = {}
     for name, scheme in schemes.items():
         weight = layer.get_submodule(name.removeprefix(prefix + ".")).weight
-        if not name.endswith(NO_CLIP):
-            weight = search_clip(weight, scheme, stats[name].hessian, options)
+        if options.clip and not name.endswith(NO_CLIP):
+            weight = search_clip(weight, scheme, stats[name].hessian, options.clip_grid, options.max_shrink)
         quantized[name] = quantize_rtn(weight, scheme)
     return quantized

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from slimlm.compress.clipping import search_clip
 from slimlm.compress.rtn import QuantizedWeight, dequantize_codes, group_params, quantize_to_codes
 from slimlm.errors import SlimlmError
 from slimlm.qlinear import QuantScheme
@@ -27,6 +28,7 @@ class GPTQOptions:
     damp: float = 0.01  # fraction of the mean Hessian diagonal added to it
     block_size: int = 128
     act_order: bool = True
+    clip_search: bool = False  # static group ranges chosen by output error (compress/clipping.py)
 
 
 class HessianAccumulator:
@@ -84,8 +86,9 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, scheme: QuantSche
     scales = torch.zeros(out_features, in_features // group, dtype=torch.float16)
     zeros = None if scheme.symmetric else torch.zeros(out_features, in_features // group, dtype=torch.uint8)
     if static:
+        ranges = search_clip(W, scheme, H) if options.clip_search else W
         for g in range(in_features // group):
-            _set_group(scales, zeros, g, *group_params(W[:, g * group : (g + 1) * group], scheme))
+            _set_group(scales, zeros, g, *group_params(ranges[:, g * group : (g + 1) * group], scheme))
     order = torch.argsort(H.diagonal(), descending=True) if options.act_order else torch.arange(in_features)
     W, H = W[:, order], H[order][:, order]
     Hinv = inverse_hessian_factor(H, options.damp, name)

@@ -58,6 +58,9 @@ class QuantizeParams:
     damp: float = 0.01
     block_size: int = 128
     act_order: bool = True
+    # Choose each group's quantization range by the layer's output error (AWQ: on by default;
+    # GPTQ: static groups only).
+    clip_search: Optional[bool] = None
     # AWQ: points of the scale search and of the clipping search.
     awq_grid: int = 20
     awq_clip_grid: int = 20
@@ -156,7 +159,7 @@ def run_calibrated(state: RunState, params: QuantizeParams, schemes: dict[str, Q
 
     def finish_layer(layer_names: list[str]) -> None:
         if params.method == "gptq":
-            options = GPTQOptions(damp=params.damp, block_size=params.block_size, act_order=params.act_order)
+            options = GPTQOptions(damp=params.damp, block_size=params.block_size, act_order=params.act_order, clip_search=bool(params.clip_search))
             for name in layer_names:
                 weight = state.model.get_submodule(name).weight
                 replace(name, gptq_quantize(weight, hessians[name].hessian, schemes[name], options, name), schemes[name])
@@ -164,7 +167,7 @@ def run_calibrated(state: RunState, params: QuantizeParams, schemes: dict[str, Q
             prefix = decoder_layer_name(layer_names[0])
             quantized = awq_quantize_layer(
                 state.model.get_submodule(prefix), prefix, {n: schemes[n] for n in layer_names}, hessians,
-                AWQOptions(grid=params.awq_grid, clip_grid=params.awq_clip_grid),
+                AWQOptions(grid=params.awq_grid, clip_grid=params.awq_clip_grid, clip=params.clip_search is not False),
                 on_scaled=lambda name, error, rtn: awq_errors.__setitem__(name, [round(error, 6), round(rtn, 6)]),
             )
             for name, weight in quantized.items():

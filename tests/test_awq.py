@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from slimlm.compress.awq import MAPPINGS, AWQOptions, apply_scale, awq_quantize_layer, output_error, search_clip, search_scale
+from slimlm.compress.awq import MAPPINGS, AWQOptions, apply_scale, awq_quantize_layer, search_scale
+from slimlm.compress.clipping import output_error, search_clip
 from slimlm.compress.gptq import HessianAccumulator
 from slimlm.compress.rtn import fake_quantize
 from slimlm.qlinear import QuantScheme
@@ -75,7 +76,7 @@ def test_clipping_never_increases_a_groups_error_and_helps_on_outlier_weights():
     weight = torch.randn(32, 64, generator=torch.Generator().manual_seed(4))
     weight[torch.rand(weight.shape, generator=torch.Generator().manual_seed(5)) < 0.02] *= 6.0  # heavy tails
     hessian = stats_of(x).hessian.float()
-    clipped = search_clip(weight, SCHEME, hessian, AWQOptions())
+    clipped = search_clip(weight, SCHEME, hessian)
     assert measured_error(x, weight, fake_quantize(clipped, SCHEME)) < measured_error(x, weight, fake_quantize(weight, SCHEME))
     assert (clipped.abs() <= weight.abs() + 1e-6).all()
 

@@ -79,3 +79,13 @@ def test_a_hessian_that_stays_singular_is_a_clear_error_after_warnings(caplog):
     with pytest.raises(SlimlmError, match="layer.x: the Hessian stayed singular"):
         gptq_quantize(torch.randn(4, 16), hessian, QuantScheme(bits=4, group_size=8), GPTQOptions(damp=1e-6), name="layer.x")
     assert sum("raising it" in record.message for record in caplog.records) == 4
+
+
+def test_clip_search_lowers_gptq_error_on_heavy_tailed_weights():
+    x = correlated_inputs()
+    weight = torch.randn(48, 64, generator=torch.Generator().manual_seed(6))
+    weight[torch.rand(weight.shape, generator=torch.Generator().manual_seed(7)) < 0.02] *= 8.0
+    scheme = QuantScheme(bits=4, group_size=16)
+    plain = output_error(x, weight, gptq_quantize(weight, hessian_of(x), scheme, GPTQOptions(clip_search=False)), scheme)
+    clipped = output_error(x, weight, gptq_quantize(weight, hessian_of(x), scheme, GPTQOptions(clip_search=True)), scheme)
+    assert clipped < plain
