@@ -28,7 +28,7 @@ class GPTQOptions:
     damp: float = 0.01  # fraction of the mean Hessian diagonal added to it
     block_size: int = 128
     act_order: bool = True
-    clip_search: bool = False  # static group ranges chosen by output error (compress/clipping.py)
+    clip_search: bool = True  # static group ranges chosen by output error (compress/clipping.py)
 
 
 class HessianAccumulator:

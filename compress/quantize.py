@@ -58,9 +58,8 @@ class QuantizeParams:
     damp: float = 0.01
     block_size: int = 128
     act_order: bool = True
-    # Choose each group's quantization range by the layer's output error (AWQ: on by default;
-    # GPTQ: static groups only).
-    clip_search: Optional[bool] = None
+    # GPTQ (static groups) and AWQ: choose each group's quantization range by the layer's output error.
+    clip_search: bool = True
     # AWQ: points of the scale search and of the clipping search.
     awq_grid: int = 20
     awq_clip_grid: int = 20
@@ -159,7 +158,7 @@ def run_calibrated(state: RunState, params: QuantizeParams, schemes: dict[str, Q
 
     def finish_layer(layer_names: list[str]) -> None:
         if params.method == "gptq":
-            options = GPTQOptions(damp=params.damp, block_size=params.block_size, act_order=params.act_order, clip_search=bool(params.clip_search))
+            options = GPTQOptions(damp=params.damp, block_size=params.block_size, act_order=params.act_order, clip_search=params.clip_search)
             for name in layer_names:
                 weight = state.model.get_submodule(name).weight
                 replace(name, gptq_quantize(weight, hessians[name].hessian, schemes[name], options, name), schemes[name])
@@ -167,7 +166,7 @@ def run_calibrated(state: RunState, params: QuantizeParams, schemes: dict[str, Q
             prefix = decoder_layer_name(layer_names[0])
             quantized = awq_quantize_layer(
                 state.model.get_submodule(prefix), prefix, {n: schemes[n] for n in layer_names}, hessians,
-                AWQOptions(grid=params.awq_grid, clip_grid=params.awq_clip_grid, clip=params.clip_search is not False),
+                AWQOptions(grid=params.awq_grid, clip_grid=params.awq_clip_grid, clip=params.clip_search),
                 on_scaled=lambda name, error, rtn: awq_errors.__setitem__(name, [round(error, 6), round(rtn, 6)]),
             )
             for name, weight in quantized.items():
