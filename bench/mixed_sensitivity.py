@@ -1,11 +1,11 @@
 """Validate the mixed-precision sensitivity proxy on the default model.
 
-For a sample of Linear layers (every kind, in 7 decoder layers spread over the depth) and the
+For a sample of Linear layers (every kind, in decoder layers spread over the depth) and the
 bit widths 2, 3 and 4 (g64, symmetric RTN), compare the KL the Fisher proxy predicts
 (compress/mixed.py, from the calibration corpus) with the KL measured on WikiText-2 test when
 that layer alone is quantized. Writes bench/results/mixed_sensitivity.{md,json,png}.
 
-    python bench/mixed_sensitivity.py [--windows 2 --window 512]
+    python bench/mixed_sensitivity.py [--layers 0 10 20 29 --windows 2 --window 512]
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from slimlm.rundir import machine_info
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
 KINDS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
-LAYERS = (0, 5, 10, 15, 20, 25, 29)
 BITS = (2, 3, 4)
 
 
@@ -46,6 +45,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--windows", type=int, default=2, help="WikiText-2 windows the KL is measured on")
     parser.add_argument("--window", type=int, default=512)
+    parser.add_argument("--layers", type=int, nargs="+", default=[0, 10, 20, 29], help="decoder layers whose Linear layers are measured")
     parser.add_argument("--fisher-windows", type=int, default=32, help="calibration windows of 256 tokens for the Fisher (the recipe's default)")
     options = parser.parse_args()
     started = time.perf_counter()
@@ -53,7 +53,7 @@ def main() -> None:
     data_cfg = OmegaConf.merge(OmegaConf.structured(DataConfig), OmegaConf.load(REPO / "conf" / "data" / "shared.yaml"))
     loaded = load_model(model_cfg, torch.device("cpu"))
     model, tokenizer = loaded.model, loaded.tokenizer
-    names = [f"model.layers.{layer}.{kind}" for layer in LAYERS for kind in KINDS]
+    names = [f"model.layers.{layer}.{kind}" for layer in options.layers for kind in KINDS]
     calibration = calibration_samples(tokenize_text(tokenizer, load_text(data_cfg.calibration, "calibration")), options.fisher_windows, 256, seed=1)
     fisher = fisher_diagonal(model, calibration, names)
     eval_ids = tokenize_text(tokenizer, load_text(data_cfg.eval_text, "eval_text"))[: options.windows * options.window].view(options.windows, options.window)
@@ -74,7 +74,8 @@ def main() -> None:
     within_bits = {bits: correlation(ranks([r["predicted_kl"] for r in rows if r["bits"] == bits]), ranks([r["measured_kl"] for r in rows if r["bits"] == bits])) for bits in BITS}
     ratio = sorted(p / m for p, m in zip(predicted, measured) if m > 0)[len(rows) // 2]
     summary = {"spearman": spearman, "log_pearson": log_pearson, "spearman_within_bits": within_bits, "median_predicted_over_measured": ratio, "seconds": time.perf_counter() - started}
-    command = "python bench/mixed_sensitivity.py" + "".join(f" --{k.replace('_', '-')} {v}" for k, v in vars(options).items() if v != parser.get_default(k))
+    changed = {k: v for k, v in vars(options).items() if v != parser.get_default(k)}
+    command = "python bench/mixed_sensitivity.py" + "".join(f" --{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}" for k, v in changed.items())
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "mixed_sensitivity.json").write_text(json.dumps({"machine": machine_info(), "command": command, "summary": summary, "rows": rows}, indent=2) + "\n")
     write_plot(rows, spearman)
@@ -112,7 +113,7 @@ def write_markdown(rows: list[dict], summary: dict, command: str, options) -> No
         "",
         f"- command: `{command}`",
         f"- machine: {machine['processor']}, {machine['cpu_count']} CPUs, torch {machine['torch']}; {summary['seconds'] / 60:.1f} min",
-        f"- {len(rows)} measurements: {len(KINDS)} Linear kinds in decoder layers {', '.join(map(str, LAYERS))}, at int2/int3/int4 g64 symmetric RTN",
+        f"- {len(rows)} measurements: {len(KINDS)} Linear kinds in decoder layers {', '.join(map(str, options.layers))}, at int2/int3/int4 g64 symmetric RTN",
         f"- predicted: ½·Σ F·(W − Q(W))² per token, F the empirical Fisher diagonal from {options.fisher_windows} Gutenberg windows of 256 tokens",
         f"- measured: mean per-token KL(original ‖ one layer quantized) on the first {options.windows} windows of {options.window} tokens of WikiText-2 test",
         "",
