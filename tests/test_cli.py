@@ -34,7 +34,7 @@ def tiny_run_args(model_dir):
 @pytest.mark.parametrize(
     "override, expected",
     [
-        ("recipe=nope", "unknown recipe 'nope': choose one of demo, eval-peers, evaluate, w3-gptq, w3-rtn, w4-gptq, w4-rtn, w8-rtn"),
+        ("recipe=nope", "unknown recipe 'nope': choose one of demo, eval-peers, evaluate, mixed-3.5bpw, w3-awq, w3-gptq, w3-rtn, w4-awq, w4-gptq, w4-rtn, w8-rtn"),
         ("model=nope", "unknown model 'nope'"),
         ("model.pathh=x", "Key 'pathh' not in 'ModelConfig'"),
         ("eval.perplexity.window=abc", "could not be converted to Integer"),
@@ -43,7 +43,7 @@ def tiny_run_args(model_dir):
         ("data.eval_text.path=/definitely/not/here.raw", "data file for data.eval_text not found"),
         ("recipe.stages.0.labl=x", "Key 'labl' is not in struct"),
         ("+recipe.stages.1.bitz=8", "unknown key(s) ['bitz']"),
-        ("recipe.stages.1.bits=5", "bits=5 is not supported"),
+        ("recipe.stages.1.bits=5", "5-bit weights are not supported"),
         ("hardware.device=tpu", "hardware.device='tpu' is unknown"),
     ],
 )
@@ -88,7 +88,7 @@ def test_debug_flag_shows_the_exception(monkeypatch, tmp_path):
 
 def test_help_lists_groups_and_recipes(tmp_path):
     out = slimlm("--help", cwd=tmp_path).stdout
-    assert "recipe: demo, eval-peers, evaluate, w3-gptq, w3-rtn, w4-gptq, w4-rtn, w8-rtn" in out and "model: custom, smollm2-135m" in out
+    assert "recipe: demo, eval-peers, evaluate, mixed-3.5bpw, w3-awq, w3-gptq, w3-rtn, w4-awq, w4-gptq, w4-rtn, w8-rtn" in out and "model: custom, smollm2-135m" in out
 
 
 def test_cfg_job_prints_the_recipe_without_running(tmp_path):
