@@ -59,12 +59,12 @@ def search_scale(weights: list[torch.Tensor], schemes: list[QuantScheme], stats:
     output error with it, and the output error of plain RTN (s = 1)."""
     hessian = stats.hessian.float()
     x_mean = stats.abs_mean.float()
+    weights = [weight.detach().float() for weight in weights]
     w_mean = torch.cat([_normalised_magnitude(w, scheme) for w, scheme in zip(weights, schemes)]).mean(dim=0)
 
     def error(scale: torch.Tensor) -> float:
         total = torch.zeros(())
-        for weight, scheme in zip(weights, schemes):
-            w = weight.detach().float()
+        for w, scheme in zip(weights, schemes):
             total += output_error(w - fake_quantize(w * scale, scheme) / scale, hessian)
         return float(total)
 
@@ -82,10 +82,9 @@ def search_scale(weights: list[torch.Tensor], schemes: list[QuantScheme], stats:
 
 def _normalised_magnitude(weight: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
     """|w| relative to the largest |w| of its quantization group, shaped like the weight."""
-    w = weight.detach().float()
-    group = scheme.group_size or w.shape[1]
-    grouped = w.abs().reshape(-1, group)
-    return (grouped / (grouped.amax(dim=1, keepdim=True) + 1e-6)).reshape(w.shape)
+    group = scheme.group_size or weight.shape[1]
+    grouped = weight.abs().reshape(-1, group)
+    return (grouped / (grouped.amax(dim=1, keepdim=True) + 1e-6)).reshape(weight.shape)
 
 
 def apply_scale(previous: nn.Module, linears: list[nn.Linear], scale: torch.Tensor) -> None:

@@ -74,7 +74,7 @@ def text_metrics(state: RunState, label: str, with_kl: bool) -> dict:
     ppl_cfg = state.cfg.eval.perplexity
     check_window(ppl_cfg.window, getattr(state.model.config, "max_position_embeddings", None))
     ids = eval_token_ids(state)
-    reference = cached_reference(state, ids) if state.cfg.eval.kl.top_k else None
+    reference = cached_reference(state, ids) if with_kl or state.is_original() else None
     if reference is not None and state.is_original():
         return original_from_reference(reference, with_kl)
     collect = 0

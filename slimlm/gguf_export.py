@@ -52,11 +52,12 @@ def export_gguf(model: nn.Module, tokenizer: Any, path: Path, gguf_type: str, so
         raise SlimlmError(f"GGUF export supports {', '.join(ARCHITECTURES)} models; this one is {config.model_type}")
     if gguf_type not in GGUF_TYPES:
         raise SlimlmError(f"unknown GGUF type '{gguf_type}'; choose one of {', '.join(GGUF_TYPES)}")
-    off_grid = [name for name, value in _named_tensors(model) if isinstance(value, QuantLinear) and not on_grid(value.scheme, gguf_type)]
+    off_grid = [(name, value.scheme) for name, value in _named_tensors(model) if isinstance(value, QuantLinear) and not on_grid(value.scheme, gguf_type)]
     if off_grid and gguf_type in GRIDS and not requantize:
+        name, scheme = off_grid[0]
         raise SlimlmError(
-            f"GGUF {gguf_type} cannot hold {len(off_grid)} quantized layer(s) as they are (e.g. {off_grid[0]}: "
-            f"{_describe(model, off_grid[0])}); quantize with group_size 32 for this type, or allow rounding them again with requantize=true"
+            f"GGUF {gguf_type} cannot hold {len(off_grid)} quantized layer(s) as they are (e.g. {name}: "
+            f"{_describe(scheme)}); quantize with group_size 32 for this type, or allow rounding them again with requantize=true"
         )
     path = Path(path)
     if path.exists():
@@ -94,8 +95,7 @@ def on_grid(scheme: QuantScheme, gguf_type: str) -> bool:
     return scheme.group_size == BLOCK and scheme.bits <= bits and scheme.symmetric == symmetric
 
 
-def _describe(model: nn.Module, tensor_name: str) -> str:
-    scheme = model.get_submodule(tensor_name.removesuffix(".weight")).scheme if tensor_name != "model.embed_tokens.weight" else model.get_output_embeddings().scheme
+def _describe(scheme: QuantScheme) -> str:
     group = f"groups of {scheme.group_size}" if scheme.group_size else "one scale per row"
     return f"int{scheme.bits}, {group}, {'symmetric' if scheme.symmetric else 'asymmetric'}"
 

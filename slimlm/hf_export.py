@@ -34,8 +34,8 @@ def dequantized_state_dict(model: nn.Module, dtype: torch.dtype) -> dict[str, to
             tensors[f"{name}.bias"] = layer.bias.detach().to(dtype)
     embedding = model.get_input_embeddings()
     if isinstance(embedding, QuantEmbedding):  # tied to the quantized head: one table, the head's
-        name = next(name for name, module in model.named_modules() if module is embedding)
-        tensors[f"{name}.weight"] = tensors[f"{next(n for n, m in quantized.items() if m is embedding.head)}.weight"]
+        names = {module: name for name, module in model.named_modules()}
+        tensors[f"{names[embedding]}.weight"] = tensors[f"{names[embedding.head]}.weight"]
     return tensors
 
 
