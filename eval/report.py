@@ -142,6 +142,17 @@ def render_markdown(report: dict[str, Any], plots: Sequence[str]) -> str:
                 f"peak memory of that pass {mixed['sensitivity_peak_memory_bytes'] / 2**20:,.0f} MiB).",
                 "",
             ]
+    lines += artifact_and_generation_lines(report)
+    if report.get("stage_seconds"):
+        lines += ["## Time", "", "| stage | seconds |", "|---|---:|"]
+        lines += [f"| {name} | {seconds:.1f} |" for name, seconds in report["stage_seconds"]]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def artifact_and_generation_lines(report: dict[str, Any]) -> list[str]:
+    """Markdown for what a run wrote out (exports) and the completions it generated."""
+    lines: list[str] = []
     for artifact in report.get("artifacts", []):
         line = f"`{artifact['path']}` in the run directory ({artifact['format']}), {artifact['bytes_on_disk']:,} bytes on disk."
         if artifact["format"] == "gguf":
@@ -150,23 +161,26 @@ def render_markdown(report: dict[str, Any], plots: Sequence[str]) -> str:
                 f"{len(artifact['requantized'])} re-quantized from another grid, {len(artifact['dequantized'])} dequantized, "
                 f"{len(artifact['rounded'])} rounded from float."
             )
+        if "weights_accounted_bytes" in artifact:
+            line += (
+                f" Weights file {artifact['weights_file_bytes']:,} bytes against {artifact['weights_accounted_bytes']:,} accounted for by the "
+                f"codes, scales, zero points and float tensors ({100 * artifact['weights_overhead']:+.3f}%: the safetensors header)."
+            )
+        if artifact.get("quantized_layers"):
+            line += f" {artifact['quantized_layers']} quantized layers kept packed."
         lines += ["## Artifact", "", line, ""]
     for gen in report.get("generations", []):
         lines += [
             "## Greedy completion",
             "",
-            f"Model: {gen['model']}; {gen['new_tokens']} new tokens at {gen['decode_tok_s']} tokens/s (transformers `generate`).",
+            f"Model: {gen['model']}; {gen['new_tokens']} new tokens at {gen['decode_tok_s']} tokens/s (prefill included), through the {gen.get('engine', 'transformers generate')}.",
             "",
             f"> **Prompt:** {gen['prompt']}",
             ">",
             f"> **Completion:** {gen['completion']}",
             "",
         ]
-    if report.get("stage_seconds"):
-        lines += ["## Time", "", "| stage | seconds |", "|---|---:|"]
-        lines += [f"| {name} | {seconds:.1f} |" for name, seconds in report["stage_seconds"]]
-        lines.append("")
-    return "\n".join(lines)
+    return lines
 
 
 def quantization_title(quant: dict) -> str:

@@ -1,11 +1,16 @@
-"""Greedy completion of a prompt, through transformers' `generate` for now."""
+"""A completion of one prompt for the `generate` stage: through the bundled decoder when it can
+run the model, else through transformers' `generate` (bitsandbytes peers, other layer types)."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
+from torch import nn
+
+from slimlm.qlinear import QuantLinear
 
 
 @dataclass(frozen=True)
@@ -14,6 +19,7 @@ class Completion:
     text: str
     new_tokens: int
     seconds: float
+    engine: str  # "slimlm decoder (kernels...)" or "transformers generate (why)"
 
     @property
     def tokens_per_s(self) -> float:
@@ -28,19 +34,41 @@ def prompt_ids(tokenizer, prompt: str, chat_template: bool) -> torch.Tensor:
     return tokenizer(prompt, return_tensors="pt")["input_ids"]
 
 
+def decoder_obstacle(model: nn.Module) -> Optional[str]:
+    """Why the bundled decoder cannot run `model`, or None if it can."""
+    from slimlm.inference.model import ARCHITECTURES
+
+    architecture = getattr(model.config, "model_type", None)
+    if architecture not in ARCHITECTURES:
+        return f"architecture '{architecture}'"
+    for name, module in model.model.layers.named_modules():
+        if name.endswith(("_proj",)) and not (type(module) is nn.Linear or isinstance(module, QuantLinear)):
+            return f"{type(module).__module__.split('.')[0]} layers ({type(module).__name__})"
+    return None
+
+
 @torch.inference_mode()
 def greedy_complete(model, tokenizer, prompt: str, max_new_tokens: int, chat_template: bool = True) -> Completion:
-    input_ids = prompt_ids(tokenizer, prompt, chat_template).to(next(model.parameters()).device)
+    from slimlm.inference.build import build_decoder, describe_kernels
+    from slimlm.inference.decoder import Decoder
+    from slimlm.inference.sampling import SamplingParams
+
+    input_ids = prompt_ids(tokenizer, prompt, chat_template)
+    device = next(model.parameters()).device
+    obstacle = decoder_obstacle(model)
+    if obstacle is None:
+        dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+        decoder = Decoder(build_decoder(model, dtype=dtype, device=device), tokenizer)
+        start = time.perf_counter()
+        (generation,) = decoder.generate_ids([input_ids[0].tolist()], SamplingParams(max_new_tokens=max_new_tokens))
+        seconds = time.perf_counter() - start
+        kernels = ", ".join(f"{kind} x{count}" for kind, count in describe_kernels(decoder.model).items())
+        return Completion(prompt, generation.text.strip(), len(generation.token_ids), seconds, f"slimlm decoder ({kernels})")
+    input_ids = input_ids.to(device)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     start = time.perf_counter()
-    output = model.generate(
-        input_ids,
-        attention_mask=torch.ones_like(input_ids),
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        pad_token_id=pad_id,
-    )
+    output = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad_id)
     seconds = time.perf_counter() - start
     new_ids = output[0, input_ids.shape[1] :]
     text = tokenizer.decode(new_ids, skip_special_tokens=True).strip()
-    return Completion(prompt=prompt, text=text, new_tokens=int(new_ids.numel()), seconds=seconds)
+    return Completion(prompt, text, int(new_ids.numel()), seconds, f"transformers generate (the bundled decoder does not run {obstacle})")

@@ -1,4 +1,5 @@
-"""The `generate` stage: a greedy completion from the current (possibly reloaded) model."""
+"""The `generate` stage: a greedy completion from the current (possibly reloaded) model,
+through the bundled decoder (inference/) whenever it can run the model."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ def run(state: RunState, params: GenerateParams) -> None:
             "completion": completion.text,
             "new_tokens": completion.new_tokens,
             "decode_tok_s": round(completion.tokens_per_s, 2),
+            "engine": completion.engine,
         }
     )
 

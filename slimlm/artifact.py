@@ -1,7 +1,8 @@
 """The slimlm artifact: a directory a compressed model leaves the process in.
 
-    manifest.json      format name and version, source model, recipe, per-module schemes,
-                       evaluation results, and the sha256 and size of every other file
+    manifest.json      format name and version, source model, recipe, per-module schemes (bits,
+                       group size, symmetry, method, shape, packing, sparsity), evaluation
+                       results, a size account, and the sha256 and size of every other file
     model.safetensors  quantized layers as `<module>.qweight` (b-bit codes packed 8 per b bytes,
                        see slimlm.packing), `<module>.scales` (fp16, one per group) and, for
                        asymmetric schemes, `<module>.zeros` (uint8 zero points); every other
@@ -17,8 +18,6 @@ tensor is used. Tensors are read with safetensors only: nothing is unpickled.
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,10 +29,13 @@ from slimlm import __version__
 from slimlm.errors import SlimlmError
 from slimlm.qlinear import QuantLinear, QuantScheme, set_submodule, tie_quantized_head
 from slimlm.resources import sha256_file
+from slimlm.rundir import staged_directory
 
 FORMAT = "slimlm"
-FORMAT_VERSION = 2  # 2: packed b-bit codes with group scales (1 stored unpacked int8 only)
+FORMAT_VERSION = 3  # 3: module shapes, packing, sparsity and a size account; 2: packed codes with group scales
 OLDEST_READABLE = 2
+PACKING = "lsb-8"  # slimlm.packing: 8 codes fill `bits` bytes, code i at bits [i*b, (i+1)*b)
+SCHEME_FIELDS = tuple(QuantScheme.__dataclass_fields__)
 MANIFEST = "manifest.json"
 WEIGHTS = "model.safetensors"
 
@@ -58,12 +60,7 @@ def save_artifact(
     """Write `model` (with its QuantLinear layers) as an artifact directory at `out_dir`."""
     from safetensors.torch import save_file
 
-    out_dir = Path(out_dir)
-    if out_dir.exists():
-        raise SlimlmError(f"'{out_dir}' already exists; artifacts are never overwritten: choose another path or remove it")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-partial-", dir=out_dir.parent))
-    try:
+    with staged_directory(out_dir, "artifacts") as staging:
         tensors = _unique_state_dict(model)
         save_file(tensors, staging / WEIGHTS, metadata={"format": FORMAT, "format_version": str(FORMAT_VERSION)})
         model.config.save_pretrained(staging)
@@ -80,17 +77,14 @@ def save_artifact(
             "recipe": recipe,
             "dtype": _model_dtype(model),
             "tensor_dtypes": float_dtypes,
-            "modules": schemes,
+            "modules": {name: _module_record(model.get_submodule(name), scheme) for name, scheme in schemes.items()},
+            "size": _size_account(model, tensors, staging),
             "tied_word_embeddings": bool(getattr(model.config, "tie_word_embeddings", False)),
             "results": results or {},
             "files": _describe_files(staging),
         }
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=False))
-        staging.rename(out_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return out_dir
+    return Path(out_dir)
 
 
 def _unique_state_dict(model) -> dict[str, torch.Tensor]:
@@ -104,6 +98,36 @@ def _unique_state_dict(model) -> dict[str, torch.Tensor]:
         seen.add(pointer)
         tensors[name] = tensor.detach().cpu().contiguous()
     return tensors
+
+
+def scheme_of(record: dict) -> QuantScheme:
+    """The quantization scheme in a manifest's module entry (which also holds shape, packing...)."""
+    return QuantScheme(**{key: value for key, value in record.items() if key in SCHEME_FIELDS})
+
+
+def _module_record(layer: QuantLinear, scheme: dict) -> dict:
+    """A quantized module's entry: its scheme, its shape (checked against config.json on load),
+    how its codes are packed, and its sparsity (the fraction of weights that are exactly zero)."""
+    codes = layer.codes()
+    zero = layer.zeros.repeat_interleave(codes.shape[1] // layer.zeros.shape[1], dim=1) if layer.zeros is not None else layer.scheme.symmetric_zero
+    sparsity = (codes == zero).float().mean().item()
+    return {**scheme, "shape": [layer.out_features, layer.in_features], "packing": PACKING, "storage": "dense", "sparsity": round(sparsity, 6)}
+
+
+def _size_account(model, tensors: dict[str, torch.Tensor], staging: Path) -> dict:
+    """What the weights file should weigh from the bits, scales and zero points alone, next to
+    what it weighs: the difference is safetensors' header, so a bloated file shows here."""
+    quantized = {name: module for name, module in model.named_modules() if isinstance(module, QuantLinear)}
+    accounted = 0
+    for key, tensor in tensors.items():
+        module_name, _, field = key.rpartition(".")
+        layer = quantized.get(module_name)
+        if layer is not None and field == "qweight":
+            accounted += layer.out_features * layer.in_features * layer.scheme.bits // 8
+        else:
+            accounted += tensor.numel() * tensor.element_size()
+    weights_bytes = (staging / WEIGHTS).stat().st_size
+    return {"weights_accounted_bytes": accounted, "weights_file_bytes": weights_bytes, "weights_overhead": round(weights_bytes / accounted - 1, 6)}
 
 
 def _model_dtype(model) -> str:
@@ -156,12 +180,17 @@ def load_artifact(path: Path, device: torch.device = torch.device("cpu")) -> Art
     dtype = getattr(torch, manifest.get("dtype", "float32"))
     with no_init_weights():  # every weight is overwritten below; random init would be wasted time
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    for name, scheme in manifest["modules"].items():
+    for name, record in manifest["modules"].items():
         try:
             linear = model.get_submodule(name)
         except AttributeError:
             raise SlimlmError(f"artifact '{path}' names module '{name}', which its config.json does not have") from None
-        layer = QuantLinear(linear.in_features, linear.out_features, QuantScheme(**scheme), bias=linear.bias is not None)
+        shape = record.get("shape", [linear.out_features, linear.in_features])  # format 2 did not record shapes
+        if list(shape) != [linear.out_features, linear.in_features]:
+            raise SlimlmError(f"artifact '{path}': manifest gives {name} the shape {list(shape)}, config.json gives {[linear.out_features, linear.in_features]}; re-export the artifact")
+        if record.get("packing", PACKING) != PACKING:
+            raise SlimlmError(f"artifact '{path}': {name} is packed as '{record['packing']}', which this slimlm does not read (it reads '{PACKING}')")
+        layer = QuantLinear(linear.in_features, linear.out_features, scheme_of(record), bias=linear.bias is not None)
         set_submodule(model, name, layer)
     tied = bool(manifest.get("tied_word_embeddings"))
     head_quantized = isinstance(model.get_output_embeddings(), QuantLinear)

@@ -240,7 +240,23 @@ def compare_command(args: Sequence[str]) -> None:
     print(f"\ncomparison: {display_path(out / 'comparison.md')}")
 
 
-SUBCOMMANDS = {"compare": compare_command}
+def decoder_command(name: str):
+    """A bundled-decoder subcommand (inference/cli.py) with slimlm's one-line errors."""
+
+    def command(args: Sequence[str]) -> None:
+        from slimlm.inference import cli
+
+        try:
+            getattr(cli, f"{name}_command")(args)
+        except SlimlmError as error:
+            exit_with(error)
+        except KeyboardInterrupt:
+            raise SystemExit(130) from None
+
+    return command
+
+
+SUBCOMMANDS = {"compare": compare_command, "generate": decoder_command("generate"), "chat": decoder_command("chat")}
 
 
 def main(argv: Sequence[str] | None = None) -> None:

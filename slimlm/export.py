@@ -2,7 +2,8 @@
 
 Formats: `slimlm`, the versioned artifact directory (slimlm/artifact.py); `gguf`, one file for
 llama.cpp and the tools built on it (slimlm/gguf_export.py); `hf`, a plain transformers
-checkpoint with the quantized layers dequantized (slimlm/hf_export.py).
+checkpoint with the quantized layers dequantized (slimlm/hf_export.py); `compressed-tensors`, a
+packed checkpoint that transformers and vLLM load as it is (slimlm/ct_export.py).
 """
 
 from __future__ import annotations
@@ -12,25 +13,26 @@ from typing import Optional
 
 from omegaconf import OmegaConf
 
-from slimlm.artifact import load_artifact, save_artifact
+from slimlm.artifact import load_artifact, read_manifest, save_artifact
+from slimlm.ct_export import export_compressed
 from slimlm.errors import ConfigError
 from slimlm.gguf_export import ARCHITECTURES, GGUF_TYPES, export_gguf
 from slimlm.hf_export import export_hf
 from slimlm.models import DTYPES, load_model
 from slimlm.pipeline import RunState, Stage
 
-FORMATS = ("slimlm", "gguf", "hf")
-DEFAULT_NAMES = {"slimlm": "artifact", "gguf": "model.gguf", "hf": "hf"}
+FORMATS = ("slimlm", "gguf", "hf", "compressed-tensors")
+DEFAULT_NAMES = {"slimlm": "artifact", "gguf": "model.gguf", "hf": "hf", "compressed-tensors": "hf-compressed"}
 
 
 @dataclass
 class ExportParams:
     format: str = "slimlm"
-    name: Optional[str] = None  # inside the run directory; default artifact/, model.gguf or hf/
+    name: Optional[str] = None  # inside the run directory; default artifact/, model.gguf, hf/ or hf-compressed/
     reload: bool = True  # continue with the model read back from disk (proves the round trip)
     gguf_type: str = "Q4_0"  # gguf: the block type of every weight matrix
     requantize: bool = False  # gguf: allow rounding layers that lie on another grid again
-    dtype: str = "bfloat16"  # hf: the dtype of the dequantized weights
+    dtype: str = "bfloat16"  # hf, compressed-tensors: the dtype of the unquantized (or dequantized) weights
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
@@ -53,7 +55,8 @@ def run(state: RunState, params: ExportParams) -> None:
     results = {"evaluations": state.evaluations}
     path = save_artifact(state.model, state.tokenizer, state.run_dir / params.name, state.schemes, source, recipe, results)
     size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
-    state.sections.setdefault("artifacts", []).append({"format": params.format, "path": f"{path.name}/", "bytes_on_disk": size})
+    account = read_manifest(path)["size"]
+    state.sections.setdefault("artifacts", []).append({"format": params.format, "path": f"{path.name}/", "bytes_on_disk": size, **account})
     if params.reload:
         artifact = load_artifact(path, state.device)
         state.model = artifact.model
@@ -62,14 +65,16 @@ def run(state: RunState, params: ExportParams) -> None:
 
 
 def export_file(state: RunState, params: ExportParams) -> None:
-    """GGUF or HF export; with reload, the run continues on the exported model as transformers
+    """GGUF, HF or compressed-tensors export; with reload, the run continues on the exported model as transformers
     reads it: what a user of that format gets, measured with the same metrics."""
     path = state.run_dir / params.name
     if params.format == "gguf":
         source_gguf = state.source.path if state.source.kind == "gguf" else None
         summary = export_gguf(state.model, state.tokenizer, path, params.gguf_type, source_gguf, params.requantize)
-    else:
+    elif params.format == "hf":
         summary = export_hf(state.model, state.tokenizer, path, params.dtype)
+    else:
+        summary = export_compressed(state.model, state.tokenizer, path, params.dtype)
     state.sections.setdefault("artifacts", []).append(summary)
     if params.reload:
         model_cfg = OmegaConf.merge(state.original_model_cfg(), {"path": str(path), "bnb": None})

@@ -7,8 +7,6 @@ at the size of that dtype: the rounding slimlm chose is kept, the memory savings
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -18,20 +16,27 @@ from torch import nn
 from slimlm.errors import SlimlmError
 from slimlm.models import DTYPES
 from slimlm.qlinear import QuantEmbedding, QuantLinear
+from slimlm.rundir import staged_directory
+
+
+def plain_tensors(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The model's tensors outside its quantized layers, under transformers' names, in `dtype`."""
+    quantized = {name for name, module in model.named_modules() if isinstance(module, QuantLinear)}
+    return {
+        key: tensor.detach().to(dtype if tensor.is_floating_point() else tensor.dtype)
+        for key, tensor in model.state_dict().items()
+        if key.rpartition(".")[0] not in quantized
+    }
 
 
 def dequantized_state_dict(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The model's tensors under transformers' names, quantized layers as dequantized weights."""
-    quantized = {name: module for name, module in model.named_modules() if isinstance(module, QuantLinear)}
-    tensors = {}
-    for key, tensor in model.state_dict().items():
-        module_name = key.rpartition(".")[0]
-        if module_name not in quantized:
-            tensors[key] = tensor.detach().to(dtype if tensor.is_floating_point() else tensor.dtype)
-    for name, layer in quantized.items():
-        tensors[f"{name}.weight"] = layer.dequantize(dtype)
-        if layer.bias is not None:
-            tensors[f"{name}.bias"] = layer.bias.detach().to(dtype)
+    tensors = plain_tensors(model, dtype)
+    for name, layer in model.named_modules():
+        if isinstance(layer, QuantLinear):
+            tensors[f"{name}.weight"] = layer.dequantize(dtype)
+            if layer.bias is not None:
+                tensors[f"{name}.bias"] = layer.bias.detach().to(dtype)
     embedding = model.get_input_embeddings()
     if isinstance(embedding, QuantEmbedding):  # tied to the quantized head: one table, the head's
         names = {module: name for name, module in model.named_modules()}
@@ -46,10 +51,6 @@ def export_hf(model: nn.Module, tokenizer: Any, path: Path, dtype: str) -> dict:
 
     if dtype not in DTYPES:
         raise SlimlmError(f"unknown dtype '{dtype}' for the HF export; choose one of {', '.join(DTYPES)}")
-    path = Path(path)
-    if path.exists():
-        raise SlimlmError(f"'{path}' already exists; exports are never overwritten: choose another name or remove it")
-    path.parent.mkdir(parents=True, exist_ok=True)
     torch_dtype = DTYPES[dtype]
     with no_init_weights():
         plain = AutoModelForCausalLM.from_config(model.config, dtype=torch_dtype)
@@ -59,13 +60,9 @@ def export_hf(model: nn.Module, tokenizer: Any, path: Path, dtype: str) -> dict:
         raise SlimlmError(f"HF export: the model's tensors do not match its config (missing {sorted(set(result.missing_keys) - tied)[:3]}, unexpected {result.unexpected_keys[:3]})")
     if tied:
         plain.tie_weights()
-    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}-partial-", dir=path.parent))
-    try:
+    with staged_directory(path) as staging:
         plain.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
-        staging.rename(path)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+    path = Path(path)
     size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
     return {"format": "hf", "dtype": dtype, "path": f"{path.name}/", "bytes_on_disk": size}

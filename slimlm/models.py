@@ -139,11 +139,19 @@ def _from_pretrained(location: str, dtype: torch.dtype, revision: Optional[str],
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(location, revision=revision, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype, revision=revision, **kwargs)
+        model, info = AutoModelForCausalLM.from_pretrained(location, dtype=dtype, revision=revision, output_loading_info=True, **kwargs)
     except OSError as error:
         if source.kind == "hub":
             raise SlimlmError(f"could not fetch '{location}' from the Hugging Face hub ({str(error).splitlines()[0]}); without network, point model.path at a local checkpoint directory or .gguf file") from None
         raise SlimlmError(f"could not load the model at '{location}': {str(error).splitlines()[0]}") from None
+    except Exception as error:  # safetensors and the quantizers raise their own kinds on damaged files
+        raise SlimlmError(f"could not load the model at '{location}' ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else 'damaged'}); re-download or re-export it") from None
+    # transformers fills missing tensors with random values and only warns: a damaged checkpoint
+    # would then score like a broken model. A tied head is the one tensor allowed to be absent.
+    tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
+    missing = sorted(set(info.get("missing_keys", [])) - tied)
+    if missing:
+        raise SlimlmError(f"the checkpoint at '{location}' lacks {len(missing)} tensors its config needs (e.g. {missing[0]}); re-download or re-export it")
     return model, tokenizer
 
 

@@ -16,6 +16,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from slimlm.artifact import scheme_of
 from slimlm.errors import ConfigError
 
 
@@ -49,7 +50,7 @@ class RunState:
         self.schemes = {}
         self.memo["model_origin"] = origin
         if loaded.manifest is not None:  # a slimlm artifact: compressed, made from its source model
-            self.schemes = dict(loaded.manifest["modules"])
+            self.schemes = {name: scheme_of(record).to_dict() for name, record in loaded.manifest["modules"].items()}
             self.memo["model_origin"] = origin or f"artifact {loaded.source.id}"
             self.memo["original_model_cfg"] = OmegaConf.merge(self.cfg.model, {"path": loaded.manifest["source"]["id"]})
 

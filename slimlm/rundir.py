@@ -10,10 +10,12 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shutil
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -26,6 +28,26 @@ def write_atomic(path: Path, text: str) -> None:
     with os.fdopen(fd, "w") as handle:
         handle.write(text)
     os.replace(temp, path)
+
+
+@contextmanager
+def staged_directory(path: Path, what: str = "exports") -> Iterator[Path]:
+    """A hidden staging directory beside `path`, renamed to `path` when the block succeeds and
+    removed when it fails: a directory at `path` is always complete. An existing `path` is
+    refused, never overwritten."""
+    from slimlm.errors import SlimlmError
+
+    path = Path(path)
+    if path.exists():
+        raise SlimlmError(f"'{path}' already exists; {what} are never overwritten: choose another name or remove it")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}-partial-", dir=path.parent))
+    try:
+        yield staging
+        staging.rename(path)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
 
 
 def write_status(run_dir: Path, status: str, error: Optional[str] = None) -> None:

@@ -118,3 +118,43 @@ def test_round_trip_of_a_quantized_tied_head(tiny_model, tiny_tokenizer, tmp_pat
     ids = torch.randint(0, tiny_model.config.vocab_size, (2, 12))
     with torch.no_grad():
         assert torch.equal(state.model(ids).logits, loaded(ids).logits)
+
+
+def test_manifest_accounts_for_the_size_and_records_shapes_and_sparsity(tiny_model, tiny_tokenizer, tmp_path):
+    state = quantized_state(tiny_model, tiny_tokenizer, tmp_path, bits=4, group_size=32)
+    manifest = read_manifest(export(state, tmp_path / "artifact"))
+    size = manifest["size"]
+    assert size["weights_file_bytes"] == manifest["files"][WEIGHTS]["bytes"]
+    assert abs(size["weights_file_bytes"] / size["weights_accounted_bytes"] - 1) < 0.03
+    record = manifest["modules"]["model.layers.0.mlp.up_proj"]
+    layer = state.model.get_submodule("model.layers.0.mlp.up_proj")
+    assert record["shape"] == [layer.out_features, layer.in_features] and record["packing"] == "lsb-8"
+    assert record["sparsity"] == pytest.approx((layer.dequantize() == 0).float().mean().item(), abs=1e-6)
+
+
+def edit_manifest(path, edit) -> None:
+    """Change the manifest as a hand edit would (its own checksum is not recorded anywhere)."""
+    manifest = json.loads((path / "manifest.json").read_text())
+    edit(manifest)
+    (path / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_manifest_shapes_that_disagree_with_config_are_refused(tiny_model, tiny_tokenizer, tmp_path):
+    path = export(quantized_state(tiny_model, tiny_tokenizer, tmp_path), tmp_path / "artifact")
+    edit_manifest(path, lambda m: m["modules"]["model.layers.0.mlp.up_proj"].update(shape=[7, 64]))
+    with pytest.raises(SlimlmError, match=r"shape \[7, 64\], config.json gives"):
+        load_artifact(path)
+
+
+def test_a_missing_tensor_is_refused(tiny_model, tiny_tokenizer, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from slimlm.resources import sha256_file
+
+    path = export(quantized_state(tiny_model, tiny_tokenizer, tmp_path), tmp_path / "artifact")
+    tensors = load_file(path / WEIGHTS)
+    del tensors["model.layers.1.self_attn.o_proj.scales"]
+    save_file(tensors, path / WEIGHTS)
+    edit_manifest(path, lambda m: m["files"][WEIGHTS].update(sha256=sha256_file(path / WEIGHTS), bytes=(path / WEIGHTS).stat().st_size))
+    with pytest.raises(SlimlmError, match=r"missing \['model.layers.1.self_attn.o_proj.scales'\]"):
+        load_artifact(path)

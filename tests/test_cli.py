@@ -34,7 +34,7 @@ def tiny_run_args(model_dir):
 @pytest.mark.parametrize(
     "override, expected",
     [
-        ("recipe=nope", "unknown recipe 'nope': choose one of demo, eval-peers, evaluate, mixed-3.5bpw, w3-awq, w3-gptq, w3-rtn, w4-awq, w4-gptq, w4-rtn, w8-rtn"),
+        ("recipe=nope", "unknown recipe 'nope': choose one of demo, eval-peers, evaluate, mixed-3.5bpw, w3-awq, w3-gptq, w3-rtn, w4-awq, w4-gptq, w4-gptq-export, w4-gptq-gguf, w4-rtn, w8-rtn"),
         ("model=nope", "unknown model 'nope'"),
         ("model.pathh=x", "Key 'pathh' not in 'ModelConfig'"),
         ("eval.perplexity.window=abc", "could not be converted to Integer"),
@@ -88,7 +88,7 @@ def test_debug_flag_shows_the_exception(monkeypatch, tmp_path):
 
 def test_help_lists_groups_and_recipes(tmp_path):
     out = slimlm("--help", cwd=tmp_path).stdout
-    assert "recipe: demo, eval-peers, evaluate, mixed-3.5bpw, w3-awq, w3-gptq, w3-rtn, w4-awq, w4-gptq, w4-rtn, w8-rtn" in out and "model: custom, smollm2-135m" in out
+    assert "recipe: demo, eval-peers, evaluate, mixed-3.5bpw, w3-awq, w3-gptq, w3-rtn, w4-awq, w4-gptq, w4-gptq-export, w4-gptq-gguf, w4-rtn, w8-rtn" in out and "model: custom, smollm2-135m" in out
 
 
 def test_cfg_job_prints_the_recipe_without_running(tmp_path):
@@ -160,7 +160,8 @@ def test_gptq_recipe_on_a_tiny_model(tiny_model_dir, tmp_path):
     (section,) = report["quantization"]
     assert section["method"] == "gptq" and section["calibration_tokens"] == 8 * 64 and section["calibration_peak_memory_bytes"] > 0
     manifest = json.loads((run / "artifact" / "manifest.json").read_text())
-    assert manifest["modules"]["model.layers.1.mlp.down_proj"] == {"bits": 4, "group_size": 32, "symmetric": True, "method": "gptq"}
+    record = manifest["modules"]["model.layers.1.mlp.down_proj"]
+    assert {key: record[key] for key in ("bits", "group_size", "symmetric", "method", "packing")} == {"bits": 4, "group_size": 32, "symmetric": True, "method": "gptq", "packing": "lsb-8"}
     assert report["rows"][1]["kl_mean"] > 0
 
 
@@ -244,3 +245,14 @@ def test_hf_export_stage_reloads_the_checkpoint_with_the_same_perplexity(tiny_mo
     ours, reloaded = json.loads((run / "report.json").read_text())["rows"]
     assert reloaded["ppl"] == pytest.approx(ours["ppl"], rel=1e-5)
     assert (run / "hf" / "config.json").is_file()
+
+
+def test_compressed_tensors_export_stage_reloads_with_the_same_perplexity(tiny_model_dir, tmp_path):
+    pytest.importorskip("compressed_tensors")
+    stages = "recipe.stages=[{stage:quantize,bits:4,group_size:32},{stage:evaluate,label:w4},{stage:export,format:compressed-tensors,dtype:float32},{stage:evaluate,label:ct}]"
+    slimlm(*tiny_run_args(tiny_model_dir), stages, cwd=tmp_path)
+    (run,) = (tmp_path / "runs" / "demo").iterdir()
+    report = json.loads((run / "report.json").read_text())
+    ours, reloaded = report["rows"]
+    assert reloaded["ppl"] == pytest.approx(ours["ppl"], rel=1e-5)
+    assert report["artifacts"][0]["format"] == "compressed-tensors" and (run / "hf-compressed" / "model.safetensors").is_file()

@@ -1,0 +1,154 @@
+"""slimlm's GPTQ GGUF against llama.cpp's own Q4_0, scored by llama.cpp itself.
+
+Files, all from the default model's fp32 weights:
+  f32            an F32 GGUF (slimlm export, gguf_type=F32): the reference for KL
+  slimlm-gptq    `slimlm recipe=w4-gptq-gguf`: int4 g32 GPTQ, written to Q4_0 exactly as chosen
+  gguf-q4_0      the fp32 weights rounded to Q4_0 by the gguf package's quantizer (llama.cpp's
+                 reference rounding), every matrix Q4_0: the same file layout as slimlm-gptq
+  llama.cpp-q4_0-pure  llama.cpp's quantizer (`llama_model_quantize`, MOSTLY_Q4_0, pure) on the
+                 F32 file: every matrix Q4_0, the same layout as slimlm-gptq
+  llama.cpp-q4_0 the same with llama.cpp's default mix, which keeps the tied embedding/head in
+                 Q6_K (14 MB more here)
+Each file is loaded in llama.cpp (llama-cpp-python, `pip install '.[bench]'`) and scores the
+same windows of WikiText-2 test token ids: perplexity and KL to the F32 file's logits.
+Writes bench/results/gguf_llamacpp.{md,json}.
+
+    python bench/gguf_llamacpp.py [--windows 16 --window 2048 --threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from omegaconf import OmegaConf
+from tqdm import tqdm
+
+from slimlm.config import DataConfig, ModelConfig
+from slimlm.data import load_text, tokenize_text
+from slimlm.gguf_export import export_gguf
+from slimlm.models import load_model, resolve_model
+from slimlm.rundir import machine_info
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "bench" / "results"
+RUNS = REPO / "bench" / "runs" / "gguf_llamacpp"
+
+
+def build_files() -> dict[str, Path]:
+    """Every GGUF of the comparison; files made earlier are kept (delete RUNS to redo them)."""
+    import llama_cpp
+
+    RUNS.mkdir(parents=True, exist_ok=True)
+    files = {"f32": RUNS / "f32.gguf", "slimlm-gptq": RUNS / "w4-gptq-gguf" / "model.gguf", "gguf-q4_0": RUNS / "gguf-q4_0.gguf", "llama.cpp-q4_0-pure": RUNS / "llama.cpp-q4_0-pure.gguf", "llama.cpp-q4_0": RUNS / "llama.cpp-q4_0.gguf"}
+    model_cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(REPO / "conf" / "model" / "smollm2-135m.yaml"))
+    if not (files["f32"].exists() and files["gguf-q4_0"].exists()):
+        source = resolve_model(model_cfg)
+        loaded = load_model(model_cfg, torch.device("cpu"))
+        source_gguf = source.path if source.kind == "gguf" else None
+        for name, gguf_type in (("f32", "F32"), ("gguf-q4_0", "Q4_0")):
+            if not files[name].exists():
+                export_gguf(loaded.model, loaded.tokenizer, files[name], gguf_type, source_gguf)
+    if not files["slimlm-gptq"].exists():
+        run_dir = files["slimlm-gptq"].parent
+        subprocess.run(["rm", "-rf", str(run_dir)], check=True)
+        subprocess.run([str(REPO / ".venv" / "bin" / "slimlm"), "recipe=w4-gptq-gguf", "data=shared", f"hydra.run.dir={run_dir}"], check=True, cwd=REPO)
+    for name, pure in (("llama.cpp-q4_0-pure", True), ("llama.cpp-q4_0", False)):
+        if not files[name].exists():
+            params = llama_cpp.llama_model_quantize_default_params()
+            params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0
+            params.nthread = 2
+            params.pure = pure
+            status = llama_cpp.llama_model_quantize(str(files["f32"]).encode(), str(files[name]).encode(), ctypes.byref(params))
+            if status != 0:
+                raise SystemExit(f"llama.cpp could not quantize {files['f32']} (status {status})")
+    return files
+
+
+def window_logits(path: Path, windows: np.ndarray, threads: int):
+    """llama.cpp's logits [window, vocab] for each window, one window at a time."""
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=str(path), n_ctx=windows.shape[1], n_batch=512, n_threads=threads, logits_all=True, verbose=False)
+    for window in windows:
+        llm.reset()
+        llm.eval(window.tolist())
+        yield torch.from_numpy(np.array(llm.scores[: len(window)], dtype=np.float32))
+    llm.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--windows", type=int, default=16)
+    parser.add_argument("--window", type=int, default=2048)
+    parser.add_argument("--threads", type=int, default=2)
+    options = parser.parse_args()
+    started = time.perf_counter()
+    files = build_files()
+    model_cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(REPO / "conf" / "model" / "smollm2-135m.yaml"))
+    data_cfg = OmegaConf.merge(OmegaConf.structured(DataConfig), OmegaConf.load(REPO / "conf" / "data" / "shared.yaml"))
+    tokenizer = load_model(model_cfg, torch.device("cpu")).tokenizer
+    ids = tokenize_text(tokenizer, load_text(data_cfg.eval_text, "eval_text"))[: options.windows * options.window]
+    windows = ids.view(options.windows, options.window).numpy()
+    names = list(files)
+    totals = {name: {"nll": 0.0, "kl": 0.0, "top1": 0.0} for name in names}
+    streams = {name: window_logits(files[name], windows, options.threads) for name in names}
+    scored = options.windows * (options.window - 1)
+    for index in tqdm(range(options.windows), desc="llama.cpp windows", unit="window"):
+        targets = torch.from_numpy(windows[index][1:]).long()
+        reference = None
+        for name in names:
+            logprobs = torch.log_softmax(next(streams[name])[:-1], dim=-1)
+            totals[name]["nll"] -= logprobs.gather(1, targets[:, None]).sum().item()
+            if reference is None:
+                reference = logprobs
+            totals[name]["kl"] += (reference.exp() * (reference - logprobs)).sum().item()
+            totals[name]["top1"] += (logprobs.argmax(-1) == reference.argmax(-1)).sum().item()
+    rows = []
+    for name in names:
+        nll = totals[name]["nll"] / scored
+        rows.append({"name": name, "ppl": float(np.exp(nll)), "nll": nll, "kl_mean": totals[name]["kl"] / scored, "top1_agreement": totals[name]["top1"] / scored, "bytes": files[name].stat().st_size})
+    summary = {"windows": options.windows, "window": options.window, "tokens_scored": scored, "seconds": time.perf_counter() - started, "llama_cpp_python": __import__("llama_cpp").__version__}
+    changed = {k: v for k, v in vars(options).items() if v != parser.get_default(k)}
+    command = "python bench/gguf_llamacpp.py" + "".join(f" --{k} {v}" for k, v in changed.items())
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "gguf_llamacpp.json").write_text(json.dumps({"machine": machine_info(), "command": command, "summary": summary, "rows": rows}, indent=2) + "\n")
+    write_markdown(rows, summary, command)
+
+
+def write_markdown(rows: list[dict], summary: dict, command: str) -> None:
+    machine = machine_info()
+    labels = {
+        "f32": "F32 (reference)",
+        "slimlm-gptq": "slimlm w4 g32 GPTQ → Q4_0 (written exactly)",
+        "gguf-q4_0": "fp32 rounded to Q4_0 (gguf package quantizer, every matrix Q4_0)",
+        "llama.cpp-q4_0-pure": "llama.cpp quantize MOSTLY_Q4_0, pure (every matrix Q4_0)",
+        "llama.cpp-q4_0": "llama.cpp quantize MOSTLY_Q4_0, default mix (tied head/embedding Q6_K)",
+    }
+    lines = [
+        "# gguf_llamacpp",
+        "",
+        f"- command: `{command}`",
+        f"- machine: {machine['processor']}, {machine['cpu_count']} CPUs; llama-cpp-python {summary['llama_cpp_python']}; {summary['seconds'] / 60:.1f} min",
+        f"- text: the first {summary['windows']} windows of {summary['window']} tokens of WikiText-2 test ({summary['tokens_scored']:,} tokens scored), token ids fed to llama.cpp directly",
+        "- every file is scored by llama.cpp (llama-cpp-python, CPU); KL and top-1 agreement are against the F32 file's logits in llama.cpp",
+        "",
+        "| file | ppl | KL to F32 | top-1 agreement % | bytes |",
+        "|---|---:|---:|---:|---:|",
+        *[f"| {labels[r['name']]} | {r['ppl']:.3f} | {r['kl_mean']:.4f} | {100 * r['top1_agreement']:.1f} | {r['bytes']:,} |" for r in rows],
+        "",
+    ]
+    notes = RESULTS.parent / "gguf_llamacpp.notes.md"
+    if notes.is_file():
+        lines += [notes.read_text().strip(), ""]
+    (RESULTS / "gguf_llamacpp.md").write_text("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

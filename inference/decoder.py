@@ -1,0 +1,232 @@
+"""Generation with the bundled decoder: prefill in chunks, then one token per step from a
+static cache, for one prompt or a batch of prompts of different lengths.
+
+    decoder = Decoder(build_decoder(model), tokenizer)
+    for piece in decoder.stream("Once upon a time", SamplingParams(max_new_tokens=64)): print(piece, end="")
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional, Sequence
+
+import torch
+
+from slimlm.errors import SlimlmError
+from slimlm.inference.model import Transformer
+from slimlm.inference.sampling import SamplingParams, next_tokens
+
+TokenCallback = Callable[[int, int], None]  # (row, token id), called as each token is chosen
+
+
+@dataclass
+class Generation:
+    token_ids: list[int]  # new tokens, stop string or token excluded
+    text: str
+    finish_reason: str  # "stop" (end-of-sequence, stop token or string) or "length"
+    prompt_tokens: int
+
+
+@dataclass
+class GenerationStats:
+    prefill_s: float
+    decode_s: float
+    decode_steps: int
+    batch: int
+
+    @property
+    def decode_tok_s(self) -> float:
+        """New tokens per second over all rows after the first (which the prefill produced)."""
+        return self.batch * (self.decode_steps - 1) / self.decode_s if self.decode_s > 0 and self.decode_steps > 1 else float("nan")
+
+
+class Decoder:
+    def __init__(self, model: Transformer, tokenizer, prefill_chunk: int = 512, cache_dtype: Optional[torch.dtype] = None):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.prefill_chunk = prefill_chunk
+        self.cache_dtype = cache_dtype
+        self.device = model.inv_freq.device
+        self.last_stats: Optional[GenerationStats] = None
+        self.step = model  # the decode step; compile_decode_step swaps in a compiled one
+        self.lock = threading.Lock()  # one generation at a time owns the cache
+
+    def compile_decode_step(self) -> None:
+        """torch.compile the one-token decode step: the norms, RoPE and attention of each layer
+        become a few fused kernels, and on CPU a C++ wrapper calls them without Python in between
+        (the overhead that dominates a small model's step). The first steps compile (a minute or
+        two); the prefill stays eager. Shapes are dynamic in the number of cached slots."""
+        options = {"cpp_wrapper": True} if self.device.type == "cpu" else {}
+        self.step = torch.compile(self.model, dynamic=True, options=options)
+
+    def end_ids(self, params: SamplingParams) -> set[int]:
+        ids = set(params.stop_token_ids)
+        eos = self.tokenizer.eos_token_id
+        if eos is not None and not params.ignore_eos:
+            ids |= set(eos) if isinstance(eos, (list, tuple)) else {eos}
+        return ids
+
+    def ensure_cache(self, batch: int, length: int) -> None:
+        """Allocate the static cache when none is big enough; otherwise reuse it as it is."""
+        if batch > self.model.max_batch or length > self.model.max_seq:
+            self.model.setup_cache(batch, length, self.cache_dtype)
+
+    def generate_ids(self, prompts: Sequence[Sequence[int]], params: SamplingParams, on_token: Optional[TokenCallback] = None) -> list[Generation]:
+        """Complete each prompt (token ids); `on_token` sees each token as it is chosen."""
+        with self.lock, torch.inference_mode():
+            return self._generate(prompts, params, on_token)
+
+    def _generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, on_token: Optional[TokenCallback]) -> list[Generation]:
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise SlimlmError("every prompt needs at least one token")
+        batch, longest = len(prompts), max(len(p) for p in prompts)
+        limit = self.model.args.max_position_embeddings
+        if longest + params.max_new_tokens > limit:
+            raise SlimlmError(f"a prompt of {longest} tokens plus {params.max_new_tokens} new tokens exceeds the model's context of {limit}; shorten the prompt or ask for fewer tokens")
+        self.ensure_cache(batch, longest + params.max_new_tokens)
+        pads = [longest - len(p) for p in prompts]
+        pad = torch.tensor(pads, device=self.device) if any(pads) else None
+        tokens = torch.zeros(batch, longest, dtype=torch.long, device=self.device)
+        for row, prompt in enumerate(prompts):
+            tokens[row, longest - len(prompt) :] = torch.tensor(list(prompt), dtype=torch.long)
+        seen = torch.zeros(batch, self.model.args.vocab_size, dtype=torch.bool, device=self.device)
+        if params.repetition_penalty != 1.0:
+            for row, prompt in enumerate(prompts):
+                seen[row, torch.tensor(list(prompt), device=self.device)] = True
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        started = time.perf_counter()
+        for start in range(0, longest, self.prefill_chunk):
+            logits = self.model(tokens[:, start : start + self.prefill_chunk], start, pad)[:, -1]
+        prefilled = time.perf_counter()
+        end_ids = self.end_ids(params)
+        outputs: list[list[int]] = [[] for _ in prompts]
+        finished = [None] * batch
+        steps = 0
+        for step in range(params.max_new_tokens):
+            chosen = next_tokens(logits, params, seen, generator)
+            seen[torch.arange(batch), chosen] = True
+            for row, token in enumerate(chosen.tolist()):
+                if finished[row] is not None:
+                    continue
+                if token in end_ids:
+                    finished[row] = "stop"
+                    continue
+                outputs[row].append(token)
+                if on_token is not None:
+                    on_token(row, token)
+                if params.stop and self._hits_stop_string(outputs[row], params.stop):
+                    finished[row] = "stop"
+            steps = step + 1
+            if all(f is not None for f in finished) or step + 1 == params.max_new_tokens:
+                break
+            logits = self.step(chosen[:, None], longest + step, pad)[:, -1]
+        self.last_stats = GenerationStats(prefill_s=prefilled - started, decode_s=time.perf_counter() - prefilled, decode_steps=steps, batch=batch)
+        return [self._finish(ids, params, finished[row], len(prompts[row])) for row, ids in enumerate(outputs)]
+
+    def _hits_stop_string(self, ids: list[int], stops: Sequence[str]) -> bool:
+        tail = self.tokenizer.decode(ids[-16:], skip_special_tokens=True)
+        return any(stop in tail for stop in stops)
+
+    def _finish(self, ids: list[int], params: SamplingParams, reason: Optional[str], prompt_tokens: int) -> Generation:
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        for stop in params.stop:
+            if stop in text:
+                text = text[: text.index(stop)]
+                reason = "stop"
+        return Generation(token_ids=ids, text=text, finish_reason=reason or "length", prompt_tokens=prompt_tokens)
+
+    def generate(self, prompts: Sequence[str], params: SamplingParams, chat_template: bool = False) -> list[Generation]:
+        from slimlm.inference.generate import prompt_ids
+
+        return self.generate_ids([prompt_ids(self.tokenizer, p, chat_template)[0].tolist() for p in prompts], params)
+
+    def stream(self, prompt: str, params: SamplingParams, chat_template: bool = False) -> Iterator[str]:
+        """Text pieces of one prompt's completion as they are decoded (see stream_ids)."""
+        from slimlm.inference.generate import prompt_ids
+
+        return self.stream_ids(prompt_ids(self.tokenizer, prompt, chat_template)[0].tolist(), params)
+
+    def stream_ids(self, ids: Sequence[int], params: SamplingParams) -> Iterator[str]:
+        """Text pieces of the completion of prompt `ids`, handed out as they are decoded.
+
+        Runs the decode loop in a worker thread and passes each piece over a queue, so the caller
+        gets text while later tokens are still being computed; text that could be the start of
+        a stop string is held back until it is clear."""
+        import queue
+
+        pieces: "queue.Queue[Optional[object]]" = queue.Queue()
+        detok = IncrementalText(self.tokenizer)
+        cancel = threading.Event()
+
+        def on_token(row: int, token: int) -> None:
+            if cancel.is_set():
+                raise _Cancelled
+            piece = detok.add(token)
+            if piece:
+                pieces.put(piece)
+
+        def work() -> None:
+            try:
+                self.generate_ids([ids], params, on_token)
+                pieces.put(None)
+            except _Cancelled:
+                pieces.put(None)
+            except BaseException as error:  # handed to the reading thread
+                pieces.put(error)
+
+        worker = threading.Thread(target=work, daemon=True)
+        worker.start()
+        text, emitted = "", 0  # everything decoded so far; how much of it was handed out
+        try:
+            while True:
+                item = pieces.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item is None:
+                    if text[emitted:]:
+                        yield text[emitted:]
+                    return
+                text += item
+                hits = [text.index(stop) for stop in params.stop if stop in text]
+                if hits:
+                    if text[emitted : min(hits)]:
+                        yield text[emitted : min(hits)]
+                    return
+                safe = len(text) - _held_back(text, params.stop)
+                if safe > emitted:
+                    yield text[emitted:safe]
+                    emitted = safe
+        finally:  # the reader stopped (done, stop string, or abandoned): end the worker before returning
+            cancel.set()
+            worker.join()
+
+
+class _Cancelled(Exception):
+    """Raised inside the decode loop when a stream's reader has gone."""
+
+
+def _held_back(text: str, stops: Sequence[str]) -> int:
+    """How many trailing characters could begin a stop string (kept back until it resolves)."""
+    return max((k for stop in stops for k in range(1, len(stop)) if text.endswith(stop[:k])), default=0)
+
+
+class IncrementalText:
+    """Text of a growing token list, handed out as the new characters only; pieces that end in
+    an incomplete UTF-8 character wait for the next token."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.text = ""
+
+    def add(self, token: int) -> str:
+        self.ids.append(token)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return ""
+        piece, self.text = text[len(self.text) :], text
+        return piece

@@ -1,0 +1,173 @@
+"""The decoder's linear layers: each weight runs in the kernel its scheme allows.
+
+  int4, symmetric or not, groups of 32/64/128/256 -> torch's tinygemm int4 kernel
+      (`_weight_int4pack_mm_for_cpu` on CPU, `_weight_int4pack_mm` on CUDA); it computes
+      (q - 8) * scale + zero per group, so slimlm's (code - z) * scale maps to zero = (8 - z) * scale
+  int8, one scale per output channel -> `_weight_int8pack_mm` (weight q = code - 128; an
+      asymmetric zero point adds a per-row term times the sum of the input)
+  anything else quantized (int2/int3, grouped int8, other group sizes) -> dequantize the packed
+      codes for each call: memory stays at the scheme's size, speed is that of a dense matmul plus
+      the unpacking
+  float weights -> an ordinary matmul in the activation dtype
+
+Layers that read the same input (q/k/v, gate/up) are fused into one layer when their schemes
+agree: one kernel launch instead of three or two.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from slimlm.qlinear import QuantLinear
+
+TINYGEMM_GROUPS = (32, 64, 128, 256)
+INNER_K_TILES = 2
+
+
+def _as_2d(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-1])
+
+
+class Int4Linear(nn.Module):
+    def __init__(self, layer: QuantLinear, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        scheme = layer.scheme
+        self.in_features, self.out_features, self.group_size = layer.in_features, layer.out_features, scheme.group_size
+        codes = layer.codes().to(device=device, dtype=torch.int32)
+        scales = layer.scales.to(device=device, dtype=torch.float32)
+        zeros = (8 - layer.zeros.to(device=device, dtype=torch.float32)) * scales if layer.zeros is not None else torch.zeros_like(scales)
+        if device.type == "cuda":
+            packed = torch._convert_weight_to_int4pack((codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8), INNER_K_TILES)
+        else:
+            packed = torch._convert_weight_to_int4pack_for_cpu(codes, INNER_K_TILES)
+        self.register_buffer("weight", packed)
+        self.register_buffer("scales_and_zeros", torch.stack([scales.t(), zeros.t()], dim=-1).to(dtype).contiguous())
+        self.register_buffer("bias", None if layer.bias is None else layer.bias.detach().to(device=device, dtype=dtype))
+
+    @staticmethod
+    def supports(layer: QuantLinear) -> bool:
+        return layer.scheme.bits == 4 and layer.scheme.group_size in TINYGEMM_GROUPS and layer.in_features % (INNER_K_TILES * 16) == 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        matmul = torch._weight_int4pack_mm if x.is_cuda else torch._weight_int4pack_mm_for_cpu
+        y = matmul(_as_2d(x).to(self.scales_and_zeros.dtype), self.weight, self.group_size, self.scales_and_zeros)
+        y = y.view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+class Int8Linear(nn.Module):
+    def __init__(self, layer: QuantLinear, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.in_features, self.out_features = layer.in_features, layer.out_features
+        self.register_buffer("weight", (layer.codes().to(device=device, dtype=torch.int16) - 128).to(torch.int8))
+        scales = layer.scales.to(device=device, dtype=torch.float32).view(-1)
+        self.register_buffer("scales", scales.to(dtype))
+        offset = None if layer.zeros is None else ((128 - layer.zeros.to(device=device, dtype=torch.float32).view(-1)) * scales).to(dtype)
+        self.register_buffer("offset", offset)
+        self.register_buffer("bias", None if layer.bias is None else layer.bias.detach().to(device=device, dtype=dtype))
+
+    @staticmethod
+    def supports(layer: QuantLinear) -> bool:
+        return layer.scheme.bits == 8 and layer.scheme.group_size is None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = _as_2d(x).to(self.scales.dtype)
+        y = torch._weight_int8pack_mm(x2, self.weight, self.scales)
+        if self.offset is not None:
+            y = y + x2.sum(-1, keepdim=True) * self.offset
+        y = y.view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Weight rows `ids` dequantized (the embedding of a model whose head this is)."""
+        rows = self.weight[ids].to(dtype) * self.scales[ids, None].to(dtype)
+        return rows if self.offset is None else rows + self.offset[ids, None].to(dtype)
+
+
+class DequantLinear(nn.Module):
+    """Any QuantLinear scheme: keep the packed codes, dequantize them on each call."""
+
+    def __init__(self, layer: QuantLinear, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.layer = QuantLinear(layer.in_features, layer.out_features, layer.scheme, bias=layer.bias is not None).to(device)
+        self.layer.load_state_dict(layer.state_dict())
+        self.dtype = dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x.to(self.dtype))
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return self.layer.dequantize(dtype, rows=ids)
+
+
+class DenseLinear(nn.Module):
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.register_buffer("weight", weight.detach().to(device=device, dtype=dtype).contiguous())
+        self.register_buffer("bias", None if bias is None else bias.detach().to(device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.to(self.weight.dtype), self.weight, self.bias)
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return self.weight[ids].to(dtype)
+
+
+def fuse(layers: Sequence[nn.Module]) -> nn.Module:
+    """One layer computing the concatenated outputs of `layers` (same input), when possible:
+    quantized layers of one scheme are stacked row-wise (packing runs along the inputs, so rows
+    concatenate); float layers likewise. Mixed schemes come back as a concatenating wrapper."""
+    if len(layers) == 1:
+        return layers[0]
+    first = layers[0]
+    if all(isinstance(layer, QuantLinear) for layer in layers) and len({layer.scheme for layer in layers}) == 1:
+        biases = [layer.bias for layer in layers]
+        fused = QuantLinear(first.in_features, sum(layer.out_features for layer in layers), first.scheme, bias=biases[0] is not None)
+        fused.qweight = torch.cat([layer.qweight for layer in layers])
+        fused.scales = torch.cat([layer.scales for layer in layers])
+        fused.zeros = None if first.zeros is None else torch.cat([layer.zeros for layer in layers])
+        if biases[0] is not None:
+            fused.bias = nn.Parameter(torch.cat([b.detach() for b in biases]))
+        return fused
+    if all(isinstance(layer, nn.Linear) for layer in layers):
+        fused = nn.Linear(first.in_features, sum(layer.out_features for layer in layers), bias=first.bias is not None, device="meta")
+        fused.weight = nn.Parameter(torch.cat([layer.weight.detach() for layer in layers]), requires_grad=False)
+        if first.bias is not None:
+            fused.bias = nn.Parameter(torch.cat([layer.bias.detach() for layer in layers]), requires_grad=False)
+        return fused
+    return Concat(layers)
+
+
+class Concat(nn.Module):
+    """Layers of different schemes that read one input: run each, concatenate the outputs."""
+
+    def __init__(self, layers: Sequence[nn.Module]):
+        super().__init__()
+        self.parts = nn.ModuleList(layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part(x) for part in self.parts], dim=-1)
+
+
+def build_linear(layer: nn.Module, dtype: torch.dtype, device: torch.device, kernels: bool = True) -> nn.Module:
+    """The fastest decoder layer for a transformers Linear, QuantLinear or a `Concat` of them;
+    `kernels=False` forces the dequantizing path (the reference the kernels are tested against)."""
+    if isinstance(layer, Concat):
+        return Concat([build_linear(part, dtype, device, kernels) for part in layer.parts])
+    if isinstance(layer, QuantLinear):
+        if kernels and Int4Linear.supports(layer):
+            return Int4Linear(layer, dtype, device)
+        if kernels and Int8Linear.supports(layer):
+            return Int8Linear(layer, dtype, device)
+        return DequantLinear(layer, dtype, device)
+    return DenseLinear(layer.weight, layer.bias, dtype, device)
+
+
+def kernel_name(layer: nn.Module) -> str:
+    if isinstance(layer, Concat):
+        return "+".join(kernel_name(part) for part in layer.parts)
+    return {Int4Linear: "int4-tinygemm", Int8Linear: "int8-pack", DequantLinear: "dequant", DenseLinear: "dense"}[type(layer)]

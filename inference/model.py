@@ -1,0 +1,264 @@
+"""The bundled decoder's model: a Llama-family transformer in plain PyTorch, top to bottom.
+
+One module covers llama, mistral and qwen2 (what differs is read from the HF config: grouped
+query heads, bias on q/k/v for qwen2, a sliding window for mistral, llama3 RoPE scaling). Its
+linear layers are whatever `inference.linear` built for each weight's scheme; this file only
+decides the order of operations.
+
+Decoding state lives in a static cache allocated once by `setup_cache`: keys and values for
+`batch` sequences of at most `max_seq` slots. Sequences of different lengths are left-padded:
+row b's tokens start at slot `pad[b]`, its RoPE positions count from there, and its queries never
+see the slots before it. Keys and values by one slot per decode step: attention reads the cache up to the current slot only.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from slimlm.errors import SlimlmError
+
+ARCHITECTURES = ("llama", "mistral", "qwen2")
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    architecture: str
+    vocab_size: int
+    dim: int
+    intermediate_size: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    norm_eps: float
+    rope_theta: float
+    rope_scaling: Optional[dict]
+    max_position_embeddings: int
+    tie_embeddings: bool
+    qkv_bias: bool
+    sliding_window: Optional[int]
+
+    @classmethod
+    def from_hf_config(cls, config: Any) -> "ModelArgs":
+        """Read a transformers config (object or dict); refuse architectures the decoder does not run."""
+        c = config if isinstance(config, dict) else config.to_dict()
+        architecture = c.get("model_type")
+        if architecture not in ARCHITECTURES:
+            raise SlimlmError(f"the decoder runs {', '.join(ARCHITECTURES)} models; this one is '{architecture}'")
+        rope = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ROPE_TYPES:
+            raise SlimlmError(f"the decoder does not implement RoPE type '{rope_type}' (it does {', '.join(ROPE_TYPES)})")
+        if c.get("hidden_act", "silu") != "silu":
+            raise SlimlmError(f"the decoder's MLP is SwiGLU (silu); this model uses '{c.get('hidden_act')}'")
+        heads = c["num_attention_heads"]
+        window = c.get("sliding_window") if c.get("use_sliding_window", architecture == "mistral") else None
+        return cls(
+            architecture=architecture,
+            vocab_size=c["vocab_size"],
+            dim=c["hidden_size"],
+            intermediate_size=c["intermediate_size"],
+            n_layers=c["num_hidden_layers"],
+            n_heads=heads,
+            n_kv_heads=c.get("num_key_value_heads") or heads,
+            head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+            norm_eps=c.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
+            rope_scaling=None if rope_type == "default" else {**rope, "rope_type": rope_type},
+            max_position_embeddings=c.get("max_position_embeddings", 4096),
+            tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+            qkv_bias=architecture == "qwen2" or bool(c.get("attention_bias", False)),
+            sliding_window=window,
+        )
+
+
+def rope_inverse_frequencies(args: ModelArgs) -> torch.Tensor:
+    """Per-pair rotation frequencies, with linear or llama3 scaling when the config asks."""
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, args.head_dim, 2, dtype=torch.float64) / args.head_dim))
+    scaling = args.rope_scaling
+    if scaling is None:
+        return inv_freq.float()
+    if scaling["rope_type"] == "linear":
+        return (inv_freq / scaling["factor"]).float()
+    # llama3: long wavelengths slowed by `factor`, short ones kept, a smooth blend between.
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    original = scaling["original_max_position_embeddings"]
+    wavelength = 2 * math.pi / inv_freq
+    smooth = ((original / wavelength) - low) / (high - low)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    scaled = torch.where(wavelength > original / low, inv_freq / factor, inv_freq)
+    medium = (wavelength <= original / low) & (wavelength >= original / high)
+    return torch.where(medium, blended, scaled).float()
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE in the HF (half-split) layout: pairs are (i, i + head_dim/2)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention; q, k and v come from one fused projection."""
+
+    def __init__(self, args: ModelArgs, qkv: nn.Module, o_proj: nn.Module):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.qkv, self.o_proj = qkv, o_proj
+        self.register_buffer("k_cache", None, persistent=False)
+        self.register_buffer("v_cache", None, persistent=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, mask: Optional[torch.Tensor], end: int) -> torch.Tensor:
+        batch, length, _ = x.shape
+        heads, kv_heads = self.n_heads, self.n_kv_heads
+        qkv = self.qkv(x).view(batch, length, heads + 2 * kv_heads, self.head_dim)
+        qk = rotate(qkv[:, :, : heads + kv_heads], cos, sin)  # q and k heads rotated in one go
+        q, k = qk[:, :, :heads].transpose(1, 2), qk[:, :, heads:].transpose(1, 2)
+        v = qkv[:, :, heads + kv_heads :].transpose(1, 2)
+        self.k_cache.index_copy_(2, slots, k.to(self.k_cache.dtype))
+        self.v_cache.index_copy_(2, slots, v.to(self.v_cache.dtype))
+        keys, values = self.k_cache[:, :, :end], self.v_cache[:, :, :end]
+        q = q.to(keys.dtype)  # attention runs in the cache's dtype (fp32 on CPU: bf16 matmuls are slow there)
+        if length == 1:
+            out = self.attend_one(q, keys, values, mask)
+        else:
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=heads != kv_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, length, heads * self.head_dim).to(x.dtype))
+
+    def attend_one(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """One query per sequence (a decode step): the query heads of each key/value head are
+        stacked as rows of one small matmul, the way grouped-query attention shares keys."""
+        batch, group = q.shape[0], self.n_heads // self.n_kv_heads
+        grouped = q.reshape(batch, self.n_kv_heads, group, self.head_dim)
+        scores = torch.matmul(grouped, keys.transpose(-1, -2)) * self.head_dim**-0.5  # [batch, kv_heads, group, keys]
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        weights = scores.softmax(-1)
+        return torch.matmul(weights, values).reshape(batch, self.n_heads, 1, self.head_dim)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused into one projection."""
+
+    def __init__(self, gate_up: nn.Module, down: nn.Module):
+        super().__init__()
+        self.gate_up, self.down = gate_up, down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, args: ModelArgs, attention: Attention, feed_forward: FeedForward):
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = attention
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = feed_forward
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, mask: Optional[torch.Tensor], end: int) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, slots, mask, end)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """Token ids in, next-token logits out; the layers' kernels were chosen when it was built."""
+
+    def __init__(self, args: ModelArgs, embedding: nn.Module, blocks: list[Block], output: nn.Module, dtype: torch.dtype):
+        super().__init__()
+        self.args = args
+        self.dtype = dtype  # of activations
+        self.embedding = embedding
+        self.layers = nn.ModuleList(blocks)
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = output
+        self.register_buffer("inv_freq", rope_inverse_frequencies(args), persistent=False)
+        self.max_batch = self.max_seq = 0
+
+    def setup_cache(self, batch: int, max_seq: int, cache_dtype: Optional[torch.dtype] = None) -> None:
+        """Allocate the key/value cache once; decoding never allocates it again. Its dtype
+        defaults to the activations' on GPUs and to fp32 on CPUs (where bf16 attention is slow)."""
+        if max_seq > self.args.max_position_embeddings:
+            raise SlimlmError(f"a context of {max_seq} tokens is longer than the model's {self.args.max_position_embeddings}; ask for fewer new tokens or a shorter prompt")
+        device = self.inv_freq.device
+        cache_dtype = cache_dtype or (self.dtype if device.type == "cuda" else torch.float32)
+        shape = (batch, self.args.n_kv_heads, max_seq, self.args.head_dim)
+        for block in self.layers:
+            block.attention.k_cache = torch.zeros(shape, dtype=cache_dtype, device=device)
+            block.attention.v_cache = torch.zeros(shape, dtype=cache_dtype, device=device)
+        self.max_batch, self.max_seq = batch, max_seq
+
+    def cache_bytes(self) -> int:
+        return sum(b.attention.k_cache.nbytes + b.attention.v_cache.nbytes for b in self.layers if b.attention.k_cache is not None)
+
+    def weight_bytes(self) -> int:
+        """Bytes of every stored weight (parameters and buffers, the cache and RoPE table aside)."""
+        skip = {id(self.inv_freq)} | {id(t) for b in self.layers for t in (b.attention.k_cache, b.attention.v_cache)}
+        seen = {id(t): t for t in (*self.parameters(), *self.buffers()) if id(t) not in skip}
+        return sum(t.nbytes for t in seen.values())
+
+    def bytes_per_token(self, context: int) -> int:
+        """The least a batch-1 decode step at `context` tokens reads: every weight except the
+        embedding table (one row of it), and the cache up to `context`."""
+        table = self.embedding.table
+        table_bytes = 0 if table is self.output else sum(t.nbytes for t in (*table.parameters(), *table.buffers()))
+        row = self.args.dim * next(t.element_size() for t in (*table.parameters(), *table.buffers()))
+        kv_dtype = self.layers[0].attention.k_cache.element_size() if self.layers[0].attention.k_cache is not None else self.inv_freq.element_size()
+        kv = 2 * self.args.n_layers * self.args.n_kv_heads * self.args.head_dim * context * kv_dtype
+        return self.weight_bytes() - table_bytes + row + kv
+
+    def forward(self, tokens: torch.Tensor, start: int, pad: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Logits [batch, length, vocab] for `tokens` [batch, length] written at cache slots
+        start..start+length; `pad` [batch] is each row's left padding (its first real slot),
+        None when every row starts at slot 0."""
+        batch, length = tokens.shape
+        if start + length > self.max_seq or batch > self.max_batch:
+            raise SlimlmError(f"the cache holds {self.max_batch} sequences of {self.max_seq} slots; this step needs {batch} of {start + length}")
+        device = tokens.device
+        end = start + length
+        slots = torch.arange(start, end, device=device)
+        positions = slots[None, :] if pad is None else (slots[None, :] - pad[:, None]).clamp(min=0)  # [batch or 1, length]
+        angles = positions[..., None, None].float() * self.inv_freq
+        cos, sin = angles.cos().to(self.dtype), angles.sin().to(self.dtype)  # [batch or 1, length, 1, head_dim/2]
+        mask = self.attention_mask(slots, pad, end)
+        x = self.embedding(tokens).to(self.dtype)
+        for block in self.layers:
+            x = block(x, cos, sin, slots, mask, end)
+        return self.output(self.norm(x))
+
+    def attention_mask(self, slots: torch.Tensor, pad: Optional[torch.Tensor], end: int) -> Optional[torch.Tensor]:
+        """[batch or 1, 1, length, end] booleans (a query sees its own row's slots up to itself),
+        or None for a decode step that may see every slot so far (no padding, no window)."""
+        length = slots.shape[0]
+        window = self.args.sliding_window
+        if length == 1 and pad is None and (window is None or end <= window):
+            return None
+        keys = torch.arange(end, device=slots.device)
+        visible = (keys[None, :] <= slots[:, None])[None]
+        if pad is not None:
+            visible = visible & (keys[None, None, :] >= pad[:, None, None])
+        if window is not None:
+            visible = visible & (keys[None, None, :] > slots[None, :, None] - window)
+        # A padding query sees itself: its output is never used, but a row with nothing visible
+        # would be NaN, and NaN values in the cache poison the real rows' attention sums.
+        visible = visible | (keys[None, :] == slots[:, None])[None]
+        return visible[:, None]

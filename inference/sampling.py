@@ -1,0 +1,76 @@
+"""Choosing the next token from logits: greedy, temperature, top-k, top-p, repetition penalty.
+
+The same rules as transformers' logits processors, applied in the same order (repetition
+penalty, temperature, top-k, top-p), so a seed-for-seed comparison is meaningful and greedy
+decoding is exactly argmax.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+import torch
+
+from slimlm.errors import ConfigError
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 0.0  # 0: greedy
+    top_k: Optional[int] = None
+    top_p: Optional[float] = None
+    repetition_penalty: float = 1.0
+    seed: Optional[int] = None
+    stop: List[str] = field(default_factory=list)  # stop strings (not included in the output)
+    stop_token_ids: List[int] = field(default_factory=list)  # besides the tokenizer's end-of-sequence token
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens={self.max_new_tokens} must be at least 1")
+        if self.temperature < 0:
+            raise ConfigError(f"temperature={self.temperature} must be 0 (greedy) or positive")
+        if self.top_k is not None and self.top_k < 1:
+            raise ConfigError(f"top_k={self.top_k} must be at least 1 (or null for no limit)")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p={self.top_p} must be in (0, 1]")
+        if self.repetition_penalty <= 0:
+            raise ConfigError(f"repetition_penalty={self.repetition_penalty} must be positive (1.0: off)")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def penalize_repetition(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """CTRL's penalty: a seen token's logit is divided by `penalty` if positive, multiplied if not.
+    `seen` [batch, vocab] is a boolean mask of tokens in each row's prompt and output."""
+    if penalty == 1.0:
+        return logits
+    penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
+    return torch.where(seen, penalized, logits)
+
+
+def filter_top_k_top_p(logits: torch.Tensor, top_k: Optional[int], top_p: Optional[float]) -> torch.Tensor:
+    """Logits outside the top k, or outside the smallest set whose probability reaches top_p, set to -inf."""
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        drop_sorted = cumulative - sorted_logits.softmax(-1) >= top_p  # the mass before this token already reaches top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def next_tokens(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor, generator: Optional[torch.Generator]) -> torch.Tensor:
+    """One token per row [batch] from the last position's logits [batch, vocab]."""
+    logits = penalize_repetition(logits.float(), seen, params.repetition_penalty)
+    if params.greedy:
+        return logits.argmax(-1)
+    logits = filter_top_k_top_p(logits / params.temperature, params.top_k, params.top_p)
+    return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)

@@ -1,0 +1,145 @@
+"""Speculative decoding: cheap guesses of the next few tokens, checked by the model in one pass.
+
+A proposer guesses up to `lookahead` tokens; the target model scores the last accepted token
+and the guesses together (one forward of length 1 + lookahead), keeps the guesses up to the
+first one its own greedy choice disagrees with, and adds its own token after them. The output
+is the target's greedy output, token for token; what changes is how many forward passes it takes.
+
+Proposers:
+  prompt lookup  the tokens that followed the most recent earlier occurrence of the sequence's
+                 last n-gram (n from `ngram` down to 1): free, and strong when the answer copies
+                 from the prompt (summaries, code edits, retrieval)
+  draft model    a small model (e.g. a distilled student) decoding greedily from its own cache;
+                 it must share the target's tokenizer
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from slimlm.errors import SlimlmError
+from slimlm.inference.decoder import Decoder, Generation
+from slimlm.inference.sampling import SamplingParams
+
+
+@dataclass
+class SpeculativeStats:
+    proposed: int = 0  # guessed tokens checked by the target
+    accepted: int = 0  # of those, kept
+    target_passes: int = 0  # target forwards after the prefill
+    new_tokens: int = 0
+    seconds: float = 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    @property
+    def tokens_per_pass(self) -> float:
+        return self.new_tokens / self.target_passes if self.target_passes else 0.0
+
+
+def lookup_proposal(tokens: Sequence[int], lookahead: int, ngram: int) -> list[int]:
+    """The tokens after the latest earlier match of the last n-gram (longest n first), or []."""
+    for n in range(min(ngram, len(tokens) - 1), 0, -1):
+        tail = list(tokens[-n:])
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if list(tokens[start : start + n]) == tail:
+                return list(tokens[start + n : start + n + lookahead])
+    return []
+
+
+class DraftProposer:
+    """Greedy guesses from a draft model; its cache is kept in step with the accepted tokens."""
+
+    def __init__(self, draft: Decoder, target_vocab: int):
+        if draft.model.args.vocab_size != target_vocab:
+            raise SlimlmError(f"the draft model's vocabulary ({draft.model.args.vocab_size}) differs from the target's ({target_vocab}); a draft must share the target's tokenizer")
+        self.draft = draft
+        self.consumed = 0  # tokens of the sequence the draft's cache holds correctly
+
+    def start(self, max_seq: int) -> None:
+        self.draft.ensure_cache(1, max_seq)
+        self.consumed = 0
+
+    def propose(self, tokens: Sequence[int], lookahead: int) -> list[int]:
+        model = self.draft.model
+        pending = torch.tensor([list(tokens[self.consumed :])], device=self.draft.device)
+        logits = model(pending, self.consumed)[:, -1]
+        position = len(tokens)
+        guesses = []
+        for _ in range(min(lookahead, model.max_seq - position)):
+            guess = int(logits.argmax(-1))
+            guesses.append(guess)
+            if len(guesses) == lookahead or position + 1 > model.max_seq - 1:
+                break
+            logits = model(torch.tensor([[guess]], device=self.draft.device), position)[:, -1]
+            position += 1
+        self.consumed = len(tokens)  # the guesses' slots are rewritten once the target has judged them
+        return guesses
+
+
+@torch.inference_mode()
+def generate_speculative(
+    target: Decoder,
+    prompt: Sequence[int],
+    params: SamplingParams,
+    draft: Optional[Decoder] = None,
+    lookahead: int = 4,
+    ngram: int = 3,
+) -> tuple[Generation, SpeculativeStats]:
+    """Greedy generation of `prompt` by `target`, with guesses from `draft` or prompt lookup."""
+    if not params.greedy:
+        raise SlimlmError("speculative decoding here keeps the output identical to greedy decoding: use temperature 0")
+    if lookahead < 1 or ngram < 1:
+        raise SlimlmError(f"lookahead ({lookahead}) and ngram ({ngram}) must be at least 1")
+    model, device = target.model, target.device
+    max_seq = len(prompt) + params.max_new_tokens + lookahead + 1
+    if max_seq > model.args.max_position_embeddings:
+        raise SlimlmError(f"a prompt of {len(prompt)} tokens plus {params.max_new_tokens} new tokens exceeds the model's context of {model.args.max_position_embeddings}")
+    proposer = DraftProposer(draft, model.args.vocab_size) if draft is not None else None
+    stats = SpeculativeStats()
+    with target.lock:
+        target.ensure_cache(1, max_seq)
+        if proposer is not None:
+            proposer.start(max_seq)
+        started = time.perf_counter()
+        tokens = list(prompt)
+        logits = model(torch.tensor([tokens], device=device), 0)[:, -1]
+        next_token = int(logits.argmax(-1))
+        end_ids = target.end_ids(params)
+        new: list[int] = []
+        finished = False
+        while not finished:
+            if next_token in end_ids or len(new) >= params.max_new_tokens:
+                break
+            new.append(next_token)
+            tokens.append(next_token)
+            if len(new) >= params.max_new_tokens:
+                break
+            room = min(lookahead, params.max_new_tokens - len(new))
+            guesses = proposer.propose(tokens, room) if proposer is not None else lookup_proposal(tokens, room, ngram)
+            step = torch.tensor([[tokens[-1], *guesses]], device=device)
+            choices = model(step, len(tokens) - 1)[0].argmax(-1).tolist()  # target's choice after each position
+            stats.target_passes += 1
+            stats.proposed += len(guesses)
+            kept = 0
+            while kept < len(guesses) and guesses[kept] == choices[kept]:
+                kept += 1
+            stats.accepted += kept
+            for token in guesses[:kept]:
+                if token in end_ids or len(new) >= params.max_new_tokens:
+                    finished = True
+                    break
+                new.append(token)
+                tokens.append(token)
+            next_token = choices[kept]
+        stats.new_tokens = len(new)
+        stats.seconds = time.perf_counter() - started
+    text = target.tokenizer.decode(new, skip_special_tokens=True)
+    reason = "length" if len(new) >= params.max_new_tokens else "stop"
+    return Generation(token_ids=new, text=text, finish_reason=reason, prompt_tokens=len(prompt)), stats

@@ -1,0 +1,152 @@
+"""The bundled decoder against transformers, and its kernels against their dequantized reference."""
+
+import pytest
+import torch
+
+from slimlm.compress.quantize import QuantizeParams, run as quantize
+from slimlm.errors import SlimlmError
+from slimlm.inference.build import build_decoder, describe_kernels
+from slimlm.inference.decoder import Decoder
+from slimlm.inference.model import ModelArgs
+from slimlm.inference.sampling import SamplingParams, filter_top_k_top_p, penalize_repetition
+from slimlm.pipeline import RunState
+
+
+def quantized(model, tokenizer, tmp_path, **params):
+    state = RunState(cfg=None, run_dir=tmp_path, model=model, tokenizer=tokenizer, source=None, source_sha256=None, device=torch.device("cpu"))
+    quantize(state, QuantizeParams(**params))
+    return model
+
+
+def prompt_ids(length, vocab, seed=0):
+    return torch.randint(4, vocab, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def hf_greedy(model, ids, new_tokens):
+    out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    return out[0, len(ids) :].tolist()
+
+
+def test_logits_match_transformers(tiny_model, tiny_tokenizer):
+    decoder = build_decoder(tiny_model)
+    decoder.setup_cache(1, 64)
+    ids = torch.tensor([prompt_ids(40, tiny_model.config.vocab_size)])
+    with torch.no_grad():
+        ours = decoder(ids, 0, torch.zeros(1, dtype=torch.long))
+        torch.testing.assert_close(ours, tiny_model(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("overrides", [{}, {"tie_word_embeddings": False}, {"model_type": "qwen2"}], ids=["llama", "untied", "qwen2-bias"])
+def test_greedy_decoding_is_token_identical_to_transformers(tiny_tokenizer, overrides):
+    from tests.conftest import build_tiny_llama
+
+    if overrides.get("model_type") == "qwen2":
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        torch.manual_seed(0)
+        model = Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tiny_tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=512)).eval()
+    else:
+        model = build_tiny_llama(len(tiny_tokenizer), **overrides)
+    ids = prompt_ids(12, model.config.vocab_size)
+    decoder = Decoder(build_decoder(model), tiny_tokenizer)
+    (ours,) = decoder.generate_ids([ids], SamplingParams(max_new_tokens=64, ignore_eos=True))
+    assert ours.token_ids == hf_greedy(model, ids, 64)
+
+
+@pytest.mark.parametrize("params", [dict(bits=4, group_size=32), dict(bits=4, group_size=64, symmetric=False), dict(bits=8), dict(bits=8, symmetric=False), dict(bits=3, group_size=32)], ids=["int4-g32", "int4-g64-asym", "int8", "int8-asym", "int3-dequant"])
+def test_packed_kernels_match_the_dequantized_reference(tiny_model, tiny_tokenizer, tmp_path, params):
+    model = quantized(tiny_model, tiny_tokenizer, tmp_path, targets=[r"model\.layers\.\d+\..*", "lm_head"], **params)
+    fast, reference = build_decoder(model), build_decoder(model, kernels=False)
+    kernels = describe_kernels(fast)
+    expected = {4: "int4-tinygemm", 8: "int8-pack", 3: "dequant"}[params["bits"]]
+    assert kernels[expected] == 4 * model.config.num_hidden_layers and kernels[f"head: {expected}"] == 1
+    ids = torch.tensor([prompt_ids(20, model.config.vocab_size)])
+    pad = torch.zeros(1, dtype=torch.long)
+    for decoder in (fast, reference):
+        decoder.setup_cache(1, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(fast(ids, 0, pad), reference(ids, 0, pad), rtol=1e-3, atol=1e-3)
+        torch.testing.assert_close(reference(ids, 0, pad), model(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_the_cache_is_allocated_once(tiny_model, tiny_tokenizer):
+    decoder = Decoder(build_decoder(tiny_model), tiny_tokenizer)
+    decoder.generate_ids([prompt_ids(10, 300)], SamplingParams(max_new_tokens=40, ignore_eos=True))
+    pointers = [layer.attention.k_cache.data_ptr() for layer in decoder.model.layers]
+    decoder.generate_ids([prompt_ids(5, 300, seed=1)], SamplingParams(max_new_tokens=30, ignore_eos=True))
+    assert [layer.attention.k_cache.data_ptr() for layer in decoder.model.layers] == pointers
+    assert decoder.model.cache_bytes() == 2 * 2 * 1 * 2 * 50 * 16 * 4  # k and v, 2 layers, batch 1, 2 kv heads, 50 slots, head dim 16, fp32
+
+
+def test_a_batch_of_different_lengths_decodes_like_each_prompt_alone(tiny_model, tiny_tokenizer):
+    decoder = Decoder(build_decoder(tiny_model), tiny_tokenizer)
+    prompts = [prompt_ids(n, 300, seed=n) for n in (3, 17, 9)]
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    together = decoder.generate_ids(prompts, params)
+    alone = [Decoder(build_decoder(tiny_model), tiny_tokenizer).generate_ids([p], params)[0] for p in prompts]
+    assert [g.token_ids for g in together] == [g.token_ids for g in alone]
+
+
+def test_sampling_is_reproducible_with_a_seed_and_varies_without(tiny_model, tiny_tokenizer):
+    decoder = Decoder(build_decoder(tiny_model), tiny_tokenizer)
+    params = SamplingParams(max_new_tokens=24, temperature=1.5, top_k=50, top_p=0.95, repetition_penalty=1.2, seed=7, ignore_eos=True)
+    first, second = (decoder.generate_ids([prompt_ids(8, 300)], params)[0].token_ids for _ in range(2))
+    assert first == second
+    other = decoder.generate_ids([prompt_ids(8, 300)], SamplingParams(**{**params.__dict__, "seed": 8}))[0].token_ids
+    assert other != first
+
+
+def test_top_k_top_p_and_repetition_penalty_follow_their_definitions():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    assert torch.isinf(filter_top_k_top_p(logits, 2, None)).tolist() == [[False, False, True, True]]
+    probs = logits.softmax(-1)[0]  # 0.64, 0.24, 0.09, 0.03
+    kept = ~torch.isinf(filter_top_k_top_p(logits, None, 0.8))
+    assert kept.tolist() == [[True, True, False, False]] and probs[0] < 0.8 <= probs[:2].sum()
+    assert (~torch.isinf(filter_top_k_top_p(logits, None, 0.5))).sum() == 1  # the top token alone already reaches 0.5
+    seen = torch.tensor([[True, False, True, True]])
+    assert penalize_repetition(logits, seen, 2.0).tolist() == [[1.0, 1.0, 0.0, -2.0]]
+
+
+def test_stop_strings_end_the_text_and_streaming_gives_the_same_text(tiny_model, tiny_tokenizer):
+    decoder = Decoder(build_decoder(tiny_model), tiny_tokenizer)
+    sampled = dict(max_new_tokens=30, ignore_eos=True, temperature=1.0, seed=3)  # a random model repeats itself when greedy
+    free = decoder.generate(["the story of"], SamplingParams(**sampled))[0]
+    assert free.finish_reason == "length" and len(free.text) > 20
+    stop = next(free.text[i : i + 4] for i in range(len(free.text) // 2, len(free.text)) if free.text.index(free.text[i : i + 4]) > len(free.text) // 3)
+    stopped = decoder.generate(["the story of"], SamplingParams(**sampled, stop=[stop]))[0]
+    assert stopped.finish_reason == "stop" and stopped.text == free.text[: free.text.index(stop)]
+    streamed = list(decoder.stream("the story of", SamplingParams(**sampled, stop=[stop])))
+    assert "".join(streamed) == stopped.text and len(streamed) > 1
+    assert "".join(decoder.stream("the story of", SamplingParams(**sampled))) == free.text
+
+
+def test_bad_input_is_refused(tiny_model, tiny_tokenizer):
+    with pytest.raises(SlimlmError, match="'gpt2'"):
+        ModelArgs.from_hf_config({"model_type": "gpt2"})
+    decoder = Decoder(build_decoder(tiny_model), tiny_tokenizer)
+    with pytest.raises(SlimlmError, match="exceeds the model's context of 512"):
+        decoder.generate_ids([prompt_ids(500, 300)], SamplingParams(max_new_tokens=20))
+
+
+def test_generate_and_chat_commands_stream_from_a_checkpoint(tiny_model_dir, tmp_path):
+    import subprocess
+    import sys
+
+    run = lambda *args, **kw: subprocess.run([sys.executable, "-m", "slimlm.cli", *args], capture_output=True, text=True, cwd=tmp_path, **kw)  # noqa: E731
+    result = run("generate", str(tiny_model_dir), "the story of", "--max-new-tokens", "8", "--temperature", "1", "--seed", "1")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() and "8 tokens" in result.stderr
+    chat = run("chat", str(tiny_model_dir), "--max-new-tokens", "4", input="hello\nagain\n/exit\n")
+    assert chat.returncode == 0, chat.stderr
+    assert chat.stdout.count("> ") >= 3
+    missing = run("generate", str(tmp_path / "nowhere"), "hi")
+    assert missing.returncode == 2 and missing.stderr.startswith("slimlm: error:")
+
+
+def test_the_compiled_decode_step_gives_the_same_tokens(tiny_model, tiny_tokenizer, tmp_path):
+    model = quantized(tiny_model, tiny_tokenizer, tmp_path, bits=4, group_size=32, targets=[r"model\.layers\.\d+\..*", "lm_head"])
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    eager = Decoder(build_decoder(model, dtype=torch.bfloat16), tiny_tokenizer).generate_ids([prompt_ids(6, 300)], params)[0]
+    compiled = Decoder(build_decoder(model, dtype=torch.bfloat16), tiny_tokenizer)
+    compiled.compile_decode_step()
+    assert compiled.generate_ids([prompt_ids(6, 300)], params)[0].token_ids == eager.token_ids

@@ -1,0 +1,47 @@
+"""Speculative decoding gives exactly the plain greedy output, whatever the proposer guesses."""
+
+import pytest
+import torch
+
+from slimlm.errors import SlimlmError
+from slimlm.inference.build import build_decoder
+from slimlm.inference.decoder import Decoder
+from slimlm.inference.sampling import SamplingParams
+from slimlm.inference.speculative import generate_speculative, lookup_proposal
+from tests.conftest import build_tiny_llama
+
+
+def prompt(length, seed=0):
+    return torch.randint(4, 300, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_prompt_lookup_finds_the_latest_match_of_the_longest_ngram():
+    assert lookup_proposal([1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3], 2, 3) == [7, 8]
+    assert lookup_proposal([5, 6, 7, 5], 3, 3) == [6, 7, 5]
+    assert lookup_proposal([1, 2, 3], 2, 3) == []
+
+
+@pytest.mark.parametrize("draft_seed", [None, 0, 5], ids=["prompt-lookup", "draft-is-target", "unrelated-draft"])
+def test_speculative_output_is_the_plain_greedy_output(tiny_model, tiny_tokenizer, draft_seed):
+    params = SamplingParams(max_new_tokens=48, ignore_eos=True)
+    target = Decoder(build_decoder(tiny_model), tiny_tokenizer)
+    draft = None if draft_seed is None else Decoder(build_decoder(build_tiny_llama(len(tiny_tokenizer), seed=draft_seed)), tiny_tokenizer)
+    for seed in range(3):
+        ids = prompt(10, seed)
+        plain = target.generate_ids([ids], params)[0]
+        fast, stats = generate_speculative(target, ids, params, draft=draft, lookahead=4)
+        assert fast.token_ids == plain.token_ids
+        assert stats.new_tokens == 48 and stats.target_passes <= 48
+    if draft_seed == 0:
+        assert stats.acceptance_rate == 1.0 and stats.tokens_per_pass > 4
+    if draft_seed is None:
+        assert stats.accepted > 0  # a random model repeats itself: the lookup guesses it
+
+
+def test_speculative_bad_input_is_refused(tiny_model, tiny_tokenizer):
+    target = Decoder(build_decoder(tiny_model), tiny_tokenizer)
+    with pytest.raises(SlimlmError, match="temperature 0"):
+        generate_speculative(target, prompt(5), SamplingParams(temperature=0.8))
+    other = Decoder(build_decoder(build_tiny_llama(128)), tiny_tokenizer)
+    with pytest.raises(SlimlmError, match="share the target's tokenizer"):
+        generate_speculative(target, prompt(5), SamplingParams(), draft=other)
