@@ -28,7 +28,8 @@ import torch
 from omegaconf import OmegaConf
 
 from slimlm.compress.quantize import QuantizeParams, run as quantize
-from slimlm.config import ModelConfig
+from slimlm.config import DataConfig, ModelConfig
+from slimlm.data import load_text, tokenize_text
 from slimlm.eval.bandwidth import decode_bytes_per_token, memory_bandwidth
 from slimlm.eval.plots import plt
 from slimlm.eval.speed import benchmark_prompt, measure_generate
@@ -58,8 +59,26 @@ def quantized_copy(cfg, bits_params: dict):
     return loaded.model
 
 
-def time_slimlm(model, tokenizer, prompt: list[int], options, dtype: torch.dtype, compiled: bool = False) -> dict:
-    decoder = Decoder(build_decoder(model, dtype=dtype), tokenizer)
+def eval_windows(tokenizer, count: int = 4, window: int = 512) -> torch.Tensor:
+    """The first `count` windows of `window` tokens of WikiText-2 test (data=shared)."""
+    data_cfg = OmegaConf.merge(OmegaConf.structured(DataConfig), OmegaConf.load(REPO / "conf" / "data" / "shared.yaml"))
+    return tokenize_text(tokenizer, load_text(data_cfg.eval_text, "eval_text"))[: count * window].view(count, window)
+
+
+@torch.inference_mode()
+def decoder_kl(decoder, windows: torch.Tensor, reference: torch.Tensor) -> float:
+    """Mean per-token KL(fp32 model || decoder) over the windows, through the decoder's own layers."""
+    decoder.setup_cache(1, windows.shape[1])
+    total = 0.0
+    for row, ids in enumerate(windows):
+        logprobs = torch.log_softmax(decoder(ids[None], 0)[0].float(), dim=-1)
+        total += (reference[row].exp() * (reference[row] - logprobs)).sum(-1).mean().item()
+    return total / len(windows)
+
+
+def time_slimlm(model, tokenizer, prompt: list[int], options, dtype: torch.dtype, compiled: bool = False, int8_activations: bool = False, quality=None) -> dict:
+    decoder = Decoder(build_decoder(model, dtype=dtype, int8_activations=int8_activations), tokenizer)
+    kl = None if quality is None else decoder_kl(decoder.model, *quality)
     if compiled:
         decoder.compile_decode_step()
     params = SamplingParams(max_new_tokens=options.new_tokens, ignore_eos=True)
@@ -79,6 +98,7 @@ def time_slimlm(model, tokenizer, prompt: list[int], options, dtype: torch.dtype
         "weight_bytes": decoder.model.weight_bytes(),
         "kernels": describe_kernels(decoder.model),
         "warmup_s": warm_s,
+        "kl_mean": kl,
     }
 
 
@@ -148,11 +168,16 @@ def main() -> None:
         source = resolve_model(cfg)
         for gguf_type in ("Q8_0", "Q4_0"):
             add(f"llama.cpp {gguf_type}", time_llama_cpp(llama_cpp_file(f"default-{gguf_type.lower()}", gguf_type, model, tokenizer, source), prompt, options))
+    windows = eval_windows(tokenizer)
+    with torch.inference_mode():
+        quality = (windows, torch.stack([torch.log_softmax(model(ids[None]).logits[0].float(), dim=-1) for ids in windows]))
     del model
     for name, scheme in SCHEMES.items():
         quantized = quantized_copy(cfg, scheme)
-        add(f"slimlm {name}, bf16 activations, eager", time_slimlm(quantized, tokenizer, prompt, options, torch.bfloat16))
+        add(f"slimlm {name}, bf16 activations, eager", time_slimlm(quantized, tokenizer, prompt, options, torch.bfloat16, quality=quality))
         add(f"slimlm {name}, bf16 activations, compiled", time_slimlm(quantized, tokenizer, prompt, options, torch.bfloat16, compiled=True))
+        if scheme["bits"] == 8:
+            add(f"slimlm {name}, int8 activations, compiled", time_slimlm(quantized, tokenizer, prompt, options, torch.bfloat16, compiled=True, int8_activations=True, quality=quality))
         del quantized
     reference = rows[0]["decode_tok_s"]
     for row in rows:
@@ -181,6 +206,10 @@ def write_plot(rows: list[dict]) -> None:
     plt.close(figure)
 
 
+def kl_cell(row: dict) -> str:
+    return "" if row.get("kl_mean") is None else f"{row['kl_mean']:.4f}"
+
+
 def write_markdown(rows: list[dict], summary: dict, command: str) -> None:
     machine = machine_info()
     lines = [
@@ -190,10 +219,11 @@ def write_markdown(rows: list[dict], summary: dict, command: str) -> None:
         f"- machine: {machine['processor']}, {machine['cpu_count']} CPUs, {summary['threads']} threads for every row; torch {machine['torch']}; {summary['seconds'] / 60:.1f} min",
         f"- batch 1, a {summary['prompt_tokens']}-token prompt, exactly {summary['new_tokens']} new tokens (greedy), median of {summary['repeats']} runs after a warm-up",
         f"- memory bandwidth (eval/bandwidth.py, one-thread-per-core read): {summary['bandwidth_bytes_s'] / 1e9:.1f} GB/s; bytes per token = weights read per step + KV cache at the mean context",
+        "- KL to fp32: mean per-token KL from the fp32 model to the bundled decoder's logits on the first 4 windows of 512 tokens of WikiText-2 test (eager; compiling changes no arithmetic)",
         "",
-        "| decoder | decode tok/s | vs transformers fp32 | time to first token ms | weights MB | bandwidth used |",
-        "|---|---:|---:|---:|---:|---:|",
-        *[f"| {r['name']} | {r['decode_tok_s']:.1f} | {r['speedup_vs_transformers']:.2f}x | {1000 * r['ttft_s']:.1f} | {r['weight_bytes'] / 1e6:.1f} | {100 * r['bandwidth_fraction']:.0f}% |" for r in rows],
+        "| decoder | decode tok/s | vs transformers fp32 | time to first token ms | weights MB | bandwidth used | KL to fp32 |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+        *[f"| {r['name']} | {r['decode_tok_s']:.1f} | {r['speedup_vs_transformers']:.2f}x | {1000 * r['ttft_s']:.1f} | {r['weight_bytes'] / 1e6:.1f} | {100 * r['bandwidth_fraction']:.0f}% | {kl_cell(r)} |" for r in rows],
         "",
         "![decode_cpu](decode_cpu.png)",
         "",

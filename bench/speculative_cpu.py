@@ -33,6 +33,7 @@ PASSAGE = (
     "the engineer Gustave Eiffel, whose company designed and built the tower from 1887 to 1889. Locally nicknamed "
     "the Iron Lady, it was constructed as the centrepiece of the 1889 World's Fair."
 )
+WEIGHTS = {"int8": "int8 (w8 RTN per-channel, head too) with bf16 activations", "fp32": "fp32 weights and activations"}
 PROMPTS = {
     "repeat a passage": f"Repeat the following text exactly, word for word.\n\n{PASSAGE}",
     "edit a passage": f"Rewrite the following text, replacing 'tower' with 'monument' and changing nothing else.\n\n{PASSAGE}",
@@ -51,12 +52,16 @@ def main() -> None:
     parser.add_argument("--lookahead", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--weights", choices=["int8", "fp32"], default="int8", help="int8 (bf16 activations, fast) or fp32 (fp32 activations, exact arithmetic)")
     options = parser.parse_args()
     torch.set_num_threads(options.threads)
     started = time.perf_counter()
     cfg, loaded = load_default()
     tokenizer = loaded.tokenizer
-    decoder = Decoder(build_decoder(quantized_copy(cfg, dict(bits=8)), dtype=torch.bfloat16), tokenizer)
+    if options.weights == "int8":
+        decoder = Decoder(build_decoder(quantized_copy(cfg, dict(bits=8)), dtype=torch.bfloat16), tokenizer)
+    else:
+        decoder = Decoder(build_decoder(loaded.model, dtype=torch.float32), tokenizer)
     params = SamplingParams(max_new_tokens=options.new_tokens)
     rows = []
     for name, text in PROMPTS.items():
@@ -89,15 +94,17 @@ def main() -> None:
     changed = {k: v for k, v in vars(options).items() if v != parser.get_default(k)}
     command = "python bench/speculative_cpu.py" + "".join(f" --{k.replace('_', '-')} {v}" for k, v in changed.items())
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "speculative_cpu.json").write_text(json.dumps({"machine": machine_info(), "command": command, "summary": summary, "rows": rows}, indent=2) + "\n")
+    name = "speculative_cpu" if options.weights == "int8" else f"speculative_cpu_{options.weights}"
+    (RESULTS / f"{name}.json").write_text(json.dumps({"machine": machine_info(), "command": command, "summary": summary, "rows": rows}, indent=2) + "\n")
     machine = machine_info()
     lines = [
-        "# speculative_cpu",
+        f"# {name}",
         "",
         f"- command: `{command}`",
+        *([f"- other weights: `{'speculative_cpu.md' if name != 'speculative_cpu' else 'speculative_cpu_fp32.md'}`"]),
         f"- machine: {machine['processor']}, {machine['cpu_count']} CPUs, {options.threads} threads; torch {machine['torch']}; {summary['seconds'] / 60:.1f} min",
-        f"- default model, int8 (w8 RTN per-channel, head too) in the bundled decoder, bf16 activations, eager; greedy, up to {options.new_tokens} new tokens, chat template; "
-        f"prompt lookup with n-grams of 3 down to 1 and {options.lookahead} guesses per pass; median of {options.repeats} runs",
+        f"- default model, {WEIGHTS[options.weights]} in the bundled decoder, eager; greedy, up to {options.new_tokens} new tokens, chat template; "
+        f"prompt lookup with n-grams of 3 down to 2 tokens and {options.lookahead} guesses per pass; median of {options.repeats} runs",
         "",
         "| prompt | prompt tokens | new tokens | plain tok/s | speculative tok/s | speedup | acceptance | tokens per pass | identical output |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---|",
@@ -108,7 +115,10 @@ def main() -> None:
         *[f"- {r['name']}: {r['completion']!r}" for r in rows],
         "",
     ]
-    (RESULTS / "speculative_cpu.md").write_text("\n".join(lines))
+    notes = RESULTS.parent / "speculative_cpu.notes.md"
+    if notes.is_file():
+        lines += [notes.read_text().strip(), ""]
+    (RESULTS / f"{name}.md").write_text("\n".join(lines))
 
 
 if __name__ == "__main__":

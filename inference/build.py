@@ -29,22 +29,26 @@ class RowEmbedding(nn.Module):
         return self.table.rows(tokens.reshape(-1), self.dtype).view(*tokens.shape, -1)
 
 
-def build_decoder(model: nn.Module, dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None, kernels: bool = True) -> Transformer:
-    """A decoder Transformer holding `model`'s weights (HF Llama-family layout)."""
+def build_decoder(model: nn.Module, dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None, kernels: bool = True, int8_activations: bool = False) -> Transformer:
+    """A decoder Transformer holding `model`'s weights (HF Llama-family layout). With
+    `int8_activations`, int8 layers also round their inputs to int8 (CPU; see Int8Linear)."""
     device = torch.device(device or "cpu")
+
+    def linear(layer: nn.Module) -> nn.Module:
+        return build_linear(layer, dtype, device, kernels, int8_activations)
+
     args = ModelArgs.from_hf_config(model.config)
     blocks = []
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        qkv = build_linear(fuse([attn.q_proj, attn.k_proj, attn.v_proj]), dtype, device, kernels)
-        attention = Attention(args, qkv, build_linear(attn.o_proj, dtype, device, kernels))
-        feed_forward = FeedForward(build_linear(fuse([mlp.gate_proj, mlp.up_proj]), dtype, device, kernels), build_linear(mlp.down_proj, dtype, device, kernels))
+        attention = Attention(args, linear(fuse([attn.q_proj, attn.k_proj, attn.v_proj])), linear(attn.o_proj))
+        feed_forward = FeedForward(linear(fuse([mlp.gate_proj, mlp.up_proj])), linear(mlp.down_proj))
         block = Block(args, attention, feed_forward)
         block.attention_norm.weight.data = layer.input_layernorm.weight.detach().to(device=device, dtype=dtype)
         block.ffn_norm.weight.data = layer.post_attention_layernorm.weight.detach().to(device=device, dtype=dtype)
         blocks.append(block)
     head = model.get_output_embeddings()
-    output = build_linear(head, dtype, device, kernels)
+    output = linear(head)
     source_embedding = model.get_input_embeddings()
     if isinstance(source_embedding, QuantEmbedding):  # tied to the quantized head
         table = output if hasattr(output, "rows") else DequantLinear(source_embedding.head, dtype, device)

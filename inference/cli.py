@@ -30,6 +30,7 @@ def sampling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     parser.add_argument("--dtype", choices=DTYPES, default="float32", help="activation dtype (bfloat16 is faster on CPUs with AVX512-BF16 and on GPUs)")
+    parser.add_argument("--int8-activations", action="store_true", help="int8 layers also round their inputs to int8 (CPU: integer dot products, faster, slightly less exact)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--threads", type=int, default=None)
 
@@ -61,7 +62,7 @@ def open_decoder(model: str, options):
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SlimlmError("--device cuda but no CUDA GPU is visible; use --device cpu")
     loaded = load_model(ModelConfig(name="cli", path=model), torch.device("cpu"))
-    decoder = build_decoder(loaded.model, dtype=getattr(torch, options.dtype), device=device)
+    decoder = build_decoder(loaded.model, dtype=getattr(torch, options.dtype), device=device, int8_activations=options.int8_activations)
     del loaded.model
     return Decoder(decoder, loaded.tokenizer)
 
@@ -139,3 +140,44 @@ def chat_command(args: Sequence[str]) -> None:
             print(piece, end="", flush=True)
         print()
         history.append({"role": "assistant", "content": answer})
+
+
+def plan_command(args: Sequence[str]) -> None:
+    import json
+    from importlib import resources
+    from pathlib import Path
+
+    from slimlm.inference.model import ModelArgs
+    from slimlm.inference.planner import HARDWARE, format_plan, make_plan, uniform_schemes
+    from slimlm.qlinear import QuantScheme
+
+    presets = sorted(entry.name[: -len(".json")] for entry in resources.files("slimlm.assets").joinpath("configs").iterdir() if entry.name.endswith(".json"))
+    parser = argparse.ArgumentParser(prog="slimlm plan", description="Memory and speed plan for a model on a device; reads no weights.")
+    parser.add_argument("model", help=f"a slimlm artifact or HF checkpoint directory (its config.json and manifest), or a preset: {', '.join(presets)}")
+    parser.add_argument("--hardware", choices=sorted(HARDWARE), default="laptop-8gb")
+    parser.add_argument("--context", type=int, default=8192)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--bits", type=int, default=None, help="quantize every decoder Linear to this width (a preset or HF checkpoint; an artifact has its own)")
+    parser.add_argument("--group-size", type=int, default=64)
+    parser.add_argument("--head-bits", type=int, default=None, help="quantize the LM head too")
+    options = parser.parse_args(args)
+    path = Path(options.model)
+    if options.model in presets:
+        config = json.loads(resources.files("slimlm.assets").joinpath("configs", f"{options.model}.json").read_text())
+        manifest = None
+    elif (path / "config.json").is_file():
+        config = json.loads((path / "config.json").read_text())
+        manifest = json.loads((path / "manifest.json").read_text()) if (path / "manifest.json").is_file() else None
+    else:
+        raise SlimlmError(f"'{options.model}' is neither a preset ({', '.join(presets)}) nor a directory with a config.json")
+    model_args = ModelArgs.from_hf_config(config)
+    if manifest is not None:
+        from slimlm.artifact import scheme_of
+
+        schemes = {name: scheme_of(record) for name, record in manifest["modules"].items()}
+    else:
+        scheme = None if options.bits is None else QuantScheme(bits=options.bits, group_size=options.group_size)
+        head = None if options.head_bits is None else QuantScheme(bits=options.head_bits, group_size=options.group_size if options.head_bits < 8 else None)
+        schemes = uniform_schemes(model_args, scheme, head)
+    plan = make_plan(model_args, schemes, HARDWARE[options.hardware], options.context, options.batch)
+    print(format_plan(plan, options.model))

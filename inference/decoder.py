@@ -100,7 +100,7 @@ class Decoder:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
         started = time.perf_counter()
         for start in range(0, longest, self.prefill_chunk):
-            logits = self.model(tokens[:, start : start + self.prefill_chunk], start, pad)[:, -1]
+            logits = self.model(tokens[:, start : start + self.prefill_chunk], start, pad, last_only=True)[:, -1]
         prefilled = time.perf_counter()
         end_ids = self.end_ids(params)
         outputs: list[list[int]] = [[] for _ in prompts]

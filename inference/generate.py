@@ -57,13 +57,16 @@ def greedy_complete(model, tokenizer, prompt: str, max_new_tokens: int, chat_tem
     device = next(model.parameters()).device
     obstacle = decoder_obstacle(model)
     if obstacle is None:
-        dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+        # Packed CPU kernels are fast with bf16 activations and slow with fp32 (see bench/results/decode_cpu.md).
+        quantized = any(isinstance(m, QuantLinear) for m in model.modules())
+        dtype = torch.bfloat16 if quantized and device.type == "cpu" else next(p.dtype for p in model.parameters() if p.is_floating_point())
         decoder = Decoder(build_decoder(model, dtype=dtype, device=device), tokenizer)
         start = time.perf_counter()
         (generation,) = decoder.generate_ids([input_ids[0].tolist()], SamplingParams(max_new_tokens=max_new_tokens))
         seconds = time.perf_counter() - start
         kernels = ", ".join(f"{kind} x{count}" for kind, count in describe_kernels(decoder.model).items())
-        return Completion(prompt, generation.text.strip(), len(generation.token_ids), seconds, f"slimlm decoder ({kernels})")
+        activations = str(dtype).removeprefix("torch.")
+        return Completion(prompt, generation.text.strip(), len(generation.token_ids), seconds, f"slimlm decoder ({kernels}; {activations} activations)")
     input_ids = input_ids.to(device)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     start = time.perf_counter()

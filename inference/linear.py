@@ -28,6 +28,11 @@ TINYGEMM_GROUPS = (32, 64, 128, 256)
 INNER_K_TILES = 2
 
 
+def tinygemm_fits(scheme, in_features: int) -> bool:
+    """Whether torch's int4 kernel can hold a layer of this scheme and width."""
+    return scheme is not None and scheme.bits == 4 and scheme.group_size in TINYGEMM_GROUPS and in_features % (INNER_K_TILES * 16) == 0
+
+
 def _as_2d(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
 
@@ -50,7 +55,7 @@ class Int4Linear(nn.Module):
 
     @staticmethod
     def supports(layer: QuantLinear) -> bool:
-        return layer.scheme.bits == 4 and layer.scheme.group_size in TINYGEMM_GROUPS and layer.in_features % (INNER_K_TILES * 16) == 0
+        return tinygemm_fits(layer.scheme, layer.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         matmul = torch._weight_int4pack_mm if x.is_cuda else torch._weight_int4pack_mm_for_cpu
@@ -60,8 +65,14 @@ class Int4Linear(nn.Module):
 
 
 class Int8Linear(nn.Module):
-    def __init__(self, layer: QuantLinear, dtype: torch.dtype, device: torch.device):
+    """int8 weights, one scale per output channel. With `int8_activations`, each input row is
+    rounded to int8 with its own absmax scale and multiplied by integer dot products
+    (`torch._int_mm`, VNNI on x86): several times faster on CPU, at the cost of that rounding
+    (measured in bench/results/decode_cpu.md); otherwise the activations stay bf16/fp32."""
+
+    def __init__(self, layer: QuantLinear, dtype: torch.dtype, device: torch.device, int8_activations: bool = False):
         super().__init__()
+        self.int8_activations = int8_activations
         self.in_features, self.out_features = layer.in_features, layer.out_features
         self.register_buffer("weight", (layer.codes().to(device=device, dtype=torch.int16) - 128).to(torch.int8))
         scales = layer.scales.to(device=device, dtype=torch.float32).view(-1)
@@ -76,7 +87,12 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = _as_2d(x).to(self.scales.dtype)
-        y = torch._weight_int8pack_mm(x2, self.weight, self.scales)
+        if self.int8_activations:
+            row_scale = x2.abs().amax(-1, keepdim=True).float().clamp(min=1e-8) / 127
+            x_int8 = (x2.float() / row_scale).round().to(torch.int8)
+            y = (torch._int_mm(x_int8, self.weight.t()).float() * row_scale * self.scales.float()).to(x2.dtype)
+        else:
+            y = torch._weight_int8pack_mm(x2, self.weight, self.scales)
         if self.offset is not None:
             y = y + x2.sum(-1, keepdim=True) * self.offset
         y = y.view(*x.shape[:-1], self.out_features)
@@ -153,16 +169,16 @@ class Concat(nn.Module):
         return torch.cat([part(x) for part in self.parts], dim=-1)
 
 
-def build_linear(layer: nn.Module, dtype: torch.dtype, device: torch.device, kernels: bool = True) -> nn.Module:
+def build_linear(layer: nn.Module, dtype: torch.dtype, device: torch.device, kernels: bool = True, int8_activations: bool = False) -> nn.Module:
     """The fastest decoder layer for a transformers Linear, QuantLinear or a `Concat` of them;
     `kernels=False` forces the dequantizing path (the reference the kernels are tested against)."""
     if isinstance(layer, Concat):
-        return Concat([build_linear(part, dtype, device, kernels) for part in layer.parts])
+        return Concat([build_linear(part, dtype, device, kernels, int8_activations) for part in layer.parts])
     if isinstance(layer, QuantLinear):
         if kernels and Int4Linear.supports(layer):
             return Int4Linear(layer, dtype, device)
         if kernels and Int8Linear.supports(layer):
-            return Int8Linear(layer, dtype, device)
+            return Int8Linear(layer, dtype, device, int8_activations and device.type == "cpu")
         return DequantLinear(layer, dtype, device)
     return DenseLinear(layer.weight, layer.bias, dtype, device)
 
@@ -170,4 +186,6 @@ def build_linear(layer: nn.Module, dtype: torch.dtype, device: torch.device, ker
 def kernel_name(layer: nn.Module) -> str:
     if isinstance(layer, Concat):
         return "+".join(kernel_name(part) for part in layer.parts)
+    if isinstance(layer, Int8Linear) and layer.int8_activations:
+        return "int8-int8act"
     return {Int4Linear: "int4-tinygemm", Int8Linear: "int8-pack", DequantLinear: "dequant", DenseLinear: "dense"}[type(layer)]

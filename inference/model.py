@@ -226,10 +226,11 @@ class Transformer(nn.Module):
         kv = 2 * self.args.n_layers * self.args.n_kv_heads * self.args.head_dim * context * kv_dtype
         return self.weight_bytes() - table_bytes + row + kv
 
-    def forward(self, tokens: torch.Tensor, start: int, pad: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, start: int, pad: Optional[torch.Tensor] = None, last_only: bool = False) -> torch.Tensor:
         """Logits [batch, length, vocab] for `tokens` [batch, length] written at cache slots
         start..start+length; `pad` [batch] is each row's left padding (its first real slot),
-        None when every row starts at slot 0."""
+        None when every row starts at slot 0. `last_only`: logits of the last position only
+        (a prefill needs no more, and a chunk's logits over a large vocabulary are big)."""
         batch, length = tokens.shape
         if start + length > self.max_seq or batch > self.max_batch:
             raise SlimlmError(f"the cache holds {self.max_batch} sequences of {self.max_seq} slots; this step needs {batch} of {start + length}")
@@ -243,6 +244,8 @@ class Transformer(nn.Module):
         x = self.embedding(tokens).to(self.dtype)
         for block in self.layers:
             x = block(x, cos, sin, slots, mask, end)
+        if last_only:
+            x = x[:, -1:]
         return self.output(self.norm(x))
 
     def attention_mask(self, slots: torch.Tensor, pad: Optional[torch.Tensor], end: int) -> Optional[torch.Tensor]:

@@ -7,7 +7,7 @@ is the target's greedy output, token for token; what changes is how many forward
 
 Proposers:
   prompt lookup  the tokens that followed the most recent earlier occurrence of the sequence's
-                 last n-gram (n from `ngram` down to 1): free, and strong when the answer copies
+                 last n-gram (n from `ngram` down to 2): free, and strong when the answer copies
                  from the prompt (summaries, code edits, retrieval)
   draft model    a small model (e.g. a distilled student) decoding greedily from its own cache;
                  it must share the target's tokenizer
@@ -43,9 +43,11 @@ class SpeculativeStats:
         return self.new_tokens / self.target_passes if self.target_passes else 0.0
 
 
-def lookup_proposal(tokens: Sequence[int], lookahead: int, ngram: int) -> list[int]:
-    """The tokens after the latest earlier match of the last n-gram (longest n first), or []."""
-    for n in range(min(ngram, len(tokens) - 1), 0, -1):
+def lookup_proposal(tokens: Sequence[int], lookahead: int, ngram: int, min_ngram: int = 2) -> list[int]:
+    """The tokens after the latest earlier match of the last n-gram (n from `ngram` down to
+    `min_ngram`), or [] (then the step checks no guess and costs what a plain step costs).
+    Single tokens recur everywhere, so by default a guess needs two matching tokens."""
+    for n in range(min(ngram, len(tokens) - 1), min_ngram - 1, -1):
         tail = list(tokens[-n:])
         for start in range(len(tokens) - n - 1, -1, -1):
             if list(tokens[start : start + n]) == tail:
@@ -69,7 +71,7 @@ class DraftProposer:
     def propose(self, tokens: Sequence[int], lookahead: int) -> list[int]:
         model = self.draft.model
         pending = torch.tensor([list(tokens[self.consumed :])], device=self.draft.device)
-        logits = model(pending, self.consumed)[:, -1]
+        logits = model(pending, self.consumed, last_only=True)[:, -1]
         position = len(tokens)
         guesses = []
         for _ in range(min(lookahead, model.max_seq - position)):
@@ -91,12 +93,13 @@ def generate_speculative(
     draft: Optional[Decoder] = None,
     lookahead: int = 4,
     ngram: int = 3,
+    min_ngram: int = 2,
 ) -> tuple[Generation, SpeculativeStats]:
     """Greedy generation of `prompt` by `target`, with guesses from `draft` or prompt lookup."""
     if not params.greedy:
         raise SlimlmError("speculative decoding here keeps the output identical to greedy decoding: use temperature 0")
-    if lookahead < 1 or ngram < 1:
-        raise SlimlmError(f"lookahead ({lookahead}) and ngram ({ngram}) must be at least 1")
+    if lookahead < 1 or not 1 <= min_ngram <= ngram:
+        raise SlimlmError(f"lookahead ({lookahead}) must be at least 1 and 1 <= min_ngram ({min_ngram}) <= ngram ({ngram})")
     model, device = target.model, target.device
     max_seq = len(prompt) + params.max_new_tokens + lookahead + 1
     if max_seq > model.args.max_position_embeddings:
@@ -109,7 +112,7 @@ def generate_speculative(
             proposer.start(max_seq)
         started = time.perf_counter()
         tokens = list(prompt)
-        logits = model(torch.tensor([tokens], device=device), 0)[:, -1]
+        logits = model(torch.tensor([tokens], device=device), 0, last_only=True)[:, -1]
         next_token = int(logits.argmax(-1))
         end_ids = target.end_ids(params)
         new: list[int] = []
@@ -122,7 +125,7 @@ def generate_speculative(
             if len(new) >= params.max_new_tokens:
                 break
             room = min(lookahead, params.max_new_tokens - len(new))
-            guesses = proposer.propose(tokens, room) if proposer is not None else lookup_proposal(tokens, room, ngram)
+            guesses = proposer.propose(tokens, room) if proposer is not None else lookup_proposal(tokens, room, ngram, min_ngram)
             step = torch.tensor([[tokens[-1], *guesses]], device=device)
             choices = model(step, len(tokens) - 1)[0].argmax(-1).tolist()  # target's choice after each position
             stats.target_passes += 1

@@ -17,8 +17,10 @@ def prompt(length, seed=0):
 
 def test_prompt_lookup_finds_the_latest_match_of_the_longest_ngram():
     assert lookup_proposal([1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3], 2, 3) == [7, 8]
-    assert lookup_proposal([5, 6, 7, 5], 3, 3) == [6, 7, 5]
+    assert lookup_proposal([5, 6, 7, 5, 6], 3, 3) == [7, 5, 6]
     assert lookup_proposal([1, 2, 3], 2, 3) == []
+    assert lookup_proposal([4, 1, 9, 1], 2, 3) == []  # a single matching token is not enough by default
+    assert lookup_proposal([4, 1, 9, 1], 2, 3, min_ngram=1) == [9, 1]
 
 
 @pytest.mark.parametrize("draft_seed", [None, 0, 5], ids=["prompt-lookup", "draft-is-target", "unrelated-draft"])

@@ -1,0 +1,219 @@
+"""The memory planner: will a model fit a device, and how fast can it decode there?
+
+From a model's config and its layers' schemes alone (no weights read), for a hardware profile,
+a context length and a batch: the bytes the bundled decoder holds for weights (in the layouts
+inference/linear.py builds), the static key/value cache, the activations of a prefill chunk and
+the last position's logits, and the runtime's reserve. Then a plan, the first that fits:
+
+  1. everything on the device;
+  2. the decoder layers that do not fit stay in pinned host memory and are streamed to the
+     device one layer ahead of use (two layer buffers on the device);
+  3. a shorter context, everything on the device;
+  4. nothing fits: a refusal that gives the numbers.
+
+Decode speed is bounded by bandwidth: each token reads every weight once (the embedding table
+one row) and the cache so far; streamed layers cross the host link instead of device memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from slimlm.errors import SlimlmError
+from slimlm.inference.linear import tinygemm_fits
+from slimlm.inference.model import ModelArgs
+from slimlm.qlinear import QuantScheme
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    device: str  # "cuda" or "cpu"
+    memory_bytes: int
+    reserve_bytes: int  # what the runtime takes before any tensor: CUDA context and workspace, or the Python process
+    bandwidth_bytes_s: float  # device memory bandwidth
+    host_link_bytes_s: Optional[float] = None  # host-to-device copies (PCIe) for streamed layers
+
+
+HARDWARE = {
+    # An 8 GB laptop GPU: about 0.8 GiB goes to the CUDA context, cuBLAS workspace and allocator slack.
+    "laptop-8gb": Hardware("laptop-8gb", "cuda", 8 * GiB, int(0.8 * GiB), 256e9, 12e9),
+    "laptop-8gb-448": Hardware("laptop-8gb-448", "cuda", 8 * GiB, int(0.8 * GiB), 448e9, 12e9),
+    "h200": Hardware("h200", "cuda", 141 * 10**9, 1 * GiB, 4.8e12, 50e9),
+    # A 16 GB laptop's CPU: the Python process with torch and transformers takes about 0.6 GiB.
+    "cpu": Hardware("cpu", "cpu", 16 * GiB, int(0.6 * GiB), 33e9),
+}
+
+
+def packed_bytes(out_features: int, in_features: int, scheme: QuantScheme) -> int:
+    """A QuantLinear's storage: b-bit codes, fp16 scales and uint8 zero points per group."""
+    groups = scheme.groups(in_features)
+    return out_features * in_features * scheme.bits // 8 + out_features * groups * (2 + (0 if scheme.symmetric else 1))
+
+
+def linear_bytes(out_features: int, in_features: int, scheme: Optional[QuantScheme], act_bytes: int) -> int:
+    """Bytes of one linear layer as the decoder stores it (inference/linear.py)."""
+    if scheme is None:
+        return out_features * in_features * act_bytes
+    if tinygemm_fits(scheme, in_features):
+        return out_features * in_features // 2 + 2 * scheme.groups(in_features) * out_features * act_bytes  # codes; (scale, zero) per group
+    if scheme.bits == 8 and scheme.group_size is None:  # int8 codes; a scale (and an offset) per row
+        return out_features * in_features + out_features * act_bytes * (1 if scheme.symmetric else 2)
+    return packed_bytes(out_features, in_features, scheme)  # dequantized on each call
+
+
+@dataclass
+class Budget:
+    """Bytes by component and the decode-speed bound they imply."""
+
+    layer_bytes: list[int]
+    head_bytes: int
+    table_bytes: int  # the embedding table (read one row per token); 0 when it is the head
+    norm_bytes: int
+    kv_bytes: int
+    activation_bytes: int
+    reserve_bytes: int
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(self.layer_bytes) + self.head_bytes + self.table_bytes + self.norm_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weight_bytes + self.kv_bytes + self.activation_bytes + self.reserve_bytes
+
+
+@dataclass
+class Plan:
+    hardware: Hardware
+    context: int
+    batch: int
+    budget: Budget
+    kind: str  # "device", "stream", "shorter-context"
+    streamed_layers: int = 0
+    table_on_host: bool = False  # an untied embedding table is read one row per token: host memory serves
+    notes: list[str] = field(default_factory=list)
+
+    def device_bytes(self) -> int:
+        """Peak bytes on the device (or in RAM for CPU plans)."""
+        b = self.budget
+        total = b.total_bytes - (b.table_bytes if self.table_on_host else 0)
+        if self.kind != "stream":
+            return total
+        streamed = sum(sorted(b.layer_bytes)[-self.streamed_layers :])
+        return total - streamed + 2 * max(b.layer_bytes)
+
+    def decode_tok_s_bound(self) -> float:
+        """Tokens per second per sequence at batch 1 if every byte moved at full bandwidth."""
+        b, hw = self.budget, self.hardware
+        per_token_kv = b.kv_bytes / self.batch / 2  # the cache is half full on average
+        streamed = sum(sorted(b.layer_bytes)[-self.streamed_layers :]) if self.streamed_layers else 0
+        device_read = b.weight_bytes - b.table_bytes - streamed + per_token_kv
+        seconds = device_read / hw.bandwidth_bytes_s + (streamed / hw.host_link_bytes_s if streamed else 0)
+        return 1 / seconds
+
+
+def budget(args: ModelArgs, schemes: dict[str, QuantScheme], hardware: Hardware, context: int, batch: int, prefill_chunk: int = 512) -> Budget:
+    """The decoder's bytes for this model on this hardware. `schemes` maps module names
+    (`model.layers.0.self_attn.q_proj`, `lm_head`) to schemes; absent modules stay float."""
+    act_bytes = 2  # bf16/fp16 activations: the fast path of every packed kernel
+    kv_bytes_per = act_bytes if hardware.device == "cuda" else 4  # the CPU cache is fp32 (inference/model.py)
+    q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+    shapes = {"self_attn.q_proj": (q, args.dim), "self_attn.k_proj": (kv, args.dim), "self_attn.v_proj": (kv, args.dim), "self_attn.o_proj": (args.dim, q),
+              "mlp.gate_proj": (args.intermediate_size, args.dim), "mlp.up_proj": (args.intermediate_size, args.dim), "mlp.down_proj": (args.dim, args.intermediate_size)}
+    layers = []
+    for index in range(args.n_layers):
+        total = 2 * args.dim * act_bytes  # the two norms
+        for name, (out_features, in_features) in shapes.items():
+            total += linear_bytes(out_features, in_features, schemes.get(f"model.layers.{index}.{name}"), act_bytes)
+            if args.qkv_bias and name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
+                total += out_features * act_bytes
+        layers.append(total)
+    head_scheme = schemes.get("lm_head")
+    head = linear_bytes(args.vocab_size, args.dim, head_scheme, act_bytes)
+    if not args.tie_embeddings:
+        table = args.vocab_size * args.dim * act_bytes
+    elif tinygemm_fits(head_scheme, args.dim):
+        table = packed_bytes(args.vocab_size, args.dim, head_scheme)  # a tinygemm head cannot be read by rows: the packed codes again
+    else:
+        table = 0
+    kv_cache = 2 * args.n_layers * args.n_kv_heads * args.head_dim * context * batch * kv_bytes_per
+    tokens = batch * min(prefill_chunk, context)
+    hidden = tokens * (4 * args.dim + q + 2 * kv + 3 * args.intermediate_size) * act_bytes
+    logits = batch * args.vocab_size * 4
+    return Budget(layers, head, table, args.dim * act_bytes, kv_cache, hidden + logits, hardware.reserve_bytes)
+
+
+def make_plan(args: ModelArgs, schemes: dict[str, QuantScheme], hardware: Hardware, context: int, batch: int = 1) -> Plan:
+    """The first plan that fits (see the module docstring), or SlimlmError with the numbers."""
+    if context < 1 or batch < 1:
+        raise SlimlmError(f"context ({context}) and batch ({batch}) must be at least 1")
+    if context > args.max_position_embeddings:
+        raise SlimlmError(f"a context of {context} is longer than the model's {args.max_position_embeddings}")
+    full = budget(args, schemes, hardware, context, batch)
+    plan = Plan(hardware, context, batch, full, "device")
+    if plan.device_bytes() <= hardware.memory_bytes:
+        return plan
+    host_table = hardware.device == "cuda" and not args.tie_embeddings
+    table_note = ["the embedding table stays in host memory (one row per token is copied over)"] if host_table else []
+    plan = Plan(hardware, context, batch, full, "device", table_on_host=host_table, notes=list(table_note))
+    if plan.device_bytes() <= hardware.memory_bytes:
+        return plan
+    if hardware.host_link_bytes_s is not None:
+        for streamed in range(1, args.n_layers + 1):
+            plan = Plan(hardware, context, batch, full, "stream", streamed_layers=streamed, table_on_host=host_table, notes=list(table_note))
+            if plan.device_bytes() <= hardware.memory_bytes:
+                plan.notes.append(f"{streamed} of {args.n_layers} decoder layers stay in pinned host memory and stream in one layer ahead of use")
+                return plan
+    shorter = context
+    while shorter > 256:
+        shorter //= 2
+        candidate = budget(args, schemes, hardware, shorter, batch)
+        plan = Plan(hardware, shorter, batch, candidate, "shorter-context", table_on_host=host_table, notes=list(table_note))
+        if plan.device_bytes() <= hardware.memory_bytes:
+            plan.notes.append(f"the context is capped at {shorter} tokens (of {context} asked)")
+            return plan
+    raise SlimlmError(f"nothing fits {hardware.name} ({hardware.memory_bytes / GiB:.1f} GiB):\n" + format_budget(full, hardware))
+
+
+def format_budget(b: Budget, hardware: Hardware) -> str:
+    rows = [
+        ("decoder layers", sum(b.layer_bytes)),
+        ("LM head", b.head_bytes),
+        ("embedding table", b.table_bytes),
+        ("KV cache", b.kv_bytes),
+        ("activations and logits", b.activation_bytes),
+        ("runtime reserve", b.reserve_bytes),
+        ("total", b.total_bytes),
+        (f"{hardware.name} memory", hardware.memory_bytes),
+    ]
+    return "\n".join(f"  {name:<24} {value / GiB:9.2f} GiB" for name, value in rows)
+
+
+def format_plan(plan: Plan, model_name: str) -> str:
+    b, hw = plan.budget, plan.hardware
+    bound = plan.decode_tok_s_bound()
+    device = "the GPU" if hw.device == "cuda" else "RAM"
+    where = {"device": f"fits in {device}", "stream": f"{plan.streamed_layers} layers streamed from host memory", "shorter-context": f"fits in {device} with a shorter context"}[plan.kind]
+    lines = [
+        f"{model_name} on {hw.name}: {where}; context {plan.context}, batch {plan.batch}",
+        format_budget(b, hw),
+        f"  peak on the device       {plan.device_bytes() / GiB:9.2f} GiB",
+        f"  decode bound (batch 1)   {bound:9.1f} tokens/s at {hw.bandwidth_bytes_s / 1e9:.0f} GB/s"
+        + (f" and {hw.host_link_bytes_s / 1e9:.0f} GB/s host link" if plan.kind == "stream" else ""),
+        *[f"  note: {note}" for note in plan.notes],
+    ]
+    return "\n".join(lines)
+
+
+def uniform_schemes(args: ModelArgs, scheme: Optional[QuantScheme], head: Optional[QuantScheme]) -> dict[str, QuantScheme]:
+    """Every decoder Linear in `scheme` (None: float) and the LM head in `head`."""
+    names = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+    schemes = {f"model.layers.{i}.{n}": scheme for i in range(args.n_layers) for n in names if scheme is not None}
+    if head is not None:
+        schemes["lm_head"] = head
+    return schemes
+

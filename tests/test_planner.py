@@ -1,0 +1,81 @@
+"""The memory planner against the decoder it plans for, and its choices on made-up devices."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from slimlm.compress.quantize import QuantizeParams, run as quantize
+from slimlm.errors import SlimlmError
+from slimlm.inference.build import build_decoder
+from slimlm.inference.model import ModelArgs
+from slimlm.inference.planner import GiB, HARDWARE, budget, format_plan, make_plan, uniform_schemes
+from slimlm.pipeline import RunState
+from slimlm.qlinear import QuantScheme
+
+
+def quantized(model, tokenizer, tmp_path, **params):
+    state = RunState(cfg=None, run_dir=tmp_path, model=model, tokenizer=tokenizer, source=None, source_sha256=None, device=torch.device("cpu"))
+    quantize(state, QuantizeParams(**params))
+    return state
+
+
+SCHEMES = {
+    "float": None,
+    "int8-with-head": dict(bits=8, targets=[r"model\.layers\.\d+\..*", "lm_head"]),
+    "int4-g32-with-head": dict(bits=4, group_size=32, targets=[r"model\.layers\.\d+\..*", "lm_head"]),
+    "int3-g32": dict(bits=3, group_size=32),
+}
+
+
+@pytest.mark.parametrize("params", SCHEMES.values(), ids=SCHEMES.keys())
+def test_predicted_bytes_are_what_the_decoder_allocates(tiny_model, tiny_tokenizer, tmp_path, params):
+    schemes = {}
+    if params is not None:
+        state = quantized(tiny_model, tiny_tokenizer, tmp_path, **params)
+        schemes = {name: QuantScheme(**scheme) for name, scheme in state.schemes.items()}
+    decoder = build_decoder(tiny_model, dtype=torch.bfloat16)
+    decoder.setup_cache(2, 96)
+    predicted = budget(ModelArgs.from_hf_config(tiny_model.config), schemes, HARDWARE["cpu"], context=96, batch=2)
+    assert predicted.kv_bytes == decoder.cache_bytes()
+    assert predicted.weight_bytes == pytest.approx(decoder.weight_bytes(), rel=0.02)
+
+
+def args_of(preset: str) -> ModelArgs:
+    import json
+    from importlib import resources
+
+    return ModelArgs.from_hf_config(json.loads(resources.files("slimlm.assets").joinpath("configs", f"{preset}.json").read_text()))
+
+
+def test_plans_fit_stream_shorten_or_refuse_with_numbers():
+    args = args_of("llama-3-8b")
+    int4 = uniform_schemes(args, QuantScheme(bits=4, group_size=64), QuantScheme(bits=8))
+    laptop = HARDWARE["laptop-8gb"]
+    fits = make_plan(args, int4, laptop, context=8192)
+    assert fits.kind == "device" and fits.device_bytes() <= 8 * GiB
+    assert 30 < fits.decode_tok_s_bound() < 256e9 / (4 * GiB)  # bandwidth over about 4-5 GiB read per token
+    float_weights = make_plan(args, {}, laptop, context=8192)
+    assert float_weights.kind == "stream" and float_weights.device_bytes() <= 8 * GiB and float_weights.streamed_layers > 0
+    no_link = dataclasses.replace(laptop, host_link_bytes_s=None)
+    capped = make_plan(args, int4, dataclasses.replace(no_link, memory_bytes=6 * GiB), context=8192)
+    assert capped.kind == "shorter-context" and capped.context < 8192
+    with pytest.raises(SlimlmError, match=r"nothing fits .*\n.*decoder layers"):
+        make_plan(args, {}, dataclasses.replace(no_link, memory_bytes=2 * GiB), context=8192)
+    assert "fits in the GPU" in format_plan(fits, "llama-3-8b")
+
+
+def test_plan_command_reads_presets_and_artifacts(tiny_model, tiny_tokenizer, tmp_path):
+    import subprocess
+    import sys
+
+    from slimlm.artifact import save_artifact
+
+    state = quantized(tiny_model, tiny_tokenizer, tmp_path, bits=4, group_size=32)
+    save_artifact(state.model, tiny_tokenizer, tmp_path / "artifact", state.schemes, source={"id": "tiny"})
+    run = lambda *args: subprocess.run([sys.executable, "-m", "slimlm.cli", "plan", *args], capture_output=True, text=True)  # noqa: E731
+    preset = run("llama-3-70b", "--bits", "4", "--hardware", "laptop-8gb")
+    assert preset.returncode == 0 and "streamed from host memory" in preset.stdout
+    artifact = run(str(tmp_path / "artifact"), "--hardware", "cpu", "--context", "256")
+    assert artifact.returncode == 0 and "fits in RAM" in artifact.stdout
+    assert run("nonsense").returncode == 2
