@@ -1,4 +1,5 @@
 import json
+import mmap
 import statistics
 import time
 
@@ -104,9 +105,12 @@ def test_peak_rss_sees_a_short_lived_allocation(monkeypatch, kernel_peak):
     with peak_memory(torch.device("cpu")) as baseline:
         pass
     with peak_memory(torch.device("cpu")) as peak:
-        block = torch.ones(16 * 2**20)  # 64 MiB, freed before the block ends
+        # 64 MiB of fresh pages, freed before the block ends. Mapped directly: a malloc'd block
+        # may reuse memory an earlier test freed but the C library kept resident.
+        block = mmap.mmap(-1, 64 * 2**20)
+        torch.frombuffer(block, dtype=torch.uint8).fill_(1)
         time.sleep(0.02)
-        del block
+        block.close()
     assert peak.kind == "rss"
     assert peak.bytes >= baseline.bytes + 60 * 2**20
 
