@@ -3,12 +3,13 @@
 Files, all from the default model's fp32 weights:
   f32            an F32 GGUF (slimlm export, gguf_type=F32): the reference for KL
   slimlm-gptq    `slimlm recipe=w4-gptq-gguf`: int4 g32 GPTQ, written to Q4_0 exactly as chosen
+  slimlm-gptq-head-q8_0  the same GPTQ layers, the token embedding/LM head rounded to Q8_0
   gguf-q4_0      the fp32 weights rounded to Q4_0 by the gguf package's quantizer (llama.cpp's
                  reference rounding), every matrix Q4_0: the same file layout as slimlm-gptq
   llama.cpp-q4_0-pure  llama.cpp's quantizer (`llama_model_quantize`, MOSTLY_Q4_0, pure) on the
                  F32 file: every matrix Q4_0, the same layout as slimlm-gptq
   llama.cpp-q4_0 the same with llama.cpp's default mix, which keeps the tied embedding/head in
-                 Q6_K (14 MB more here)
+                 Q8_0 (14 MB more here): the same layout as slimlm-gptq-head-q8_0
 Each file is loaded in llama.cpp (llama-cpp-python, `pip install '.[bench]'`) and scores the
 same windows of WikiText-2 test token ids: perplexity and KL to the F32 file's logits.
 Writes bench/results/gguf_llamacpp.{md,json}.
@@ -46,7 +47,7 @@ def build_files() -> dict[str, Path]:
     import llama_cpp
 
     RUNS.mkdir(parents=True, exist_ok=True)
-    files = {"f32": RUNS / "f32.gguf", "slimlm-gptq": RUNS / "w4-gptq-gguf" / "model.gguf", "gguf-q4_0": RUNS / "gguf-q4_0.gguf", "llama.cpp-q4_0-pure": RUNS / "llama.cpp-q4_0-pure.gguf", "llama.cpp-q4_0": RUNS / "llama.cpp-q4_0.gguf"}
+    files = {"f32": RUNS / "f32.gguf", "slimlm-gptq": RUNS / "w4-gptq-gguf" / "model.gguf", "slimlm-gptq-head-q8_0": RUNS / "w4-gptq-gguf" / "model-head-q8_0.gguf", "gguf-q4_0": RUNS / "gguf-q4_0.gguf", "llama.cpp-q4_0-pure": RUNS / "llama.cpp-q4_0-pure.gguf", "llama.cpp-q4_0": RUNS / "llama.cpp-q4_0.gguf"}
     model_cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(REPO / "conf" / "model" / "smollm2-135m.yaml"))
     if not (files["f32"].exists() and files["gguf-q4_0"].exists()):
         source = resolve_model(model_cfg)
@@ -55,7 +56,7 @@ def build_files() -> dict[str, Path]:
         for name, gguf_type in (("f32", "F32"), ("gguf-q4_0", "Q4_0")):
             if not files[name].exists():
                 export_gguf(loaded.model, loaded.tokenizer, files[name], gguf_type, source_gguf)
-    if not files["slimlm-gptq"].exists():
+    if not (files["slimlm-gptq"].exists() and files["slimlm-gptq-head-q8_0"].exists()):
         run_dir = files["slimlm-gptq"].parent
         subprocess.run(["rm", "-rf", str(run_dir)], check=True)
         subprocess.run([str(REPO / ".venv" / "bin" / "slimlm"), "recipe=w4-gptq-gguf", "data=shared", f"hydra.run.dir={run_dir}"], check=True, cwd=REPO)
@@ -127,9 +128,10 @@ def write_markdown(rows: list[dict], summary: dict, command: str) -> None:
     labels = {
         "f32": "F32 (reference)",
         "slimlm-gptq": "slimlm w4 g32 GPTQ → Q4_0 (written exactly)",
+        "slimlm-gptq-head-q8_0": "slimlm w4 g32 GPTQ → Q4_0, embedding/head Q8_0",
         "gguf-q4_0": "fp32 rounded to Q4_0 (gguf package quantizer, every matrix Q4_0)",
         "llama.cpp-q4_0-pure": "llama.cpp quantize MOSTLY_Q4_0, pure (every matrix Q4_0)",
-        "llama.cpp-q4_0": "llama.cpp quantize MOSTLY_Q4_0, default mix (tied head/embedding Q6_K)",
+        "llama.cpp-q4_0": "llama.cpp quantize MOSTLY_Q4_0, default mix (tied embedding/head Q8_0)",
     }
     lines = [
         "# gguf_llamacpp",

@@ -160,6 +160,7 @@ def artifact_and_generation_lines(report: dict[str, Any]) -> list[str]:
                 f" Block type {artifact['gguf_type']}: {len(artifact['exact'])} quantized weights written exactly as slimlm chose them, "
                 f"{len(artifact['requantized'])} re-quantized from another grid, {len(artifact['dequantized'])} dequantized, "
                 f"{len(artifact['rounded'])} rounded from float."
+                + (f" Token embedding and LM head in {artifact['head_type']}." if artifact.get("head_type", artifact["gguf_type"]) != artifact["gguf_type"] else "")
             )
         if "weights_accounted_bytes" in artifact:
             line += (

@@ -181,3 +181,24 @@ def plan_command(args: Sequence[str]) -> None:
         schemes = uniform_schemes(model_args, scheme, head)
     plan = make_plan(model_args, schemes, HARDWARE[options.hardware], options.context, options.batch)
     print(format_plan(plan, options.model))
+
+
+def serve_command(args: Sequence[str]) -> None:
+    parser = argparse.ArgumentParser(prog="slimlm serve", description="An OpenAI-compatible server (/v1/completions, /v1/chat/completions, /v1/models) over the bundled decoder.")
+    parser.add_argument("model", nargs="?", default=DEFAULT_MODEL)
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: this machine only)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--max-prompt-tokens", type=int, default=4096)
+    parser.add_argument("--max-tokens-limit", type=int, default=1024, help="the largest max_tokens a request may ask for")
+    parser.add_argument("--max-concurrent", type=int, default=8, help="requests admitted at once; more get HTTP 429")
+    sampling_arguments(parser)
+    options = parser.parse_args(args)
+    try:
+        import uvicorn
+    except ImportError:
+        raise SlimlmError("slimlm serve needs fastapi and uvicorn: pip install 'slimlm[serve]'") from None
+    from slimlm.inference.server import ServerLimits, create_app
+
+    decoder = open_decoder(options.model, options)
+    limits = ServerLimits(options.max_prompt_tokens, options.max_tokens_limit, options.max_concurrent)
+    uvicorn.run(create_app(decoder, options.model, limits), host=options.host, port=options.port, log_level="info")

@@ -50,6 +50,7 @@ class Decoder:
         self.cache_dtype = cache_dtype
         self.device = model.inv_freq.device
         self.last_stats: Optional[GenerationStats] = None
+        self.last_generations: list[Generation] = []
         self.step = model  # the decode step; compile_decode_step swaps in a compiled one
         self.lock = threading.Lock()  # one generation at a time owns the cache
 
@@ -125,7 +126,8 @@ class Decoder:
                 break
             logits = self.step(chosen[:, None], longest + step, pad)[:, -1]
         self.last_stats = GenerationStats(prefill_s=prefilled - started, decode_s=time.perf_counter() - prefilled, decode_steps=steps, batch=batch)
-        return [self._finish(ids, params, finished[row], len(prompts[row])) for row, ids in enumerate(outputs)]
+        self.last_generations = [self._finish(ids, params, finished[row], len(prompts[row])) for row, ids in enumerate(outputs)]
+        return self.last_generations
 
     def _hits_stop_string(self, ids: list[int], stops: Sequence[str]) -> bool:
         tail = self.tokenizer.decode(ids[-16:], skip_special_tokens=True)

@@ -256,7 +256,7 @@ def decoder_command(name: str):
     return command
 
 
-SUBCOMMANDS = {"compare": compare_command, "generate": decoder_command("generate"), "chat": decoder_command("chat"), "plan": decoder_command("plan")}
+SUBCOMMANDS = {"compare": compare_command, "generate": decoder_command("generate"), "chat": decoder_command("chat"), "plan": decoder_command("plan"), "serve": decoder_command("serve")}
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -31,6 +31,7 @@ class ExportParams:
     name: Optional[str] = None  # inside the run directory; default artifact/, model.gguf, hf/ or hf-compressed/
     reload: bool = True  # continue with the model read back from disk (proves the round trip)
     gguf_type: str = "Q4_0"  # gguf: the block type of every weight matrix
+    gguf_head_type: Optional[str] = None  # gguf: another block type for the token embedding and LM head (e.g. Q8_0)
     requantize: bool = False  # gguf: allow rounding layers that lie on another grid again
     dtype: str = "bfloat16"  # hf, compressed-tensors: the dtype of the unquantized (or dequantized) weights
 
@@ -39,8 +40,10 @@ class ExportParams:
             raise ConfigError(f"export.format='{self.format}' is not available; available: {', '.join(FORMATS)}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"export.dtype='{self.dtype}' is unknown; choose one of {', '.join(DTYPES)}")
-        if self.gguf_type not in GGUF_TYPES:
-            raise ConfigError(f"export.gguf_type='{self.gguf_type}' is unknown; choose one of {', '.join(GGUF_TYPES)}")
+        for key in ("gguf_type", "gguf_head_type"):
+            value = getattr(self, key)
+            if value is not None and value not in GGUF_TYPES:
+                raise ConfigError(f"export.{key}='{value}' is unknown; choose one of {', '.join(GGUF_TYPES)}")
         self.name = self.name or DEFAULT_NAMES[self.format]
         if "/" in self.name or self.name.startswith("."):
             raise ConfigError(f"export.name='{self.name}' must be a plain file or directory name")
@@ -70,7 +73,7 @@ def export_file(state: RunState, params: ExportParams) -> None:
     path = state.run_dir / params.name
     if params.format == "gguf":
         source_gguf = state.source.path if state.source.kind == "gguf" else None
-        summary = export_gguf(state.model, state.tokenizer, path, params.gguf_type, source_gguf, params.requantize)
+        summary = export_gguf(state.model, state.tokenizer, path, params.gguf_type, source_gguf, params.requantize, params.gguf_head_type)
     elif params.format == "hf":
         summary = export_hf(state.model, state.tokenizer, path, params.dtype)
     else:

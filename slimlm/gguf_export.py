@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -43,20 +44,24 @@ GRIDS = {"Q8_0": (8, True), "Q4_0": (4, True), "Q4_1": (4, False)}
 ARCHITECTURES = ("llama", "mistral")  # both are llama.cpp's "llama"
 
 
-def export_gguf(model: nn.Module, tokenizer: Any, path: Path, gguf_type: str, source_gguf: Optional[Path] = None, requantize: bool = False) -> dict:
-    """Write `model` to the GGUF file `path` (atomically); returns how each weight was stored."""
+def export_gguf(model: nn.Module, tokenizer: Any, path: Path, gguf_type: str, source_gguf: Optional[Path] = None, requantize: bool = False, head_type: Optional[str] = None) -> dict:
+    """Write `model` to the GGUF file `path` (atomically); returns how each weight was stored.
+    `head_type` gives the token embedding and the LM head their own block type (llama.cpp's
+    mixes keep them wider than the rest: they are the most sensitive matrices)."""
     import gguf
 
     config = model.config
     if config.model_type not in ARCHITECTURES:
         raise SlimlmError(f"GGUF export supports {', '.join(ARCHITECTURES)} models; this one is {config.model_type}")
-    if gguf_type not in GGUF_TYPES:
-        raise SlimlmError(f"unknown GGUF type '{gguf_type}'; choose one of {', '.join(GGUF_TYPES)}")
-    off_grid = [(name, value.scheme) for name, value in _named_tensors(model) if isinstance(value, QuantLinear) and not on_grid(value.scheme, gguf_type)]
-    if off_grid and gguf_type in GRIDS and not requantize:
-        name, scheme = off_grid[0]
+    for chosen in (gguf_type, head_type or gguf_type):
+        if chosen not in GGUF_TYPES:
+            raise SlimlmError(f"unknown GGUF type '{chosen}'; choose one of {', '.join(GGUF_TYPES)}")
+    types = _TypeChoice(gguf_type, head_type)
+    off_grid = [(name, value.scheme, types.of(name)) for name, value in _named_tensors(model) if isinstance(value, QuantLinear) and not on_grid(value.scheme, types.of(name))]
+    if off_grid and not requantize and any(kind in GRIDS for *_, kind in off_grid):
+        name, scheme, kind = off_grid[0]
         raise SlimlmError(
-            f"GGUF {gguf_type} cannot hold {len(off_grid)} quantized layer(s) as they are (e.g. {name}: "
+            f"GGUF {kind} cannot hold {len(off_grid)} quantized layer(s) as they are (e.g. {name}: "
             f"{_describe(scheme)}); quantize with group_size 32 for this type, or allow rounding them again with requantize=true"
         )
     path = Path(path)
@@ -72,7 +77,7 @@ def export_gguf(model: nn.Module, tokenizer: Any, path: Path, gguf_type: str, so
             _copy_tokenizer(writer, source_gguf)
         else:
             _write_hf_tokenizer(writer, tokenizer)
-        stored = _write_tensors(writer, model, gguf_type)
+        stored = _write_tensors(writer, model, types)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
@@ -81,10 +86,24 @@ def export_gguf(model: nn.Module, tokenizer: Any, path: Path, gguf_type: str, so
     finally:
         if os.path.exists(partial):
             os.remove(partial)
-    summary = {"format": "gguf", "gguf_type": gguf_type, "path": path.name, "bytes_on_disk": path.stat().st_size}
+    summary = {"format": "gguf", "gguf_type": gguf_type, "head_type": head_type or gguf_type, "path": path.name, "bytes_on_disk": path.stat().st_size}
     for how in ("exact", "rounded", "requantized", "dequantized"):
         summary[how] = sorted(name for name, stored_as in stored.items() if stored_as == how)
     return summary
+
+
+HEAD_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+@dataclass(frozen=True)
+class _TypeChoice:
+    """The block type of each tensor: the file's type, the head's for the embedding and head."""
+
+    default: str
+    head: Optional[str]
+
+    def of(self, hf_name: str) -> str:
+        return self.head if self.head and hf_name in HEAD_TENSORS else self.default
 
 
 def on_grid(scheme: QuantScheme, gguf_type: str) -> bool:
@@ -158,7 +177,7 @@ def _write_hf_tokenizer(writer, tokenizer) -> None:
         gguf.SpecialVocab(Path(directory), load_merges=True, n_vocab=len(tokens)).add_to_gguf(writer, quiet=True)
 
 
-def _write_tensors(writer, model: nn.Module, gguf_type: str) -> dict[str, str]:
+def _write_tensors(writer, model: nn.Module, types: _TypeChoice) -> dict[str, str]:
     import gguf
 
     config = model.config
@@ -168,7 +187,7 @@ def _write_tensors(writer, model: nn.Module, gguf_type: str) -> dict[str, str]:
         gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if gguf_name is None:
             raise SlimlmError(f"GGUF export: no llama.cpp name for tensor '{hf_name}'")
-        data, raw_type, how = _encode(value, gguf_type, _rotary_heads(hf_name, config))
+        data, raw_type, how = _encode(value, types.of(hf_name), _rotary_heads(hf_name, config))
         writer.add_tensor(gguf_name, data, raw_dtype=raw_type)
         if how != "float":
             stored[hf_name] = how

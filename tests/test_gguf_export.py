@@ -91,3 +91,15 @@ def test_float_files_hold_dequantized_layers(tiny_model, tiny_tokenizer, tmp_pat
     summary = export_gguf(model, tiny_tokenizer, tmp_path / "model.gguf", "F32")
     assert len(summary["dequantized"]) == 14 and not summary["exact"] and not summary["rounded"]
     assert torch.equal(read_back(tmp_path / "model.gguf")["blk.1.ffn_down.weight"], model.model.layers[1].mlp.down_proj.dequantize())
+
+
+def test_the_embedding_and_head_can_take_their_own_type(tiny_model, tiny_tokenizer, tmp_path):
+    model = quantized(tiny_model, tiny_tokenizer, tmp_path, bits=4, group_size=32)
+    summary = export_gguf(model, tiny_tokenizer, tmp_path / "mixed.gguf", "Q4_0", head_type="Q8_0")
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(tmp_path / "mixed.gguf").tensors}
+    assert types["token_embd.weight"] == "Q8_0" and types["blk.0.attn_q.weight"] == "Q4_0"
+    assert summary["head_type"] == "Q8_0" and len(summary["exact"]) == 14
+    table = read_back(tmp_path / "mixed.gguf")["token_embd.weight"]
+    assert torch.allclose(table, model.model.embed_tokens.weight, atol=2e-2)
+    with pytest.raises(SlimlmError, match="unknown GGUF type 'Q5_K'"):
+        export_gguf(model, tiny_tokenizer, tmp_path / "other.gguf", "Q4_0", head_type="Q5_K")

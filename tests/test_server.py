@@ -1,0 +1,114 @@
+"""The OpenAI-compatible server over plain HTTP: completions, chat, streaming, and bad requests."""
+
+import json
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from slimlm.inference.build import build_decoder
+from slimlm.inference.decoder import Decoder
+from slimlm.inference.sampling import SamplingParams
+
+uvicorn = pytest.importorskip("uvicorn")
+pytest.importorskip("fastapi")
+
+
+@pytest.fixture
+def serve(tiny_model, tiny_tokenizer):
+    """Start a server on a free port; yields (base URL, decoder); stops it afterwards."""
+    from slimlm.inference.server import ServerLimits, create_app
+
+    servers = []
+
+    def start(limits=ServerLimits(max_prompt_tokens=64, max_new_tokens=32, max_concurrent=4)):
+        decoder = Decoder(build_decoder(tiny_model), tiny_tokenizer)
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        server = uvicorn.Server(uvicorn.Config(create_app(decoder, "tiny", limits), host="127.0.0.1", port=port, log_level="warning"))
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        deadline = time.time() + 20
+        while not server.started and time.time() < deadline:
+            time.sleep(0.05)
+        servers.append((server, thread))
+        return f"http://127.0.0.1:{port}", decoder
+
+    yield start
+    for server, thread in servers:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+def post(url, body, raw=None):
+    data = raw if raw is not None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
+
+
+def sse_payloads(text):
+    lines = [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def test_completions_match_the_decoder_and_stream_the_same_text(serve, tiny_tokenizer):
+    base, decoder = serve()
+    with urllib.request.urlopen(f"{base}/v1/models") as response:
+        assert json.loads(response.read())["data"][0]["id"] == "tiny"
+    body = {"prompt": "the story of", "max_tokens": 12, "temperature": 0}
+    status, text = post(f"{base}/v1/completions", body)
+    assert status == 200, text
+    answer = json.loads(text)
+    ids = tiny_tokenizer("the story of", add_special_tokens=False)["input_ids"]
+    expected = decoder.generate_ids([ids], SamplingParams(max_new_tokens=12))[0]
+    assert answer["choices"][0]["text"] == expected.text and answer["usage"]["prompt_tokens"] == len(ids)
+    status, text = post(f"{base}/v1/completions", {**body, "stream": True})
+    chunks = sse_payloads(text)
+    assert status == 200 and "".join(c["choices"][0]["text"] for c in chunks) == expected.text
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_chat_completions_with_and_without_streaming(serve):
+    base, _ = serve()
+    body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 8, "temperature": 0}
+    status, text = post(f"{base}/v1/chat/completions", body)
+    message = json.loads(text)["choices"][0]["message"]
+    assert status == 200 and message["role"] == "assistant"
+    status, text = post(f"{base}/v1/chat/completions", {**body, "stream": True})
+    chunks = sse_payloads(text)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant"}
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == message["content"]
+
+
+def test_malformed_requests_get_400_and_the_server_keeps_serving(serve):
+    base, _ = serve()
+    cases = [
+        (None, b"{not json"),
+        ({"max_tokens": 4}, None),  # no prompt
+        ({"prompt": "hi", "max_tokens": 999}, None),  # over the server's limit
+        ({"prompt": "word " * 200, "max_tokens": 4}, None),  # prompt too long
+        ({"prompt": "hi", "temperature": -1}, None),
+    ]
+    for body, raw in cases:
+        status, text = post(f"{base}/v1/completions", body, raw)
+        assert status == 400, (body, text)
+        assert json.loads(text)["error"]["type"] == "invalid_request_error"
+    with urllib.request.urlopen(f"{base}/health") as response:
+        assert json.loads(response.read())["status"] == "ok"
+
+
+def test_requests_beyond_the_admission_limit_get_429(serve):
+    from slimlm.inference.server import ServerLimits
+
+    base, _ = serve(ServerLimits(max_concurrent=0))
+    status, text = post(f"{base}/v1/completions", {"prompt": "hi", "max_tokens": 2})
+    assert status == 429 and "busy" in json.loads(text)["error"]["message"]
