@@ -101,7 +101,7 @@ def main() -> None:
         f"# {name}",
         "",
         f"- command: `{command}`",
-        *([f"- other weights: `{'speculative_cpu.md' if name != 'speculative_cpu' else 'speculative_cpu_fp32.md'}`"]),
+        f"- the same prompts with the other weights: `{'speculative_cpu_fp32.md' if options.weights == 'int8' else 'speculative_cpu.md'}` (`--weights {'fp32' if options.weights == 'int8' else 'int8'}`)",
         f"- machine: {machine['processor']}, {machine['cpu_count']} CPUs, {options.threads} threads; torch {machine['torch']}; {summary['seconds'] / 60:.1f} min",
         f"- default model, {WEIGHTS[options.weights]} in the bundled decoder, eager; greedy, up to {options.new_tokens} new tokens, chat template; "
         f"prompt lookup with n-grams of 3 down to 2 tokens and {options.lookahead} guesses per pass; median of {options.repeats} runs",
