@@ -191,6 +191,7 @@ def serve_command(args: Sequence[str]) -> None:
     parser.add_argument("--max-prompt-tokens", type=int, default=4096)
     parser.add_argument("--max-tokens-limit", type=int, default=1024, help="the largest max_tokens a request may ask for")
     parser.add_argument("--max-concurrent", type=int, default=8, help="requests admitted at once; more get HTTP 429")
+    parser.add_argument("--name", default=None, help="the model id clients see (default: the model's file or directory name)")
     sampling_arguments(parser)
     options = parser.parse_args(args)
     try:
@@ -201,4 +202,5 @@ def serve_command(args: Sequence[str]) -> None:
 
     decoder = open_decoder(options.model, options)
     limits = ServerLimits(options.max_prompt_tokens, options.max_tokens_limit, options.max_concurrent)
-    uvicorn.run(create_app(decoder, options.model, limits), host=options.host, port=options.port, log_level="info")
+    name = options.name or options.model.rstrip("/").rsplit("/", 1)[-1].removesuffix(".gguf")
+    uvicorn.run(create_app(decoder, name, limits), host=options.host, port=options.port, log_level="info")
