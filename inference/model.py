@@ -133,9 +133,10 @@ class Attention(nn.Module):
         qk = rotate(qkv[:, :, : heads + kv_heads], cos, sin)  # q and k heads rotated in one go
         q, k = qk[:, :, :heads].transpose(1, 2), qk[:, :, heads:].transpose(1, 2)
         v = qkv[:, :, heads + kv_heads :].transpose(1, 2)
-        self.k_cache.index_copy_(2, slots, k.to(self.k_cache.dtype))
-        self.v_cache.index_copy_(2, slots, v.to(self.v_cache.dtype))
-        keys, values = self.k_cache[:, :, :end], self.v_cache[:, :, :end]
+        k_cache, v_cache = self.k_cache[:batch], self.v_cache[:batch]  # a smaller batch than the cache holds uses its first rows
+        k_cache.index_copy_(2, slots, k.to(k_cache.dtype))
+        v_cache.index_copy_(2, slots, v.to(v_cache.dtype))
+        keys, values = k_cache[:, :, :end], v_cache[:, :, :end]
         q = q.to(keys.dtype)  # attention runs in the cache's dtype (fp32 on CPU: bf16 matmuls are slow there)
         if length == 1:
             out = self.attend_one(q, keys, values, mask)

@@ -83,8 +83,9 @@ def test_a_batch_of_different_lengths_decodes_like_each_prompt_alone(tiny_model,
     prompts = [prompt_ids(n, 300, seed=n) for n in (3, 17, 9)]
     params = SamplingParams(max_new_tokens=20, ignore_eos=True)
     together = decoder.generate_ids(prompts, params)
-    alone = [Decoder(build_decoder(tiny_model), tiny_tokenizer).generate_ids([p], params)[0] for p in prompts]
+    alone = [decoder.generate_ids([p], params)[0] for p in prompts]  # the same decoder: its cache holds 3 rows, one is used
     assert [g.token_ids for g in together] == [g.token_ids for g in alone]
+    assert decoder.model.max_batch == 3
 
 
 def test_sampling_is_reproducible_with_a_seed_and_varies_without(tiny_model, tiny_tokenizer):
