@@ -198,9 +198,11 @@ def serve_command(args: Sequence[str]) -> None:
         import uvicorn
     except ImportError:
         raise SlimlmError("slimlm serve needs fastapi and uvicorn: pip install 'slimlm[serve]'") from None
+    from slimlm.inference.batching import ContinuousBatcher
     from slimlm.inference.server import ServerLimits, create_app
 
     decoder = open_decoder(options.model, options)
     limits = ServerLimits(options.max_prompt_tokens, options.max_tokens_limit, options.max_concurrent)
+    batcher = ContinuousBatcher(decoder, max_batch=options.max_concurrent, max_seq=min(options.max_prompt_tokens + options.max_tokens_limit, decoder.model.args.max_position_embeddings))
     name = options.name or options.model.rstrip("/").rsplit("/", 1)[-1].removesuffix(".gguf")
-    uvicorn.run(create_app(decoder, name, limits), host=options.host, port=options.port, log_level="info")
+    uvicorn.run(create_app(decoder, name, limits, batcher), host=options.host, port=options.port, log_level="info")

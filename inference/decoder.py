@@ -7,6 +7,7 @@ static cache, for one prompt or a batch of prompts of different lengths.
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from dataclasses import dataclass
@@ -158,8 +159,6 @@ class Decoder:
         Runs the decode loop in a worker thread and passes each piece over a queue, so the caller
         gets text while later tokens are still being computed; text that could be the start of
         a stop string is held back until it is clear."""
-        import queue
-
         pieces: "queue.Queue[Optional[object]]" = queue.Queue()
         detok = IncrementalText(self.tokenizer)
         cancel = threading.Event()
@@ -174,6 +173,9 @@ class Decoder:
         def work() -> None:
             try:
                 self.generate_ids([ids], params, on_token)
+                rest = detok.flush()
+                if rest:
+                    pieces.put(rest)
                 pieces.put(None)
             except _Cancelled:
                 pieces.put(None)
@@ -182,29 +184,38 @@ class Decoder:
 
         worker = threading.Thread(target=work, daemon=True)
         worker.start()
-        text, emitted = "", 0  # everything decoded so far; how much of it was handed out
         try:
-            while True:
-                item = pieces.get()
-                if isinstance(item, BaseException):
-                    raise item
-                if item is None:
-                    if text[emitted:]:
-                        yield text[emitted:]
-                    return
-                text += item
-                hits = [text.index(stop) for stop in params.stop if stop in text]
-                if hits:
-                    if text[emitted : min(hits)]:
-                        yield text[emitted : min(hits)]
-                    return
-                safe = len(text) - _held_back(text, params.stop)
-                if safe > emitted:
-                    yield text[emitted:safe]
-                    emitted = safe
+            yield from until_stop(_raising(pieces), params.stop)
         finally:  # the reader stopped (done, stop string, or abandoned): end the worker before returning
             cancel.set()
             worker.join()
+
+
+def _raising(pieces: "queue.Queue[Optional[object]]") -> Iterator[str]:
+    """The worker's pieces until its end marker; an exception it sent is raised here."""
+    while (item := pieces.get()) is not None:
+        if isinstance(item, BaseException):
+            raise item
+        yield item
+
+
+def until_stop(pieces: Iterator[str], stops: Sequence[str]) -> Iterator[str]:
+    """Text pieces up to the first stop string (excluded); text that could be the start of a
+    stop string is held back until the next pieces settle it."""
+    text, emitted = "", 0  # everything decoded so far; how much of it was handed out
+    for piece in pieces:
+        text += piece
+        hits = [text.index(stop) for stop in stops if stop in text]
+        if hits:
+            if text[emitted : min(hits)]:
+                yield text[emitted : min(hits)]
+            return
+        safe = len(text) - _held_back(text, stops)
+        if safe > emitted:
+            yield text[emitted:safe]
+            emitted = safe
+    if text[emitted:]:
+        yield text[emitted:]
 
 
 class _Cancelled(Exception):
@@ -230,5 +241,11 @@ class IncrementalText:
         text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
         if text.endswith("\ufffd"):
             return ""
+        piece, self.text = text[len(self.text) :], text
+        return piece
+
+    def flush(self) -> str:
+        """What is still held back when the tokens end (a character that never completed)."""
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
         piece, self.text = text[len(self.text) :], text
         return piece

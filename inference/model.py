@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -126,17 +126,25 @@ class Attention(nn.Module):
         self.register_buffer("k_cache", None, persistent=False)
         self.register_buffer("v_cache", None, persistent=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, mask: Optional[torch.Tensor], end: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, mask: Optional[torch.Tensor], end: int, rows: Union[torch.Tensor, int] = 0) -> torch.Tensor:
+        """`rows`: an int, the first of `batch` consecutive cache rows, all written at `slots`;
+        or a tensor, each sequence's own row for continuous batching (one token per row, `slots`
+        then holding each row's own slot)."""
         batch, length, _ = x.shape
         heads, kv_heads = self.n_heads, self.n_kv_heads
         qkv = self.qkv(x).view(batch, length, heads + 2 * kv_heads, self.head_dim)
         qk = rotate(qkv[:, :, : heads + kv_heads], cos, sin)  # q and k heads rotated in one go
         q, k = qk[:, :, :heads].transpose(1, 2), qk[:, :, heads:].transpose(1, 2)
         v = qkv[:, :, heads + kv_heads :].transpose(1, 2)
-        k_cache, v_cache = self.k_cache[:batch], self.v_cache[:batch]  # a smaller batch than the cache holds uses its first rows
-        k_cache.index_copy_(2, slots, k.to(k_cache.dtype))
-        v_cache.index_copy_(2, slots, v.to(v_cache.dtype))
-        keys, values = k_cache[:, :, :end], v_cache[:, :, :end]
+        if isinstance(rows, int):
+            k_cache, v_cache = self.k_cache[rows : rows + batch], self.v_cache[rows : rows + batch]
+            k_cache.index_copy_(2, slots, k.to(k_cache.dtype))
+            v_cache.index_copy_(2, slots, v.to(v_cache.dtype))
+            keys, values = k_cache[:, :, :end], v_cache[:, :, :end]
+        else:
+            self.k_cache[rows, :, slots] = k[:, :, 0].to(self.k_cache.dtype)
+            self.v_cache[rows, :, slots] = v[:, :, 0].to(self.v_cache.dtype)
+            keys, values = self.k_cache[rows, :, :end], self.v_cache[rows, :, :end]
         q = q.to(keys.dtype)  # attention runs in the cache's dtype (fp32 on CPU: bf16 matmuls are slow there)
         if length == 1:
             out = self.attend_one(q, keys, values, mask)
@@ -176,8 +184,8 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = feed_forward
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, mask: Optional[torch.Tensor], end: int) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin, slots, mask, end)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, mask: Optional[torch.Tensor], end: int, rows: Union[torch.Tensor, int] = 0) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, slots, mask, end, rows)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -227,13 +235,14 @@ class Transformer(nn.Module):
         kv = 2 * self.args.n_layers * self.args.n_kv_heads * self.args.head_dim * context * kv_dtype
         return self.weight_bytes() - table_bytes + row + kv
 
-    def forward(self, tokens: torch.Tensor, start: int, pad: Optional[torch.Tensor] = None, last_only: bool = False) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, start: int, pad: Optional[torch.Tensor] = None, last_only: bool = False, first_row: int = 0) -> torch.Tensor:
         """Logits [batch, length, vocab] for `tokens` [batch, length] written at cache slots
         start..start+length; `pad` [batch] is each row's left padding (its first real slot),
         None when every row starts at slot 0. `last_only`: logits of the last position only
-        (a prefill needs no more, and a chunk's logits over a large vocabulary are big)."""
+        (a prefill needs no more, and a chunk's logits over a large vocabulary are big).
+        `first_row`: the cache rows used are first_row..first_row+batch-1."""
         batch, length = tokens.shape
-        if start + length > self.max_seq or batch > self.max_batch:
+        if start + length > self.max_seq or first_row + batch > self.max_batch:
             raise SlimlmError(f"the cache holds {self.max_batch} sequences of {self.max_seq} slots; this step needs {batch} of {start + length}")
         device = tokens.device
         end = start + length
@@ -244,10 +253,29 @@ class Transformer(nn.Module):
         mask = self.attention_mask(slots, pad, end)
         x = self.embedding(tokens).to(self.dtype)
         for block in self.layers:
-            x = block(x, cos, sin, slots, mask, end)
+            x = block(x, cos, sin, slots, mask, end, first_row)
         if last_only:
             x = x[:, -1:]
         return self.output(self.norm(x))
+
+    def step_rows(self, tokens: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """One decode step of independent sequences (continuous batching): sequence i sits in
+        cache row rows[i], its token tokens[i] goes to slot positions[i] (its own count of
+        tokens so far). Logits [n, vocab]."""
+        end = int(positions.max()) + 1
+        if end > self.max_seq:
+            raise SlimlmError(f"the cache holds {self.max_seq} slots per sequence; this step needs {end}")
+        angles = positions[:, None, None, None].float() * self.inv_freq
+        cos, sin = angles.cos().to(self.dtype), angles.sin().to(self.dtype)  # [n, 1, 1, head_dim/2]
+        keys = torch.arange(end, device=tokens.device)
+        visible = keys[None, :] <= positions[:, None]
+        if self.args.sliding_window is not None:
+            visible = visible & (keys[None, :] > positions[:, None] - self.args.sliding_window)
+        mask = visible[:, None, None, :]  # [n, 1, 1, end]: broadcast over heads
+        x = self.embedding(tokens[:, None]).to(self.dtype)
+        for block in self.layers:
+            x = block(x, cos, sin, positions, mask, end, rows)
+        return self.output(self.norm(x))[:, -1]
 
     def attention_mask(self, slots: torch.Tensor, pad: Optional[torch.Tensor], end: int) -> Optional[torch.Tensor]:
         """[batch or 1, 1, length, end] booleans (a query sees its own row's slots up to itself),

@@ -5,7 +5,8 @@
 
 Binds 127.0.0.1 unless told otherwise. Limits: the prompt's length, max_tokens, and the number
 of requests admitted at once (the rest get HTTP 429 at once rather than waiting unboundedly).
-Admitted requests are decoded one at a time, in arrival order: the decoder owns one static cache.
+With a ContinuousBatcher (`slimlm serve` makes one) admitted requests decode together, joining
+and leaving the batch between steps; without one they decode one at a time.
 A malformed request gets HTTP 400 with an OpenAI-style JSON error, and the server keeps serving.
 """
 
@@ -28,12 +29,13 @@ class ServerLimits:
     max_concurrent: int = 8  # admitted requests (decoding or waiting); more get 429
 
 
-def create_app(decoder, model_name: str, limits: ServerLimits = ServerLimits()):
+def create_app(decoder, model_name: str, limits: ServerLimits = ServerLimits(), batcher=None):
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, StreamingResponse
     from pydantic import BaseModel, ConfigDict, Field
 
+    from slimlm.inference.decoder import Generation, until_stop
     from slimlm.inference.sampling import SamplingParams
 
     class Sampling(BaseModel):
@@ -96,7 +98,10 @@ def create_app(decoder, model_name: str, limits: ServerLimits = ServerLimits()):
         created = int(time.time())
         if not stream:
             try:
-                (generation,) = decoder.generate_ids([ids], params)
+                if batcher is not None:
+                    *_, generation = batcher.submit(ids, params)
+                else:
+                    (generation,) = decoder.generate_ids([ids], params)
             finally:
                 admitted.release()
             usage = {"prompt_tokens": len(ids), "completion_tokens": len(generation.token_ids), "total_tokens": len(ids) + len(generation.token_ids)}
@@ -106,6 +111,14 @@ def create_app(decoder, model_name: str, limits: ServerLimits = ServerLimits()):
                 choice = {"index": 0, "text": generation.text, "logprobs": None, "finish_reason": generation.finish_reason}
             return {"id": request_id, "object": "chat.completion" if chat else "text_completion", "created": created, "model": model_name, "choices": [choice], "usage": usage}
         return StreamingResponse(events(request_id, created, ids, params, chat), media_type="text/event-stream")
+
+    def batched_pieces(ids: list[int], params: SamplingParams, results: list) -> Iterator[str]:
+        """The batcher's text pieces; its final Generation goes to `results`."""
+        for item in batcher.submit(ids, params):
+            if isinstance(item, Generation):
+                results.append(item)
+            else:
+                yield item
 
     def events(request_id: str, created: int, ids: list[int], params: SamplingParams, chat: bool) -> Iterator[str]:
         kind = "chat.completion.chunk" if chat else "text_completion"
@@ -121,9 +134,19 @@ def create_app(decoder, model_name: str, limits: ServerLimits = ServerLimits()):
         try:
             if chat:
                 yield chunk(None, None, first=True)
-            for piece in decoder.stream_ids(ids, params):
-                yield chunk(piece, None)
-            yield chunk(None, decoder.last_generations[0].finish_reason if decoder.last_generations else "stop")
+            if batcher is not None:
+                results: list[Generation] = []
+                source = batched_pieces(ids, params, results)
+                for piece in until_stop(source, params.stop):
+                    yield chunk(piece, None)
+                for _ in source:  # after a stop string: the sequence ends at once; collect its Generation
+                    pass
+                finish = results[0].finish_reason if results else "stop"
+            else:
+                for piece in decoder.stream_ids(ids, params):
+                    yield chunk(piece, None)
+                finish = decoder.last_generations[0].finish_reason if decoder.last_generations else "stop"
+            yield chunk(None, finish)
             yield "data: [DONE]\n\n"
         finally:
             admitted.release()

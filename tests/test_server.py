@@ -24,19 +24,22 @@ def serve(tiny_model, tiny_tokenizer):
 
     servers = []
 
-    def start(limits=ServerLimits(max_prompt_tokens=64, max_new_tokens=32, max_concurrent=4)):
+    def start(limits=ServerLimits(max_prompt_tokens=64, max_new_tokens=32, max_concurrent=4), batched=False):
+        from slimlm.inference.batching import ContinuousBatcher
+
         decoder = Decoder(build_decoder(tiny_model), tiny_tokenizer)
+        batcher = ContinuousBatcher(Decoder(build_decoder(tiny_model), tiny_tokenizer), max(limits.max_concurrent, 1), limits.max_prompt_tokens + limits.max_new_tokens) if batched else None
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             port = probe.getsockname()[1]
-        server = uvicorn.Server(uvicorn.Config(create_app(decoder, "tiny", limits), host="127.0.0.1", port=port, log_level="warning"))
+        server = uvicorn.Server(uvicorn.Config(create_app(batcher.decoder if batched else decoder, "tiny", limits, batcher), host="127.0.0.1", port=port, log_level="warning"))
         thread = threading.Thread(target=server.run, daemon=True)
         thread.start()
         deadline = time.time() + 20
         while not server.started and time.time() < deadline:
             time.sleep(0.05)
         servers.append((server, thread))
-        return f"http://127.0.0.1:{port}", decoder
+        return f"http://127.0.0.1:{port}", decoder  # a decoder of its own: the reference for the served answers
 
     yield start
     for server, thread in servers:
@@ -60,8 +63,9 @@ def sse_payloads(text):
     return [json.loads(line) for line in lines[:-1]]
 
 
-def test_completions_match_the_decoder_and_stream_the_same_text(serve, tiny_tokenizer):
-    base, decoder = serve()
+@pytest.mark.parametrize("batched", [False, True], ids=["one-at-a-time", "continuous-batching"])
+def test_completions_match_the_decoder_and_stream_the_same_text(serve, tiny_tokenizer, batched):
+    base, decoder = serve(batched=batched)
     with urllib.request.urlopen(f"{base}/v1/models") as response:
         assert json.loads(response.read())["data"][0]["id"] == "tiny"
     body = {"prompt": "the story of", "max_tokens": 12, "temperature": 0}
@@ -77,8 +81,9 @@ def test_completions_match_the_decoder_and_stream_the_same_text(serve, tiny_toke
     assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
 
 
-def test_chat_completions_with_and_without_streaming(serve):
-    base, _ = serve()
+@pytest.mark.parametrize("batched", [False, True], ids=["one-at-a-time", "continuous-batching"])
+def test_chat_completions_with_and_without_streaming(serve, batched):
+    base, _ = serve(batched=batched)
     body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 8, "temperature": 0}
     status, text = post(f"{base}/v1/chat/completions", body)
     message = json.loads(text)["choices"][0]["message"]
@@ -112,3 +117,23 @@ def test_requests_beyond_the_admission_limit_get_429(serve):
     base, _ = serve(ServerLimits(max_concurrent=0))
     status, text = post(f"{base}/v1/completions", {"prompt": "hi", "max_tokens": 2})
     assert status == 429 and "busy" in json.loads(text)["error"]["message"]
+
+
+def test_concurrent_streams_are_batched_and_each_gets_its_own_answer(serve, tiny_tokenizer):
+    base, decoder = serve(batched=True)
+    prompts = ["the story of", "once upon a", "in the beginning"]
+    answers = {}
+
+    def client(text):
+        status, body = post(f"{base}/v1/completions", {"prompt": text, "max_tokens": 16, "temperature": 0, "stream": True})
+        answers[text] = (status, "".join(c["choices"][0]["text"] for c in sse_payloads(body)))
+
+    threads = [threading.Thread(target=client, args=(text,)) for text in prompts]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    for text in prompts:
+        ids = tiny_tokenizer(text, add_special_tokens=False)["input_ids"]
+        expected = decoder.generate_ids([ids], SamplingParams(max_new_tokens=16))[0].text
+        assert answers[text] == (200, expected)

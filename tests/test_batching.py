@@ -1,0 +1,53 @@
+"""Continuous batching: sequences that join and leave a running batch decode as they would alone."""
+
+import threading
+
+import torch
+
+from slimlm.inference.batching import ContinuousBatcher
+from slimlm.inference.build import build_decoder
+from slimlm.inference.decoder import Decoder, Generation
+from slimlm.inference.sampling import SamplingParams
+
+
+def prompt(length, seed):
+    return torch.randint(4, 300, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_requests_joining_at_different_times_get_their_solo_output(tiny_model, tiny_tokenizer):
+    alone = Decoder(build_decoder(tiny_model), tiny_tokenizer)
+    batcher = ContinuousBatcher(Decoder(build_decoder(tiny_model), tiny_tokenizer), max_batch=3, max_seq=96)
+    requests = [(prompt(5, 1), 40), (prompt(17, 2), 8), (prompt(9, 3), 24), (prompt(3, 4), 16)]  # four requests, three rows
+    results, order = {}, []
+    started = threading.Barrier(len(requests))
+
+    def client(index, ids, new_tokens):
+        started.wait()
+        *pieces, generation = batcher.submit(ids, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
+        assert isinstance(generation, Generation) and "".join(pieces) == generation.text
+        results[index] = generation
+        order.append(index)
+
+    threads = [threading.Thread(target=client, args=(i, ids, n)) for i, (ids, n) in enumerate(requests)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    for index, (ids, new_tokens) in enumerate(requests):
+        expected = alone.generate_ids([ids], SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))[0]
+        assert results[index].token_ids == expected.token_ids, index
+    assert order.index(1) < order.index(0)  # the short answer left while the long one was still decoding
+    assert batcher.steps < sum(n for _, n in requests) - len(requests)  # steps were shared
+    assert sorted(batcher.free_rows) == [0, 1, 2]  # every row came back
+
+
+def test_stop_strings_and_end_of_sequence_free_the_row(tiny_model, tiny_tokenizer):
+    decoder = Decoder(build_decoder(tiny_model), tiny_tokenizer)
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True, temperature=1.0, seed=3)
+    free = decoder.generate(["the story of"], params)[0]
+    stop = free.text[len(free.text) // 2 : len(free.text) // 2 + 3]
+    batcher = ContinuousBatcher(Decoder(build_decoder(tiny_model), tiny_tokenizer), max_batch=1, max_seq=64)
+    ids = tiny_tokenizer("the story of", add_special_tokens=False)["input_ids"]
+    *_, generation = batcher.submit(ids, SamplingParams(max_new_tokens=30, ignore_eos=True, temperature=1.0, seed=3, stop=[stop]))
+    assert generation.finish_reason == "stop" and generation.text == free.text[: free.text.index(stop)]
+    assert batcher.free_rows == [0]
