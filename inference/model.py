@@ -6,9 +6,10 @@ linear layers are whatever `inference.linear` built for each weight's scheme; th
 decides the order of operations.
 
 Decoding state lives in a static cache allocated once by `setup_cache`: keys and values for
-`batch` sequences of at most `max_seq` slots. Sequences of different lengths are left-padded:
-row b's tokens start at slot `pad[b]`, its RoPE positions count from there, and its queries never
-see the slots before it. Keys and values by one slot per decode step: attention reads the cache up to the current slot only.
+`batch` sequences of at most `max_seq` slots; attention reads each row up to its current slot
+only. Sequences of different lengths decoded together are left-padded: row b's tokens start at
+slot `pad[b]`, its RoPE positions count from there, and its queries never see the slots before
+it. For continuous batching (`step_rows`) every sequence owns a row and advances on its own.
 """
 
 from __future__ import annotations
