@@ -13,11 +13,8 @@ bench/results/batching_cpu.{md,json}.
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 import threading
 import time
-from pathlib import Path
 
 import torch
 
@@ -28,8 +25,9 @@ from slimlm.inference.decoder import Decoder
 from slimlm.inference.sampling import SamplingParams
 from slimlm.rundir import machine_info
 
-REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "bench" / "results"
+from benchlib import command_line, write_result
+from decode_cpu import load_default, quantized_copy
+
 BATCHES = (1, 2, 4, 8, 16)
 
 
@@ -38,9 +36,6 @@ def per_request(row: dict) -> str:
 
 
 def main() -> None:
-    sys.path.insert(0, str(REPO / "bench"))
-    from decode_cpu import load_default, quantized_copy
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
@@ -82,9 +77,7 @@ def main() -> None:
     rows.append({"name": "continuous, 16 requests, 8 rows", "batch": 8, "tok_s": total, "tok_s_per_request": None, "decode_steps": batcher.steps, "new_tokens": sum(produced), "seconds": seconds})
     print(f"continuous: {total:.1f} tok/s in all over {batcher.steps} steps", flush=True)
     summary = {"new_tokens": options.new_tokens, "threads": options.threads, "seconds": time.perf_counter() - started}
-    command = "python bench/batching_cpu.py" + "".join(f" --{k.replace('_', '-')} {v}" for k, v in vars(options).items() if v != parser.get_default(k))
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "batching_cpu.json").write_text(json.dumps({"machine": machine_info(), "command": command, "summary": summary, "rows": rows}, indent=2) + "\n")
+    command = command_line("batching_cpu.py", parser, options)
     machine = machine_info()
     single = rows[0]["tok_s"]
     lines = [
@@ -100,10 +93,7 @@ def main() -> None:
         *[f"| {r['name']} | {r['tok_s']:.1f} | {r['tok_s'] / single:.2f}x | {per_request(r)} |" for r in rows],
         "",
     ]
-    notes = RESULTS.parent / "batching_cpu.notes.md"
-    if notes.is_file():
-        lines += [notes.read_text().strip(), ""]
-    (RESULTS / "batching_cpu.md").write_text("\n".join(lines))
+    write_result("batching_cpu", command, {"summary": summary, "rows": rows}, lines)
 
 
 if __name__ == "__main__":

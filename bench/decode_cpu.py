@@ -19,17 +19,13 @@ Writes bench/results/decode_cpu.{md,json,png}.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
 
 from slimlm.compress.quantize import QuantizeParams, run as quantize
-from slimlm.config import DataConfig, ModelConfig
-from slimlm.data import load_text, tokenize_text
 from slimlm.eval.bandwidth import decode_bytes_per_token, memory_bandwidth
 from slimlm.eval.plots import plt
 from slimlm.eval.speed import benchmark_prompt, measure_generate
@@ -41,14 +37,14 @@ from slimlm.models import load_model, resolve_model
 from slimlm.pipeline import RunState
 from slimlm.rundir import machine_info
 
-REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "bench" / "results"
+from benchlib import REPO, RESULTS, command_line, default_model_cfg, wikitext_ids, write_result
+
 RUNS = REPO / "bench" / "runs" / "decode_cpu"
 SCHEMES = {"int8": dict(bits=8), "int4 g64": dict(bits=4, group_size=64)}
 
 
 def load_default():
-    cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(REPO / "conf" / "model" / "smollm2-135m.yaml"))
+    cfg = default_model_cfg()
     return cfg, load_model(cfg, torch.device("cpu"))
 
 
@@ -61,8 +57,7 @@ def quantized_copy(cfg, bits_params: dict):
 
 def eval_windows(tokenizer, count: int = 4, window: int = 512) -> torch.Tensor:
     """The first `count` windows of `window` tokens of WikiText-2 test (data=shared)."""
-    data_cfg = OmegaConf.merge(OmegaConf.structured(DataConfig), OmegaConf.load(REPO / "conf" / "data" / "shared.yaml"))
-    return tokenize_text(tokenizer, load_text(data_cfg.eval_text, "eval_text"))[: count * window].view(count, window)
+    return wikitext_ids(tokenizer)[: count * window].view(count, window)
 
 
 @torch.inference_mode()
@@ -110,7 +105,7 @@ def llama_cpp_file(name: str, gguf_type: str, model, tokenizer, source) -> Path:
     return path
 
 
-def time_llama_cpp(path: Path, prompt: list[int], options) -> dict:
+def time_llama_cpp(path: Path, prompt: list[int], options, config) -> dict:
     """Greedy decoding through llama.cpp's own loop (eval one token, take the argmax)."""
     import numpy as np
     from gguf import GGUFReader
@@ -134,7 +129,6 @@ def time_llama_cpp(path: Path, prompt: list[int], options) -> dict:
     llm.close()
     reader = GGUFReader(path)
     weights = sum(int(t.n_bytes) for t in reader.tensors)
-    config = load_default()[1].model.config
     kv = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * (len(prompt) + options.new_tokens // 2) * 2  # f16 cache
     return {"decode_tok_s": statistics.median(speeds), "ttft_s": statistics.median(prefill), "bytes_per_token": weights + kv, "weight_bytes": weights}
 
@@ -167,7 +161,7 @@ def main() -> None:
     if not options.skip_llama_cpp:
         source = resolve_model(cfg)
         for gguf_type in ("Q8_0", "Q4_0"):
-            add(f"llama.cpp {gguf_type}", time_llama_cpp(llama_cpp_file(f"default-{gguf_type.lower()}", gguf_type, model, tokenizer, source), prompt, options))
+            add(f"llama.cpp {gguf_type}", time_llama_cpp(llama_cpp_file(f"default-{gguf_type.lower()}", gguf_type, model, tokenizer, source), prompt, options, model.config))
     windows = eval_windows(tokenizer)
     with torch.inference_mode():
         quality = (windows, torch.stack([torch.log_softmax(model(ids[None]).logits[0].float(), dim=-1) for ids in windows]))
@@ -183,12 +177,10 @@ def main() -> None:
     for row in rows:
         row["speedup_vs_transformers"] = row["decode_tok_s"] / reference
     summary = {"bandwidth_bytes_s": bandwidth, "prompt_tokens": options.prompt_tokens, "new_tokens": options.new_tokens, "repeats": options.repeats, "threads": options.threads, "seconds": time.perf_counter() - started}
-    changed = {k: v for k, v in vars(options).items() if v != parser.get_default(k)}
-    command = "python bench/decode_cpu.py" + "".join(f" --{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in changed.items())
+    command = command_line("decode_cpu.py", parser, options)
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "decode_cpu.json").write_text(json.dumps({"machine": machine_info(), "command": command, "summary": summary, "rows": rows}, indent=2) + "\n")
     write_plot(rows)
-    write_markdown(rows, summary, command)
+    write_result("decode_cpu", command, {"summary": summary, "rows": rows}, markdown(rows, summary, command))
 
 
 def write_plot(rows: list[dict]) -> None:
@@ -210,9 +202,9 @@ def kl_cell(row: dict) -> str:
     return "" if row.get("kl_mean") is None else f"{row['kl_mean']:.4f}"
 
 
-def write_markdown(rows: list[dict], summary: dict, command: str) -> None:
+def markdown(rows: list[dict], summary: dict, command: str) -> list[str]:
     machine = machine_info()
-    lines = [
+    return [
         "# decode_cpu",
         "",
         f"- command: `{command}`",
@@ -228,10 +220,6 @@ def write_markdown(rows: list[dict], summary: dict, command: str) -> None:
         "![decode_cpu](decode_cpu.png)",
         "",
     ]
-    notes = RESULTS.parent / "decode_cpu.notes.md"
-    if notes.is_file():
-        lines += [notes.read_text().strip(), ""]
-    (RESULTS / "decode_cpu.md").write_text("\n".join(lines))
 
 
 if __name__ == "__main__":

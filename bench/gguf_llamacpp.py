@@ -21,24 +21,20 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import subprocess
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
-from omegaconf import OmegaConf
 from tqdm import tqdm
 
-from slimlm.config import DataConfig, ModelConfig
-from slimlm.data import load_text, tokenize_text
 from slimlm.gguf_export import export_gguf
 from slimlm.models import load_model, resolve_model
 from slimlm.rundir import machine_info
 
-REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "bench" / "results"
+from benchlib import REPO, command_line, default_model_cfg, wikitext_ids, write_result
+
 RUNS = REPO / "bench" / "runs" / "gguf_llamacpp"
 
 
@@ -48,7 +44,7 @@ def build_files() -> dict[str, Path]:
 
     RUNS.mkdir(parents=True, exist_ok=True)
     files = {"f32": RUNS / "f32.gguf", "slimlm-gptq": RUNS / "w4-gptq-gguf" / "model.gguf", "slimlm-gptq-head-q8_0": RUNS / "w4-gptq-gguf" / "model-head-q8_0.gguf", "gguf-q4_0": RUNS / "gguf-q4_0.gguf", "llama.cpp-q4_0-pure": RUNS / "llama.cpp-q4_0-pure.gguf", "llama.cpp-q4_0": RUNS / "llama.cpp-q4_0.gguf"}
-    model_cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(REPO / "conf" / "model" / "smollm2-135m.yaml"))
+    model_cfg = default_model_cfg()
     if not (files["f32"].exists() and files["gguf-q4_0"].exists()):
         source = resolve_model(model_cfg)
         loaded = load_model(model_cfg, torch.device("cpu"))
@@ -92,10 +88,8 @@ def main() -> None:
     options = parser.parse_args()
     started = time.perf_counter()
     files = build_files()
-    model_cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(REPO / "conf" / "model" / "smollm2-135m.yaml"))
-    data_cfg = OmegaConf.merge(OmegaConf.structured(DataConfig), OmegaConf.load(REPO / "conf" / "data" / "shared.yaml"))
-    tokenizer = load_model(model_cfg, torch.device("cpu")).tokenizer
-    ids = tokenize_text(tokenizer, load_text(data_cfg.eval_text, "eval_text"))[: options.windows * options.window]
+    tokenizer = load_model(default_model_cfg(), torch.device("cpu")).tokenizer
+    ids = wikitext_ids(tokenizer)[: options.windows * options.window]
     windows = ids.view(options.windows, options.window).numpy()
     names = list(files)
     totals = {name: {"nll": 0.0, "kl": 0.0, "top1": 0.0} for name in names}
@@ -116,14 +110,11 @@ def main() -> None:
         nll = totals[name]["nll"] / scored
         rows.append({"name": name, "ppl": float(np.exp(nll)), "nll": nll, "kl_mean": totals[name]["kl"] / scored, "top1_agreement": totals[name]["top1"] / scored, "bytes": files[name].stat().st_size})
     summary = {"windows": options.windows, "window": options.window, "tokens_scored": scored, "seconds": time.perf_counter() - started, "llama_cpp_python": __import__("llama_cpp").__version__}
-    changed = {k: v for k, v in vars(options).items() if v != parser.get_default(k)}
-    command = "python bench/gguf_llamacpp.py" + "".join(f" --{k} {v}" for k, v in changed.items())
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "gguf_llamacpp.json").write_text(json.dumps({"machine": machine_info(), "command": command, "summary": summary, "rows": rows}, indent=2) + "\n")
-    write_markdown(rows, summary, command)
+    command = command_line("gguf_llamacpp.py", parser, options)
+    write_result("gguf_llamacpp", command, {"summary": summary, "rows": rows}, markdown(rows, summary, command))
 
 
-def write_markdown(rows: list[dict], summary: dict, command: str) -> None:
+def markdown(rows: list[dict], summary: dict, command: str) -> list[str]:
     machine = machine_info()
     labels = {
         "f32": "F32 (reference)",
@@ -133,7 +124,7 @@ def write_markdown(rows: list[dict], summary: dict, command: str) -> None:
         "llama.cpp-q4_0-pure": "llama.cpp quantize MOSTLY_Q4_0, pure (every matrix Q4_0)",
         "llama.cpp-q4_0": "llama.cpp quantize MOSTLY_Q4_0, default mix (tied embedding/head Q8_0)",
     }
-    lines = [
+    return [
         "# gguf_llamacpp",
         "",
         f"- command: `{command}`",
@@ -146,10 +137,6 @@ def write_markdown(rows: list[dict], summary: dict, command: str) -> None:
         *[f"| {labels[r['name']]} | {r['ppl']:.3f} | {r['kl_mean']:.4f} | {100 * r['top1_agreement']:.1f} | {r['bytes']:,} |" for r in rows],
         "",
     ]
-    notes = RESULTS.parent / "gguf_llamacpp.notes.md"
-    if notes.is_file():
-        lines += [notes.read_text().strip(), ""]
-    (RESULTS / "gguf_llamacpp.md").write_text("\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -11,24 +11,20 @@ that layer alone is quantized. Writes bench/results/mixed_sensitivity.{md,json,p
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
 
 from slimlm.compress.calibration import calibration_samples
 from slimlm.compress.mixed import fisher_diagonal, measure_kl_sensitivity, predicted_loss
-from slimlm.config import DataConfig, ModelConfig
 from slimlm.data import load_text, tokenize_text
 from slimlm.eval.plots import plt
 from slimlm.models import load_model
 from slimlm.qlinear import QuantScheme
 from slimlm.rundir import machine_info
 
-REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "bench" / "results"
+from benchlib import RESULTS, command_line, default_model_cfg, shared_data_cfg, wikitext_ids, write_result
+
 KINDS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 BITS = (2, 3, 4)
 
@@ -49,14 +45,12 @@ def main() -> None:
     parser.add_argument("--fisher-windows", type=int, default=32, help="calibration windows of 256 tokens for the Fisher (the recipe's default)")
     options = parser.parse_args()
     started = time.perf_counter()
-    model_cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(REPO / "conf" / "model" / "smollm2-135m.yaml"))
-    data_cfg = OmegaConf.merge(OmegaConf.structured(DataConfig), OmegaConf.load(REPO / "conf" / "data" / "shared.yaml"))
-    loaded = load_model(model_cfg, torch.device("cpu"))
+    loaded = load_model(default_model_cfg(), torch.device("cpu"))
     model, tokenizer = loaded.model, loaded.tokenizer
     names = [f"model.layers.{layer}.{kind}" for layer in options.layers for kind in KINDS]
-    calibration = calibration_samples(tokenize_text(tokenizer, load_text(data_cfg.calibration, "calibration")), options.fisher_windows, 256, seed=1)
+    calibration = calibration_samples(tokenize_text(tokenizer, load_text(shared_data_cfg().calibration, "calibration")), options.fisher_windows, 256, seed=1)
     fisher = fisher_diagonal(model, calibration, names)
-    eval_ids = tokenize_text(tokenizer, load_text(data_cfg.eval_text, "eval_text"))[: options.windows * options.window].view(options.windows, options.window)
+    eval_ids = wikitext_ids(tokenizer)[: options.windows * options.window].view(options.windows, options.window)
     with torch.no_grad():
         reference = torch.log_softmax(model(input_ids=eval_ids, use_cache=False).logits.float(), dim=-1)
     rows = []
@@ -74,12 +68,10 @@ def main() -> None:
     within_bits = {bits: correlation(ranks([r["predicted_kl"] for r in rows if r["bits"] == bits]), ranks([r["measured_kl"] for r in rows if r["bits"] == bits])) for bits in BITS}
     ratio = sorted(p / m for p, m in zip(predicted, measured) if m > 0)[len(rows) // 2]
     summary = {"spearman": spearman, "log_pearson": log_pearson, "spearman_within_bits": within_bits, "median_predicted_over_measured": ratio, "seconds": time.perf_counter() - started}
-    changed = {k: v for k, v in vars(options).items() if v != parser.get_default(k)}
-    command = "python bench/mixed_sensitivity.py" + "".join(f" --{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}" for k, v in changed.items())
+    command = command_line("mixed_sensitivity.py", parser, options)
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "mixed_sensitivity.json").write_text(json.dumps({"machine": machine_info(), "command": command, "summary": summary, "rows": rows}, indent=2) + "\n")
     write_plot(rows, spearman)
-    write_markdown(rows, summary, command, options)
+    write_result("mixed_sensitivity", command, {"summary": summary, "rows": rows}, markdown(rows, summary, command, options))
 
 
 def write_plot(rows: list[dict], spearman: float) -> None:
@@ -102,13 +94,13 @@ def write_plot(rows: list[dict], spearman: float) -> None:
     plt.close(figure)
 
 
-def write_markdown(rows: list[dict], summary: dict, command: str, options) -> None:
+def markdown(rows: list[dict], summary: dict, command: str, options) -> list[str]:
     machine = machine_info()
     by_kind = {}
     for kind in KINDS:
         chosen = [r for r in rows if r["layer"].endswith(kind) and r["bits"] == 3]
         by_kind[kind] = (sum(r["predicted_kl"] for r in chosen) / len(chosen), sum(r["measured_kl"] for r in chosen) / len(chosen))
-    lines = [
+    return [
         "# mixed_sensitivity",
         "",
         f"- command: `{command}`",
@@ -133,10 +125,6 @@ def write_markdown(rows: list[dict], summary: dict, command: str, options) -> No
         "![mixed_sensitivity](mixed_sensitivity.png)",
         "",
     ]
-    notes = RESULTS.parent / "mixed_sensitivity.notes.md"
-    if notes.is_file():
-        lines += [notes.read_text().strip(), ""]
-    (RESULTS / "mixed_sensitivity.md").write_text("\n".join(lines))
 
 
 if __name__ == "__main__":

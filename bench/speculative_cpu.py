@@ -12,10 +12,8 @@ Writes bench/results/speculative_cpu.{md,json}.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
@@ -26,8 +24,9 @@ from slimlm.inference.sampling import SamplingParams
 from slimlm.inference.speculative import generate_speculative
 from slimlm.rundir import machine_info
 
-REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "bench" / "results"
+from benchlib import command_line, write_result
+from decode_cpu import load_default, quantized_copy
+
 PASSAGE = (
     "The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. It is named after "
     "the engineer Gustave Eiffel, whose company designed and built the tower from 1887 to 1889. Locally nicknamed "
@@ -42,11 +41,6 @@ PROMPTS = {
 
 
 def main() -> None:
-    import sys
-
-    sys.path.insert(0, str(REPO / "bench"))
-    from decode_cpu import load_default, quantized_copy
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--new-tokens", type=int, default=96)
     parser.add_argument("--lookahead", type=int, default=4)
@@ -91,11 +85,8 @@ def main() -> None:
         })
         print(f"{name}: {plain_tok_s:.1f} -> {fast_tok_s:.1f} tok/s, acceptance {stats.acceptance_rate:.2f}, identical {rows[-1]['identical']}", flush=True)
     summary = {"lookahead": options.lookahead, "repeats": options.repeats, "threads": options.threads, "seconds": time.perf_counter() - started}
-    changed = {k: v for k, v in vars(options).items() if v != parser.get_default(k)}
-    command = "python bench/speculative_cpu.py" + "".join(f" --{k.replace('_', '-')} {v}" for k, v in changed.items())
-    RESULTS.mkdir(exist_ok=True)
+    command = command_line("speculative_cpu.py", parser, options)
     name = "speculative_cpu" if options.weights == "int8" else f"speculative_cpu_{options.weights}"
-    (RESULTS / f"{name}.json").write_text(json.dumps({"machine": machine_info(), "command": command, "summary": summary, "rows": rows}, indent=2) + "\n")
     machine = machine_info()
     lines = [
         f"# {name}",
@@ -115,10 +106,7 @@ def main() -> None:
         *[f"- {r['name']}: {r['completion']!r}" for r in rows],
         "",
     ]
-    notes = RESULTS.parent / "speculative_cpu.notes.md"
-    if notes.is_file():
-        lines += [notes.read_text().strip(), ""]
-    (RESULTS / f"{name}.md").write_text("\n".join(lines))
+    write_result(name, command, {"summary": summary, "rows": rows}, lines, notes="speculative_cpu")
 
 
 if __name__ == "__main__":

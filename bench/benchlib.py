@@ -1,0 +1,56 @@
+"""What the benchmark scripts in bench/ share: the default model and data configs, the
+reproducing command line, and writing bench/results/<name>.{json,md} (notes appended)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Optional
+
+import torch
+from omegaconf import OmegaConf
+
+from slimlm.config import DataConfig, ModelConfig
+from slimlm.rundir import machine_info
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "bench" / "results"
+
+
+def default_model_cfg():
+    return OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(REPO / "conf" / "model" / "smollm2-135m.yaml"))
+
+
+def shared_data_cfg():
+    """The full data sets (data=shared: WikiText-2 test, the Gutenberg calibration corpus)."""
+    return OmegaConf.merge(OmegaConf.structured(DataConfig), OmegaConf.load(REPO / "conf" / "data" / "shared.yaml"))
+
+
+def wikitext_ids(tokenizer) -> torch.Tensor:
+    """WikiText-2 test as one 1-D tensor of token ids (windows are cut by the caller)."""
+    from slimlm.data import load_text, tokenize_text
+
+    return tokenize_text(tokenizer, load_text(shared_data_cfg().eval_text, "eval_text"))
+
+
+def command_line(script: str, parser: argparse.ArgumentParser, options: argparse.Namespace) -> str:
+    """`python bench/<script>` with the options that differ from their defaults."""
+    parts = [f"python bench/{script}"]
+    for key, value in vars(options).items():
+        if value == parser.get_default(key):
+            continue
+        flag = f"--{key.replace('_', '-')}"
+        parts.append(flag if value is True else f"{flag} {' '.join(map(str, value)) if isinstance(value, list) else value}")
+    return " ".join(parts)
+
+
+def write_result(name: str, command: str, record: dict, lines: list[str], notes: Optional[str] = None) -> None:
+    """bench/results/<name>.json (the machine, the command and `record`) and <name>.md (`lines`,
+    then bench/<notes or name>.notes.md when it exists)."""
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"{name}.json").write_text(json.dumps({"machine": machine_info(), "command": command, **record}, indent=2) + "\n")
+    notes_file = REPO / "bench" / f"{notes or name}.notes.md"
+    if notes_file.is_file():
+        lines = [*lines, notes_file.read_text().strip(), ""]
+    (RESULTS / f"{name}.md").write_text("\n".join(lines))
