@@ -18,7 +18,7 @@ import torch
 
 from slimlm.errors import SlimlmError
 from slimlm.inference.decoder import Decoder, Generation, IncrementalText
-from slimlm.inference.sampling import SamplingParams, next_tokens
+from slimlm.inference.sampling import SamplingParams, next_tokens, sampling_state
 
 
 @dataclass
@@ -82,14 +82,9 @@ class ContinuousBatcher:
         device = self.decoder.device
         try:
             sequence.row = self.free_rows.pop()
-            sequence.seen = torch.zeros(1, self.model.args.vocab_size, dtype=torch.bool, device=device)
-            sequence.seen[0, torch.tensor(sequence.ids, device=device)] = True
-            if sequence.params.seed is not None:
-                sequence.generator = torch.Generator(device=device).manual_seed(sequence.params.seed)
+            sequence.seen, sequence.generator = sampling_state([sequence.ids], sequence.params, self.model.args.vocab_size, device)
             sequence.text = IncrementalText(self.decoder.tokenizer)
-            tokens = torch.tensor([sequence.ids], device=device)
-            for start in range(0, len(sequence.ids), self.decoder.prefill_chunk):
-                logits = self.model(tokens[:, start : start + self.decoder.prefill_chunk], start, last_only=True, first_row=sequence.row)[:, -1]
+            logits = self.decoder.prefill(torch.tensor([sequence.ids], device=device), first_row=sequence.row)
         except BaseException as error:
             if sequence.row >= 0:
                 self.free_rows.append(sequence.row)

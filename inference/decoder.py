@@ -17,7 +17,7 @@ import torch
 
 from slimlm.errors import SlimlmError
 from slimlm.inference.model import Transformer
-from slimlm.inference.sampling import SamplingParams, next_tokens
+from slimlm.inference.sampling import SamplingParams, next_tokens, sampling_state
 
 TokenCallback = Callable[[int, int], None]  # (row, token id), called as each token is chosen
 
@@ -75,6 +75,14 @@ class Decoder:
         if batch > self.model.max_batch or length > self.model.max_seq:
             self.model.setup_cache(batch, length, self.cache_dtype)
 
+    def prefill(self, tokens: torch.Tensor, start: int = 0, pad: Optional[torch.Tensor] = None, first_row: int = 0) -> torch.Tensor:
+        """Write `tokens` [batch, length] into the cache from slot `start` (cache rows from
+        `first_row`), `prefill_chunk` tokens at a time to bound activation memory; the logits
+        [batch, vocab] after the last token."""
+        for offset in range(0, tokens.shape[1], self.prefill_chunk):
+            logits = self.model(tokens[:, offset : offset + self.prefill_chunk], start + offset, pad, last_only=True, first_row=first_row)[:, -1]
+        return logits
+
     def generate_ids(self, prompts: Sequence[Sequence[int]], params: SamplingParams, on_token: Optional[TokenCallback] = None) -> list[Generation]:
         """Complete each prompt (token ids); `on_token` sees each token as it is chosen."""
         with self.lock, torch.inference_mode():
@@ -93,16 +101,9 @@ class Decoder:
         tokens = torch.zeros(batch, longest, dtype=torch.long, device=self.device)
         for row, prompt in enumerate(prompts):
             tokens[row, longest - len(prompt) :] = torch.tensor(list(prompt), dtype=torch.long)
-        seen = torch.zeros(batch, self.model.args.vocab_size, dtype=torch.bool, device=self.device)
-        if params.repetition_penalty != 1.0:
-            for row, prompt in enumerate(prompts):
-                seen[row, torch.tensor(list(prompt), device=self.device)] = True
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        seen, generator = sampling_state(prompts, params, self.model.args.vocab_size, self.device)
         started = time.perf_counter()
-        for start in range(0, longest, self.prefill_chunk):
-            logits = self.model(tokens[:, start : start + self.prefill_chunk], start, pad, last_only=True)[:, -1]
+        logits = self.prefill(tokens, pad=pad)
         prefilled = time.perf_counter()
         end_ids = self.end_ids(params)
         outputs: list[list[int]] = [[] for _ in prompts]

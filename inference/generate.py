@@ -42,7 +42,7 @@ def decoder_obstacle(model: nn.Module) -> Optional[str]:
     if architecture not in ARCHITECTURES:
         return f"architecture '{architecture}'"
     for name, module in model.model.layers.named_modules():
-        if name.endswith(("_proj",)) and not (type(module) is nn.Linear or isinstance(module, QuantLinear)):
+        if name.endswith("_proj") and not (type(module) is nn.Linear or isinstance(module, QuantLinear)):
             return f"{type(module).__module__.split('.')[0]} layers ({type(module).__name__})"
     return None
 

@@ -33,6 +33,11 @@ def tinygemm_fits(scheme, in_features: int) -> bool:
     return scheme is not None and scheme.bits == 4 and scheme.group_size in TINYGEMM_GROUPS and in_features % (INNER_K_TILES * 16) == 0
 
 
+def int8pack_fits(scheme) -> bool:
+    """Whether torch's int8 kernel can hold a layer of this scheme (one scale per row)."""
+    return scheme is not None and scheme.bits == 8 and scheme.group_size is None
+
+
 def _as_2d(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
 
@@ -83,7 +88,7 @@ class Int8Linear(nn.Module):
 
     @staticmethod
     def supports(layer: QuantLinear) -> bool:
-        return layer.scheme.bits == 8 and layer.scheme.group_size is None
+        return int8pack_fits(layer.scheme)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = _as_2d(x).to(self.scales.dtype)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from slimlm.errors import SlimlmError
-from slimlm.inference.linear import tinygemm_fits
+from slimlm.inference.linear import int8pack_fits, tinygemm_fits
 from slimlm.inference.model import ModelArgs
 from slimlm.qlinear import QuantScheme
 
@@ -60,7 +60,7 @@ def linear_bytes(out_features: int, in_features: int, scheme: Optional[QuantSche
         return out_features * in_features * act_bytes
     if tinygemm_fits(scheme, in_features):
         return out_features * in_features // 2 + 2 * scheme.groups(in_features) * out_features * act_bytes  # codes; (scale, zero) per group
-    if scheme.bits == 8 and scheme.group_size is None:  # int8 codes; a scale (and an offset) per row
+    if int8pack_fits(scheme):  # int8 codes; a scale (and an offset) per row
         return out_features * in_features + out_features * act_bytes * (1 if scheme.symmetric else 2)
     return packed_bytes(out_features, in_features, scheme)  # dequantized on each call
 

@@ -44,6 +44,17 @@ class SamplingParams:
         return self.temperature == 0
 
 
+def sampling_state(prompts, params: SamplingParams, vocab_size: int, device: torch.device) -> tuple[torch.Tensor, Optional[torch.Generator]]:
+    """What sampling carries from step to step for these prompts: the tokens each row has seen
+    [rows, vocab] (the repetition penalty's memory) and the seeded generator, if any."""
+    seen = torch.zeros(len(prompts), vocab_size, dtype=torch.bool, device=device)
+    if params.repetition_penalty != 1.0:
+        for row, prompt in enumerate(prompts):
+            seen[row, torch.tensor(list(prompt), device=device)] = True
+    generator = None if params.seed is None else torch.Generator(device=device).manual_seed(params.seed)
+    return seen, generator
+
+
 def penalize_repetition(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
     """CTRL's penalty: a seen token's logit is divided by `penalty` if positive, multiplied if not.
     `seen` [batch, vocab] is a boolean mask of tokens in each row's prompt and output."""

@@ -70,8 +70,7 @@ class DraftProposer:
 
     def propose(self, tokens: Sequence[int], lookahead: int) -> list[int]:
         model = self.draft.model
-        pending = torch.tensor([list(tokens[self.consumed :])], device=self.draft.device)
-        logits = model(pending, self.consumed, last_only=True)[:, -1]
+        logits = self.draft.prefill(torch.tensor([list(tokens[self.consumed :])], device=self.draft.device), start=self.consumed)
         position = len(tokens)
         guesses = []
         for _ in range(min(lookahead, model.max_seq - position)):
@@ -112,7 +111,7 @@ def generate_speculative(
             proposer.start(max_seq)
         started = time.perf_counter()
         tokens = list(prompt)
-        logits = model(torch.tensor([tokens], device=device), 0, last_only=True)[:, -1]
+        logits = target.prefill(torch.tensor([tokens], device=device))
         next_token = int(logits.argmax(-1))
         end_ids = target.end_ids(params)
         new: list[int] = []

@@ -27,7 +27,7 @@ from slimlm.errors import SlimlmError
 from slimlm.hf_export import plain_tensors
 from slimlm.models import DTYPES
 from slimlm.qlinear import QuantEmbedding, QuantLinear, QuantScheme
-from slimlm.rundir import staged_directory
+from slimlm.rundir import directory_bytes, staged_directory
 
 CT_FORMAT = "pack-quantized"
 
@@ -111,5 +111,4 @@ def export_compressed(model: nn.Module, tokenizer: Any, path: Path, dtype: str) 
             model.generation_config.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
     path = Path(path)
-    size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
-    return {"format": "compressed-tensors", "dtype": dtype, "path": f"{path.name}/", "bytes_on_disk": size, "quantized_layers": len(quantized)}
+    return {"format": "compressed-tensors", "dtype": dtype, "path": f"{path.name}/", "bytes_on_disk": directory_bytes(path), "quantized_layers": len(quantized)}

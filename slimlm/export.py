@@ -8,18 +8,20 @@ packed checkpoint that transformers and vLLM load as it is (slimlm/ct_export.py)
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Optional
 
 from omegaconf import OmegaConf
 
-from slimlm.artifact import load_artifact, read_manifest, save_artifact
+from slimlm.artifact import MANIFEST, load_artifact, save_artifact
 from slimlm.ct_export import export_compressed
 from slimlm.errors import ConfigError
 from slimlm.gguf_export import ARCHITECTURES, GGUF_TYPES, export_gguf
 from slimlm.hf_export import export_hf
 from slimlm.models import DTYPES, load_model
 from slimlm.pipeline import RunState, Stage
+from slimlm.rundir import directory_bytes
 
 FORMATS = ("slimlm", "gguf", "hf", "compressed-tensors")
 DEFAULT_NAMES = {"slimlm": "artifact", "gguf": "model.gguf", "hf": "hf", "compressed-tensors": "hf-compressed"}
@@ -57,9 +59,8 @@ def run(state: RunState, params: ExportParams) -> None:
     recipe = OmegaConf.to_container(state.cfg.recipe, resolve=True)
     results = {"evaluations": state.evaluations}
     path = save_artifact(state.model, state.tokenizer, state.run_dir / params.name, state.schemes, source, recipe, results)
-    size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
-    account = read_manifest(path)["size"]
-    state.sections.setdefault("artifacts", []).append({"format": params.format, "path": f"{path.name}/", "bytes_on_disk": size, **account})
+    account = json.loads((path / MANIFEST).read_text())["size"]  # just written: no need to verify every checksum again here
+    state.sections.setdefault("artifacts", []).append({"format": params.format, "path": f"{path.name}/", "bytes_on_disk": directory_bytes(path), **account})
     if params.reload:
         artifact = load_artifact(path, state.device)
         state.model = artifact.model

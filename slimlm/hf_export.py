@@ -16,7 +16,7 @@ from torch import nn
 from slimlm.errors import SlimlmError
 from slimlm.models import DTYPES
 from slimlm.qlinear import QuantEmbedding, QuantLinear
-from slimlm.rundir import staged_directory
+from slimlm.rundir import directory_bytes, staged_directory
 
 
 def plain_tensors(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -64,5 +64,4 @@ def export_hf(model: nn.Module, tokenizer: Any, path: Path, dtype: str) -> dict:
         plain.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
     path = Path(path)
-    size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
-    return {"format": "hf", "dtype": dtype, "path": f"{path.name}/", "bytes_on_disk": size}
+    return {"format": "hf", "dtype": dtype, "path": f"{path.name}/", "bytes_on_disk": directory_bytes(path)}

@@ -50,6 +50,11 @@ def staged_directory(path: Path, what: str = "exports") -> Iterator[Path]:
         raise
 
 
+def directory_bytes(path: Path) -> int:
+    """Bytes of the files directly in `path` (an export directory)."""
+    return sum(f.stat().st_size for f in Path(path).iterdir() if f.is_file())
+
+
 def write_status(run_dir: Path, status: str, error: Optional[str] = None) -> None:
     record = {"status": status, "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     if error:
