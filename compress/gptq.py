@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from slimlm.compress.clipping import search_clip
-from slimlm.compress.rtn import QuantizedWeight, dequantize_codes, group_params, quantize_to_codes
+from slimlm.compress.rtn import QuantizedWeight, dequantize_codes, group_params, keep_zeros, quantize_to_codes
 from slimlm.errors import SlimlmError
 from slimlm.qlinear import QuantScheme
 
@@ -76,6 +76,7 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, scheme: QuantSche
     out_features, in_features = weight.shape
     group = scheme.group_size or in_features
     W = weight.detach().double().clone()
+    pruned = W == 0  # exact zeros (a sparsify stage's work) stay zero; their error is spread like any other
     H = hessian.double().clone()
     dead = H.diagonal() == 0  # inputs that were always zero carry no information
     H[dead, dead] = 1.0
@@ -90,7 +91,8 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, scheme: QuantSche
         for g in range(in_features // group):
             _set_group(scales, zeros, g, *group_params(ranges[:, g * group : (g + 1) * group], scheme))
     order = torch.argsort(H.diagonal(), descending=True) if options.act_order else torch.arange(in_features)
-    W, H = W[:, order], H[order][:, order]
+    W, H, pruned = W[:, order], H[order][:, order], pruned[:, order]
+    any_pruned = bool(pruned.any())
     Hinv = inverse_hessian_factor(H, options.damp, name)
     codes = torch.zeros(out_features, in_features, dtype=torch.uint8)
     block = group * max(1, options.block_size // group) if not static else options.block_size
@@ -105,6 +107,8 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, scheme: QuantSche
                 _set_group(scales, zeros, g, *group_params(W1[:, i : i + group], scheme))
             scale, zero = scales[:, g : g + 1].squeeze(1), None if zeros is None else zeros[:, g]
             q = quantize_to_codes(W1[:, i : i + 1], scale, zero, scheme)
+            if any_pruned:
+                q = keep_zeros(q, ~pruned[:, start + i : start + i + 1], zero, scheme)
             codes[:, column] = q[:, 0]
             error = (W1[:, i] - dequantize_codes(q, scale, zero, scheme)[:, 0].double()) / Hinv[start + i, start + i]
             W1[:, i:] -= error.unsqueeze(1) @ Hinv[start + i, start + i : end].unsqueeze(0)

@@ -191,11 +191,16 @@ def describe_bits(schemes: dict[str, QuantScheme]) -> str:
     return f"int{widths[0]}" if len(widths) == 1 else "mixed int" + "/".join(map(str, widths))
 
 
-def calibration_windows(state: RunState, samples: int, seq_len: int, seed: int) -> torch.Tensor:
-    """Windows of data.calibration; the text is tokenized once per run."""
+def calibration_token_ids(state: RunState) -> torch.Tensor:
+    """data.calibration as token ids, tokenized once per run."""
     if "calibration_ids" not in state.memo:
         state.memo["calibration_ids"] = tokenize_text(state.tokenizer, load_text(state.cfg.data.calibration, "calibration"))
-    return calibration_samples(state.memo["calibration_ids"], samples, seq_len, seed)
+    return state.memo["calibration_ids"]
+
+
+def calibration_windows(state: RunState, samples: int, seq_len: int, seed: int) -> torch.Tensor:
+    """Windows of data.calibration chosen at random with `seed`."""
+    return calibration_samples(calibration_token_ids(state), samples, seq_len, seed)
 
 
 def mixed_schemes(state: RunState, params: QuantizeParams, names: list[str]) -> tuple[dict[str, QuantScheme], dict]:

@@ -46,18 +46,25 @@ def quantize_to_codes(weight: torch.Tensor, scale: torch.Tensor, zero: Optional[
     return codes.clamp(0, scheme.max_code).to(torch.uint8)
 
 
+def keep_zeros(codes: torch.Tensor, keep: torch.Tensor, zero: Optional[torch.Tensor], scheme: QuantScheme) -> torch.Tensor:
+    """`codes` [rows, cols] with the entries outside `keep` set to the code of 0.0 (per-row `zero`),
+    so that pruned weights stay exactly zero after quantization."""
+    offset = torch.full_like(codes, scheme.symmetric_zero) if zero is None else zero.to(codes.dtype).unsqueeze(1).expand_as(codes)
+    return torch.where(keep, codes, offset)
+
+
 def dequantize_codes(codes: torch.Tensor, scale: torch.Tensor, zero: Optional[torch.Tensor], scheme: QuantScheme) -> torch.Tensor:
     offset = scheme.symmetric_zero if zero is None else zero.float().unsqueeze(1)
     return (codes.float() - offset) * scale.float().unsqueeze(1)
 
 
 def quantize_rtn(weight: torch.Tensor, scheme: QuantScheme) -> QuantizedWeight:
-    """Every group rounded to its nearest grid point independently."""
+    """Every group rounded to its nearest grid point independently; exact zeros stay zero."""
     out_features, in_features = weight.shape
     groups = scheme.groups(in_features)
     grouped = weight.detach().float().reshape(out_features * groups, in_features // groups)
     scale, zero = group_params(grouped, scheme)
-    codes = quantize_to_codes(grouped, scale, zero, scheme)
+    codes = keep_zeros(quantize_to_codes(grouped, scale, zero, scheme), grouped != 0, zero, scheme)
     return QuantizedWeight(
         codes=codes.reshape(out_features, in_features),
         scales=scale.reshape(out_features, groups),

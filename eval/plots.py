@@ -9,6 +9,7 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only; never needs a display
 import matplotlib.pyplot as plt  # noqa: E402
+from slimlm.eval.size import comparable_bytes  # noqa: E402
 
 
 def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
@@ -29,13 +30,13 @@ def plot_size_quality(rows: Sequence[dict], path: Path) -> Optional[Path]:
     figure, axes = plt.subplots(1, len(metrics), figsize=(6.5 * len(metrics), 4.5), squeeze=False)
     for axis, (key, label) in zip(axes[0], metrics):
         chosen = [r for r in rows if key in r and "bytes" in r]
-        points = [(r["bytes"] / 2**20, r[key]) for r in chosen]
+        points = [(comparable_bytes(r) / 2**20, r[key]) for r in chosen]
         axis.scatter([p[0] for p in points], [p[1] for p in points], color="tab:blue", zorder=3)
         for (x, y), row in zip(points, chosen):
             axis.annotate(row["name"], (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
         front = pareto_front(points)
         axis.plot([points[i][0] for i in front], [points[i][1] for i in front], color="tab:orange", linestyle="--", label="Pareto front", zorder=2)
-        axis.set_xlabel("size (MiB)")
+        axis.set_xlabel("size as stored (MiB)")
         axis.set_ylabel(label)
         if key == "kl_mean" and all(p[1] > 0 for p in points):
             axis.set_yscale("log")
@@ -85,6 +86,32 @@ def plot_bit_map(bits: dict[str, int], title: str, path: Path) -> Optional[Path]
     colorbar = figure.colorbar(image, ticks=range(len(widths)))
     colorbar.set_ticklabels([str(width) for width in widths])
     colorbar.set_label("bits")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path
+
+
+def plot_training(history: list[dict], title: str, path: Path) -> Optional[Path]:
+    """Training loss per optimizer step (each term of it) and held-out perplexity where measured."""
+    if not history:
+        return None
+    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 3.8))
+    steps = [record["step"] for record in history]
+    for key, label in (("loss", "loss"), ("kd", "distillation term"), ("ce", "cross-entropy term"), ("hidden", "hidden-state term")):
+        if key in history[0] and not (key == "loss" and len([k for k in ("kd", "ce", "hidden") if k in history[0]]) == 1):
+            left.plot(steps, [record[key] for record in history], label=label)
+    left.set_xlabel("optimizer step")
+    left.set_yscale("log")
+    left.grid(alpha=0.3)
+    left.legend()
+    evaluated = [record for record in history if "held_out_ppl" in record]
+    right.plot([r["step"] for r in evaluated], [r["held_out_ppl"] for r in evaluated], marker="o", color="tab:green")
+    right.set_xlabel("optimizer step")
+    right.set_ylabel("held-out perplexity")
+    right.set_yscale("log")
+    right.grid(alpha=0.3)
+    figure.suptitle(title)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)

@@ -12,7 +12,8 @@ import math
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from slimlm.eval.plots import plot_bit_map, plot_layer_errors, plot_size_quality
+from slimlm.eval.plots import plot_bit_map, plot_layer_errors, plot_size_quality, plot_training
+from slimlm.eval.size import comparable_bytes
 from slimlm.rundir import machine_info, write_atomic
 
 def decimals(places: int) -> Callable[[Any], str]:
@@ -32,7 +33,9 @@ TABLES: list[tuple[str, list[Column]]] = [
         ("kl_mean", "KL", decimals(5)),
         ("top1_agreement", "top-1 %", percent),
         ("bytes", "bytes", lambda v: f"{v:,}"),
+        ("stored_bytes", "stored bytes", lambda v: f"{v:,}"),
         ("size_pct_of_first", "size %", decimals(1)),
+        ("linear_zeros", "zeros %", percent),
         ("bits_per_weight", "bits/weight", decimals(2)),
         ("quant_s", "quantize s", decimals(1)),
         ("calibration_peak_memory_bytes", "calibration peak", lambda v: f"{v / 2**20:,.0f} MiB"),
@@ -61,14 +64,15 @@ TABLES: list[tuple[str, list[Column]]] = [
 def add_deltas(rows: Sequence[dict]) -> list[dict]:
     rows = [dict(row) for row in rows]
     first_ppl = next((r["ppl"] for r in rows if "ppl" in r), None)
-    first_bytes = next((r["bytes"] for r in rows if "bytes" in r), None)
+    first_bytes = next((comparable_bytes(r) for r in rows if "bytes" in r), None)
     for row in rows:
         if "ppl" in row:
             base = math.exp(row["reference_nll"]) if row.get("reference_nll") is not None else first_ppl
             row["delta_ppl_pct"] = 100.0 * (row["ppl"] / base - 1.0)
         if "bytes" in row and first_bytes:
-            row["size_pct_of_first"] = 100.0 * row["bytes"] / first_bytes
+            row["size_pct_of_first"] = 100.0 * comparable_bytes(row) / first_bytes
     return rows
+
 
 
 def markdown_table(rows: Sequence[dict], columns: Sequence[Column]) -> list[str]:
@@ -142,12 +146,62 @@ def render_markdown(report: dict[str, Any], plots: Sequence[str]) -> str:
                 f"peak memory of that pass {mixed['sensitivity_peak_memory_bytes'] / 2**20:,.0f} MiB).",
                 "",
             ]
+    lines += sparsity_and_pruning_lines(report)
     lines += artifact_and_generation_lines(report)
     if report.get("stage_seconds"):
         lines += ["## Time", "", "| stage | seconds |", "|---|---:|"]
         lines += [f"| {name} | {seconds:.1f} |" for name, seconds in report["stage_seconds"]]
         lines.append("")
     return "\n".join(lines)
+
+
+def sparsity_and_pruning_lines(report: dict[str, Any]) -> list[str]:
+    """Markdown for the sparsify and prune stages a run went through."""
+    lines: list[str] = []
+    for section in report.get("sparsity", []):
+        lines += [
+            "## Sparsity",
+            "",
+            f"{section['method']}{' + OWL per-layer ratios' if section['owl'] else ''}, {section['pattern']}: {section['layers']} Linear layers, "
+            f"{100 * section['achieved_sparsity']:.2f}% of their weights zero, in {section['seconds']:.1f} s. "
+            "Zeros do not make dense kernels faster; they make the artifact smaller (bitmask storage) and, as 2:4, "
+            "can run on GPUs with sparse tensor cores.",
+            "",
+        ]
+    for section in report.get("pruning", []):
+        before, after = section["shape_before"], section["shape_after"]
+        changed = ", ".join(f"{key} {before[key]} → {after[key]}" for key in ("layers", "hidden_size", "intermediate_size", "heads", "kv_heads") if before[key] != after[key])
+        lines += [
+            "## Structured pruning",
+            "",
+            f"{changed}: {section['parameters_before']:,} → {section['parameters_after']:,} parameters, in {section['seconds']:.1f} s."
+            + (f" Removed layers (lowest block influence): {section['removed_layers']}." if section.get("removed_layers") else ""),
+            "",
+        ]
+    for section in report.get("distillation", []):
+        first, last = section["history"][0], section["history"][-1]
+        evals = section["evals"]
+        lines += [
+            "## Distillation" if section["loss"] != "ce" else "## Fine-tuning (cross-entropy)",
+            "",
+            f"{section['loss']}, teacher {section.get('teacher_signal', 'none')}: {section['steps']} optimizer steps, {section['tokens']:,} tokens, "
+            f"{section['processes']} process(es), {section['train_seconds']:.0f} s of training ({section['seconds']:.0f} s with the teacher's cache); "
+            f"loss {first['loss']:.4f} → {last['loss']:.4f}"
+            + (f"; held-out perplexity {evals[0]['held_out_ppl']:.2f} (step {evals[0]['step']}) → {evals[-1]['held_out_ppl']:.2f} (step {evals[-1]['step']})" if evals else "")
+            + (f"; resumed from step {section['resumed_from_step']}" if section.get("resumed_from_step") else "")
+            + ".",
+            "",
+        ]
+        if "draft_before" in section:
+            before, after = section["draft_before"], section["draft_after"]
+            lines += [
+                f"As a speculative-decoding draft for the teacher ({before['prompts']} held-out prompts, {before['new_tokens']} new tokens, lookahead {before['lookahead']}, greedy): "
+                f"acceptance {100 * before['acceptance_rate']:.1f}% before training → {100 * after['acceptance_rate']:.1f}% after; tokens per teacher pass "
+                f"{before['tokens_per_teacher_pass']:.2f} → {after['tokens_per_teacher_pass']:.2f}; speed-up over plain decoding {before['speedup']:.2f}x → {after['speedup']:.2f}x"
+                f" (outputs identical to plain decoding: {before['identical_to_plain'] and after['identical_to_plain']}).",
+                "",
+            ]
+    return lines
 
 
 def artifact_and_generation_lines(report: dict[str, Any]) -> list[str]:
@@ -199,6 +253,8 @@ def write_plots(run_dir: Path, report: dict[str, Any]) -> list[str]:
         written.append(plot_layer_errors(quant["weight_rel_error"], title, run_dir / f"layer_error_{index + 1}.png"))
         if quant.get("mixed_precision"):
             written.append(plot_bit_map(quant["mixed_precision"]["bits"], f"{quantization_title(quant)}: bits per layer", run_dir / f"bit_map_{index + 1}.png"))
+    for index, section in enumerate(report.get("distillation", [])):
+        written.append(plot_training(section["history"], f"distillation ({section['loss']}, {section['tokens']:,} tokens)", run_dir / f"training_{index + 1}.png"))
     return [p.name for p in written if p is not None]
 
 

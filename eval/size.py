@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Optional
 
 from torch import nn
 
 from slimlm.qlinear import QuantLinear
+from slimlm.sparse_storage import sparse_candidates
 
 
 @dataclass(frozen=True)
@@ -14,6 +16,8 @@ class SizeReport:
     bytes: int  # every parameter and buffer, each shared tensor counted once
     parameters: int  # weights as the original model counts them (a quantized matrix counts its elements)
     bits_per_weight: float  # bytes * 8 / parameters: scales, norms and embeddings included
+    stored_bytes: Optional[int] = None  # as a slimlm artifact stores it: sparse matrices as bitmask + kept values
+    linear_zeros: Optional[float] = None  # fraction of all Linear weights that are exactly zero
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -30,4 +34,20 @@ def model_size(model: nn.Module) -> SizeReport:
     parameters = sum(p.numel() for p in {p.data_ptr(): p for p in model.parameters()}.values())
     # A quantized matrix is a buffer, but it is the layer's weight: count it as parameters.
     parameters += sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, QuantLinear))
-    return SizeReport(bytes=total_bytes, parameters=parameters, bits_per_weight=round(8 * total_bytes / max(parameters, 1), 3))
+    stored, zeros, weights = total_bytes, 0, 0
+    for candidate in sparse_candidates(model):
+        stored += candidate.stored_bytes() - candidate.dense_bytes()
+        zeros += candidate.values.numel() - candidate.nonzero
+        weights += candidate.values.numel()
+    return SizeReport(
+        bytes=total_bytes,
+        parameters=parameters,
+        bits_per_weight=round(8 * total_bytes / max(parameters, 1), 3),
+        stored_bytes=stored,
+        linear_zeros=round(zeros / max(weights, 1), 6),
+    )
+
+
+def comparable_bytes(row: dict) -> int:
+    """The size report rows are compared by: as stored (sparse matrices compact) when known, else in memory."""
+    return row.get("stored_bytes") or row["bytes"]

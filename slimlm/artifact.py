@@ -7,7 +7,8 @@
                        see slimlm.packing), `<module>.scales` (fp16, one per group) and, for
                        asymmetric schemes, `<module>.zeros` (uint8 zero points); every other
                        tensor as it was; a tied LM head is stored once (quantized, the embedding
-                       reads its codes)
+                       reads its codes); a sparse weight or code matrix as `<key>.bitmask` and
+                       `<key>.nonzeros` where that is smaller (slimlm.sparse_storage)
     config.json, generation_config.json, tokenizer files (the HF layout)
 
 Writing is atomic (a hidden staging directory renamed into place), an existing artifact is
@@ -30,9 +31,10 @@ from slimlm.errors import SlimlmError
 from slimlm.qlinear import QuantLinear, QuantScheme, set_submodule, tie_quantized_head
 from slimlm.resources import sha256_file
 from slimlm.rundir import staged_directory
+from slimlm.sparse_storage import decode_bitmask, encode_bitmask, sparse_candidates, zero_codes
 
 FORMAT = "slimlm"
-FORMAT_VERSION = 3  # 3: module shapes, packing, sparsity and a size account; 2: packed codes with group scales
+FORMAT_VERSION = 4  # 4: bitmask storage of sparse weights; 3: module shapes, packing, sparsity and a size account; 2: packed codes with group scales
 OLDEST_READABLE = 2
 PACKING = "lsb-8"  # slimlm.packing: 8 codes fill `bits` bytes, code i at bits [i*b, (i+1)*b)
 SCHEME_FIELDS = tuple(QuantScheme.__dataclass_fields__)
@@ -62,6 +64,7 @@ def save_artifact(
 
     with staged_directory(out_dir, "artifacts") as staging:
         tensors = _unique_state_dict(model)
+        sparse = _store_sparse_compactly(model, tensors)
         save_file(tensors, staging / WEIGHTS, metadata={"format": FORMAT, "format_version": str(FORMAT_VERSION)})
         model.config.save_pretrained(staging)
         if getattr(model, "generation_config", None) is not None:
@@ -77,7 +80,8 @@ def save_artifact(
             "recipe": recipe,
             "dtype": _model_dtype(model),
             "tensor_dtypes": float_dtypes,
-            "modules": {name: _module_record(model.get_submodule(name), scheme) for name, scheme in schemes.items()},
+            "modules": {name: _module_record(name, model.get_submodule(name), scheme, sparse) for name, scheme in schemes.items()},
+            "sparse_tensors": sparse,
             "size": _size_account(model, tensors, staging),
             "tied_word_embeddings": bool(getattr(model.config, "tie_word_embeddings", False)),
             "results": results or {},
@@ -100,18 +104,46 @@ def _unique_state_dict(model) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def _store_sparse_compactly(model, tensors: dict[str, torch.Tensor]) -> dict[str, dict]:
+    """Swap each weight that a bitmask stores in fewer bytes for its bitmask and kept values;
+    returns the manifest entries that say how to rebuild them."""
+    entries = {}
+    for candidate in sparse_candidates(model):
+        nonzero = candidate.nonzero
+        if candidate.key not in tensors or candidate.bitmask_bytes(nonzero) >= candidate.dense_bytes():
+            continue
+        del tensors[candidate.key]
+        tensors.update(encode_bitmask(candidate))
+        entries[candidate.key] = {"shape": list(candidate.values.shape), "nonzero": nonzero, "bits": candidate.bits, "codes": candidate.codes}
+    return entries
+
+
+def _rebuild_sparse(model, tensors: dict[str, torch.Tensor], entries: dict[str, dict], path: Path) -> None:
+    """Dense tensors back from their bitmask encoding, in place in `tensors`."""
+    for key, entry in entries.items():
+        module_name = key.rpartition(".")[0]
+        try:
+            bitmask, nonzeros = tensors.pop(f"{key}.bitmask"), tensors.pop(f"{key}.nonzeros")
+            module = model.get_submodule(module_name)
+            zero = 0.0
+            if entry["codes"]:
+                zero = module.scheme.symmetric_zero if module.zeros is None else tensors[f"{module_name}.zeros"].repeat_interleave(module.in_features // module.zeros.shape[1], dim=1)
+            tensors[key] = decode_bitmask(bitmask, nonzeros, entry["shape"], zero, entry["bits"], entry["codes"])
+        except (KeyError, AttributeError, ValueError, RuntimeError) as error:
+            raise SlimlmError(f"artifact '{path}': the sparse tensor {key} cannot be rebuilt ({error}); re-export the artifact") from None
+
+
 def scheme_of(record: dict) -> QuantScheme:
     """The quantization scheme in a manifest's module entry (which also holds shape, packing...)."""
     return QuantScheme(**{key: value for key, value in record.items() if key in SCHEME_FIELDS})
 
 
-def _module_record(layer: QuantLinear, scheme: dict) -> dict:
+def _module_record(name: str, layer: QuantLinear, scheme: dict, sparse: dict[str, dict]) -> dict:
     """A quantized module's entry: its scheme, its shape (checked against config.json on load),
-    how its codes are packed, and its sparsity (the fraction of weights that are exactly zero)."""
-    codes = layer.codes()
-    zero = layer.zeros.repeat_interleave(codes.shape[1] // layer.zeros.shape[1], dim=1) if layer.zeros is not None else layer.scheme.symmetric_zero
-    sparsity = (codes == zero).float().mean().item()
-    return {**scheme, "shape": [layer.out_features, layer.in_features], "packing": PACKING, "storage": "dense", "sparsity": round(sparsity, 6)}
+    how its codes are packed and stored, and its sparsity (the fraction of weights exactly zero)."""
+    sparsity = (layer.codes() == zero_codes(layer)).float().mean().item()
+    storage = "bitmask" if f"{name}.qweight" in sparse else "dense"
+    return {**scheme, "shape": [layer.out_features, layer.in_features], "packing": PACKING, "storage": storage, "sparsity": round(sparsity, 6)}
 
 
 def _size_account(model, tensors: dict[str, torch.Tensor], staging: Path) -> dict:
@@ -197,6 +229,7 @@ def load_artifact(path: Path, device: torch.device = torch.device("cpu")) -> Art
     if tied and head_quantized:
         tie_quantized_head(model)  # the embedding reads the head's codes; nothing of its own to load
     tensors = load_file(path / WEIGHTS)
+    _rebuild_sparse(model, tensors, manifest.get("sparse_tensors", {}), path)
     result = model.load_state_dict(tensors, strict=False)
     missing = set(result.missing_keys) - ({"lm_head.weight"} if tied else set())
     if missing or result.unexpected_keys:

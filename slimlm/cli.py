@@ -29,6 +29,9 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from slimlm.compress.quantize import QUANTIZE
+from slimlm.compress.prune import PRUNE
+from slimlm.compress.sparsify import SPARSIFY
+from slimlm.distill.stage import DISTILL
 from slimlm.config import register_schemas
 from slimlm.errors import SlimlmError
 from slimlm.eval.stage import EVALUATE
@@ -40,7 +43,7 @@ from slimlm.pipeline import PlannedStage, RunState, Stage, plan_stages
 from slimlm.eval.report import write_report
 from slimlm.rundir import write_status
 
-STAGES: dict[str, Stage] = {stage.name: stage for stage in (LOAD, QUANTIZE, EVALUATE, EXPORT, GENERATE)}
+STAGES: dict[str, Stage] = {stage.name: stage for stage in (LOAD, PRUNE, SPARSIFY, QUANTIZE, DISTILL, EVALUATE, EXPORT, GENERATE)}
 CONFIG_MODULE = "slimlm.conf"
 log = logging.getLogger("slimlm")
 

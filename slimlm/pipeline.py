@@ -38,7 +38,12 @@ class RunState:
 
     def is_original(self) -> bool:
         """True while the model is the source model as loaded (nothing compressed or swapped)."""
-        return not self.schemes and self.memo.get("model_origin") is None
+        return not self.schemes and self.memo.get("model_origin") is None and not self.memo.get("changes")
+
+    def mark_changed(self, how: str) -> None:
+        """Record that a stage changed the model's weights or shape without quantizing it
+        (sparsified, pruned): its rows are no longer the original model's."""
+        self.memo.setdefault("changes", []).append(how)
 
     def original_model_cfg(self) -> Any:
         """The config that loads the uncompressed model this run's model descends from."""
@@ -49,6 +54,7 @@ class RunState:
         self.model, self.tokenizer = loaded.model, loaded.tokenizer
         self.schemes = {}
         self.memo["model_origin"] = origin
+        self.memo.pop("changes", None)
         if loaded.manifest is not None:  # a slimlm artifact: compressed, made from its source model
             self.schemes = {name: scheme_of(record).to_dict() for name, record in loaded.manifest["modules"].items()}
             self.memo["model_origin"] = origin or f"artifact {loaded.source.id}"

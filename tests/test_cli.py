@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from slimlm.artifact import load_artifact
 from slimlm.cli import main
 from slimlm.errors import SlimlmError
 
@@ -34,7 +35,7 @@ def tiny_run_args(model_dir):
 @pytest.mark.parametrize(
     "override, expected",
     [
-        ("recipe=nope", "unknown recipe 'nope': choose one of demo, eval-peers, evaluate, mixed-3.5bpw, w3-awq, w3-gptq, w3-rtn, w4-awq, w4-gptq, w4-gptq-export, w4-gptq-gguf, w4-rtn, w8-rtn"),
+        ("recipe=nope", "unknown recipe 'nope': choose one of demo, draft, eval-peers, evaluate, mixed-3.5bpw, prune-distill, prune-finetune, prune-student, sparse-magnitude-2of4, sparse-magnitude-50, sparse-sparsegpt-2of4, sparse-sparsegpt-50, sparse-sparsegpt-50-w4, sparse-wanda-2of4, sparse-wanda-50, sparse-wanda-owl-50, w3-awq, w3-gptq, w3-rtn, w4-awq, w4-gptq, w4-gptq-export, w4-gptq-gguf, w4-lora-recover, w4-rtn, w8-rtn"),
         ("model=nope", "unknown model 'nope'"),
         ("model.pathh=x", "Key 'pathh' not in 'ModelConfig'"),
         ("eval.perplexity.window=abc", "could not be converted to Integer"),
@@ -88,7 +89,7 @@ def test_debug_flag_shows_the_exception(monkeypatch, tmp_path):
 
 def test_help_lists_groups_and_recipes(tmp_path):
     out = slimlm("--help", cwd=tmp_path).stdout
-    assert "recipe: demo, eval-peers, evaluate, mixed-3.5bpw, w3-awq, w3-gptq, w3-rtn, w4-awq, w4-gptq, w4-gptq-export, w4-gptq-gguf, w4-rtn, w8-rtn" in out and "model: custom, smollm2-135m" in out
+    assert "recipe: demo, draft, eval-peers, evaluate, mixed-3.5bpw, prune-distill, prune-finetune, prune-student, sparse-magnitude-2of4, sparse-magnitude-50, sparse-sparsegpt-2of4, sparse-sparsegpt-50, sparse-sparsegpt-50-w4, sparse-wanda-2of4, sparse-wanda-50, sparse-wanda-owl-50, w3-awq, w3-gptq, w3-rtn, w4-awq, w4-gptq, w4-gptq-export, w4-gptq-gguf, w4-lora-recover, w4-rtn, w8-rtn" in out and "model: custom, smollm2-135m" in out
 
 
 def test_cfg_job_prints_the_recipe_without_running(tmp_path):
@@ -256,3 +257,88 @@ def test_compressed_tensors_export_stage_reloads_with_the_same_perplexity(tiny_m
     ours, reloaded = report["rows"]
     assert reloaded["ppl"] == pytest.approx(ours["ppl"], rel=1e-5)
     assert report["artifacts"][0]["format"] == "compressed-tensors" and (run / "hf-compressed" / "model.safetensors").is_file()
+
+
+def test_sparsegpt_then_gptq_recipe_stores_the_zeros_compactly(tiny_model_dir, tmp_path):
+    calibration = ["+recipe.stages.1.samples=8", "+recipe.stages.1.seq_len=64", "recipe.stages.2.group_size=32", "+recipe.stages.2.samples=8", "+recipe.stages.2.seq_len=64"]
+    slimlm("recipe=sparse-sparsegpt-50-w4", *tiny_run_args(tiny_model_dir), *calibration, cwd=tmp_path)
+    run_dir = next(tmp_path.glob("runs/*/*"))
+    report = json.loads((run_dir / "report.json").read_text())
+    fp32, sparse = report["rows"]
+    assert sparse["kl_mean"] > 0 and sparse["stored_bytes"] < sparse["bytes"] < 0.5 * fp32["bytes"]
+    assert report["sparsity"][0]["achieved_sparsity"] == 0.5
+    artifact = load_artifact(run_dir / "artifact")
+    records = artifact.manifest["modules"]
+    layer_records = [r for name, r in records.items() if name.startswith("model.layers.")]
+    assert all(r["storage"] == "bitmask" and r["sparsity"] >= 0.5 for r in layer_records)
+    assert records["lm_head"]["bits"] == 8 and records["lm_head"]["storage"] == "dense"
+    accounted = artifact.manifest["size"]["weights_accounted_bytes"]
+    assert abs(accounted - sparse["stored_bytes"]) < 0.005 * accounted  # the size column is what the artifact stores (+ rotary buffers)
+
+
+@pytest.mark.parametrize("method, pattern", [("magnitude", "2:4"), ("wanda", "unstructured")])
+def test_sparsify_recipes_on_a_tiny_model(method, pattern, tiny_model_dir, tmp_path):
+    recipe = f"sparse-{method}-{'2of4' if pattern == '2:4' else '50'}"
+    calibration = [] if method == "magnitude" else ["+recipe.stages.1.samples=8", "+recipe.stages.1.seq_len=64"]
+    slimlm(f"recipe={recipe}", *tiny_run_args(tiny_model_dir), *calibration, cwd=tmp_path)
+    report = json.loads((next(tmp_path.glob("runs/*/*")) / "report.json").read_text())
+    assert report["sparsity"][0]["pattern"] == ("2:4" if pattern == "2:4" else "50% unstructured")
+    assert report["rows"][1]["kl_mean"] > 0 and report["rows"][1]["linear_zeros"] > 0.3
+
+
+def test_prune_recipe_exports_a_checkpoint_transformers_loads(tiny_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    shape = ["recipe.stages.1.layers=1", "recipe.stages.1.hidden_size=32", "recipe.stages.1.intermediate_size=64", "recipe.stages.1.kv_heads=1", "+recipe.stages.1.samples=4", "+recipe.stages.1.seq_len=32"]
+    slimlm("recipe=prune-student", *tiny_run_args(tiny_model_dir), *shape, cwd=tmp_path)
+    run_dir = next(tmp_path.glob("runs/*/*"))
+    report = json.loads((run_dir / "report.json").read_text())
+    teacher, student = report["rows"]
+    assert student["kl_mean"] > 0 and student["parameters"] < 0.6 * teacher["parameters"]
+    assert report["pruning"][0]["shape_after"] == {"layers": 1, "hidden_size": 32, "intermediate_size": 64, "heads": 2, "kv_heads": 1, "head_dim": 16}
+    exported = AutoModelForCausalLM.from_pretrained(next(p for p in run_dir.iterdir() if (p / "config.json").is_file()))
+    assert exported.config.num_hidden_layers == 1 and exported.config.hidden_size == 32
+    assert "## Structured pruning" in (run_dir / "report.md").read_text()
+
+
+def test_prune_distill_recipe_on_a_tiny_model(tiny_model_dir, tmp_path):
+    shape = ["recipe.stages.1.layers=1", "recipe.stages.1.hidden_size=32", "recipe.stages.1.intermediate_size=64", "recipe.stages.1.kv_heads=1", "+recipe.stages.1.samples=4", "+recipe.stages.1.seq_len=32"]
+    training = ["recipe.stages.3.tokens=2560", "recipe.stages.3.seq_len=40", "recipe.stages.3.batch_size=4", "recipe.stages.3.top_k=16", "+recipe.stages.3.eval_every=4", "+recipe.stages.3.eval_windows=2", "recipe.stages.3.lr=3e-3"]
+    training += ["recipe.stages.3.draft_prompts=2", "+recipe.stages.3.draft_new_tokens=8"]
+    args = ["recipe=prune-distill", *tiny_run_args(tiny_model_dir), *shape, *training, "hydra.run.dir=run"]
+    slimlm(*args, cwd=tmp_path)
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    teacher, pruned, distilled = report["rows"]
+    section = report["distillation"][0]
+    assert section["steps"] == 16 and section["teacher_signal"] == "offline top-16" and not section["teacher_cache_reused"]
+    assert distilled["kl_mean"] < pruned["kl_mean"]
+    assert section["history"][-1]["kd"] < section["history"][0]["kd"]
+    assert section["draft_before"]["identical_to_plain"] and section["draft_after"]["identical_to_plain"]
+    assert 0 <= section["draft_before"]["acceptance_rate"] <= 1 and section["draft_after"]["prompts"] == 2
+    assert "## Distillation" in (tmp_path / "run" / "report.md").read_text() and (tmp_path / "run" / "training_1.png").is_file()
+
+
+def test_lora_recovery_recipe_trains_adapters_on_a_quantized_model(tiny_model_dir, tmp_path):
+    quantize = ["recipe.stages.1.group_size=32", "+recipe.stages.1.samples=8", "+recipe.stages.1.seq_len=64", "recipe.stages.1.bits=3"]
+    training = ["recipe.stages.3.tokens=4096", "recipe.stages.3.seq_len=32", "recipe.stages.3.batch_size=4", "recipe.stages.3.top_k=32", "recipe.stages.3.lr=3e-3", "recipe.stages.3.lora_rank=4"]
+    slimlm("recipe=w4-lora-recover", *tiny_run_args(tiny_model_dir), *quantize, *training, "hydra.run.dir=run", cwd=tmp_path)
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert [row["name"] for row in report["rows"]] == ["fp32", "w4-g64-gptq", "w4-g64-gptq + LoRA (distilled)"]
+    history = report["distillation"][0]["history"]  # a random tiny teacher is nearly uniform: its KL to the w3 model is noise-sized
+    assert sum(r["kd"] for r in history[-4:]) < sum(r["kd"] for r in history[:4])
+
+
+def test_adapters_beside_quantized_layers_are_refused_at_export(tiny_model, tiny_tokenizer, tmp_path):
+    import torch
+
+    from slimlm.compress.quantize import QuantizeParams, run as quantize
+    from slimlm.distill.stage import DistillParams, with_lora
+    from slimlm.export import ExportParams, run as export
+    from slimlm.pipeline import RunState
+
+    state = RunState(cfg=None, run_dir=tmp_path, model=tiny_model, tokenizer=tiny_tokenizer, source=None, source_sha256=None, device=torch.device("cpu"))
+    quantize(state, QuantizeParams(bits=4, group_size=32))
+    state.model = with_lora(state.model, DistillParams(lora_rank=2)).get_base_model()
+    with pytest.raises(SlimlmError, match="LoRA adapters beside quantized layers"):
+        export(state, ExportParams())
+    assert not any(tmp_path.iterdir())  # nothing half-written

@@ -1,0 +1,130 @@
+"""Structured pruning of the default model: smaller dense models, before any training.
+
+Rows: the unpruned model; depth-pruned (30 to 6 decoder layers, lowest block influence removed);
+width-pruned to about half the parameters (hidden 576 -> 384, MLP 1536 -> 1024, key/value groups
+3 -> 2 with their query heads); and the depth-and-width student (both). Pruning is calibrated on
+32 windows of 256 tokens of the Gutenberg calibration text (compress/prune.py). For each:
+parameters, perplexity on the first 64 windows of 2048 tokens of WikiText-2 test, and batch-1
+decode speed through the bundled decoder at the same precision for every row (fp32 weights and
+activations, eager; 16-token prompt, 128 new tokens, median of repeats). The pruned models are
+saved under bench/runs/prune_default/<name>/ (transformers checkpoints: the distillation
+benchmark starts from them). Writes bench/results/prune_default.{md,json,png}.
+
+    python bench/prune_default.py [--repeats 5 --threads 2 --windows 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from slimlm.compress.calibration import calibration_samples
+from slimlm.compress.prune import PruneParams, Shape, parameter_count, prune_model
+from slimlm.data import load_text, tokenize_text
+from slimlm.eval.perplexity import perplexity
+from slimlm.eval.plots import plt
+from slimlm.eval.speed import benchmark_prompt
+from slimlm.models import load_model
+from slimlm.rundir import machine_info
+
+from benchlib import REPO, RESULTS, command_line, default_model_cfg, shared_data_cfg, wikitext_ids, write_result
+from decode_cpu import time_slimlm
+
+RUNS = REPO / "bench" / "runs" / "prune_default"
+VARIANTS = {
+    "depth-6": PruneParams(layers=6),
+    "width-half": PruneParams(hidden_size=384, intermediate_size=1024, kv_heads=2),
+    "student (depth 6 + width half)": PruneParams(layers=6, hidden_size=384, intermediate_size=1024, kv_heads=2),
+}
+
+
+def directory_name(name: str) -> str:
+    return name.split(" ")[0]
+
+
+def measure(name: str, model, tokenizer, ids: torch.Tensor, prompt: list[int], options) -> dict:
+    shape = Shape.of(model.config)
+    result = perplexity(model, ids, window=2048, max_windows=options.windows, desc=f"perplexity [{name}]")
+    speed = time_slimlm(model, tokenizer, prompt, options, torch.float32)
+    row = {"name": name, **vars(shape), "parameters": parameter_count(model), "ppl": result.ppl, "tokens_scored": result.tokens_scored, "decode_tok_s": speed["decode_tok_s"], "weight_bytes": speed["weight_bytes"]}
+    print(f"{name}: {row['parameters'] / 1e6:.1f}M parameters, ppl {row['ppl']:.2f}, {row['decode_tok_s']:.1f} tok/s", flush=True)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--windows", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--prompt-tokens", type=int, default=16)
+    options = parser.parse_args()
+    torch.set_num_threads(options.threads)
+    started = time.perf_counter()
+    loaded = load_model(default_model_cfg(), torch.device("cpu"))
+    teacher, tokenizer = loaded.model, loaded.tokenizer
+    ids = wikitext_ids(tokenizer)
+    prompt = benchmark_prompt(tokenizer, options.prompt_tokens).tolist()
+    calibration = tokenize_text(tokenizer, load_text(shared_data_cfg().calibration, "calibration"))
+    rows = [measure("unpruned (30 layers)", teacher, tokenizer, ids, prompt, options)]
+    for name, params in VARIANTS.items():
+        samples = calibration_samples(calibration, params.samples, params.seq_len, params.seed)
+        pruned, section = prune_model(teacher, samples, params)
+        rows.append({**measure(name, pruned, tokenizer, ids, prompt, options), "removed_layers": section.get("removed_layers")})
+        out = RUNS / directory_name(name)
+        pruned.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+        del pruned
+    for row in rows:
+        row["parameters_fraction"] = row["parameters"] / rows[0]["parameters"]
+        row["speedup_vs_unpruned"] = row["decode_tok_s"] / rows[0]["decode_tok_s"]
+    summary = {"windows": options.windows, "window": 2048, "prompt_tokens": options.prompt_tokens, "new_tokens": options.new_tokens, "repeats": options.repeats, "threads": options.threads, "seconds": time.perf_counter() - started}
+    command = command_line("prune_default.py", parser, options)
+    RESULTS.mkdir(exist_ok=True)
+    write_plot(rows)
+    write_result("prune_default", command, {"summary": summary, "rows": rows}, markdown(rows, summary, command))
+
+
+def write_plot(rows: list[dict]) -> None:
+    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 3.6))
+    names = [row["name"] for row in rows]
+    left.barh(names[::-1], [row["decode_tok_s"] for row in rows][::-1], color="tab:blue")
+    left.set_xlabel("decode tokens/s (fp32, batch 1)")
+    right.barh(names[::-1], [row["ppl"] for row in rows][::-1], color="tab:orange")
+    right.set_xscale("log")
+    right.set_xlabel("WikiText-2 perplexity before any training (log scale)")
+    right.set_yticklabels([])
+    figure.suptitle("Structured pruning of the default model")
+    figure.tight_layout()
+    figure.savefig(RESULTS / "prune_default.png", dpi=120)
+    plt.close(figure)
+
+
+def markdown(rows: list[dict], summary: dict, command: str) -> list[str]:
+    machine = machine_info()
+    tokens = rows[0]["tokens_scored"]
+    return [
+        "# prune_default",
+        "",
+        f"- command: `{command}`",
+        f"- machine: {machine['processor']}, {machine['cpu_count']} CPUs, {summary['threads']} threads; torch {machine['torch']}; {summary['seconds'] / 60:.1f} min",
+        f"- perplexity: the first {summary['windows']} windows of {summary['window']} tokens of WikiText-2 test ({tokens:,} tokens scored), before any training",
+        f"- decode: the bundled decoder, fp32 weights and activations, eager, batch 1, a {summary['prompt_tokens']}-token prompt, {summary['new_tokens']} new tokens, median of {summary['repeats']} runs",
+        "",
+        "| model | layers | hidden | MLP | heads (kv) | parameters | of unpruned | ppl | decode tok/s | speed-up |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        *[
+            f"| {r['name']} | {r['layers']} | {r['hidden_size']} | {r['intermediate_size']} | {r['heads']} ({r['kv_heads']}) | {r['parameters'] / 1e6:.1f}M | "
+            f"{100 * r['parameters_fraction']:.0f}% | {r['ppl']:.2f} | {r['decode_tok_s']:.1f} | {r['speedup_vs_unpruned']:.2f}x |"
+            for r in rows
+        ],
+        "",
+        "![prune_default](prune_default.png)",
+        "",
+    ]
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,187 @@
+"""The `distill` stage: train the run's current model (the student: pruned, quantized, or any
+HF causal LM given as `student`) to match a teacher (by default the run's original model)
+on data.calibration's text (the Gutenberg corpus with data=shared).
+
+`loss: ce` trains on the text alone (plain fine-tuning, the baseline distillation is measured
+against). The teacher signal is offline by default: its top-k log-probs are computed once and
+cached (`top_k: null` runs it online, which hidden-state and on-policy losses need). Training
+and checkpoints live in <run dir>/distill/; rerunning the same recipe in the same run directory
+resumes from the newest checkpoint.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+from typing import List, Optional
+
+from omegaconf import OmegaConf
+
+from slimlm.compress.quantize import calibration_token_ids
+from slimlm.data import check_text_source
+from slimlm.distill.data import BatchOrder, cut_windows
+from slimlm.distill.draft import draft_report
+from slimlm.distill.losses import LOSSES, HiddenProjector
+from slimlm.distill.teacher import OnlineTeacher, check_same_vocabulary, offline_teacher
+from slimlm.distill.train import Trainer, TrainSettings
+from slimlm.errors import ConfigError
+from slimlm.models import load_model
+from slimlm.pipeline import RunState, Stage
+from slimlm.qlinear import QuantLinear
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@dataclass
+class DistillParams:
+    loss: str = "forward_kl"  # forward_kl | reverse_kl | jsd | tvd | skew_kl | ce (no teacher)
+    temperature: float = 1.0
+    beta: float = 0.5  # JSD's beta, skew KL's alpha
+    ce_weight: float = 0.0  # share of plain cross-entropy mixed into the loss
+    hidden_weight: float = 0.0  # weight of the hidden-state loss (online teacher only)
+    hidden_loss: str = "mse"  # mse | cosine
+    teacher: Optional[str] = None  # a model path or hub id; None: the run's original model
+    student: Optional[str] = None  # a model to train instead of the run's current one (same tokenizer)
+    top_k: Optional[int] = 64  # offline teacher: its top-k log-probs cached once; None: online teacher
+    on_policy_fraction: float = 0.0  # GKD: share of micro-batches that are the student's own samples
+    tokens: int = 200_000  # training budget in tokens (sets the number of steps)
+    seq_len: int = 256
+    batch_size: int = 8  # per process and micro-batch
+    accumulation: int = 1
+    lr: float = 5e-4
+    weight_decay: float = 0.0
+    warmup_fraction: float = 0.05
+    max_grad_norm: float = 1.0
+    eval_every: int = 25  # optimizer steps between held-out perplexity checks
+    eval_windows: int = 8  # held-out windows (the end of the training text)
+    checkpoint_every: int = 25
+    seed: int = 0
+    # The student as a speculative-decoding draft for the teacher, measured before and after
+    # training on this many held-out windows (their first 32 tokens as prompts); 0: not measured.
+    draft_prompts: int = 0
+    draft_new_tokens: int = 48
+    # LoRA (peft): adapters of this rank on the frozen student (quantized layers included).
+    lora_rank: Optional[int] = None
+    lora_alpha: float = 16.0
+    lora_targets: List[str] = field(default_factory=lambda: list(LORA_TARGETS))
+
+    def __post_init__(self) -> None:
+        if self.loss not in (*LOSSES, "ce"):
+            raise ConfigError(f"distill.loss='{self.loss}' is unknown; choose one of {', '.join((*LOSSES, 'ce'))}")
+        if self.hidden_loss not in ("mse", "cosine"):
+            raise ConfigError(f"distill.hidden_loss='{self.hidden_loss}' is unknown; choose mse or cosine")
+        if self.temperature <= 0 or not 0 <= self.ce_weight <= 1 or not 0 <= self.beta <= 1 or self.hidden_weight < 0:
+            raise ConfigError("distill: temperature must be positive, ce_weight and beta within [0, 1], hidden_weight at least 0")
+        if not 0 <= self.on_policy_fraction <= 1:
+            raise ConfigError(f"distill.on_policy_fraction={self.on_policy_fraction} must lie within [0, 1]")
+        needs_online = self.on_policy_fraction > 0 or self.hidden_weight > 0
+        if needs_online and self.top_k is not None:
+            raise ConfigError("distill: on-policy samples and hidden-state losses need the teacher online; set distill.top_k: null")
+        if self.loss == "ce" and (needs_online or self.ce_weight):
+            raise ConfigError("distill.loss=ce is plain fine-tuning without a teacher: drop ce_weight, hidden_weight and on_policy_fraction")
+        if self.top_k is not None and self.top_k < 1:
+            raise ConfigError(f"distill.top_k={self.top_k} must be at least 1 (or null for an online teacher)")
+        if min(self.seq_len, self.batch_size, self.accumulation, self.eval_windows, self.checkpoint_every) < 1 or self.seq_len < 2:
+            raise ConfigError("distill: seq_len (at least 2), batch_size, accumulation, eval_windows and checkpoint_every must be positive")
+        if self.tokens < self.seq_len * self.batch_size * self.accumulation:
+            raise ConfigError(f"distill.tokens={self.tokens} is less than one optimizer step ({self.seq_len * self.batch_size * self.accumulation} tokens)")
+        if self.lr <= 0 or not 0 <= self.warmup_fraction < 1:
+            raise ConfigError("distill: lr must be positive and warmup_fraction within [0, 1)")
+        if not 0 <= self.draft_prompts <= self.eval_windows or self.draft_new_tokens < 1 or (self.draft_prompts and self.seq_len < 33):
+            raise ConfigError(f"distill.draft_prompts={self.draft_prompts} must lie within [0, eval_windows={self.eval_windows}] (prompts come from the held-out windows, which need seq_len above 32) and draft_new_tokens be at least 1")
+        if self.lora_rank is not None and (self.lora_rank < 1 or not self.lora_targets):
+            raise ConfigError("distill.lora_rank must be at least 1 and lora_targets name at least one module")
+
+
+def run(state: RunState, params: DistillParams) -> None:
+    from accelerate import Accelerator
+
+    started = time.perf_counter()
+    out_dir = state.run_dir / "distill"
+    tracker = "tensorboard" if importlib.util.find_spec("tensorboard") else None
+    accelerator = Accelerator(gradient_accumulation_steps=params.accumulation, mixed_precision="bf16" if state.device.type == "cuda" else "no", cpu=state.device.type == "cpu", log_with=tracker, project_dir=str(out_dir))
+    if tracker:
+        accelerator.init_trackers("distill")
+    if params.student is not None:
+        state.adopt(load_model(OmegaConf.merge(state.cfg.model, {"path": params.student, "bnb": None}), state.device), f"student {params.student}")
+    teacher_cfg = state.original_model_cfg() if params.teacher is None else OmegaConf.merge(state.cfg.model, {"path": params.teacher, "bnb": None})
+    teacher = None if params.loss == "ce" and not params.draft_prompts else load_model(teacher_cfg, state.device)
+    if teacher is not None:
+        check_same_vocabulary(state.tokenizer, teacher.tokenizer, state.model, teacher.model)
+    windows = cut_windows(calibration_token_ids(state), params.seq_len, params.eval_windows, params.batch_size)
+    order = BatchOrder(windows=windows.train.shape[0], batch_size=params.batch_size, accumulation=params.accumulation, world=accelerator.num_processes, seed=params.seed)
+    steps = params.tokens // (params.seq_len * params.batch_size * params.accumulation * accelerator.num_processes)
+    section: dict = {"loss": params.loss, "steps": steps, "tokens": steps * params.seq_len * params.batch_size * params.accumulation * accelerator.num_processes, "processes": accelerator.num_processes}
+    prompts = [window[:32].tolist() for window in windows.held_out[: params.draft_prompts]]
+    draft_teacher = teacher.model if prompts else None
+    if prompts:
+        section["draft_before"] = draft_report(draft_teacher, state.model, state.tokenizer, prompts, params.draft_new_tokens)
+    signal = None
+    if params.loss == "ce":
+        pass
+    elif params.top_k is not None:
+        teacher_key = teacher.sha256 or f"id:{teacher.source.id}"
+        signal, cache, reused = offline_teacher(teacher.model, teacher_key, windows.train, order.used(steps), params.top_k, params.temperature, params.batch_size)
+        section.update({"teacher_signal": f"offline top-{params.top_k}", "teacher_cache": cache.name, "teacher_cache_reused": reused})
+        teacher = None  # never runs again (unless it judges drafts): free its memory for training
+        gc.collect()
+    else:
+        signal = OnlineTeacher(teacher.model)
+        section["teacher_signal"] = "online"
+    student = state.model
+    if params.lora_rank is not None:
+        student = with_lora(student, params)
+    projector = None
+    if params.hidden_weight > 0:
+        s, t = student.config, teacher.model.config
+        projector = HiddenProjector(s.hidden_size, t.hidden_size, s.num_hidden_layers, t.num_hidden_layers, params.hidden_loss).to(state.device)
+    settings = TrainSettings(
+        steps=steps, loss=params.loss, temperature=params.temperature, beta=params.beta, ce_weight=params.ce_weight, hidden_weight=params.hidden_weight,
+        on_policy_fraction=params.on_policy_fraction, lr=params.lr, weight_decay=params.weight_decay, warmup_fraction=params.warmup_fraction,
+        max_grad_norm=params.max_grad_norm, eval_every=params.eval_every, checkpoint_every=params.checkpoint_every, seed=params.seed,
+    )
+    fingerprint = {"stages": OmegaConf.to_container(state.cfg.recipe.stages, resolve=True), "model": str(state.cfg.model.path), "data": str(state.cfg.data.calibration.path), "processes": accelerator.num_processes}
+    trainer = Trainer(student, signal, windows, order, settings, out_dir, fingerprint, accelerator, projector)
+    result = trainer.run()
+    trained = accelerator.unwrap_model(trainer.student)
+    if params.lora_rank is not None:
+        trained = finish_lora(trained)
+    state.model = trained.eval()
+    if prompts:
+        section["draft_after"] = draft_report(draft_teacher, state.model, state.tokenizer, prompts, params.draft_new_tokens)
+    accelerator.end_training()
+    del trainer, signal, teacher, draft_teacher
+    gc.collect()
+    state.mark_changed(f"distilled ({params.loss}, {section['tokens']:,} tokens)")
+    section.update({"resumed_from_step": result.resumed_from, "history": result.history, "evals": result.evals, "train_seconds": round(result.seconds, 1), "seconds": round(time.perf_counter() - started, 1), "settings": asdict(settings)})
+    state.sections.setdefault("distillation", []).append(section)
+
+
+def with_lora(model, params: DistillParams):
+    """The model with LoRA adapters (peft) on the target layers, everything else frozen;
+    slimlm's quantized layers take adapters too (their codes stay frozen)."""
+    from peft import LoraConfig, get_peft_model
+    from peft.tuners.lora.layer import Linear as LoraLinear
+
+    config = LoraConfig(r=params.lora_rank, lora_alpha=params.lora_alpha, target_modules=list(params.lora_targets), lora_dropout=0.0)
+    config._register_custom_module({QuantLinear: LoraLinear})  # QuantLinear has in/out_features and a forward: peft's Linear wraps it
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Unsupported layer type")
+        return get_peft_model(model, config)
+
+
+def finish_lora(model):
+    """Merge the adapters into float weights; on quantized layers keep them beside the codes."""
+    if any(isinstance(m, QuantLinear) for m in model.modules()):
+        return model.get_base_model()
+    return model.merge_and_unload()
+
+
+def check(cfg, params: DistillParams, source) -> None:
+    check_text_source(cfg.data.calibration, "calibration")
+
+
+DISTILL = Stage(name="distill", params=DistillParams, run=run, check=check)
