@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 
 from slimlm.eval.plots import plot_size_quality
-from slimlm.eval.report import artifact_and_generation_lines, markdown_tables, perplexity_note
+from slimlm.eval.report import artifact_and_generation_lines, compression_stage_lines, markdown_tables, perplexity_note
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -60,7 +60,8 @@ def publish(name: str, run_dirs: list[Path], command: str, notes: Path | None) -
             plots.append(shutil.copyfile(plot, RESULTS / f"{prefix}{plot.name}"))
     lines += [f"![{Path(plot).stem}]({Path(plot).name})\n" for plot in plots if plot is not None]
     for report in reports:
-        lines += artifact_and_generation_lines(report)
+        stage_lines = compression_stage_lines(report) + artifact_and_generation_lines(report)
+        lines += [f"## {report['recipe']}", "", *stage_lines] if len(reports) > 1 and stage_lines else stage_lines
     lines += ["## Time per stage", "", "| stage | seconds |", "|---|---:|"]
     lines += [f"| {stage} | {seconds:.1f} |" for stage, seconds in stage_seconds]
     lines.append("")

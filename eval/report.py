@@ -146,7 +146,7 @@ def render_markdown(report: dict[str, Any], plots: Sequence[str]) -> str:
                 f"peak memory of that pass {mixed['sensitivity_peak_memory_bytes'] / 2**20:,.0f} MiB).",
                 "",
             ]
-    lines += sparsity_and_pruning_lines(report)
+    lines += compression_stage_lines(report)
     lines += artifact_and_generation_lines(report)
     if report.get("stage_seconds"):
         lines += ["## Time", "", "| stage | seconds |", "|---|---:|"]
@@ -155,8 +155,8 @@ def render_markdown(report: dict[str, Any], plots: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
-def sparsity_and_pruning_lines(report: dict[str, Any]) -> list[str]:
-    """Markdown for the sparsify and prune stages a run went through."""
+def compression_stage_lines(report: dict[str, Any]) -> list[str]:
+    """Markdown for the sparsify, prune and distill stages a run went through."""
     lines: list[str] = []
     for section in report.get("sparsity", []):
         lines += [

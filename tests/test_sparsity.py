@@ -107,3 +107,23 @@ def test_sparsify_stage_refuses_a_pattern_the_layers_cannot_take_before_touching
         SparsifyParams(method="magnitude", owl=True)
     with pytest.raises(ConfigError, match="unknown"):
         SparsifyParams(method="random")
+
+
+def test_two_four_detection_chooses_the_semi_structured_kernel_only_where_it_runs():
+    from slimlm.inference.linear import is_two_four, semi_sparse_fits
+
+    weight = layer(rows=64, cols=128)
+    pruned = weight * magnitude_mask(weight, TWO_FOUR)
+    assert is_two_four(pruned) and not is_two_four(weight)
+    assert not is_two_four(weight * magnitude_mask(weight, UNSTRUCTURED_50))  # 50% overall is not 2 in every 4
+    assert not semi_sparse_fits(pruned, torch.bfloat16, torch.device("cpu"))  # CPUs have no sparse tensor cores: dense kernel
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0), reason="needs a GPU with sparse tensor cores")
+def test_semi_structured_kernel_matches_the_dense_product_on_gpu():
+    from slimlm.inference.linear import SemiSparseLinear
+
+    weight = layer(rows=128, cols=256).cuda().half()
+    pruned = weight * magnitude_mask(weight.float(), TWO_FOUR).cuda().half()
+    x = torch.randn(3, 5, 256, device="cuda", dtype=torch.float16)
+    torch.testing.assert_close(SemiSparseLinear(pruned, None, torch.float16, torch.device("cuda"))(x), x @ pruned.T, rtol=2e-2, atol=2e-2)
