@@ -59,6 +59,23 @@ class HessianAccumulator:
         self.abs_mean /= scale
 
 
+class LayerInputStatistics(dict):
+    """name -> HessianAccumulator of the inputs each observed Linear layer sees. Layers that read
+    the very same activations (q/k/v, gate/up) share one accumulator: computed once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._last: tuple = (None, None)  # the last input tensor seen and its accumulator
+
+    def observe(self, name: str, inputs: torch.Tensor) -> None:
+        if inputs is self._last[0]:
+            self[name] = self._last[1]
+            return
+        accumulator = self.setdefault(name, HessianAccumulator(inputs.shape[-1]))
+        accumulator.add(inputs)
+        self._last = (inputs, accumulator)
+
+
 def inverse_hessian_factor(hessian: torch.Tensor, damp: float, name: str) -> torch.Tensor:
     """Upper Cholesky factor of H^-1, raising the damping tenfold (up to 3 times) if H is singular."""
     mean_diag = float(hessian.diagonal().mean())

@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from slimlm.compress.awq import AWQOptions, awq_quantize_layer
 from slimlm.compress.calibration import calibrate_sequentially, calibration_samples, decoder_layers
-from slimlm.compress.gptq import GPTQOptions, HessianAccumulator, gptq_quantize
+from slimlm.compress.gptq import GPTQOptions, LayerInputStatistics, gptq_quantize
 from slimlm.compress.mixed import bits_per_weight, choose_bits, fisher_diagonal, predicted_loss
 from slimlm.compress.rtn import QuantizedWeight, quantize_rtn
 from slimlm.compress.targets import select_linear_modules
@@ -143,18 +143,8 @@ def run(state: RunState, params: QuantizeParams) -> None:
 def run_calibrated(state: RunState, params: QuantizeParams, schemes: dict[str, QuantScheme], replace: Callable) -> dict:
     """GPTQ or AWQ layer by layer on calibration windows; returns what the report states about it."""
     samples = calibration_windows(state, params.samples, params.seq_len, params.seed)
-    hessians: dict[str, HessianAccumulator] = {}
-    previous: list = [None, None]  # the last input tensor seen and its accumulator
+    hessians = LayerInputStatistics()
     awq_errors: dict[str, list[float]] = {}
-
-    def observe(name: str, inputs: torch.Tensor) -> None:
-        # q/k/v (and gate/up) read the very same activations: share one accumulator between them.
-        if inputs is previous[0]:
-            hessians[name] = previous[1]
-            return
-        accumulator = hessians.setdefault(name, HessianAccumulator(inputs.shape[-1]))
-        accumulator.add(inputs)
-        previous[:] = [inputs, accumulator]
 
     def finish_layer(layer_names: list[str]) -> None:
         if params.method == "gptq":
@@ -174,7 +164,7 @@ def run_calibrated(state: RunState, params: QuantizeParams, schemes: dict[str, Q
         for name in layer_names:
             hessians.pop(name, None)
 
-    peak = calibrate_sequentially(state.model, samples, list(schemes), observe, finish_layer, desc=f"{params.method} {describe_bits(schemes)}")
+    peak = calibrate_sequentially(state.model, samples, list(schemes), hessians.observe, finish_layer, desc=f"{params.method} {describe_bits(schemes)}")
     result = {"calibration_tokens": samples.numel(), "samples": params.samples, "seq_len": params.seq_len, "calibration_peak_memory_bytes": peak}
     if awq_errors:
         result["awq_output_error"] = awq_errors  # per scaled mapping: [with the chosen scale, plain RTN]

@@ -22,7 +22,7 @@ import torch
 from tqdm import tqdm
 
 from slimlm.compress.calibration import calibrate_sequentially
-from slimlm.compress.gptq import HessianAccumulator
+from slimlm.compress.gptq import LayerInputStatistics
 from slimlm.compress.quantize import calibration_windows, decoder_layer_name
 from slimlm.compress.sparsity import SparsityPattern, magnitude_mask, outlier_ratio, owl_ratios, sparsegpt_prune, wanda_mask, wanda_scores
 from slimlm.compress.targets import select_linear_modules
@@ -114,17 +114,7 @@ def run_calibrated(state: RunState, params: SparsifyParams, names: list[str], pa
     """Wanda or SparseGPT layer by layer; OWL first measures every layer of the dense model."""
     samples = calibration_windows(state, params.samples, params.seq_len, params.seed)
     ratios = owl_layer_ratios(state, samples, names, params) if params.owl else {}
-    hessians: dict[str, HessianAccumulator] = {}
-    previous: list = [None, None]
-
-    def observe(name: str, inputs: torch.Tensor) -> None:
-        if inputs is previous[0]:  # q/k/v (and gate/up) read the same activations
-            hessians[name] = previous[1]
-            return
-        # Wanda needs only the diagonal; the shared accumulator gives it (and SparseGPT the rest).
-        accumulator = hessians.setdefault(name, HessianAccumulator(inputs.shape[-1]))
-        accumulator.add(inputs)
-        previous[:] = [inputs, accumulator]
+    hessians = LayerInputStatistics()  # Wanda reads only the diagonal, SparseGPT the whole matrix
 
     def finish_layer(layer_names: list[str]) -> None:
         layer_pattern = SparsityPattern(ratio=ratios[decoder_layer_name(layer_names[0])]) if ratios else pattern
@@ -136,7 +126,7 @@ def run_calibrated(state: RunState, params: SparsifyParams, names: list[str], pa
             else:
                 weight.copy_(sparsegpt_prune(weight, hessian, layer_pattern, params.block_size, params.damp, name).to(weight.dtype))
 
-    peak = calibrate_sequentially(state.model, samples, names, observe, finish_layer, desc=f"{params.label}")
+    peak = calibrate_sequentially(state.model, samples, names, hessians.observe, finish_layer, desc=params.label)
     result = {"calibration_tokens": samples.numel(), "samples": params.samples, "seq_len": params.seq_len, "calibration_peak_memory_bytes": peak}
     if ratios:
         result["owl_layer_ratios"] = {name: round(ratio, 4) for name, ratio in ratios.items()}
