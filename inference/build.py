@@ -32,33 +32,48 @@ class RowEmbedding(nn.Module):
 def build_decoder(model: nn.Module, dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None, kernels: bool = True, int8_activations: bool = False) -> Transformer:
     """A decoder Transformer holding `model`'s weights (HF Llama-family layout). With
     `int8_activations`, int8 layers also round their inputs to int8 (CPU; see Int8Linear)."""
-    device = torch.device(device or "cpu")
+    parts = DecoderParts(model, dtype, device, kernels, int8_activations)
+    return parts.assemble([parts.block(layer) for layer in model.model.layers])
 
-    def linear(layer: nn.Module) -> nn.Module:
-        return build_linear(layer, dtype, device, kernels, int8_activations)
 
-    args = ModelArgs.from_hf_config(model.config)
-    blocks = []
-    for layer in model.model.layers:
+class DecoderParts:
+    """Turns an HF model's modules into decoder modules one at a time, so a loader can hand
+    them over layer by layer (inference/load.py) instead of holding two copies of the model."""
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype, device: Optional[torch.device], kernels: bool, int8_activations: bool):
+        self.model, self.dtype, self.device = model, dtype, torch.device(device or "cpu")
+        self.kernels, self.int8_activations = kernels, int8_activations
+        self.args = ModelArgs.from_hf_config(model.config)
+
+    def linear(self, layer: nn.Module) -> nn.Module:
+        return build_linear(layer, self.dtype, self.device, self.kernels, self.int8_activations)
+
+    def norm_weight(self, norm: nn.Module) -> torch.Tensor:
+        return norm.weight.detach().to(device=self.device, dtype=self.dtype)
+
+    def block(self, layer: nn.Module) -> Block:
         attn, mlp = layer.self_attn, layer.mlp
-        attention = Attention(args, linear(fuse([attn.q_proj, attn.k_proj, attn.v_proj])), linear(attn.o_proj))
-        feed_forward = FeedForward(linear(fuse([mlp.gate_proj, mlp.up_proj])), linear(mlp.down_proj))
-        block = Block(args, attention, feed_forward)
-        block.attention_norm.weight.data = layer.input_layernorm.weight.detach().to(device=device, dtype=dtype)
-        block.ffn_norm.weight.data = layer.post_attention_layernorm.weight.detach().to(device=device, dtype=dtype)
-        blocks.append(block)
-    head = model.get_output_embeddings()
-    output = linear(head)
-    source_embedding = model.get_input_embeddings()
-    if isinstance(source_embedding, QuantEmbedding):  # tied to the quantized head
-        table = output if hasattr(output, "rows") else DequantLinear(source_embedding.head, dtype, device)
-    elif args.tie_embeddings and isinstance(output, DenseLinear):
-        table = output
-    else:
-        table = DenseLinear(source_embedding.weight, None, dtype, device)
-    decoder = Transformer(args, RowEmbedding(table, dtype), blocks, output, dtype).to(device)
-    decoder.norm.weight.data = model.model.norm.weight.detach().to(device=device, dtype=dtype)
-    return decoder.eval()
+        attention = Attention(self.args, self.linear(fuse([attn.q_proj, attn.k_proj, attn.v_proj])), self.linear(attn.o_proj))
+        feed_forward = FeedForward(self.linear(fuse([mlp.gate_proj, mlp.up_proj])), self.linear(mlp.down_proj))
+        block = Block(self.args, attention, feed_forward)
+        block.attention_norm.weight.data = self.norm_weight(layer.input_layernorm)
+        block.ffn_norm.weight.data = self.norm_weight(layer.post_attention_layernorm)
+        return block
+
+    def assemble(self, blocks: list[Block]) -> Transformer:
+        """The Transformer from its blocks plus the model's head, embedding and final norm."""
+        model, dtype, device = self.model, self.dtype, self.device
+        output = self.linear(model.get_output_embeddings())
+        source_embedding = model.get_input_embeddings()
+        if isinstance(source_embedding, QuantEmbedding):  # tied to the quantized head
+            table = output if hasattr(output, "rows") else DequantLinear(source_embedding.head, dtype, device)
+        elif self.args.tie_embeddings and isinstance(output, DenseLinear):
+            table = output
+        else:
+            table = DenseLinear(source_embedding.weight, None, dtype, device)
+        decoder = Transformer(self.args, RowEmbedding(table, dtype), blocks, output, dtype).to(device)
+        decoder.norm.weight.data = self.norm_weight(model.model.norm)
+        return decoder.eval()
 
 
 def describe_kernels(decoder: Transformer) -> dict[str, int]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Sequence
 
 import torch
@@ -53,7 +54,9 @@ def open_decoder(model: str, options):
     """Load MODEL and build the bundled decoder on the requested device."""
     from slimlm.config import ModelConfig
     from slimlm.inference.build import build_decoder
+    from slimlm.artifact import MANIFEST
     from slimlm.inference.decoder import Decoder
+    from slimlm.inference.load import load_decoder
     from slimlm.models import load_model
 
     if options.threads:
@@ -61,8 +64,14 @@ def open_decoder(model: str, options):
     device = torch.device(options.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SlimlmError("--device cuda but no CUDA GPU is visible; use --device cpu")
+    dtype = getattr(torch, options.dtype)
+    if (Path(model) / MANIFEST).is_file():  # a slimlm artifact: straight into the decoder, layer by layer
+        from transformers import AutoTokenizer
+
+        decoder, _ = load_decoder(Path(model), dtype=dtype, device=device, int8_activations=options.int8_activations)
+        return Decoder(decoder, AutoTokenizer.from_pretrained(model))
     loaded = load_model(ModelConfig(name="cli", path=model), torch.device("cpu"))
-    decoder = build_decoder(loaded.model, dtype=getattr(torch, options.dtype), device=device, int8_activations=options.int8_activations)
+    decoder = build_decoder(loaded.model, dtype=dtype, device=device, int8_activations=options.int8_activations)
     del loaded.model
     return Decoder(decoder, loaded.tokenizer)
 

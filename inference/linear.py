@@ -79,7 +79,7 @@ class Int8Linear(nn.Module):
         super().__init__()
         self.int8_activations = int8_activations
         self.in_features, self.out_features = layer.in_features, layer.out_features
-        self.register_buffer("weight", (layer.codes().to(device=device, dtype=torch.int16) - 128).to(torch.int8))
+        self.register_buffer("weight", (layer.codes().to(device) ^ 0x80).view(torch.int8))  # code - 128 as int8: flip the top bit
         scales = layer.scales.to(device=device, dtype=torch.float32).view(-1)
         self.register_buffer("scales", scales.to(dtype))
         offset = None if layer.zeros is None else ((128 - layer.zeros.to(device=device, dtype=torch.float32).view(-1)) * scales).to(dtype)

@@ -76,6 +76,8 @@ class Budget:
     kv_bytes: int
     activation_bytes: int
     reserve_bytes: int
+    transit_bytes: int = 0  # CPU loading: the largest layer held in its stored and its kernel layout at once
+
 
     @property
     def weight_bytes(self) -> int:
@@ -83,7 +85,7 @@ class Budget:
 
     @property
     def total_bytes(self) -> int:
-        return self.weight_bytes + self.kv_bytes + self.activation_bytes + self.reserve_bytes
+        return self.weight_bytes + self.kv_bytes + self.activation_bytes + self.reserve_bytes + self.transit_bytes
 
 
 @dataclass
@@ -144,7 +146,10 @@ def budget(args: ModelArgs, schemes: dict[str, QuantScheme], hardware: Hardware,
     tokens = batch * min(prefill_chunk, context)
     hidden = tokens * (4 * args.dim + q + 2 * kv + 3 * args.intermediate_size) * act_bytes
     logits = batch * args.vocab_size * 4
-    return Budget(layers, head, table, args.dim * act_bytes, kv_cache, hidden + logits, hardware.reserve_bytes)
+    # Loading on a CPU holds the largest layer in its stored and its kernel layout at once (the
+    # stored copy is dropped before the next is read); a GPU plan leaves that host-side.
+    transit = max(*layers, head) if hardware.device == "cpu" else 0
+    return Budget(layers, head, table, args.dim * act_bytes, kv_cache, hidden + logits, hardware.reserve_bytes, transit_bytes=transit)
 
 
 def make_plan(args: ModelArgs, schemes: dict[str, QuantScheme], hardware: Hardware, context: int, batch: int = 1) -> Plan:
@@ -187,6 +192,7 @@ def format_budget(b: Budget, hardware: Hardware) -> str:
         ("KV cache", b.kv_bytes),
         ("activations and logits", b.activation_bytes),
         ("runtime reserve", b.reserve_bytes),
+        ("one layer in transit", b.transit_bytes),
         ("total", b.total_bytes),
         (f"{hardware.name} memory", hardware.memory_bytes),
     ]

@@ -200,43 +200,57 @@ def read_manifest(path: Path) -> dict:
     return manifest
 
 
+def model_skeleton(path: Path, manifest: dict, meta: bool = False):
+    """The artifact's model with QuantLinear layers where the manifest says, its tensors not
+    yet loaded: uninitialized on the CPU, or on the meta device (no memory at all) so that a
+    loader can fill it one part at a time (inference/load.py)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+
+    config = AutoConfig.from_pretrained(path)
+    dtype = getattr(torch, manifest.get("dtype", "float32"))
+    with no_init_weights(), torch.device("meta" if meta else "cpu"):  # every weight is overwritten: random init would be wasted
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        for name, record in manifest["modules"].items():
+            try:
+                linear = model.get_submodule(name)
+            except AttributeError:
+                raise SlimlmError(f"artifact '{path}' names module '{name}', which its config.json does not have") from None
+            shape = record.get("shape", [linear.out_features, linear.in_features])  # format 2 did not record shapes
+            if list(shape) != [linear.out_features, linear.in_features]:
+                raise SlimlmError(f"artifact '{path}': manifest gives {name} the shape {list(shape)}, config.json gives {[linear.out_features, linear.in_features]}; re-export the artifact")
+            if record.get("packing", PACKING) != PACKING:
+                raise SlimlmError(f"artifact '{path}': {name} is packed as '{record['packing']}', which this slimlm does not read (it reads '{PACKING}')")
+            set_submodule(model, name, QuantLinear(linear.in_features, linear.out_features, scheme_of(record), bias=linear.bias is not None))
+        if manifest.get("tied_word_embeddings") and isinstance(model.get_output_embeddings(), QuantLinear):
+            tie_quantized_head(model)  # the embedding reads the head's codes; nothing of its own to load
+    return model
+
+
+def dense_tensors(model, tensors: dict[str, torch.Tensor], manifest: dict, path: Path) -> dict[str, torch.Tensor]:
+    """`tensors` (all of the weights file or a part of it) with bitmask-stored ones rebuilt."""
+    entries = {key: entry for key, entry in manifest.get("sparse_tensors", {}).items() if f"{key}.bitmask" in tensors}
+    _rebuild_sparse(model, tensors, entries, path)
+    return tensors
+
+
 def load_artifact(path: Path, device: torch.device = torch.device("cpu")) -> Artifact:
     """Rebuild the model an artifact holds, quantized layers included, ready for evaluation."""
     from safetensors.torch import load_file
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    from transformers.initialization import no_init_weights
+    from transformers import AutoTokenizer
 
     path = Path(path)
     manifest = read_manifest(path)
-    config = AutoConfig.from_pretrained(path)
-    dtype = getattr(torch, manifest.get("dtype", "float32"))
-    with no_init_weights():  # every weight is overwritten below; random init would be wasted time
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    for name, record in manifest["modules"].items():
-        try:
-            linear = model.get_submodule(name)
-        except AttributeError:
-            raise SlimlmError(f"artifact '{path}' names module '{name}', which its config.json does not have") from None
-        shape = record.get("shape", [linear.out_features, linear.in_features])  # format 2 did not record shapes
-        if list(shape) != [linear.out_features, linear.in_features]:
-            raise SlimlmError(f"artifact '{path}': manifest gives {name} the shape {list(shape)}, config.json gives {[linear.out_features, linear.in_features]}; re-export the artifact")
-        if record.get("packing", PACKING) != PACKING:
-            raise SlimlmError(f"artifact '{path}': {name} is packed as '{record['packing']}', which this slimlm does not read (it reads '{PACKING}')")
-        layer = QuantLinear(linear.in_features, linear.out_features, scheme_of(record), bias=linear.bias is not None)
-        set_submodule(model, name, layer)
+    model = model_skeleton(path, manifest)
     tied = bool(manifest.get("tied_word_embeddings"))
-    head_quantized = isinstance(model.get_output_embeddings(), QuantLinear)
-    if tied and head_quantized:
-        tie_quantized_head(model)  # the embedding reads the head's codes; nothing of its own to load
-    tensors = load_file(path / WEIGHTS)
-    _rebuild_sparse(model, tensors, manifest.get("sparse_tensors", {}), path)
+    tensors = dense_tensors(model, load_file(path / WEIGHTS), manifest, path)
     result = model.load_state_dict(tensors, strict=False)
     missing = set(result.missing_keys) - ({"lm_head.weight"} if tied else set())
     if missing or result.unexpected_keys:
         raise SlimlmError(
             f"artifact '{path}' does not match its config.json: missing {sorted(missing)[:3]}, unexpected {sorted(result.unexpected_keys)[:3]}"
         )
-    if tied and not head_quantized:
+    if tied and not isinstance(model.get_output_embeddings(), QuantLinear):
         model.tie_weights()
     tokenizer = AutoTokenizer.from_pretrained(path)
     return Artifact(model=model.to(device).eval(), tokenizer=tokenizer, manifest=manifest, path=path)
