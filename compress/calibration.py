@@ -25,7 +25,7 @@ def calibration_samples(token_ids: torch.Tensor, samples: int, seq_len: int, see
     if available < samples:
         raise SlimlmError(
             f"the calibration text has {token_ids.numel():,} tokens: {available} windows of {seq_len}, fewer than the "
-            f"{samples} samples asked for; lower quantize.samples or quantize.seq_len, or use a longer data.calibration"
+            f"{samples} samples asked for; lower the stage's samples or seq_len, or use a longer data.calibration"
         )
     chosen = torch.randperm(available, generator=torch.Generator().manual_seed(seed))[:samples].sort().values
     return token_ids[: available * seq_len].view(available, seq_len)[chosen]
@@ -84,7 +84,7 @@ def calibrate_sequentially(
     prefix, layers = decoder_layers(model)
     outside = [name for name in targets if not name.startswith(prefix + ".")]
     if outside:
-        raise SlimlmError(f"calibrated quantization handles Linear layers inside decoder layers; {outside[0]} is outside them: quantize it in a separate rtn stage")
+        raise SlimlmError(f"calibration handles Linear layers inside decoder layers; {outside[0]} is outside them: leave it out of this stage's targets (quantize it in a separate rtn stage)")
     with peak_memory(next(model.parameters()).device) as peak:
         captured = capture_layer_inputs(model, samples, chunk_size)
         for index, layer in enumerate(tqdm(layers, desc=desc, unit="layer")):

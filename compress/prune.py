@@ -137,7 +137,7 @@ def width_importance(model: nn.Module, samples: torch.Tensor, shape: Shape, chun
 
     def squares(x: torch.Tensor) -> torch.Tensor:
         x = x.detach().float()
-        return (x * x).reshape(-1, x.shape[-1]).sum(dim=0).double()
+        return (x * x).reshape(-1, x.shape[-1]).sum(dim=0).double().cpu()
 
     def add_hidden(module, inputs, output) -> None:
         hidden.add_(squares(output))
@@ -197,7 +197,7 @@ class Keep:
 
 def sliced_state_dict(model: nn.Module, keep: Keep, shape: Shape) -> dict[str, torch.Tensor]:
     """The pruned model's tensors under its new names (layers renumbered from 0)."""
-    state = model.state_dict()
+    state = {key: tensor.detach().cpu() for key, tensor in model.state_dict().items()}  # slicing indices live on the CPU
     out: dict[str, torch.Tensor] = {}
     hidden = keep.hidden
 
@@ -256,8 +256,9 @@ def pruned_config(config, keep: Keep, shape: Shape):
         kv = int(keep.kv_groups[0].numel())
         config.num_attention_heads = kv * (shape.heads // shape.kv_heads)
         config.num_key_value_heads = kv
-    if isinstance(getattr(config, "layer_types", None), list):
-        config.layer_types = [config.layer_types[i] for i in keep.layers]
+    for key, value in config.to_dict().items():  # per-layer settings (layer_types, ...) follow the kept layers
+        if isinstance(value, list) and len(value) == shape.layers and key != "architectures":
+            setattr(config, key, [value[i] for i in keep.layers])
     return config
 
 

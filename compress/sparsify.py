@@ -60,8 +60,9 @@ class SparsifyParams:
         pattern = self.parsed_pattern  # checks sparsity and pattern
         if self.owl and (pattern.is_nm or self.method == "magnitude"):
             raise ConfigError("sparsify.owl sets per-layer unstructured ratios from activations: use it with method wanda or sparsegpt and pattern 'unstructured'")
-        if self.owl and not 0 <= self.owl_spread <= min(self.sparsity, 1 - self.sparsity):
-            raise ConfigError(f"sparsify.owl_spread={self.owl_spread} must keep every layer's ratio within [0, 1): at most {min(self.sparsity, 1 - self.sparsity):g} here")
+        if self.owl and not 0 <= 2 * self.owl_spread <= min(self.sparsity, 1 - self.sparsity):
+            # the ratios span 2 x spread around their mean, so one layer can sit up to 2 x spread from the target
+            raise ConfigError(f"sparsify.owl_spread={self.owl_spread} must keep every layer's ratio within [0, 1): at most {min(self.sparsity, 1 - self.sparsity) / 2:g} here")
         if self.owl_threshold <= 0:
             raise ConfigError(f"sparsify.owl_threshold={self.owl_threshold} must be positive (5 in the OWL paper)")
         if self.samples < 1 or self.seq_len < 2:
@@ -120,7 +121,7 @@ def run_calibrated(state: RunState, params: SparsifyParams, names: list[str], pa
         layer_pattern = SparsityPattern(ratio=ratios[decoder_layer_name(layer_names[0])]) if ratios else pattern
         for name in layer_names:
             weight = state.model.get_submodule(name).weight
-            hessian = hessians.pop(name).hessian
+            hessian = hessians.pop(name).hessian.to(weight.device)  # accumulated on the CPU in float64
             if params.method == "wanda":
                 prune_in_place(weight, wanda_mask(weight, hessian.diagonal(), layer_pattern))
             else:

@@ -10,7 +10,7 @@
 - N:M (2:4, 4:8): in every run of M consecutive inputs of a row, N weights are kept; the pattern
   NVIDIA's sparse tensor cores run.
 - OWL (Yin et al., 2023): layers with more outlier scores (|W| * ||X|| above M times the layer
-  mean) keep more weights; per-layer ratios spread over [S - lambda, S + lambda], average S.
+  mean) keep more weights; per-layer ratios span 2 lambda, linear in the outlier ratio, average S.
 
 All functions take a weight [out, in] and return a boolean keep-mask of the same shape (or,
 for SparseGPT, the updated weight with its zeros in place).
@@ -47,6 +47,8 @@ class SparsityPattern:
         if not match or not 0 < int(match[1]) < int(match[2]):
             raise ConfigError(f"pattern='{pattern}' is neither 'unstructured' nor N:M with 0 < N < M (e.g. '2:4')")
         n, m = int(match[1]), int(match[2])
+        if abs(sparsity - (1 - n / m)) > 1e-9:
+            raise ConfigError(f"sparsity={sparsity} disagrees with pattern '{pattern}', which zeroes {1 - n / m:g} of the weights; set sparsity: {1 - n / m:g}")
         return cls(ratio=1 - n / m, n=n, m=m)
 
     @property
@@ -102,8 +104,9 @@ def outlier_ratio(scores: Sequence[torch.Tensor], threshold: float) -> float:
 
 
 def owl_ratios(outliers: Sequence[float], target: float, spread: float) -> list[float]:
-    """Per-layer sparsity from outlier ratios: the most outlier-rich layer is pruned `spread`
-    below the target, the poorest `spread` above it, linearly between; the mean stays `target`."""
+    """Per-layer sparsity from outlier ratios, as OWL computes it: the kept fractions are spread
+    linearly over a range 2 x `spread` wide (most outliers: most kept), shifted so that the mean
+    ratio is `target`."""
     values = torch.tensor(outliers, dtype=torch.float64)
     width = float(values.max() - values.min())
     keep = torch.zeros_like(values) if width == 0 else (values - values.min()) / width * 2 * spread

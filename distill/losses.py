@@ -31,7 +31,8 @@ LOSSES = ("forward_kl", "reverse_kl", "jsd", "tvd", "skew_kl")
 
 
 def forward_kl(teacher_logp: torch.Tensor, student_logp: torch.Tensor) -> torch.Tensor:
-    return (teacher_logp.exp() * (teacher_logp - student_logp)).sum(dim=-1)
+    p = teacher_logp.exp()
+    return torch.where(p > 0, p * (teacher_logp - student_logp), 0.0).sum(dim=-1)  # 0 log 0 = 0
 
 
 def reverse_kl(teacher_logp: torch.Tensor, student_logp: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ import warnings
 from dataclasses import asdict, dataclass, field
 from typing import List, Optional
 
+import torch
 from omegaconf import OmegaConf
 
 from slimlm.compress.quantize import calibration_token_ids
@@ -27,7 +28,7 @@ from slimlm.distill.draft import draft_report
 from slimlm.distill.losses import LOSSES, HiddenProjector
 from slimlm.distill.teacher import OnlineTeacher, check_same_vocabulary, offline_teacher
 from slimlm.distill.train import Trainer, TrainSettings
-from slimlm.errors import ConfigError
+from slimlm.errors import ConfigError, SlimlmError
 from slimlm.models import load_model
 from slimlm.pipeline import RunState, Stage
 from slimlm.qlinear import QuantLinear
@@ -39,7 +40,7 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 class DistillParams:
     loss: str = "forward_kl"  # forward_kl | reverse_kl | jsd | tvd | skew_kl | ce (no teacher)
     temperature: float = 1.0
-    beta: float = 0.5  # JSD's beta, skew KL's alpha
+    beta: Optional[float] = None  # JSD's beta (default 0.5), skew KL's alpha (default 0.1, as DistiLLM)
     ce_weight: float = 0.0  # share of plain cross-entropy mixed into the loss
     hidden_weight: float = 0.0  # weight of the hidden-state loss (online teacher only)
     hidden_loss: str = "mse"  # mse | cosine
@@ -73,8 +74,10 @@ class DistillParams:
             raise ConfigError(f"distill.loss='{self.loss}' is unknown; choose one of {', '.join((*LOSSES, 'ce'))}")
         if self.hidden_loss not in ("mse", "cosine"):
             raise ConfigError(f"distill.hidden_loss='{self.hidden_loss}' is unknown; choose mse or cosine")
-        if self.temperature <= 0 or not 0 <= self.ce_weight <= 1 or not 0 <= self.beta <= 1 or self.hidden_weight < 0:
-            raise ConfigError("distill: temperature must be positive, ce_weight and beta within [0, 1], hidden_weight at least 0")
+        if self.temperature <= 0 or not 0 <= self.ce_weight <= 1 or self.hidden_weight < 0:
+            raise ConfigError("distill: temperature must be positive, ce_weight within [0, 1], hidden_weight at least 0")
+        if self.beta is not None and not (0 < self.beta < 1 if self.loss == "jsd" else 0 <= self.beta < 1):
+            raise ConfigError(f"distill.beta={self.beta}: JSD needs 0 < beta < 1 and skew KL 0 <= alpha < 1 (at the ends the student gets no gradient)")
         if not 0 <= self.on_policy_fraction <= 1:
             raise ConfigError(f"distill.on_policy_fraction={self.on_policy_fraction} must lie within [0, 1]")
         needs_online = self.on_policy_fraction > 0 or self.hidden_weight > 0
@@ -96,13 +99,23 @@ class DistillParams:
             raise ConfigError("distill.lora_rank must be at least 1 and lora_targets name at least one module")
 
 
+def loss_beta(params: DistillParams) -> float:
+    return params.beta if params.beta is not None else (0.1 if params.loss == "skew_kl" else 0.5)
+
+
 def run(state: RunState, params: DistillParams) -> None:
     from accelerate import Accelerator
 
     started = time.perf_counter()
-    out_dir = state.run_dir / "distill"
+    if state.sections.get("sparsity"):
+        raise SlimlmError("the model was sparsified: training would fill its zeros again; put the distill stage before sparsify (prune, distill, then sparsify or quantize)")
+    index = len(state.sections.get("distillation", [])) + 1  # each distill stage of a recipe trains in its own directory
+    out_dir = state.run_dir / ("distill" if index == 1 else f"distill-{index}")
     tracker = "tensorboard" if importlib.util.find_spec("tensorboard") else None
-    accelerator = Accelerator(gradient_accumulation_steps=params.accumulation, mixed_precision="bf16" if state.device.type == "cuda" else "no", cpu=state.device.type == "cpu", log_with=tracker, project_dir=str(out_dir))
+    precision = "no"
+    if state.device.type == "cuda":
+        precision = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    accelerator = Accelerator(gradient_accumulation_steps=params.accumulation, mixed_precision=precision, cpu=state.device.type == "cpu", log_with=tracker, project_dir=str(out_dir))
     if tracker:
         accelerator.init_trackers("distill")
     if params.student is not None:
@@ -114,21 +127,24 @@ def run(state: RunState, params: DistillParams) -> None:
     windows = cut_windows(calibration_token_ids(state), params.seq_len, params.eval_windows, params.batch_size)
     order = BatchOrder(windows=windows.train.shape[0], batch_size=params.batch_size, accumulation=params.accumulation, world=accelerator.num_processes, seed=params.seed)
     steps = params.tokens // (params.seq_len * params.batch_size * params.accumulation * accelerator.num_processes)
+    if steps < 1:
+        raise SlimlmError(f"distill.tokens={params.tokens} is less than one optimizer step over {accelerator.num_processes} processes; raise it")
     section: dict = {"loss": params.loss, "steps": steps, "tokens": steps * params.seq_len * params.batch_size * params.accumulation * accelerator.num_processes, "processes": accelerator.num_processes}
     prompts = [window[:32].tolist() for window in windows.held_out[: params.draft_prompts]]
     draft_teacher = teacher.model if prompts else None
     if prompts:
         section["draft_before"] = draft_report(draft_teacher, state.model, state.tokenizer, prompts, params.draft_new_tokens)
     signal = None
-    if params.loss == "ce":
-        pass
-    elif params.top_k is not None:
+    if params.loss != "ce" and params.top_k is not None:
+        if params.top_k > state.model.config.vocab_size:
+            raise ConfigError(f"distill.top_k={params.top_k} exceeds the vocabulary ({state.model.config.vocab_size})")
         teacher_key = teacher.sha256 or f"id:{teacher.source.id}"
-        signal, cache, reused = offline_teacher(teacher.model, teacher_key, windows.train, order.used(steps), params.top_k, params.temperature, params.batch_size)
+        with accelerator.main_process_first():  # the main process computes the cache; the others then read it
+            signal, cache, reused = offline_teacher(teacher.model, teacher_key, windows.train, order.used(steps), params.top_k, params.temperature, params.batch_size)
         section.update({"teacher_signal": f"offline top-{params.top_k}", "teacher_cache": cache.name, "teacher_cache_reused": reused})
         teacher = None  # never runs again (unless it judges drafts): free its memory for training
         gc.collect()
-    else:
+    elif params.loss != "ce":
         signal = OnlineTeacher(teacher.model)
         section["teacher_signal"] = "online"
     student = state.model
@@ -139,14 +155,14 @@ def run(state: RunState, params: DistillParams) -> None:
         s, t = student.config, teacher.model.config
         projector = HiddenProjector(s.hidden_size, t.hidden_size, s.num_hidden_layers, t.num_hidden_layers, params.hidden_loss).to(state.device)
     settings = TrainSettings(
-        steps=steps, loss=params.loss, temperature=params.temperature, beta=params.beta, ce_weight=params.ce_weight, hidden_weight=params.hidden_weight,
+        steps=steps, loss=params.loss, temperature=params.temperature, beta=loss_beta(params), ce_weight=params.ce_weight, hidden_weight=params.hidden_weight,
         on_policy_fraction=params.on_policy_fraction, lr=params.lr, weight_decay=params.weight_decay, warmup_fraction=params.warmup_fraction,
         max_grad_norm=params.max_grad_norm, eval_every=params.eval_every, checkpoint_every=params.checkpoint_every, seed=params.seed,
     )
-    fingerprint = {"stages": OmegaConf.to_container(state.cfg.recipe.stages, resolve=True), "model": str(state.cfg.model.path), "data": str(state.cfg.data.calibration.path), "processes": accelerator.num_processes}
+    fingerprint = {"stages": OmegaConf.to_container(state.cfg.recipe.stages, resolve=True), "distill_stage": index, "model": str(state.cfg.model.path), "data": str(state.cfg.data.calibration.path), "processes": accelerator.num_processes}
     trainer = Trainer(student, signal, windows, order, settings, out_dir, fingerprint, accelerator, projector)
     result = trainer.run()
-    trained = accelerator.unwrap_model(trainer.student)
+    trained = accelerator.unwrap_model(trainer.student, keep_fp32_wrapper=False)  # later stages run in the model's own precision
     if params.lora_rank is not None:
         trained = finish_lora(trained)
     state.model = trained.eval()

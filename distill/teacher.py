@@ -45,9 +45,9 @@ def check_same_vocabulary(student_tokenizer, teacher_tokenizer, student: nn.Modu
             f"the teacher's tokenizer ({len(teacher_vocab):,} tokens) differs from the student's ({len(student_vocab):,} tokens; "
             f"first difference: {differing}); distillation needs a student that shares the teacher's tokenizer"
         )
-    rows = [m.get_output_embeddings().weight.shape[0] for m in (student, teacher)]
+    rows = [m.config.vocab_size for m in (student, teacher)]
     if rows[0] != rows[1]:
-        raise SlimlmError(f"the student's LM head has {rows[0]:,} rows and the teacher's {rows[1]:,}; they must share one vocabulary")
+        raise SlimlmError(f"the student's vocabulary has {rows[0]:,} entries and the teacher's {rows[1]:,}; they must share one")
 
 
 class OnlineTeacher:
@@ -105,6 +105,10 @@ def offline_teacher(teacher: nn.Module, teacher_key: str, train: torch.Tensor, u
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, temp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
     os.close(fd)
-    save_file(tensors, temp)
-    os.replace(temp, path)  # written whole or not at all
+    try:
+        save_file(tensors, temp)
+        os.replace(temp, path)  # written whole or not at all
+    finally:
+        if os.path.exists(temp):
+            os.unlink(temp)
     return OfflineTeacher(tensors["log_probs"], tensors["indices"], used), path, False

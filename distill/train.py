@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
@@ -32,7 +33,7 @@ from slimlm.distill.data import BatchOrder, Windows
 from slimlm.distill.losses import HiddenProjector, distillation_loss, token_mean
 from slimlm.distill.teacher import TeacherOutput
 from slimlm.errors import SlimlmError
-from slimlm.rundir import staged_directory, write_atomic
+from slimlm.rundir import write_atomic
 
 
 @dataclass
@@ -72,16 +73,19 @@ class Trainer:
         if accelerator.gradient_accumulation_steps != order.accumulation:
             raise SlimlmError(f"the accelerator accumulates {accelerator.gradient_accumulation_steps} micro-batches per step but the batch order {order.accumulation}; build both from one setting")
         trainable = [p for p in student.parameters() if p.requires_grad] + ([] if projector is None else list(projector.parameters()))
+        if settings.keep_checkpoints < 1:
+            raise SlimlmError("keep_checkpoints must be at least 1: resuming needs the newest checkpoint")
         if not trainable:
             raise SlimlmError("the student has no trainable parameters (everything is frozen); check distill.lora targets")
         from transformers import get_cosine_schedule_with_warmup
 
         optimizer = torch.optim.AdamW(trainable, lr=settings.lr, weight_decay=settings.weight_decay)
         schedule = get_cosine_schedule_with_warmup(optimizer, int(settings.warmup_fraction * settings.steps), settings.steps)
-        prepared = accelerator.prepare(student, optimizer, schedule, *([] if projector is None else [projector]))
+        learns = projector is not None and any(True for _ in projector.parameters())  # an identity projector has nothing to train or wrap
+        prepared = accelerator.prepare(student, optimizer, schedule, *([projector] if learns else []))
         self.student, self.optimizer, self.schedule = prepared[:3]
-        self.projector = prepared[3] if projector is not None else None
-        self.trainable = trainable
+        self.projector = prepared[3] if learns else projector
+        self.models = [self.student, *([self.projector] if learns else [])]
 
     # ---- checkpoints ----------------------------------------------------------------
 
@@ -95,15 +99,26 @@ class Trainer:
         return sorted(p for p in self.checkpoint_root.iterdir() if p.name.startswith("step-") and (p / "meta.json").is_file())
 
     def save(self, step: int, result: TrainResult) -> Path:
+        """Every process writes its part (accelerate shards and random states) into a staging
+        directory; the main process then adds the history and renames it into place."""
         path = self.checkpoint_root / f"step-{step:07d}"
-        if self.accelerator.is_main_process:
-            with staged_directory(path, "checkpoints") as staging:
-                self.accelerator.save_state(str(staging))
-                meta = {"step": step, "fingerprint": self.fingerprint, "history": result.history, "evals": result.evals}
-                (staging / "meta.json").write_text(json.dumps(meta))
-            for old in self.checkpoints()[: -self.settings.keep_checkpoints]:
+        staging = self.checkpoint_root / f".{path.name}-partial"
+        acc = self.accelerator
+        if acc.is_main_process:
+            if path.exists():
+                raise SlimlmError(f"checkpoint {path} already exists; checkpoints are never overwritten")
+            shutil.rmtree(staging, ignore_errors=True)  # left by a process killed while saving
+            staging.mkdir(parents=True)
+        acc.wait_for_everyone()
+        acc.save_state(str(staging))
+        acc.wait_for_everyone()
+        if acc.is_main_process:
+            meta = {"step": step, "fingerprint": self.fingerprint, "history": result.history, "evals": result.evals}
+            (staging / "meta.json").write_text(json.dumps(meta))
+            os.replace(staging, path)
+            for old in self.checkpoints()[: max(len(self.checkpoints()) - self.settings.keep_checkpoints, 0)]:
                 shutil.rmtree(old)
-        self.accelerator.wait_for_everyone()
+        acc.wait_for_everyone()
         return path
 
     def resume(self, result: TrainResult) -> int:
@@ -194,19 +209,24 @@ class Trainer:
         for step in progress:
             sums: dict[str, float] = {}
             for micro in range(self.order.accumulation):
-                with acc.accumulate(self.student):
+                with acc.accumulate(*self.models):
                     terms = self.micro_loss(step, micro)
-                    if not torch.isfinite(terms["loss"]):
+                    finite = acc.gather(torch.isfinite(terms["loss"].detach()).float().reshape(1)).min()  # every process stops together
+                    if not finite:
                         last = self.checkpoints()
                         raise SlimlmError(
-                            f"the distillation loss became {float(terms['loss'].detach())} at step {step + 1}: training stopped; the last good checkpoint is "
-                            f"{last[-1] if last else 'none (none was written yet)'}; lower distill.lr or raise distill.temperature and rerun to resume"
+                            f"the distillation loss became {float(terms['loss'].detach())} (on this or another process) at step {step + 1}: training stopped; the last good "
+                            f"checkpoint is {last[-1] if last else 'none (none was written yet)'}; rerunning unchanged would meet the same batches: lower distill.lr "
+                            "(or raise distill.temperature) and run in a fresh run directory"
                         )
                     acc.backward(terms["loss"])
                     if acc.sync_gradients and s.max_grad_norm > 0:
-                        acc.clip_grad_norm_(self.trainable, s.max_grad_norm)
+                        acc.clip_grad_norm_(self.student.parameters(), s.max_grad_norm)
+                        if self.projector is not None:
+                            torch.nn.utils.clip_grad_norm_(self.projector.parameters(), s.max_grad_norm)
                     self.optimizer.step()
-                    self.schedule.step()
+                    if acc.sync_gradients:  # once per optimizer step, on every process alike
+                        self.schedule.step()
                     self.optimizer.zero_grad()
                 for key, value in terms.items():
                     sums[key] = sums.get(key, 0.0) + float(value.detach()) / self.order.accumulation

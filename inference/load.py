@@ -27,7 +27,7 @@ class WeightsFile:
     maps the file into memory, and every page it touches stays resident until the file is
     closed, which would double the peak of a layer-by-layer load."""
 
-    DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+    DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool, "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64}
 
     def __init__(self, path: Path):
         self.path = path
@@ -49,6 +49,8 @@ class WeightsFile:
                 begin, end = entry["data_offsets"]
                 handle.seek(self.start + begin)
                 data = bytearray(handle.read(end - begin))
+                if entry["dtype"] not in self.DTYPES:
+                    raise SlimlmError(f"'{self.path}': tensor {key} has dtype {entry['dtype']}, which slimlm does not read")
                 tensor = torch.frombuffer(data, dtype=self.DTYPES[entry["dtype"]]) if data else torch.empty(0, dtype=self.DTYPES[entry["dtype"]])
                 tensors[key] = tensor.reshape(entry["shape"])
         return tensors
@@ -62,9 +64,12 @@ def load_decoder(path: Path, dtype: torch.dtype = torch.bfloat16, device: Option
     parts = DecoderParts(skeleton, dtype, device, kernels, int8_activations)
     weights = WeightsFile(path / WEIGHTS)
     keys = weights.keys()
+    unread = set(keys)
 
     def fill(module: nn.Module, prefix: str) -> None:
-        tensors = dense_tensors(skeleton, weights.read([key for key in keys if key.startswith(prefix)]), manifest, path)
+        part = [key for key in keys if key.startswith(prefix)]
+        unread.difference_update(part)
+        tensors = dense_tensors(skeleton, weights.read(part), manifest, path)
         # assign: the tensors just read become the module's own, no second copy
         result = module.load_state_dict({key[len(prefix):]: tensor for key, tensor in tensors.items()}, strict=False, assign=True)
         if result.missing_keys or result.unexpected_keys:
@@ -84,4 +89,6 @@ def load_decoder(path: Path, dtype: torch.dtype = torch.bfloat16, device: Option
         fill(embedding, "model.embed_tokens.")
         if not head_stored:  # tied float head: the embedding's table
             head.weight = embedding.weight
+    if unread:
+        raise SlimlmError(f"artifact '{path}' holds tensors its config.json has no place for (e.g. {sorted(unread)[0]}); re-export it")
     return parts.assemble(blocks), manifest

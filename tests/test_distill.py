@@ -110,7 +110,7 @@ def test_nan_loss_stops_and_names_the_last_good_checkpoint(tmp_path):
         return path
 
     trainer.save = save_and_poison
-    with pytest.raises(SlimlmError, match=r"became nan at step 3.*step-0000002"):
+    with pytest.raises(SlimlmError, match=r"became nan .*at step 3.*step-0000002.*fresh run directory"):
         trainer.run()
     assert [p.name for p in trainer.checkpoints()] == ["step-0000002"]
 
@@ -125,7 +125,7 @@ def test_mismatched_vocabularies_and_short_data_are_refused(tiny_tokenizer):
     from transformers import AutoTokenizer  # noqa: F401
 
     teacher, student = build_tiny_llama(VOCAB), build_tiny_llama(VOCAB + 8)
-    with pytest.raises(SlimlmError, match="LM head has 392 rows"):
+    with pytest.raises(SlimlmError, match="vocabulary has 392 entries"):
         check_same_vocabulary(tiny_tokenizer, tiny_tokenizer, student, teacher)
     other = build_tokenizer_with_extra_token(tiny_tokenizer)
     with pytest.raises(SlimlmError, match="tokenizer .* differs"):
@@ -146,3 +146,13 @@ def test_result_file_is_written(tmp_path):
     setup(tmp_path, steps=2).run()
     saved = json.loads((tmp_path / "result.json").read_text())
     assert saved["settings"]["steps"] == 2 and len(saved["history"]) == 2
+
+
+def test_distill_settings_that_would_train_nothing_are_refused():
+    from slimlm.distill.stage import DistillParams, loss_beta
+    from slimlm.errors import ConfigError
+
+    for bad in (dict(loss="jsd", beta=0.0), dict(loss="jsd", beta=1.0), dict(loss="skew_kl", beta=1.0), dict(loss="ce", ce_weight=0.5), dict(top_k=8, on_policy_fraction=0.5), dict(tokens=100)):
+        with pytest.raises(ConfigError):
+            DistillParams(**bad)
+    assert loss_beta(DistillParams(loss="skew_kl")) == 0.1 and loss_beta(DistillParams(loss="jsd")) == 0.5

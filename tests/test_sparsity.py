@@ -30,9 +30,9 @@ def test_unstructured_masks_drop_exactly_the_ratio(ratio):
     assert int((pruned == 0).sum()) == int(ratio * weight.numel())
 
 
-@pytest.mark.parametrize("pattern", ["2:4", "4:8", "1:4"])
-def test_nm_masks_keep_exactly_n_in_every_m(pattern):
-    nm = SparsityPattern.parse(0.0, pattern)
+@pytest.mark.parametrize("pattern, sparsity", [("2:4", 0.5), ("4:8", 0.5), ("1:4", 0.75)])
+def test_nm_masks_keep_exactly_n_in_every_m(pattern, sparsity):
+    nm = SparsityPattern.parse(sparsity, pattern)
     weight, x = layer(), correlated_inputs()
     for keep in (magnitude_mask(weight, nm), wanda_mask(weight, torch.rand(64), nm), sparsegpt_prune(weight, hessian_of(x), nm, block_size=20) != 0):
         assert torch.all(keep.reshape(48, -1, nm.m).sum(dim=-1) == nm.n)
@@ -86,11 +86,13 @@ def test_quantizing_a_pruned_weight_keeps_its_zeros(scheme):
 
 
 def test_bad_patterns_are_refused():
-    for sparsity, pattern in [(1.0, "unstructured"), (-0.1, "unstructured"), (0.5, "4:2"), (0.5, "2-4"), (0.5, "0:4")]:
+    for sparsity, pattern in [(1.0, "unstructured"), (-0.1, "unstructured"), (0.5, "4:2"), (0.5, "2-4"), (1.0, "0:4")]:
         with pytest.raises(ConfigError):
             SparsityPattern.parse(sparsity, pattern)
     with pytest.raises(SlimlmError, match="not a multiple of 8"):
-        sparsegpt_prune(torch.randn(4, 12), torch.eye(12), SparsityPattern.parse(0, "4:8"))
+        sparsegpt_prune(torch.randn(4, 12), torch.eye(12), SparsityPattern.parse(0.5, "4:8"))
+    with pytest.raises(ConfigError, match="disagrees with pattern '2:4'"):
+        SparsityPattern.parse(0.7, "2:4")
     assert keep_mask(torch.rand(3, 8), SparsityPattern.parse(0.0, "unstructured"), per_row=True).all()
 
 
@@ -101,7 +103,7 @@ def test_sparsify_stage_refuses_a_pattern_the_layers_cannot_take_before_touching
     state = RunState(cfg=None, run_dir=tmp_path, model=tiny_model, tokenizer=tiny_tokenizer, source=None, source_sha256=None, device=torch.device("cpu"))
     before = {k: v.clone() for k, v in tiny_model.state_dict().items()}
     with pytest.raises(SlimlmError, match=r"cannot sparsify model\.layers\.0\..*not a multiple of 7"):
-        sparsify(state, SparsifyParams(method="magnitude", pattern="3:7"))
+        sparsify(state, SparsifyParams(method="magnitude", sparsity=4 / 7, pattern="3:7"))
     assert all(torch.equal(before[k], v) for k, v in tiny_model.state_dict().items())
     with pytest.raises(ConfigError, match="owl"):
         SparsifyParams(method="magnitude", owl=True)
