@@ -8,8 +8,11 @@
 #   w4-lora-recover  w4 g64 GPTQ, then rank-16 LoRA adapters distilled on the frozen codes
 #   draft            a 4-layer student distilled to serve as the teacher's draft
 # then bench/distill_summary.py adds the share of the perplexity gap each training closed. About
-# 90 minutes; resumable (finished runs are kept; see bench/run_recipes.sh).
+# 75 minutes; resumable (finished runs are kept; see bench/run_recipes.sh). DISTILL_RECIPES
+# chooses a subset.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash bench/run_recipes.sh distill_default prune-distill prune-finetune w4-lora-recover draft -- "$@"
+recipes=${DISTILL_RECIPES:-prune-distill prune-finetune w4-lora-recover draft}
+BENCH_COMMAND="${DISTILL_RECIPES:+DISTILL_RECIPES='$DISTILL_RECIPES' }bash bench/distill_default.sh $*" \
+  bash bench/run_recipes.sh distill_default $recipes -- "$@"
 .venv/bin/python bench/distill_summary.py

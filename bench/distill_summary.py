@@ -39,6 +39,8 @@ def main() -> None:
     summary["lora_kl"] = {"before": quantized["kl_mean"], "after": recovered["kl_mean"]}
     lines += ["", f"LoRA recovery of w4 g64 GPTQ: KL to the fp32 model {quantized['kl_mean']:.4f} → {recovered['kl_mean']:.4f}, perplexity {quantized['ppl']:.2f} → {recovered['ppl']:.2f}."]
     for recipe in ("prune-distill", "draft"):
+        if not (RUNS / recipe / "report.json").is_file():
+            continue
         report = json.loads((RUNS / recipe / "report.json").read_text())
         section = report["distillation"][0]
         if "draft_before" in section:

@@ -24,4 +24,4 @@ for recipe in "${recipes[@]}"; do
   .venv/bin/slimlm recipe="$recipe" eval="${EVAL:-slice64}" data=shared hydra.run.dir="$run_dir" "$@"
 done
 notes=$( [ -f "bench/$name.notes.md" ] && echo "bench/$name.notes.md" || true )
-.venv/bin/python bench/publish.py "$name" "${recipes[@]/#/$root/}" --command "bash bench/$name.sh $*"${notes:+ --notes "$notes"}
+.venv/bin/python bench/publish.py "$name" "${recipes[@]/#/$root/}" --command "${BENCH_COMMAND:-bash bench/$name.sh $*}"${notes:+ --notes "$notes"}

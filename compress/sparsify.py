@@ -114,7 +114,7 @@ def prune_in_place(weight: torch.Tensor, keep: torch.Tensor) -> None:
 def run_calibrated(state: RunState, params: SparsifyParams, names: list[str], pattern: SparsityPattern) -> dict:
     """Wanda or SparseGPT layer by layer; OWL first measures every layer of the dense model."""
     samples = calibration_windows(state, params.samples, params.seq_len, params.seed)
-    ratios = owl_layer_ratios(state, samples, names, params) if params.owl else {}
+    ratios, outliers = owl_layer_ratios(state, samples, names, params) if params.owl else ({}, {})
     hessians = LayerInputStatistics()  # Wanda reads only the diagonal, SparseGPT the whole matrix
 
     def finish_layer(layer_names: list[str]) -> None:
@@ -131,11 +131,12 @@ def run_calibrated(state: RunState, params: SparsifyParams, names: list[str], pa
     result = {"calibration_tokens": samples.numel(), "samples": params.samples, "seq_len": params.seq_len, "calibration_peak_memory_bytes": peak}
     if ratios:
         result["owl_layer_ratios"] = {name: round(ratio, 4) for name, ratio in ratios.items()}
+        result["owl_outlier_ratios"] = {name: round(ratio, 6) for name, ratio in outliers.items()}
     return result
 
 
-def owl_layer_ratios(state: RunState, samples: torch.Tensor, names: list[str], params: SparsifyParams) -> dict[str, float]:
-    """Each decoder layer's sparsity from its outlier ratio, measured on the dense model."""
+def owl_layer_ratios(state: RunState, samples: torch.Tensor, names: list[str], params: SparsifyParams) -> tuple[dict[str, float], dict[str, float]]:
+    """Each decoder layer's sparsity, and the outlier ratio it comes from (measured on the dense model)."""
     outliers: dict[str, float] = {}
     diagonals: dict[str, torch.Tensor] = {}
 
@@ -149,7 +150,7 @@ def owl_layer_ratios(state: RunState, samples: torch.Tensor, names: list[str], p
 
     calibrate_sequentially(state.model, samples, names, observe, finish_layer, desc="owl outliers")
     layers = list(outliers)
-    return dict(zip(layers, owl_ratios([outliers[layer] for layer in layers], params.sparsity, params.owl_spread)))
+    return dict(zip(layers, owl_ratios([outliers[layer] for layer in layers], params.sparsity, params.owl_spread))), outliers
 
 
 def check_not_quantized(state: RunState, targets: list[str]) -> None:

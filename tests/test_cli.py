@@ -342,3 +342,12 @@ def test_adapters_beside_quantized_layers_are_refused_at_export(tiny_model, tiny
     with pytest.raises(SlimlmError, match="LoRA adapters beside quantized layers"):
         export(state, ExportParams())
     assert not any(tmp_path.iterdir())  # nothing half-written
+
+
+def test_owl_recipe_gives_each_layer_its_own_ratio_averaging_the_target(tiny_model_dir, tmp_path):
+    slimlm("recipe=sparse-wanda-owl-50", *tiny_run_args(tiny_model_dir), "+recipe.stages.1.samples=8", "+recipe.stages.1.seq_len=64", "recipe.stages.1.owl_spread=0.1", cwd=tmp_path)
+    section = json.loads((next(tmp_path.glob("runs/*/*")) / "report.json").read_text())["sparsity"][0]
+    ratios = list(section["owl_layer_ratios"].values())
+    assert len(ratios) == 2 and sum(ratios) / 2 == pytest.approx(0.5) and max(ratios) - min(ratios) == pytest.approx(0.2, abs=1e-3)
+    assert set(section["owl_outlier_ratios"]) == set(section["owl_layer_ratios"])
+    assert section["achieved_sparsity"] == pytest.approx(0.5, abs=0.01)  # each row drops floor(ratio x 64 or 128) weights
