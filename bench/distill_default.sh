@@ -5,7 +5,7 @@
 #                    distilled with forward KL from the teacher's cached top-64 on 300k tokens;
 #                    also measured as the teacher's speculative draft before and after
 #   prune-finetune   the same student and tokens, plain cross-entropy (the baseline)
-#   w4-lora-recover  w4 g64 GPTQ, then rank-16 LoRA adapters distilled on the frozen codes
+#   w4-lora-recover  w4 g64 GPTQ, then rank-16 LoRA adapters distilled on the frozen codes (64k tokens)
 #   draft            a 4-layer student distilled to serve as the teacher's draft
 # then bench/distill_summary.py adds the share of the perplexity gap each training closed. About
 # 75 minutes; resumable (finished runs are kept; see bench/run_recipes.sh). DISTILL_RECIPES
