@@ -85,7 +85,8 @@ class Budget:
 
     @property
     def total_bytes(self) -> int:
-        return self.weight_bytes + self.kv_bytes + self.activation_bytes + self.reserve_bytes + self.transit_bytes
+        # the load's transient is over before the cache is allocated: the larger of the two counts
+        return self.weight_bytes + self.reserve_bytes + max(self.kv_bytes + self.activation_bytes, self.transit_bytes)
 
 
 @dataclass
@@ -192,7 +193,7 @@ def format_budget(b: Budget, hardware: Hardware) -> str:
         ("KV cache", b.kv_bytes),
         ("activations and logits", b.activation_bytes),
         ("runtime reserve", b.reserve_bytes),
-        ("one layer in transit", b.transit_bytes),
+        ("load transient (not with cache)", b.transit_bytes),
         ("total", b.total_bytes),
         (f"{hardware.name} memory", hardware.memory_bytes),
     ]

@@ -86,15 +86,20 @@ print(json.dumps({'measured': peak.bytes - before, 'predicted': plan.total_bytes
 
 
 def test_planner_predicts_the_peak_memory_of_loading_and_decoding_an_artifact(tmp_path):
-    """The planner's bytes (weights in kernel layout, the static cache of 2048 positions, a
-    512-token prefill chunk, one layer in transit while loading) against the measured growth of
-    the resident set while an int4 artifact loads layer by layer and decodes: within 10%."""
+    """The planner's bytes (weights in kernel layout, then the larger of one layer in transit while
+    loading and the static cache of 2048 positions plus a 512-token prefill chunk) against the
+    measured growth of the resident set while an int4 artifact loads layer by layer and decodes:
+    within 10% (measured 196.3 MB against 190.8 MB predicted when written)."""
     import subprocess
     import sys
 
     stages = "recipe.stages=[{stage:quantize,bits:4,group_size:64},{stage:quantize,bits:8,targets:[lm_head]},{stage:export}]"
     slimlm("recipe=evaluate", stages, "hydra.run.dir=run", cwd=tmp_path)
-    result = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, str(tmp_path / "run" / "artifact")], capture_output=True, text=True, timeout=600)
+    # glibc keeps freed heap pages and per-thread arenas mapped; serving every allocation of 64 KiB
+    # or more from its own mapping makes the resident set follow the live tensors, which is what
+    # the planner counts (a deployment can set the same variable).
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    result = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, str(tmp_path / "run" / "artifact")], capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stderr[-2000:]
     numbers = json.loads(result.stdout.strip().splitlines()[-1])
     assert abs(numbers["measured"] - numbers["predicted"]) <= 0.10 * numbers["predicted"], numbers
