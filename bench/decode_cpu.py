@@ -6,10 +6,12 @@ median over repeats, all with the same number of threads:
   slimlm fp32         the bundled decoder on the same fp32 weights
   slimlm int8         w8 RTN per-channel of every decoder Linear and the tied head, int8 kernel
   slimlm int4 g64     w4 g64 RTN of every decoder Linear and the tied head, tinygemm int4 kernel
-                      (4.5 bits per weight with its bf16 scales and zeros, as Q4_0)
+                      (4.5 bits per weight with its bf16 scales and zeros, as Q4_0); with int8
+                      activations, slimlm's int4 x int8 kernel (inference/kernels/)
   llama.cpp Q4_0/Q8_0 llama-cpp-python on GGUF files of the same model (every matrix Q4_0 / Q8_0)
-Quantized slimlm rows run with bf16 activations (the packed CPU kernels' fast path), eager and
-with the decode step compiled (Decoder.compile_decode_step). Each row reports the share of the
+Quantized slimlm rows run with bf16 activations (torch's packed CPU kernels) or with activations
+rounded to int8 (integer dot products), eager and with the decode step compiled
+(Decoder.compile_decode_step). Each row reports the share of the
 measured memory bandwidth its decoding uses (bytes read per token x tokens/s / bandwidth).
 Writes bench/results/decode_cpu.{md,json,png}.
 
@@ -61,9 +63,10 @@ def eval_windows(tokenizer, count: int = 4, window: int = 512) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def decoder_kl(decoder, windows: torch.Tensor, reference: torch.Tensor) -> float:
-    """Mean per-token KL(fp32 model || decoder) over the windows, through the decoder's own layers."""
-    decoder.setup_cache(1, windows.shape[1])
+def decoder_kl(decoder, windows: torch.Tensor, reference: torch.Tensor, cache_dtype=None) -> float:
+    """Mean per-token KL(fp32 model || decoder) over the windows, through the decoder's own layers
+    (the prefill writes and reads the cache, so an int8 cache's rounding is included)."""
+    decoder.setup_cache(1, windows.shape[1], cache_dtype)
     total = 0.0
     for row, ids in enumerate(windows):
         logprobs = torch.log_softmax(decoder(ids[None], 0)[0].float(), dim=-1)
@@ -71,9 +74,10 @@ def decoder_kl(decoder, windows: torch.Tensor, reference: torch.Tensor) -> float
     return total / len(windows)
 
 
-def time_slimlm(model, tokenizer, prompt: list[int], options, dtype: torch.dtype, compiled: bool = False, int8_activations: bool = False, quality=None) -> dict:
-    decoder = Decoder(build_decoder(model, dtype=dtype, int8_activations=int8_activations), tokenizer)
-    kl = None if quality is None else decoder_kl(decoder.model, *quality)
+def time_slimlm(model, tokenizer, prompt: list[int], options, dtype: torch.dtype, compiled: bool = False, int8_activations: bool = False, quality=None, cache_dtype=None) -> dict:
+    decoder = Decoder(build_decoder(model, dtype=dtype, int8_activations=int8_activations), tokenizer, cache_dtype=cache_dtype)
+    kl = None if quality is None else decoder_kl(decoder.model, *quality, cache_dtype=cache_dtype)
+    decoder.model.setup_cache(1, len(prompt) + options.new_tokens, cache_dtype)
     if compiled:
         decoder.compile_decode_step()
     params = SamplingParams(max_new_tokens=options.new_tokens, ignore_eos=True)
@@ -170,8 +174,11 @@ def main() -> None:
         quantized = quantized_copy(cfg, scheme)
         add(f"slimlm {name}, bf16 activations, eager", time_slimlm(quantized, tokenizer, prompt, options, torch.bfloat16, quality=quality))
         add(f"slimlm {name}, bf16 activations, compiled", time_slimlm(quantized, tokenizer, prompt, options, torch.bfloat16, compiled=True))
-        if scheme["bits"] == 8:
-            add(f"slimlm {name}, int8 activations, compiled", time_slimlm(quantized, tokenizer, prompt, options, torch.bfloat16, compiled=True, int8_activations=True, quality=quality))
+        if scheme["bits"] == 4:
+            add(f"slimlm {name}, int8 activations, eager", time_slimlm(quantized, tokenizer, prompt, options, torch.bfloat16, int8_activations=True, quality=quality))
+        add(f"slimlm {name}, int8 activations, compiled", time_slimlm(quantized, tokenizer, prompt, options, torch.bfloat16, compiled=True, int8_activations=True, quality=quality if scheme["bits"] == 8 else None))
+        if scheme["bits"] == 4:
+            add(f"slimlm {name}, int8 activations, int8 KV cache, compiled", time_slimlm(quantized, tokenizer, prompt, options, torch.bfloat16, compiled=True, int8_activations=True, quality=quality, cache_dtype=torch.int8))
         del quantized
     reference = rows[0]["decode_tok_s"]
     for row in rows:

@@ -31,7 +31,8 @@ class RowEmbedding(nn.Module):
 
 def build_decoder(model: nn.Module, dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None, kernels: bool = True, int8_activations: bool = False) -> Transformer:
     """A decoder Transformer holding `model`'s weights (HF Llama-family layout). With
-    `int8_activations`, int8 layers also round their inputs to int8 (CPU; see Int8Linear)."""
+    `int8_activations`, int4 and int8 layers also round their inputs to int8 (CPU; see
+    Int4Int8Linear and Int8Linear)."""
     parts = DecoderParts(model, dtype, device, kernels, int8_activations)
     return parts.assemble([parts.block(layer) for layer in model.model.layers])
 

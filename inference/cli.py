@@ -31,7 +31,8 @@ def sampling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     parser.add_argument("--dtype", choices=DTYPES, default="float32", help="activation dtype (bfloat16 is faster on CPUs with AVX512-BF16 and on GPUs)")
-    parser.add_argument("--int8-activations", action="store_true", help="int8 layers also round their inputs to int8 (CPU: integer dot products, faster, slightly less exact)")
+    parser.add_argument("--int8-activations", action="store_true", help="int4 and int8 layers also round their inputs to int8 (CPU: integer dot products, faster, slightly less exact)")
+    parser.add_argument("--kv-cache", choices=("float", "int8"), default="float", help="int8: the key/value cache as int8 codes with a scale per head and slot (about a quarter of the fp32 CPU cache, half of an fp16 one)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--threads", type=int, default=None)
 
@@ -65,15 +66,16 @@ def open_decoder(model: str, options):
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SlimlmError("--device cuda but no CUDA GPU is visible; use --device cpu")
     dtype = getattr(torch, options.dtype)
+    cache_dtype = torch.int8 if options.kv_cache == "int8" else None
     if (Path(model) / MANIFEST).is_file():  # a slimlm artifact: straight into the decoder, layer by layer
         from transformers import AutoTokenizer
 
         decoder, _ = load_decoder(Path(model), dtype=dtype, device=device, int8_activations=options.int8_activations)
-        return Decoder(decoder, AutoTokenizer.from_pretrained(model))
+        return Decoder(decoder, AutoTokenizer.from_pretrained(model), cache_dtype=cache_dtype)
     loaded = load_model(ModelConfig(name="cli", path=model), torch.device("cpu"))
     decoder = build_decoder(loaded.model, dtype=dtype, device=device, int8_activations=options.int8_activations)
     del loaded.model
-    return Decoder(decoder, loaded.tokenizer)
+    return Decoder(decoder, loaded.tokenizer, cache_dtype=cache_dtype)
 
 
 def generate_command(args: Sequence[str]) -> None:
@@ -169,6 +171,8 @@ def plan_command(args: Sequence[str]) -> None:
     parser.add_argument("--bits", type=int, default=None, help="quantize every decoder Linear to this width (a preset or HF checkpoint; an artifact has its own)")
     parser.add_argument("--group-size", type=int, default=64)
     parser.add_argument("--head-bits", type=int, default=None, help="quantize the LM head too")
+    parser.add_argument("--int8-activations", action="store_true", help="plan for `generate --int8-activations` (CPU: a tied int4 head needs no second embedding table)")
+    parser.add_argument("--kv-cache", choices=("float", "int8"), default="float", help="plan for `generate --kv-cache int8`")
     options = parser.parse_args(args)
     path = Path(options.model)
     if options.model in presets:
@@ -188,7 +192,7 @@ def plan_command(args: Sequence[str]) -> None:
         scheme = None if options.bits is None else QuantScheme(bits=options.bits, group_size=options.group_size)
         head = None if options.head_bits is None else QuantScheme(bits=options.head_bits, group_size=options.group_size if options.head_bits < 8 else None)
         schemes = uniform_schemes(model_args, scheme, head)
-    plan = make_plan(model_args, schemes, HARDWARE[options.hardware], options.context, options.batch)
+    plan = make_plan(model_args, schemes, HARDWARE[options.hardware], options.context, options.batch, int8_activations=options.int8_activations, kv_int8=options.kv_cache == "int8")
     print(format_plan(plan, options.model))
 
 

@@ -1,5 +1,8 @@
 """The decoder's linear layers: each weight runs in the kernel its scheme allows.
 
+  int4 with int8 activations on CPUs with AVX512-VNNI (groups a multiple of 64) -> slimlm's own
+      kernel (inference/kernels/int4_int8_cpu.cpp): activations rounded to int8 per 64 inputs,
+      integer dot products; three to four times torch's int4 kernel at decode time
   int4, symmetric or not, groups of 32/64/128/256 -> torch's tinygemm int4 kernel
       (`_weight_int4pack_mm_for_cpu` on CPU, `_weight_int4pack_mm` on CUDA); it computes
       (q - 8) * scale + zero per group, so slimlm's (code - z) * scale maps to zero = (8 - z) * scale
@@ -22,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from slimlm.inference import cpu_kernels
 from slimlm.qlinear import QuantLinear
 
 TINYGEMM_GROUPS = (32, 64, 128, 256)
@@ -67,6 +71,44 @@ class Int4Linear(nn.Module):
         y = matmul(_as_2d(x).to(self.scales_and_zeros.dtype), self.weight, self.group_size, self.scales_and_zeros)
         y = y.view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
+
+
+class Int4Int8Linear(nn.Module):
+    """int4 weights times activations rounded to int8 per block of 64 inputs (CPU, AVX512-VNNI;
+    inference/cpu_kernels.py). Its layout can be read row by row, so a tied head also serves
+    as the embedding table without a second copy."""
+
+    def __init__(self, layer: QuantLinear, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        scheme = layer.scheme
+        self.in_features, self.out_features, self.dtype = layer.in_features, layer.out_features, dtype
+        self.group_size = layer.in_features // scheme.groups(layer.in_features)
+        scales = layer.scales.to(device=device, dtype=torch.float32)
+        zeros = layer.zeros.to(device=device, dtype=torch.float32) if layer.zeros is not None else torch.full_like(scales, scheme.symmetric_zero)
+        self.register_buffer("weight", cpu_kernels.pack_int4(layer.codes().to(device)))
+        self.register_buffer("scales", cpu_kernels.tile_groups(scales.to(torch.bfloat16)))
+        self.register_buffer("offsets", cpu_kernels.tile_groups((zeros * scales).to(torch.bfloat16)))
+        self.register_buffer("bias", None if layer.bias is None else layer.bias.detach().to(device=device, dtype=dtype))
+
+    @staticmethod
+    def supports(layer: QuantLinear, device: torch.device) -> bool:
+        scheme = layer.scheme
+        if device.type != "cpu" or scheme.bits != 4:
+            return False
+        group = layer.in_features // scheme.groups(layer.in_features)
+        return cpu_kernels.int4_int8_fits(group, layer.out_features, layer.in_features) and cpu_kernels.int4_int8_available()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.slimlm.int4_int8_mm(_as_2d(x).to(self.dtype), self.weight, self.scales, self.offsets, self.group_size)
+        y = y.view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Weight rows `ids` dequantized (the embedding of a model whose head this is)."""
+        codes = cpu_kernels.unpack_int4_rows(self.weight, ids).to(dtype).view(len(ids), -1, self.group_size)
+        scales = cpu_kernels.untile_groups(self.scales, ids).to(dtype).unsqueeze(-1)
+        offsets = cpu_kernels.untile_groups(self.offsets, ids).to(dtype).unsqueeze(-1)
+        return (codes * scales - offsets).view(len(ids), self.in_features)
 
 
 class Int8Linear(nn.Module):
@@ -210,6 +252,8 @@ def build_linear(layer: nn.Module, dtype: torch.dtype, device: torch.device, ker
     if isinstance(layer, Concat):
         return Concat([build_linear(part, dtype, device, kernels, int8_activations) for part in layer.parts])
     if isinstance(layer, QuantLinear):
+        if kernels and int8_activations and Int4Int8Linear.supports(layer, device):
+            return Int4Int8Linear(layer, dtype, device)
         if kernels and Int4Linear.supports(layer):
             return Int4Linear(layer, dtype, device)
         if kernels and Int8Linear.supports(layer):
@@ -225,4 +269,4 @@ def kernel_name(layer: nn.Module) -> str:
         return "+".join(kernel_name(part) for part in layer.parts)
     if isinstance(layer, Int8Linear) and layer.int8_activations:
         return "int8-int8act"
-    return {Int4Linear: "int4-tinygemm", Int8Linear: "int8-pack", DequantLinear: "dequant", DenseLinear: "dense", SemiSparseLinear: "2:4-sparse"}[type(layer)]
+    return {Int4Int8Linear: "int4-int8act", Int4Linear: "int4-tinygemm", Int8Linear: "int8-pack", DequantLinear: "dequant", DenseLinear: "dense", SemiSparseLinear: "2:4-sparse"}[type(layer)]

@@ -7,7 +7,8 @@ decides the order of operations.
 
 Decoding state lives in a static cache allocated once by `setup_cache`: keys and values for
 `batch` sequences of at most `max_seq` slots; attention reads each row up to its current slot
-only. Sequences of different lengths decoded together are left-padded: row b's tokens start at
+only. An int8 cache stores each head's key or value vector as int8 codes with one absmax scale
+(a quarter of an fp32 cache's bytes, about half of an fp16 one's) and dequantizes what it reads. Sequences of different lengths decoded together are left-padded: row b's tokens start at
 slot `pad[b]`, its RoPE positions count from there, and its queries never see the slots before
 it. For continuous batching (`step_rows`) every sequence owns a row and advances on its own.
 """
@@ -99,6 +100,19 @@ def rope_inverse_frequencies(args: ModelArgs) -> torch.Tensor:
     return torch.where(medium, blended, scaled).float()
 
 
+def to_cache(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Vectors [..., head_dim] as the cache stores them: in `dtype`, or for int8 as codes plus
+    one scale per vector (absmax / 127)."""
+    if dtype != torch.int8:
+        return x.to(dtype), None
+    scale = x.float().abs().amax(-1, keepdim=True).clamp(min=1e-12) / 127
+    return torch.round(x.float() / scale).to(torch.int8), scale
+
+
+def from_cache(codes: torch.Tensor, scale: Optional[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    return codes.to(dtype) if scale is None else codes.to(dtype) * scale.to(dtype)
+
+
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """RoPE in the HF (half-split) layout: pairs are (i, i + head_dim/2)."""
     half = x.shape[-1] // 2
@@ -124,8 +138,9 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
         self.qkv, self.o_proj = qkv, o_proj
-        self.register_buffer("k_cache", None, persistent=False)
-        self.register_buffer("v_cache", None, persistent=False)
+        for name in ("k_cache", "v_cache", "k_cache_scale", "v_cache_scale"):  # scales: int8 caches only
+            self.register_buffer(name, None, persistent=False)
+        self.attention_dtype = torch.float32  # what cached keys and values are read as
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, mask: Optional[torch.Tensor], end: int, rows: Union[torch.Tensor, int] = 0) -> torch.Tensor:
         """`rows`: an int, the first of `batch` consecutive cache rows, all written at `slots`;
@@ -137,21 +152,29 @@ class Attention(nn.Module):
         qk = rotate(qkv[:, :, : heads + kv_heads], cos, sin)  # q and k heads rotated in one go
         q, k = qk[:, :, :heads].transpose(1, 2), qk[:, :, heads:].transpose(1, 2)
         v = qkv[:, :, heads + kv_heads :].transpose(1, 2)
-        if isinstance(rows, int):
-            k_cache, v_cache = self.k_cache[rows : rows + batch], self.v_cache[rows : rows + batch]
-            k_cache.index_copy_(2, slots, k.to(k_cache.dtype))
-            v_cache.index_copy_(2, slots, v.to(v_cache.dtype))
-            keys, values = k_cache[:, :, :end], v_cache[:, :, :end]
-        else:
-            self.k_cache[rows, :, slots] = k[:, :, 0].to(self.k_cache.dtype)
-            self.v_cache[rows, :, slots] = v[:, :, 0].to(self.v_cache.dtype)
-            keys, values = self.k_cache[rows, :, :end], self.v_cache[rows, :, :end]
-        q = q.to(keys.dtype)  # attention runs in the cache's dtype (fp32 on CPU: bf16 matmuls are slow there)
+        keys = self.cached(self.k_cache, self.k_cache_scale, k, slots, end, rows)
+        values = self.cached(self.v_cache, self.v_cache_scale, v, slots, end, rows)
+        q = q.to(keys.dtype)  # fp32 on CPU (bf16 matmuls are slow there), the activations' dtype on GPUs
         if length == 1:
             out = self.attend_one(q, keys, values, mask)
         else:
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=heads != kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, heads * self.head_dim).to(x.dtype))
+
+    def cached(self, cache: torch.Tensor, scale: Optional[torch.Tensor], new: torch.Tensor, slots: torch.Tensor, end: int, rows: Union[torch.Tensor, int]) -> torch.Tensor:
+        """Write `new` [batch, kv_heads, length, head_dim] at `slots` of the cache rows, then read
+        the rows' slots up to `end` as `attention_dtype`."""
+        codes, new_scale = to_cache(new, cache.dtype)
+        if isinstance(rows, int):
+            select = slice(rows, rows + new.shape[0])
+            cache[select].index_copy_(2, slots, codes)
+            if scale is not None:
+                scale[select].index_copy_(2, slots, new_scale)
+            return from_cache(cache[select, :, :end], None if scale is None else scale[select, :, :end], self.attention_dtype)
+        cache[rows, :, slots] = codes[:, :, 0]
+        if scale is not None:
+            scale[rows, :, slots] = new_scale[:, :, 0]
+        return from_cache(cache[rows, :, :end], None if scale is None else scale[rows, :, :end], self.attention_dtype)
 
     def attend_one(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
         """One query per sequence (a decode step): the query heads of each key/value head are
@@ -206,23 +229,34 @@ class Transformer(nn.Module):
 
     def setup_cache(self, batch: int, max_seq: int, cache_dtype: Optional[torch.dtype] = None) -> None:
         """Allocate the key/value cache once; decoding never allocates it again. Its dtype
-        defaults to the activations' on GPUs and to fp32 on CPUs (where bf16 attention is slow)."""
+        defaults to the activations' on GPUs and to fp32 on CPUs (where bf16 attention is slow);
+        torch.int8 stores codes and a float32 scale per head and slot."""
         if max_seq > self.args.max_position_embeddings:
             raise SlimlmError(f"a context of {max_seq} tokens is longer than the model's {self.args.max_position_embeddings}; ask for fewer new tokens or a shorter prompt")
         device = self.inv_freq.device
-        cache_dtype = cache_dtype or (self.dtype if device.type == "cuda" else torch.float32)
+        float_dtype = self.dtype if device.type == "cuda" else torch.float32
+        cache_dtype = cache_dtype or float_dtype
         shape = (batch, self.args.n_kv_heads, max_seq, self.args.head_dim)
         for block in self.layers:
-            block.attention.k_cache = torch.zeros(shape, dtype=cache_dtype, device=device)
-            block.attention.v_cache = torch.zeros(shape, dtype=cache_dtype, device=device)
+            attention = block.attention
+            attention.k_cache = torch.zeros(shape, dtype=cache_dtype, device=device)
+            attention.v_cache = torch.zeros(shape, dtype=cache_dtype, device=device)
+            scaled = cache_dtype == torch.int8
+            attention.k_cache_scale = torch.zeros(*shape[:-1], 1, device=device) if scaled else None
+            attention.v_cache_scale = torch.zeros(*shape[:-1], 1, device=device) if scaled else None
+            attention.attention_dtype = float_dtype if scaled else cache_dtype
         self.max_batch, self.max_seq = batch, max_seq
 
+    def cache_tensors(self) -> list[torch.Tensor]:
+        names = ("k_cache", "v_cache", "k_cache_scale", "v_cache_scale")
+        return [t for b in self.layers for t in (getattr(b.attention, name) for name in names) if t is not None]
+
     def cache_bytes(self) -> int:
-        return sum(b.attention.k_cache.nbytes + b.attention.v_cache.nbytes for b in self.layers if b.attention.k_cache is not None)
+        return sum(t.nbytes for t in self.cache_tensors())
 
     def weight_bytes(self) -> int:
         """Bytes of every stored weight (parameters and buffers, the cache and RoPE table aside)."""
-        skip = {id(self.inv_freq)} | {id(t) for b in self.layers for t in (b.attention.k_cache, b.attention.v_cache)}
+        skip = {id(self.inv_freq)} | {id(t) for t in self.cache_tensors()}
         seen = {id(t): t for t in (*self.parameters(), *self.buffers()) if id(t) not in skip}
         return sum(t.nbytes for t in seen.values())
 
@@ -232,8 +266,7 @@ class Transformer(nn.Module):
         table = self.embedding.table
         table_bytes = 0 if table is self.output else sum(t.nbytes for t in (*table.parameters(), *table.buffers()))
         row = self.args.dim * next(t.element_size() for t in (*table.parameters(), *table.buffers()))
-        kv_dtype = self.layers[0].attention.k_cache.element_size() if self.layers[0].attention.k_cache is not None else self.inv_freq.element_size()
-        kv = 2 * self.args.n_layers * self.args.n_kv_heads * self.args.head_dim * context * kv_dtype
+        kv = self.cache_bytes() * context // (self.max_seq * self.max_batch) if self.max_seq else 2 * self.args.n_layers * self.args.n_kv_heads * self.args.head_dim * context * self.inv_freq.element_size()
         return self.weight_bytes() - table_bytes + row + kv
 
     def forward(self, tokens: torch.Tensor, start: int, pad: Optional[torch.Tensor] = None, last_only: bool = False, first_row: int = 0) -> torch.Tensor:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from slimlm.errors import SlimlmError
+from slimlm.inference.cpu_kernels import int4_int8_fits
 from slimlm.inference.linear import int8pack_fits, tinygemm_fits
 from slimlm.inference.model import ModelArgs
 from slimlm.qlinear import QuantScheme
@@ -119,11 +120,15 @@ class Plan:
         return 1 / seconds
 
 
-def budget(args: ModelArgs, schemes: dict[str, QuantScheme], hardware: Hardware, context: int, batch: int, prefill_chunk: int = 512) -> Budget:
+def budget(args: ModelArgs, schemes: dict[str, QuantScheme], hardware: Hardware, context: int, batch: int, prefill_chunk: int = 512, int8_activations: bool = False, kv_int8: bool = False) -> Budget:
     """The decoder's bytes for this model on this hardware. `schemes` maps module names
-    (`model.layers.0.self_attn.q_proj`, `lm_head`) to schemes; absent modules stay float."""
+    (`model.layers.0.self_attn.q_proj`, `lm_head`) to schemes; absent modules stay float.
+    `int8_activations` (CPU): int4 layers run in slimlm's int4 x int8 kernel, whose layout a
+    tied head's embedding reads row by row (no second table). `kv_int8`: the cache holds int8
+    codes and a float32 scale per head and slot, and a step reads one layer's cache dequantized."""
     act_bytes = 2  # bf16/fp16 activations: the fast path of every packed kernel
-    kv_bytes_per = act_bytes if hardware.device == "cuda" else 4  # the CPU cache is fp32 (inference/model.py)
+    float_kv = act_bytes if hardware.device == "cuda" else 4  # the CPU cache is fp32 (inference/model.py)
+    per_slot = args.n_kv_heads * (args.head_dim + 4 if kv_int8 else args.head_dim * float_kv)  # bytes of one slot's keys
     q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
     shapes = {"self_attn.q_proj": (q, args.dim), "self_attn.k_proj": (kv, args.dim), "self_attn.v_proj": (kv, args.dim), "self_attn.o_proj": (args.dim, q),
               "mlp.gate_proj": (args.intermediate_size, args.dim), "mlp.up_proj": (args.intermediate_size, args.dim), "mlp.down_proj": (args.dim, args.intermediate_size)}
@@ -139,13 +144,17 @@ def budget(args: ModelArgs, schemes: dict[str, QuantScheme], hardware: Hardware,
     head = linear_bytes(args.vocab_size, args.dim, head_scheme, act_bytes)
     if not args.tie_embeddings:
         table = args.vocab_size * args.dim * act_bytes
+    elif int8_activations and hardware.device == "cpu" and head_scheme is not None and head_scheme.bits == 4 and int4_int8_fits(args.dim // head_scheme.groups(args.dim), args.vocab_size, args.dim):
+        table = 0
     elif tinygemm_fits(head_scheme, args.dim):
         table = packed_bytes(args.vocab_size, args.dim, head_scheme)  # a tinygemm head cannot be read by rows: the packed codes again
     else:
         table = 0
-    kv_cache = 2 * args.n_layers * args.n_kv_heads * args.head_dim * context * batch * kv_bytes_per
+    kv_cache = 2 * args.n_layers * per_slot * context * batch
     tokens = batch * min(prefill_chunk, context)
     hidden = tokens * (4 * args.dim + q + 2 * kv + 3 * args.intermediate_size) * act_bytes
+    if kv_int8:
+        hidden += 2 * batch * context * kv * float_kv
     logits = batch * args.vocab_size * 4
     # Loading on a CPU holds the largest layer in its stored and its kernel layout at once (the
     # stored copy is dropped before the next is read); a GPU plan leaves that host-side.
@@ -153,13 +162,13 @@ def budget(args: ModelArgs, schemes: dict[str, QuantScheme], hardware: Hardware,
     return Budget(layers, head, table, args.dim * act_bytes, kv_cache, hidden + logits, hardware.reserve_bytes, transit_bytes=transit)
 
 
-def make_plan(args: ModelArgs, schemes: dict[str, QuantScheme], hardware: Hardware, context: int, batch: int = 1) -> Plan:
+def make_plan(args: ModelArgs, schemes: dict[str, QuantScheme], hardware: Hardware, context: int, batch: int = 1, int8_activations: bool = False, kv_int8: bool = False) -> Plan:
     """The first plan that fits (see the module docstring), or SlimlmError with the numbers."""
     if context < 1 or batch < 1:
         raise SlimlmError(f"context ({context}) and batch ({batch}) must be at least 1")
     if context > args.max_position_embeddings:
         raise SlimlmError(f"a context of {context} is longer than the model's {args.max_position_embeddings}")
-    full = budget(args, schemes, hardware, context, batch)
+    full = budget(args, schemes, hardware, context, batch, int8_activations=int8_activations, kv_int8=kv_int8)
     plan = Plan(hardware, context, batch, full, "device")
     if plan.device_bytes() <= hardware.memory_bytes:
         return plan
@@ -177,7 +186,7 @@ def make_plan(args: ModelArgs, schemes: dict[str, QuantScheme], hardware: Hardwa
     shorter = context
     while shorter > 256:
         shorter //= 2
-        candidate = budget(args, schemes, hardware, shorter, batch)
+        candidate = budget(args, schemes, hardware, shorter, batch, int8_activations=int8_activations, kv_int8=kv_int8)
         plan = Plan(hardware, shorter, batch, candidate, "shorter-context", table_on_host=host_table, notes=list(table_note))
         if plan.device_bytes() <= hardware.memory_bytes:
             plan.notes.append(f"the context is capped at {shorter} tokens (of {context} asked)")

@@ -2,6 +2,7 @@
 
 import threading
 
+import pytest
 import torch
 
 from slimlm.inference.batching import ContinuousBatcher
@@ -14,9 +15,10 @@ def prompt(length, seed):
     return torch.randint(4, 300, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def test_requests_joining_at_different_times_get_their_solo_output(tiny_model, tiny_tokenizer):
-    alone = Decoder(build_decoder(tiny_model), tiny_tokenizer)
-    batcher = ContinuousBatcher(Decoder(build_decoder(tiny_model), tiny_tokenizer), max_batch=3, max_seq=96)
+@pytest.mark.parametrize("cache_dtype", [None, torch.int8], ids=["float-cache", "int8-cache"])
+def test_requests_joining_at_different_times_get_their_solo_output(tiny_model, tiny_tokenizer, cache_dtype):
+    alone = Decoder(build_decoder(tiny_model), tiny_tokenizer, cache_dtype=cache_dtype)
+    batcher = ContinuousBatcher(Decoder(build_decoder(tiny_model), tiny_tokenizer, cache_dtype=cache_dtype), max_batch=3, max_seq=96)
     requests = [(prompt(5, 1), 40), (prompt(17, 2), 8), (prompt(9, 3), 24), (prompt(3, 4), 16)]  # four requests, three rows
     results, order = {}, []
     started = threading.Barrier(len(requests))

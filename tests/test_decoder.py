@@ -10,6 +10,7 @@ from slimlm.inference.decoder import Decoder
 from slimlm.inference.model import ModelArgs
 from slimlm.inference.sampling import SamplingParams, filter_top_k_top_p, penalize_repetition
 from slimlm.pipeline import RunState
+from tests.conftest import build_tiny_llama
 
 
 def quantized(model, tokenizer, tmp_path, **params):
@@ -69,13 +70,33 @@ def test_packed_kernels_match_the_dequantized_reference(tiny_model, tiny_tokeniz
         torch.testing.assert_close(reference(ids, 0, pad), model(ids).logits, rtol=1e-4, atol=1e-4)
 
 
-def test_the_cache_is_allocated_once(tiny_model, tiny_tokenizer):
-    decoder = Decoder(build_decoder(tiny_model), tiny_tokenizer)
+@pytest.mark.parametrize("cache_dtype, slot_bytes", [(None, 16 * 4), (torch.int8, 16 + 4)], ids=["fp32", "int8"])
+def test_the_cache_is_allocated_once(tiny_model, tiny_tokenizer, cache_dtype, slot_bytes):
+    decoder = Decoder(build_decoder(tiny_model), tiny_tokenizer, cache_dtype=cache_dtype)
     decoder.generate_ids([prompt_ids(10, 300)], SamplingParams(max_new_tokens=40, ignore_eos=True))
-    pointers = [layer.attention.k_cache.data_ptr() for layer in decoder.model.layers]
+    pointers = [t.data_ptr() for t in decoder.model.cache_tensors()]
     decoder.generate_ids([prompt_ids(5, 300, seed=1)], SamplingParams(max_new_tokens=30, ignore_eos=True))
-    assert [layer.attention.k_cache.data_ptr() for layer in decoder.model.layers] == pointers
-    assert decoder.model.cache_bytes() == 2 * 2 * 1 * 2 * 50 * 16 * 4  # k and v, 2 layers, batch 1, 2 kv heads, 50 slots, head dim 16, fp32
+    assert [t.data_ptr() for t in decoder.model.cache_tensors()] == pointers
+    # k and v, 2 layers, batch 1, 2 kv heads, 50 slots; a slot of head dim 16 in fp32, or 16 int8 codes and a float32 scale
+    assert decoder.model.cache_bytes() == 2 * 2 * 1 * 2 * 50 * slot_bytes
+
+
+def test_an_int8_cache_stays_close_to_the_float_cache(tiny_model, tiny_tokenizer):
+    """Prefill and then decode token by token with each cache: the int8 cache's logits stay
+    within a small KL of the fp32 cache's at every step."""
+    decoders = {dtype: build_decoder(tiny_model) for dtype in (None, torch.int8)}
+    ids = prompt_ids(40, tiny_model.config.vocab_size)
+    logits = {}
+    with torch.no_grad():
+        for dtype, decoder in decoders.items():
+            decoder.setup_cache(1, 48, dtype)
+            steps = [decoder(torch.tensor([ids[:24]]), 0)[:, -1]]
+            steps += [decoder(torch.tensor([[token]]), 24 + i)[:, -1] for i, token in enumerate(ids[24:])]
+            logits[dtype] = torch.cat(steps).log_softmax(-1)
+    reference, rounded = logits[None], logits[torch.int8]
+    kl = (reference.exp() * (reference - rounded)).sum(-1)
+    assert 0 < kl.max() < 1e-3
+    assert decoders[torch.int8].layers[0].attention.k_cache.dtype == torch.int8
 
 
 def test_a_batch_of_different_lengths_decodes_like_each_prompt_alone(tiny_model, tiny_tokenizer):
@@ -151,6 +172,20 @@ def test_the_compiled_decode_step_gives_the_same_tokens(tiny_model, tiny_tokeniz
     compiled = Decoder(build_decoder(model, dtype=torch.bfloat16), tiny_tokenizer)
     compiled.compile_decode_step()
     assert compiled.generate_ids([prompt_ids(6, 300)], params)[0].token_ids == eager.token_ids
+
+
+def test_decoders_compiled_in_one_process_keep_their_own_steps(tiny_model, tiny_tokenizer, tmp_path):
+    """Each compiled step skips Dynamo's guards on its weights, so two models must never share
+    one: an int8 model compiled first, then an int4 one of the same shapes and module names."""
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    prompt = prompt_ids(6, 300)
+    for bits in (8, 4):
+        model = build_tiny_llama(tiny_model.config.vocab_size)
+        model = quantized(model, tiny_tokenizer, tmp_path, bits=bits, group_size=None if bits == 8 else 32, targets=[r"model\.layers\.\d+\..*", "lm_head"])
+        eager = Decoder(build_decoder(model, dtype=torch.bfloat16), tiny_tokenizer).generate_ids([prompt], params)[0]
+        compiled = Decoder(build_decoder(model, dtype=torch.bfloat16), tiny_tokenizer)
+        compiled.compile_decode_step()
+        assert compiled.generate_ids([prompt], params)[0].token_ids == eager.token_ids, bits
 
 
 def test_int8_activations_stay_close_to_the_weight_only_kernel(tiny_model, tiny_tokenizer, tmp_path):

@@ -7,6 +7,7 @@ import torch
 
 from slimlm.compress.quantize import QuantizeParams, run as quantize
 from slimlm.errors import SlimlmError
+from slimlm.inference import cpu_kernels
 from slimlm.inference.build import build_decoder
 from slimlm.inference.model import ModelArgs
 from slimlm.inference.planner import GiB, HARDWARE, budget, format_plan, make_plan, uniform_schemes
@@ -24,20 +25,26 @@ SCHEMES = {
     "float": None,
     "int8-with-head": dict(bits=8, targets=[r"model\.layers\.\d+\..*", "lm_head"]),
     "int4-g32-with-head": dict(bits=4, group_size=32, targets=[r"model\.layers\.\d+\..*", "lm_head"]),
+    "int4-g64-asym-with-head": dict(bits=4, group_size=64, symmetric=False, targets=[r"model\.layers\.\d+\..*", "lm_head"]),
     "int3-g32": dict(bits=3, group_size=32),
 }
 
 
+@pytest.mark.parametrize("int8_activations", [False, True], ids=["bf16-act", "int8-act"])
 @pytest.mark.parametrize("params", SCHEMES.values(), ids=SCHEMES.keys())
-def test_predicted_bytes_are_what_the_decoder_allocates(tiny_model, tiny_tokenizer, tmp_path, params):
+def test_predicted_bytes_are_what_the_decoder_allocates(tiny_model, tiny_tokenizer, tmp_path, params, int8_activations):
+    if int8_activations and not (params and params.get("bits") == 4 and cpu_kernels.int4_int8_available()):
+        pytest.skip("int8 activations change the layout of int4 layers only, with the int4 x int8 kernel")
     schemes = {}
     if params is not None:
         state = quantized(tiny_model, tiny_tokenizer, tmp_path, **params)
         schemes = {name: QuantScheme(**scheme) for name, scheme in state.schemes.items()}
-    decoder = build_decoder(tiny_model, dtype=torch.bfloat16)
+    decoder = build_decoder(tiny_model, dtype=torch.bfloat16, int8_activations=int8_activations)
     decoder.setup_cache(2, 96)
-    predicted = budget(ModelArgs.from_hf_config(tiny_model.config), schemes, HARDWARE["cpu"], context=96, batch=2)
+    predicted = budget(ModelArgs.from_hf_config(tiny_model.config), schemes, HARDWARE["cpu"], context=96, batch=2, int8_activations=int8_activations)
     assert predicted.kv_bytes == decoder.cache_bytes()
+    decoder.setup_cache(2, 96, torch.int8)
+    assert budget(ModelArgs.from_hf_config(tiny_model.config), schemes, HARDWARE["cpu"], context=96, batch=2, kv_int8=True).kv_bytes == decoder.cache_bytes()
     assert predicted.weight_bytes == pytest.approx(decoder.weight_bytes(), rel=0.02)
 
 

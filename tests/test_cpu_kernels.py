@@ -1,0 +1,120 @@
+"""slimlm's int4 x int8 CPU kernel against an exact emulation of its arithmetic, and the decoder
+built on it against the weight-only kernel."""
+
+import pytest
+import torch
+
+from slimlm.inference import cpu_kernels
+from slimlm.inference.build import build_decoder, describe_kernels
+from slimlm.inference.decoder import Decoder
+from slimlm.inference.linear import Int4Linear, build_linear
+from slimlm.inference.sampling import SamplingParams
+from slimlm.qlinear import QuantLinear, QuantScheme
+
+from tests.test_decoder import prompt_ids, quantized
+
+needs_kernel = pytest.mark.skipif(not cpu_kernels.int4_int8_available(), reason="the processor lacks AVX512-VNNI (or no compiler): the decoder uses torch's int4 kernel")
+
+
+def random_weights(rows, width, group, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (rows, width), generator=generator)
+    scales = (torch.rand(rows, width // group, generator=generator) * 0.02 + 0.001).to(torch.bfloat16)
+    zeros = torch.randint(0, 16, (rows, width // group), generator=generator).float()
+    offsets = (zeros * scales.float()).to(torch.bfloat16)
+    return codes, scales, offsets
+
+
+def emulate(x, codes, scales, offsets, group):
+    """The kernel's arithmetic in torch: activations rounded per 64 inputs, integer dots per block."""
+    rows, width = codes.shape
+    blocks = x.float().view(x.shape[0], width // 64, 64)
+    block_scale = blocks.abs().amax(-1, keepdim=True) / 127
+    block_scale = torch.where(block_scale > 0, block_scale, torch.ones_like(block_scale))
+    q = torch.round(blocks * (1 / block_scale))
+    dots = torch.einsum("mbi,nbi->mnb", q.double(), codes.view(rows, width // 64, 64).double())
+    per_block = scales.double().repeat_interleave(group // 64, dim=1)
+    y = (dots * per_block[None] * block_scale.squeeze(-1).double()[:, None]).sum(-1)
+    group_sum = x.double().view(x.shape[0], width // group, group).sum(-1)
+    return (y - group_sum @ offsets.double().t()).float()
+
+
+def test_packing_round_trips_and_rows_read_back():
+    codes, scales, _ = random_weights(48, 128, 64)
+    packed = cpu_kernels.pack_int4(codes)
+    assert packed.shape == (3, 16, 64) and packed.dtype == torch.uint8
+    ids = torch.tensor([0, 17, 47, 5])
+    assert torch.equal(cpu_kernels.unpack_int4_rows(packed, ids).long(), codes[ids])
+    assert torch.equal(cpu_kernels.untile_groups(cpu_kernels.tile_groups(scales), ids), scales[ids])
+
+
+@needs_kernel
+@pytest.mark.parametrize("group", [64, 128])
+@pytest.mark.parametrize("tokens", [1, 3, 4, 9])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_kernel_matches_the_emulation_of_its_arithmetic(group, tokens, dtype):
+    rows, width = 48, 256
+    codes, scales, offsets = random_weights(rows, width, group, seed=tokens)
+    x = torch.randn(tokens, width, generator=torch.Generator().manual_seed(1)).to(dtype)
+    x[0, :64] = 0  # an all-zero block must not divide by zero
+    y = torch.ops.slimlm.int4_int8_mm(x, cpu_kernels.pack_int4(codes), cpu_kernels.tile_groups(scales), cpu_kernels.tile_groups(offsets), group)
+    assert y.dtype == dtype and y.shape == (tokens, rows)
+    torch.testing.assert_close(y.float(), emulate(x, codes, scales, offsets, group), rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-3 if dtype == torch.bfloat16 else 1e-5)
+    weight = (codes.float().view(rows, -1, group) * scales.float()[..., None] - offsets.float()[..., None]).view(rows, width)
+    exact = x.float() @ weight.t()
+    assert (y.float() - exact).norm() / exact.norm() < 0.02  # what rounding the activations costs
+
+
+@needs_kernel
+def test_kernel_refuses_shapes_it_cannot_run():
+    codes, scales, offsets = random_weights(16, 128, 64)
+    packed, s, o = cpu_kernels.pack_int4(codes), cpu_kernels.tile_groups(scales), cpu_kernels.tile_groups(offsets)
+    with pytest.raises(RuntimeError, match="multiple of the group size"):
+        torch.ops.slimlm.int4_int8_mm(torch.randn(1, 128), packed, s, o, 96)
+    with pytest.raises(RuntimeError, match="must match the packed width"):
+        torch.ops.slimlm.int4_int8_mm(torch.randn(1, 64), packed, s, o, 64)
+
+
+@needs_kernel
+def test_decoder_with_int8_activations_runs_every_int4_layer_in_the_kernel(tiny_model, tiny_tokenizer, tmp_path):
+    model = quantized(tiny_model, tiny_tokenizer, tmp_path, bits=4, group_size=64, targets=[r"model\.layers\.\d+\..*", "lm_head"])
+    weight_only, w4a8 = build_decoder(model, dtype=torch.bfloat16), build_decoder(model, dtype=torch.bfloat16, int8_activations=True)
+    assert describe_kernels(w4a8) == {"int4-int8act": 4 * model.config.num_hidden_layers, "head: int4-int8act": 1}
+    assert w4a8.embedding.table is w4a8.output  # the tied head's codes serve the embedding: no second table
+    assert w4a8.weight_bytes() < weight_only.weight_bytes()
+    ids = torch.tensor([prompt_ids(24, model.config.vocab_size)])
+    torch.testing.assert_close(w4a8.embedding(ids), weight_only.embedding(ids), rtol=0.02, atol=1e-3)  # bf16 arithmetic in both
+    for decoder in (weight_only, w4a8):
+        decoder.setup_cache(1, 32)
+    with torch.no_grad():
+        reference, rounded = weight_only(ids, 0).float().log_softmax(-1), w4a8(ids, 0).float().log_softmax(-1)
+    kl = (reference.exp() * (reference - rounded)).sum(-1).mean()
+    assert 0 < kl < 1e-2
+
+
+@needs_kernel
+def test_compiled_step_matches_eager_also_after_the_cache_changes(tiny_model, tiny_tokenizer, tmp_path):
+    """The compiled step skips Dynamo's guards on the weights but keeps the cache's: a cache
+    allocated anew between requests (longer, or of another dtype) must be seen."""
+    model = quantized(tiny_model, tiny_tokenizer, tmp_path, bits=4, group_size=64, targets=[r"model\.layers\.\d+\..*", "lm_head"])
+    eager = Decoder(build_decoder(model, dtype=torch.bfloat16, int8_activations=True), tiny_tokenizer)
+    compiled = Decoder(build_decoder(model, dtype=torch.bfloat16, int8_activations=True), tiny_tokenizer)
+    compiled.compile_decode_step()
+    for length, new_tokens, cache_dtype in ((6, 8, None), (40, 30, None), (40, 30, torch.bfloat16)):
+        if cache_dtype is not None:
+            for decoder in (eager, compiled):
+                decoder.model.setup_cache(1, 80, cache_dtype)
+        params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+        prompt = prompt_ids(length, 300, seed=length)
+        assert compiled.generate_ids([prompt], params)[0].token_ids == eager.generate_ids([prompt], params)[0].token_ids
+    assert compiled.model.layers[0].attention.k_cache.dtype == torch.bfloat16
+
+
+def test_without_the_kernel_int4_layers_use_torchs(monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: {"avx2"})
+    cpu_kernels.int4_int8_available.cache_clear()
+    try:
+        layer = QuantLinear(64, 32, QuantScheme(bits=4, group_size=64))
+        assert isinstance(build_linear(layer, torch.bfloat16, torch.device("cpu"), int8_activations=True), Int4Linear)
+    finally:
+        cpu_kernels.int4_int8_available.cache_clear()
