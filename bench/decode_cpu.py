@@ -1,7 +1,8 @@
 """Batch-1 decode speed on CPU: the bundled decoder against transformers and llama.cpp.
 
 The default model, a 16-token prompt, exactly 128 new tokens (greedy, end-of-sequence ignored),
-median over repeats, all with the same number of threads:
+all with the same number of threads; every row is prepared (and compiled) first, then each
+decodes once per round for `--repeats` rounds and the median is kept:
   transformers fp32   `model.generate` of the fp32 checkpoint (eval/speed.py)
   slimlm fp32         the bundled decoder on the same fp32 weights
   slimlm int8         w8 RTN per-channel of every decoder Linear and the tied head, int8 kernel
@@ -23,9 +24,12 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
+from tqdm import tqdm
 
 from slimlm.compress.quantize import QuantizeParams, run as quantize
 from slimlm.eval.bandwidth import decode_bytes_per_token, memory_bandwidth
@@ -74,7 +78,17 @@ def decoder_kl(decoder, windows: torch.Tensor, reference: torch.Tensor, cache_dt
     return total / len(windows)
 
 
-def time_slimlm(model, tokenizer, prompt: list[int], options, dtype: torch.dtype, compiled: bool = False, int8_activations: bool = False, quality=None, cache_dtype=None) -> dict:
+@dataclass
+class Contender:
+    """One row of the table: `run` decodes once and returns (decode tok/s, time to first token s);
+    `info` holds what does not change between runs."""
+
+    name: str
+    run: Callable[[], tuple[float, float]]
+    info: dict
+
+
+def slimlm_contender(name: str, model, tokenizer, prompt: list[int], options, dtype: torch.dtype, compiled: bool = False, int8_activations: bool = False, quality=None, cache_dtype=None) -> Contender:
     decoder = Decoder(build_decoder(model, dtype=dtype, int8_activations=int8_activations), tokenizer, cache_dtype=cache_dtype)
     kl = None if quality is None else decoder_kl(decoder.model, *quality, cache_dtype=cache_dtype)
     decoder.model.setup_cache(1, len(prompt) + options.new_tokens, cache_dtype)
@@ -84,21 +98,14 @@ def time_slimlm(model, tokenizer, prompt: list[int], options, dtype: torch.dtype
     warm = time.perf_counter()
     decoder.generate_ids([prompt], params)  # warm-up (allocates the cache once; compiles)
     warm_s = time.perf_counter() - warm
-    speeds, prefill = [], []
-    for _ in range(options.repeats):
+
+    def run() -> tuple[float, float]:
         decoder.generate_ids([prompt], params)
-        speeds.append(decoder.last_stats.decode_tok_s)
-        prefill.append(decoder.last_stats.prefill_s)
+        return decoder.last_stats.decode_tok_s, decoder.last_stats.prefill_s
+
     context = len(prompt) + options.new_tokens // 2
-    return {
-        "decode_tok_s": statistics.median(speeds),
-        "ttft_s": statistics.median(prefill),
-        "bytes_per_token": decoder.model.bytes_per_token(context),
-        "weight_bytes": decoder.model.weight_bytes(),
-        "kernels": describe_kernels(decoder.model),
-        "warmup_s": warm_s,
-        "kl_mean": kl,
-    }
+    info = {"bytes_per_token": decoder.model.bytes_per_token(context), "weight_bytes": decoder.model.weight_bytes(), "kernels": describe_kernels(decoder.model), "warmup_s": warm_s, "kl_mean": kl}
+    return Contender(name, run, info)
 
 
 def llama_cpp_file(name: str, gguf_type: str, model, tokenizer, source) -> Path:
@@ -109,15 +116,39 @@ def llama_cpp_file(name: str, gguf_type: str, model, tokenizer, source) -> Path:
     return path
 
 
-def time_llama_cpp(path: Path, prompt: list[int], options, config) -> dict:
+@torch.inference_mode()
+def kernel_table(model) -> list[dict]:
+    """Batch-1 time of each int4 layer shape of the model in torch's int4 kernel (bf16
+    activations) and in slimlm's int4 x int8 kernel, weights warm in cache: the matmuls alone."""
+    decoders = {"tinygemm": build_decoder(model, dtype=torch.bfloat16), "int4_int8": build_decoder(model, dtype=torch.bfloat16, int8_activations=True)}
+    shapes = {"q/k/v": lambda d: d.layers[0].attention.qkv, "o": lambda d: d.layers[0].attention.o_proj, "gate/up": lambda d: d.layers[0].feed_forward.gate_up, "down": lambda d: d.layers[0].feed_forward.down, "tied head": lambda d: d.output}
+    table = []
+    for shape, pick in shapes.items():
+        row = {"name": shape}
+        for kernel, decoder in decoders.items():
+            layer = pick(decoder)
+            x = torch.randn(1, layer.in_features, dtype=torch.bfloat16)
+            row["out_features"], row["in_features"] = layer.out_features, layer.in_features
+            blocks = []
+            for _ in range(6):
+                start = time.perf_counter()
+                for _ in range(100):
+                    layer(x)
+                blocks.append((time.perf_counter() - start) / 100)
+            row[f"{kernel}_us"] = 1e6 * statistics.median(blocks[1:])
+        table.append(row)
+    return table
+
+
+def llama_cpp_contender(name: str, path: Path, prompt: list[int], options, config) -> Contender:
     """Greedy decoding through llama.cpp's own loop (eval one token, take the argmax)."""
     import numpy as np
     from gguf import GGUFReader
     from llama_cpp import Llama
 
     llm = Llama(model_path=str(path), n_ctx=len(prompt) + options.new_tokens + 8, n_batch=64, n_threads=options.threads, n_threads_batch=options.threads, logits_all=True, verbose=False)
-    speeds, prefill = [], []
-    for repeat in range(options.repeats + 1):
+
+    def run() -> tuple[float, float]:
         llm.reset()
         start = time.perf_counter()
         llm.eval(prompt)
@@ -126,15 +157,33 @@ def time_llama_cpp(path: Path, prompt: list[int], options, config) -> dict:
         for _ in range(options.new_tokens - 1):
             llm.eval([token])
             token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-        end = time.perf_counter()
-        if repeat:  # the first run warms up
-            speeds.append((options.new_tokens - 1) / (end - first))
-            prefill.append(first - start)
-    llm.close()
-    reader = GGUFReader(path)
-    weights = sum(int(t.n_bytes) for t in reader.tensors)
+        return (options.new_tokens - 1) / (time.perf_counter() - first), first - start
+
+    run()  # warm-up
+    weights = sum(int(t.n_bytes) for t in GGUFReader(path).tensors)
     kv = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * (len(prompt) + options.new_tokens // 2) * 2  # f16 cache
-    return {"decode_tok_s": statistics.median(speeds), "ttft_s": statistics.median(prefill), "bytes_per_token": weights + kv, "weight_bytes": weights}
+    return Contender(name, run, {"bytes_per_token": weights + kv, "weight_bytes": weights})
+
+
+def transformers_contender(model, tokenizer, options) -> Contender:
+    def run() -> tuple[float, float]:
+        result = measure_generate(model, tokenizer, prompt_tokens=options.prompt_tokens, new_tokens=options.new_tokens, warmup=0, repeats=1)
+        return result.decode_tok_s, result.ttft_s
+
+    run()  # warm-up
+    context = options.prompt_tokens + options.new_tokens // 2
+    return Contender("transformers fp32 generate", run, {"bytes_per_token": decode_bytes_per_token(model, context), "weight_bytes": decode_bytes_per_token(model, 0)})
+
+
+def race(contenders: list[Contender], repeats: int) -> list[dict]:
+    """Every contender decodes once per round, `repeats` rounds: a slow spell of the machine
+    (shared memory bandwidth on a virtual machine) then slows every row alike instead of
+    whichever row it happened to fall on, so the ratios between rows hold. Medians per row."""
+    runs: dict[str, list[tuple[float, float]]] = {c.name: [] for c in contenders}
+    for _ in tqdm(range(repeats), desc="rounds"):
+        for contender in contenders:
+            runs[contender.name].append(contender.run())
+    return [{"name": c.name, "decode_tok_s": statistics.median(r[0] for r in runs[c.name]), "ttft_s": statistics.median(r[1] for r in runs[c.name]), **c.info} for c in contenders]
 
 
 def main() -> None:
@@ -151,35 +200,35 @@ def main() -> None:
     model, tokenizer = loaded.model, loaded.tokenizer
     prompt = benchmark_prompt(tokenizer, options.prompt_tokens).tolist()
     bandwidth = memory_bandwidth("cpu").bytes_per_s
-    rows = []
-
-    def add(name: str, result: dict) -> None:
-        result["bandwidth_fraction"] = result["decode_tok_s"] * result["bytes_per_token"] / bandwidth
-        rows.append({"name": name, **result})
-        print(f"{name}: {result['decode_tok_s']:.1f} tok/s, {100 * result['bandwidth_fraction']:.0f}% of bandwidth", flush=True)
-
-    hf = measure_generate(model, tokenizer, prompt_tokens=options.prompt_tokens, new_tokens=options.new_tokens, repeats=options.repeats)
-    context = options.prompt_tokens + options.new_tokens // 2
-    add("transformers fp32 generate", {"decode_tok_s": hf.decode_tok_s, "ttft_s": hf.ttft_s, "bytes_per_token": decode_bytes_per_token(model, context), "weight_bytes": decode_bytes_per_token(model, 0)})
-    add("slimlm fp32", time_slimlm(model, tokenizer, prompt, options, torch.float32))
+    contenders = [transformers_contender(model, tokenizer, options), slimlm_contender("slimlm fp32", model, tokenizer, prompt, options, torch.float32)]
     if not options.skip_llama_cpp:
         source = resolve_model(cfg)
         for gguf_type in ("Q8_0", "Q4_0"):
-            add(f"llama.cpp {gguf_type}", time_llama_cpp(llama_cpp_file(f"default-{gguf_type.lower()}", gguf_type, model, tokenizer, source), prompt, options, model.config))
+            path = llama_cpp_file(f"default-{gguf_type.lower()}", gguf_type, model, tokenizer, source)
+            contenders.append(llama_cpp_contender(f"llama.cpp {gguf_type}", path, prompt, options, model.config))
     windows = eval_windows(tokenizer)
     with torch.inference_mode():
         quality = (windows, torch.stack([torch.log_softmax(model(ids[None]).logits[0].float(), dim=-1) for ids in windows]))
-    del model
+    kernels: list[dict] = []
     for name, scheme in SCHEMES.items():
         quantized = quantized_copy(cfg, scheme)
-        add(f"slimlm {name}, bf16 activations, eager", time_slimlm(quantized, tokenizer, prompt, options, torch.bfloat16, quality=quality))
-        add(f"slimlm {name}, bf16 activations, compiled", time_slimlm(quantized, tokenizer, prompt, options, torch.bfloat16, compiled=True))
         if scheme["bits"] == 4:
-            add(f"slimlm {name}, int8 activations, eager", time_slimlm(quantized, tokenizer, prompt, options, torch.bfloat16, int8_activations=True, quality=quality))
-        add(f"slimlm {name}, int8 activations, compiled", time_slimlm(quantized, tokenizer, prompt, options, torch.bfloat16, compiled=True, int8_activations=True, quality=quality if scheme["bits"] == 8 else None))
+            kernels = kernel_table(quantized)
+        rows_of = [
+            (f"slimlm {name}, bf16 activations, eager", dict(quality=quality)),
+            (f"slimlm {name}, bf16 activations, compiled", dict(compiled=True)),
+            (f"slimlm {name}, int8 activations, eager", dict(int8_activations=True, quality=quality)),
+            (f"slimlm {name}, int8 activations, compiled", dict(compiled=True, int8_activations=True)),
+        ]
         if scheme["bits"] == 4:
-            add(f"slimlm {name}, int8 activations, int8 KV cache, compiled", time_slimlm(quantized, tokenizer, prompt, options, torch.bfloat16, compiled=True, int8_activations=True, quality=quality, cache_dtype=torch.int8))
-        del quantized
+            rows_of.append((f"slimlm {name}, int8 activations, int8 KV cache, compiled", dict(compiled=True, int8_activations=True, quality=quality, cache_dtype=torch.int8)))
+        for row_name, settings in rows_of:
+            print(f"preparing {row_name}", flush=True)
+            contenders.append(slimlm_contender(row_name, quantized, tokenizer, prompt, options, torch.bfloat16, **settings))
+    rows = race(contenders, options.repeats)
+    for row in rows:
+        row["bandwidth_fraction"] = row["decode_tok_s"] * row["bytes_per_token"] / bandwidth
+        print(f"{row['name']}: {row['decode_tok_s']:.1f} tok/s, {100 * row['bandwidth_fraction']:.0f}% of bandwidth", flush=True)
     reference = rows[0]["decode_tok_s"]
     for row in rows:
         row["speedup_vs_transformers"] = row["decode_tok_s"] / reference
@@ -187,7 +236,7 @@ def main() -> None:
     command = command_line("decode_cpu.py", parser, options)
     RESULTS.mkdir(exist_ok=True)
     write_plot(rows)
-    write_result("decode_cpu", command, {"summary": summary, "rows": rows}, markdown(rows, summary, command))
+    write_result("decode_cpu", command, {"summary": summary, "rows": rows, "kernels": kernels}, markdown(rows, summary, command, kernels))
 
 
 def write_plot(rows: list[dict]) -> None:
@@ -209,14 +258,14 @@ def kl_cell(row: dict) -> str:
     return "" if row.get("kl_mean") is None else f"{row['kl_mean']:.4f}"
 
 
-def markdown(rows: list[dict], summary: dict, command: str) -> list[str]:
+def markdown(rows: list[dict], summary: dict, command: str, kernels: list[dict]) -> list[str]:
     machine = machine_info()
     return [
         "# decode_cpu",
         "",
         f"- command: `{command}`",
         f"- machine: {machine['processor']}, {machine['cpu_count']} CPUs, {summary['threads']} threads for every row; torch {machine['torch']}; {summary['seconds'] / 60:.1f} min",
-        f"- batch 1, a {summary['prompt_tokens']}-token prompt, exactly {summary['new_tokens']} new tokens (greedy), median of {summary['repeats']} runs after a warm-up",
+        f"- batch 1, a {summary['prompt_tokens']}-token prompt, exactly {summary['new_tokens']} new tokens (greedy), median of {summary['repeats']} rounds after a warm-up, every row decoding once per round (interleaved)",
         f"- memory bandwidth (eval/bandwidth.py, one-thread-per-core read): {summary['bandwidth_bytes_s'] / 1e9:.1f} GB/s; bytes per token = weights read per step + KV cache at the mean context",
         "- KL to fp32: mean per-token KL from the fp32 model to the bundled decoder's logits on the first 4 windows of 512 tokens of WikiText-2 test (eager; compiling changes no arithmetic)",
         "",
@@ -225,6 +274,12 @@ def markdown(rows: list[dict], summary: dict, command: str) -> list[str]:
         *[f"| {r['name']} | {r['decode_tok_s']:.1f} | {r['speedup_vs_transformers']:.2f}x | {1000 * r['ttft_s']:.1f} | {r['weight_bytes'] / 1e6:.1f} | {100 * r['bandwidth_fraction']:.0f}% | {kl_cell(r)} |" for r in rows],
         "",
         "![decode_cpu](decode_cpu.png)",
+        "",
+        "int4 g64 layers of the same model at batch 1, one layer alone (weights warm in cache), median over 5 blocks of 100 calls:",
+        "",
+        "| layer (out x in) | torch int4, bf16 activations (us) | slimlm int4 x int8 (us) | speedup |",
+        "|---|---:|---:|---:|",
+        *[f"| {k['name']} ({k['out_features']} x {k['in_features']}) | {k['tinygemm_us']:.1f} | {k['int4_int8_us']:.1f} | {k['tinygemm_us'] / k['int4_int8_us']:.2f}x |" for k in kernels],
         "",
     ]
 

@@ -126,7 +126,8 @@ class Decoder:
         steps = 0
         for step in range(params.max_new_tokens):
             chosen = next_tokens(logits, params, seen, generator)
-            seen[torch.arange(batch), chosen] = True
+            if params.repetition_penalty != 1.0:  # the only reader of `seen`
+                seen[torch.arange(batch), chosen] = True
             for row, token in enumerate(chosen.tolist()):
                 if finished[row] is not None:
                     continue

@@ -80,6 +80,8 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: Optional[int], top_p: Option
 
 def next_tokens(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor, generator: Optional[torch.Generator]) -> torch.Tensor:
     """One token per row [batch] from the last position's logits [batch, vocab]."""
+    if params.greedy and params.repetition_penalty == 1.0:
+        return logits.argmax(-1)  # in the logits' own dtype: a copy to fp32 changes no order
     logits = penalize_repetition(logits.float(), seen, params.repetition_penalty)
     if params.greedy:
         return logits.argmax(-1)

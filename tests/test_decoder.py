@@ -158,6 +158,8 @@ def test_generate_and_chat_commands_stream_from_a_checkpoint(tiny_model_dir, tmp
     result = run("generate", str(tiny_model_dir), "the story of", "--max-new-tokens", "8", "--temperature", "1", "--seed", "1")
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() and "8 tokens" in result.stderr
+    compact = run("generate", str(tiny_model_dir), "the story of", "--max-new-tokens", "8", "--kv-cache", "int8", "--int8-activations", "--dtype", "bfloat16")
+    assert compact.returncode == 0 and "8 tokens" in compact.stderr, compact.stderr
     chat = run("chat", str(tiny_model_dir), "--max-new-tokens", "4", input="hello\nagain\n/exit\n")
     assert chat.returncode == 0, chat.stderr
     assert chat.stdout.count("> ") >= 3
