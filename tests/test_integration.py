@@ -72,8 +72,8 @@ import transformers.models.llama.modeling_llama  # code the load imports belongs
 torch.set_num_threads(2)
 path, context = sys.argv[1], 2048
 tokenizer = AutoTokenizer.from_pretrained(path)
-rss = lambda: int(next(l for l in open('/proc/self/status') if l.startswith('VmRSS:')).split()[1]) * 1024
-before = rss()
+status = lambda field: int(next(l for l in open('/proc/self/status') if l.startswith(field + ':')).split()[1]) * 1024
+before = status('RssAnon')
 with peak_memory(torch.device('cpu')) as peak:
     model, manifest = load_decoder(path, dtype=torch.bfloat16)
     decoder = Decoder(model, tokenizer)
@@ -81,17 +81,20 @@ with peak_memory(torch.device('cpu')) as peak:
     decoder.generate_ids([[100 + i % 1000 for i in range(512)]], SamplingParams(max_new_tokens=16, ignore_eos=True))
 args = ModelArgs.from_hf_config(AutoConfig.from_pretrained(path))
 plan = budget(args, {n: scheme_of(r) for n, r in manifest['modules'].items()}, HARDWARE['cpu'], context, 1)
-print(json.dumps({'measured': peak.bytes - before, 'predicted': plan.total_bytes - plan.reserve_bytes, 'weights': plan.weight_bytes, 'kv': plan.kv_bytes}))
+# the peak of the whole resident set less the shared libraries' pages mapped by the end (an upper
+# bound of those at the peak): the process's own memory, what the planner counts
+print(json.dumps({'measured': peak.bytes - status('RssFile') - status('RssShmem') - before, 'predicted': plan.total_bytes - plan.reserve_bytes, 'weights': plan.weight_bytes, 'kv': plan.kv_bytes}))
 """
 
 
 def test_planner_predicts_the_peak_memory_of_loading_and_decoding_an_artifact(tmp_path):
     """The planner's bytes (weights in kernel layout, then the larger of one layer in transit while
     loading and the static cache of 2048 positions plus a 512-token prefill chunk) against the
-    measured growth of the resident set while an int4 artifact loads layer by layer and decodes,
-    within the issue's 10%: measured 196.2-199.0 MB against 190.8 MB predicted (+2.8..4.3%) in
-    the development environment and in fresh clones. One earlier fresh-clone run measured +13.9%
-    and never again, so a measurement over the bar is repeated once before the test fails."""
+    measured growth of the process's own memory while an int4 artifact loads layer by layer and
+    decodes, within the issue's 10%: 177.2-182.1 MB against 190.8 MB predicted (-4.5..-7.1%).
+    Counting the whole resident set instead measured +3% in one fresh install and +14% in
+    another with identical files: the pages of torch's libraries that a fault maps depend on what
+    the page cache holds (a freshly installed library is all cached), not on the model."""
     import subprocess
     import sys
 
@@ -101,12 +104,7 @@ def test_planner_predicts_the_peak_memory_of_loading_and_decoding_an_artifact(tm
     # or more from its own mapping makes the resident set follow the live tensors, which is what
     # the planner counts (a deployment can set the same variable).
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
-    measurements = []
-    for _ in range(2):
-        result = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, str(tmp_path / "run" / "artifact")], capture_output=True, text=True, timeout=600, env=env)
-        assert result.returncode == 0, result.stderr[-2000:]
-        numbers = json.loads(result.stdout.strip().splitlines()[-1])
-        measurements.append(numbers)
-        if abs(numbers["measured"] - numbers["predicted"]) <= 0.10 * numbers["predicted"]:
-            return
-    pytest.fail(f"the planner's prediction is off by more than 10% twice: {measurements}")
+    result = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, str(tmp_path / "run" / "artifact")], capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    numbers = json.loads(result.stdout.strip().splitlines()[-1])
+    assert abs(numbers["measured"] - numbers["predicted"]) <= 0.10 * numbers["predicted"], numbers
