@@ -12,8 +12,11 @@ from __future__ import annotations
 import functools
 import logging
 from pathlib import Path
+from typing import Optional
 
 import torch
+
+from slimlm.qlinear import QuantScheme
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +38,7 @@ def cpu_flags() -> set[str]:
 @functools.cache
 def int4_int8_available() -> bool:
     """Whether the int4 x int8 kernel runs here: a processor with AVX512-VNNI, and the kernel
-    compiles (a C++ compiler and ninja). Compiling takes about a minute, once per machine."""
+    compiles (a C++ compiler and ninja). Compiling takes 10-20 s, once per machine."""
     missing = [flag for flag in REQUIRED_FLAGS if flag not in cpu_flags()]
     if missing:
         log.info("int4 x int8 CPU kernel not used: the processor lacks %s", ", ".join(missing))
@@ -51,8 +54,17 @@ def int4_int8_available() -> bool:
     return True
 
 
-def int4_int8_fits(group_size: int, out_features: int, in_features: int) -> bool:
-    return group_size % BLOCK == 0 and in_features % group_size == 0 and out_features % TILE == 0
+def group_size(scheme: QuantScheme, in_features: int) -> int:
+    return in_features // scheme.groups(in_features)
+
+
+def int4_int8_fits(scheme: Optional[QuantScheme], out_features: int, in_features: int) -> bool:
+    """Whether the kernel's layout can hold a layer of this scheme and shape (the planner asks
+    too, so it needs no processor)."""
+    if scheme is None or scheme.bits != 4:
+        return False
+    group = group_size(scheme, in_features)
+    return group % BLOCK == 0 and in_features % group == 0 and out_features % TILE == 0
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:

@@ -82,7 +82,7 @@ class Int4Int8Linear(nn.Module):
         super().__init__()
         scheme = layer.scheme
         self.in_features, self.out_features, self.dtype = layer.in_features, layer.out_features, dtype
-        self.group_size = layer.in_features // scheme.groups(layer.in_features)
+        self.group_size = cpu_kernels.group_size(scheme, layer.in_features)
         scales = layer.scales.to(device=device, dtype=torch.float32)
         zeros = layer.zeros.to(device=device, dtype=torch.float32) if layer.zeros is not None else torch.full_like(scales, scheme.symmetric_zero)
         self.register_buffer("weight", cpu_kernels.pack_int4(layer.codes().to(device)))
@@ -91,12 +91,12 @@ class Int4Int8Linear(nn.Module):
         self.register_buffer("bias", None if layer.bias is None else layer.bias.detach().to(device=device, dtype=dtype))
 
     @staticmethod
-    def supports(layer: QuantLinear, device: torch.device) -> bool:
-        scheme = layer.scheme
-        if device.type != "cpu" or scheme.bits != 4:
+    def supports(layer: QuantLinear, dtype: torch.dtype, device: torch.device) -> bool:
+        """CPU, fp32 or bf16 activations (what the kernel reads), a layout that fits, and a
+        processor and compiler that can run the kernel."""
+        if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
             return False
-        group = layer.in_features // scheme.groups(layer.in_features)
-        return cpu_kernels.int4_int8_fits(group, layer.out_features, layer.in_features) and cpu_kernels.int4_int8_available()
+        return cpu_kernels.int4_int8_fits(layer.scheme, layer.out_features, layer.in_features) and cpu_kernels.int4_int8_available()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.ops.slimlm.int4_int8_mm(_as_2d(x).to(self.dtype), self.weight, self.scales, self.offsets, self.group_size)
@@ -252,7 +252,7 @@ def build_linear(layer: nn.Module, dtype: torch.dtype, device: torch.device, ker
     if isinstance(layer, Concat):
         return Concat([build_linear(part, dtype, device, kernels, int8_activations) for part in layer.parts])
     if isinstance(layer, QuantLinear):
-        if kernels and int8_activations and Int4Int8Linear.supports(layer, device):
+        if kernels and int8_activations and Int4Int8Linear.supports(layer, dtype, device):
             return Int4Int8Linear(layer, dtype, device)
         if kernels and Int4Linear.supports(layer):
             return Int4Linear(layer, dtype, device)

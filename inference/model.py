@@ -8,9 +8,9 @@ decides the order of operations.
 Decoding state lives in a static cache allocated once by `setup_cache`: keys and values for
 `batch` sequences of at most `max_seq` slots; attention reads each row up to its current slot
 only. An int8 cache stores each head's key or value vector as int8 codes with one absmax scale
-(a quarter of an fp32 cache's bytes, about half of an fp16 one's) and dequantizes what it reads. Sequences of different lengths decoded together are left-padded: row b's tokens start at
-slot `pad[b]`, its RoPE positions count from there, and its queries never see the slots before
-it. For continuous batching (`step_rows`) every sequence owns a row and advances on its own.
+(a quarter of an fp32 cache's bytes, about half of an fp16 one's) and dequantizes what it reads.
+Sequences of different lengths decoded together are left-padded: row b's tokens start at slot
+`pad[b]`, its RoPE positions count from there, and its queries never see the slots before it. For continuous batching (`step_rows`) every sequence owns a row and advances on its own.
 """
 
 from __future__ import annotations
@@ -165,16 +165,15 @@ class Attention(nn.Module):
         """Write `new` [batch, kv_heads, length, head_dim] at `slots` of the cache rows, then read
         the rows' slots up to `end` as `attention_dtype`."""
         codes, new_scale = to_cache(new, cache.dtype)
-        if isinstance(rows, int):
-            select = slice(rows, rows + new.shape[0])
-            cache[select].index_copy_(2, slots, codes)
-            if scale is not None:
-                scale[select].index_copy_(2, slots, new_scale)
-            return from_cache(cache[select, :, :end], None if scale is None else scale[select, :, :end], self.attention_dtype)
-        cache[rows, :, slots] = codes[:, :, 0]
-        if scale is not None:
-            scale[rows, :, slots] = new_scale[:, :, 0]
-        return from_cache(cache[rows, :, :end], None if scale is None else scale[rows, :, :end], self.attention_dtype)
+        select = slice(rows, rows + new.shape[0]) if isinstance(rows, int) else rows
+        for store, values in ((cache, codes), (scale, new_scale)):
+            if store is None:
+                continue
+            if isinstance(rows, int):
+                store[select].index_copy_(2, slots, values)
+            else:
+                store[rows, :, slots] = values[:, :, 0]
+        return from_cache(cache[select, :, :end], None if scale is None else scale[select, :, :end], self.attention_dtype)
 
     def attend_one(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
         """One query per sequence (a decode step): the query heads of each key/value head are

@@ -144,7 +144,7 @@ def budget(args: ModelArgs, schemes: dict[str, QuantScheme], hardware: Hardware,
     head = linear_bytes(args.vocab_size, args.dim, head_scheme, act_bytes)
     if not args.tie_embeddings:
         table = args.vocab_size * args.dim * act_bytes
-    elif int8_activations and hardware.device == "cpu" and head_scheme is not None and head_scheme.bits == 4 and int4_int8_fits(args.dim // head_scheme.groups(args.dim), args.vocab_size, args.dim):
+    elif int8_activations and hardware.device == "cpu" and int4_int8_fits(head_scheme, args.vocab_size, args.dim):
         table = 0
     elif tinygemm_fits(head_scheme, args.dim):
         table = packed_bytes(args.vocab_size, args.dim, head_scheme)  # a tinygemm head cannot be read by rows: the packed codes again

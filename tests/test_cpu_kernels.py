@@ -118,3 +118,9 @@ def test_without_the_kernel_int4_layers_use_torchs(monkeypatch):
         assert isinstance(build_linear(layer, torch.bfloat16, torch.device("cpu"), int8_activations=True), Int4Linear)
     finally:
         cpu_kernels.int4_int8_available.cache_clear()
+
+
+def test_activations_the_kernel_cannot_read_keep_torchs_kernel():
+    """fp16 activations on a CPU: the kernel reads fp32 or bf16 only, so the layer stays in tinygemm."""
+    layer = QuantLinear(64, 32, QuantScheme(bits=4, group_size=64))
+    assert isinstance(build_linear(layer, torch.float16, torch.device("cpu"), int8_activations=True), Int4Linear)
