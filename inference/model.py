@@ -177,14 +177,25 @@ class Attention(nn.Module):
 
     def attend_one(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
         """One query per sequence (a decode step): the query heads of each key/value head are
-        stacked as rows of one small matmul, the way grouped-query attention shares keys."""
+        stacked as rows of one small matmul, the way grouped-query attention shares keys.
+
+        Compiled for a CPU, the same sums are written as products and reductions: Inductor
+        fuses them with the softmax into one loop over the cache, where the matmul form is
+        matched to its flash-attention kernel (about 30 us per layer at one query, a tenth of
+        a small model's decode step)."""
         batch, group = q.shape[0], self.n_heads // self.n_kv_heads
         grouped = q.reshape(batch, self.n_kv_heads, group, self.head_dim)
-        scores = torch.matmul(grouped, keys.transpose(-1, -2)) * self.head_dim**-0.5  # [batch, kv_heads, group, keys]
+        fused_loops = torch.compiler.is_compiling() and q.device.type == "cpu"
+        if fused_loops:
+            scores = (grouped[:, :, :, None] * keys[:, :, None]).sum(-1)
+        else:
+            scores = torch.matmul(grouped, keys.transpose(-1, -2))
+        scores = scores * self.head_dim**-0.5  # [batch, kv_heads, group, keys]
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))
         weights = scores.softmax(-1)
-        return torch.matmul(weights, values).reshape(batch, self.n_heads, 1, self.head_dim)
+        out = (weights[..., None] * values[:, :, None]).sum(-2) if fused_loops else torch.matmul(weights, values)
+        return out.reshape(batch, self.n_heads, 1, self.head_dim)
 
 
 class FeedForward(nn.Module):

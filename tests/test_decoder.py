@@ -168,12 +168,15 @@ def test_generate_and_chat_commands_stream_from_a_checkpoint(tiny_model_dir, tmp
 
 
 def test_the_compiled_decode_step_gives_the_same_tokens(tiny_model, tiny_tokenizer, tmp_path):
+    """One prompt, then two of different lengths (left padding: the attention mask's path)."""
     model = quantized(tiny_model, tiny_tokenizer, tmp_path, bits=4, group_size=32, targets=[r"model\.layers\.\d+\..*", "lm_head"])
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
-    eager = Decoder(build_decoder(model, dtype=torch.bfloat16), tiny_tokenizer).generate_ids([prompt_ids(6, 300)], params)[0]
+    eager = Decoder(build_decoder(model, dtype=torch.bfloat16), tiny_tokenizer)
     compiled = Decoder(build_decoder(model, dtype=torch.bfloat16), tiny_tokenizer)
     compiled.compile_decode_step()
-    assert compiled.generate_ids([prompt_ids(6, 300)], params)[0].token_ids == eager.token_ids
+    for prompts in ([prompt_ids(6, 300)], [prompt_ids(6, 300), prompt_ids(9, 300, seed=1)]):
+        expected = [g.token_ids for g in eager.generate_ids(prompts, params)]
+        assert [g.token_ids for g in compiled.generate_ids(prompts, params)] == expected, len(prompts)
 
 
 def test_decoders_compiled_in_one_process_keep_their_own_steps(tiny_model, tiny_tokenizer, tmp_path):

@@ -19,7 +19,9 @@
 #include <torch/library.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstring>
+#include <vector>
 
 #if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512VNNI__)
 #error "the int4 x int8 kernel needs AVX512F, AVX512BW and AVX512-VNNI"
@@ -157,11 +159,14 @@ at::Tensor int4_int8_mm(const at::Tensor& x, const at::Tensor& packed, const at:
   TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && offsets.scalar_type() == at::kBFloat16 && scales.dim() == 3 && scales.size(0) == N / 16 && scales.size(1) == K / group_size && scales.size(2) == 16 && offsets.sizes() == scales.sizes(), "int4_int8_mm: bfloat16 scales and offsets [N/16, K/group, 16] expected");
   TORCH_CHECK(packed.is_contiguous() && scales.is_contiguous() && offsets.is_contiguous(), "int4_int8_mm: contiguous weights expected");
   const at::Tensor input = x.contiguous();
-  at::Tensor q = at::empty({M, K}, x.options().dtype(at::kChar));
-  at::Tensor block_scale = at::empty({M, K / kBlock + K / group_size}, x.options().dtype(at::kFloat));
+  // The rounded activations and their block scales and group sums live in a per-thread scratch
+  // that only grows: at batch 1 two allocations per call cost as much as a small layer's matmul.
+  thread_local std::vector<float> scratch;
+  const size_t floats = M * (K / kBlock + K / group_size);
+  scratch.resize(std::max(scratch.size(), floats + (M * K + 3) / 4));
   at::Tensor y = at::empty({M, N}, x.options());
   Problem p{M, N, K, group_size, packed.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>()),
-            reinterpret_cast<const uint16_t*>(offsets.data_ptr<at::BFloat16>()), q.data_ptr<int8_t>(), block_scale.data_ptr<float>(), nullptr};
+            reinterpret_cast<const uint16_t*>(offsets.data_ptr<at::BFloat16>()), reinterpret_cast<int8_t*>(scratch.data() + floats), scratch.data(), nullptr};
   p.group_sum = p.block_scale + M * (K / kBlock);
   if (x.scalar_type() == at::kFloat) {
     run<float>(p, input, y);
