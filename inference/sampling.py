@@ -78,12 +78,18 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: Optional[int], top_p: Option
     return logits
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """The argmax over the last dimension, taken on an fp32 copy: the copy is exact (same order,
+    same ties) and torch's bf16 argmax takes three times as long (180 us over 49k logits)."""
+    return logits.float().argmax(-1)
+
+
 def next_tokens(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor, generator: Optional[torch.Generator]) -> torch.Tensor:
     """One token per row [batch] from the last position's logits [batch, vocab]."""
     if params.greedy and params.repetition_penalty == 1.0:
-        return logits.float().argmax(-1)  # exact copy, same order and ties; torch's bf16 argmax takes 3x as long (180 us over 49k logits)
+        return greedy_tokens(logits)
     logits = penalize_repetition(logits.float(), seen, params.repetition_penalty)
     if params.greedy:
-        return logits.argmax(-1)
+        return greedy_tokens(logits)
     logits = filter_top_k_top_p(logits / params.temperature, params.top_k, params.top_p)
     return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)

@@ -23,7 +23,7 @@ import torch
 
 from slimlm.errors import SlimlmError
 from slimlm.inference.decoder import Decoder, Generation
-from slimlm.inference.sampling import SamplingParams
+from slimlm.inference.sampling import SamplingParams, greedy_tokens
 
 
 @dataclass
@@ -74,7 +74,7 @@ class DraftProposer:
         position = len(tokens)
         guesses = []
         for _ in range(min(lookahead, model.max_seq - position)):
-            guess = int(logits.argmax(-1))
+            guess = int(greedy_tokens(logits))
             guesses.append(guess)
             if len(guesses) == lookahead or position + 1 > model.max_seq - 1:
                 break
@@ -112,7 +112,7 @@ def generate_speculative(
         started = time.perf_counter()
         tokens = list(prompt)
         logits = target.prefill(torch.tensor([tokens], device=device))
-        next_token = int(logits.argmax(-1))
+        next_token = int(greedy_tokens(logits))
         end_ids = target.end_ids(params)
         new: list[int] = []
         finished = False
@@ -126,7 +126,7 @@ def generate_speculative(
             room = min(lookahead, params.max_new_tokens - len(new))
             guesses = proposer.propose(tokens, room) if proposer is not None else lookup_proposal(tokens, room, ngram, min_ngram)
             step = torch.tensor([[tokens[-1], *guesses]], device=device)
-            choices = model(step, len(tokens) - 1)[0].argmax(-1).tolist()  # target's choice after each position
+            choices = greedy_tokens(model(step, len(tokens) - 1)[0]).tolist()  # target's choice after each position
             stats.target_passes += 1
             stats.proposed += len(guesses)
             kept = 0
