@@ -9,9 +9,7 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-from omegaconf import OmegaConf
 
-from slimlm.config import DataConfig, ModelConfig
 from slimlm.rundir import machine_info
 
 REPO = Path(__file__).resolve().parents[1]
@@ -19,11 +17,19 @@ RESULTS = REPO / "bench" / "results"
 
 
 def default_model_cfg():
+    from omegaconf import OmegaConf  # here, not above: bench/decode_gpu.py runs where the config stack is absent
+
+    from slimlm.config import ModelConfig
+
     return OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(REPO / "conf" / "model" / "smollm2-135m.yaml"))
 
 
 def shared_data_cfg():
     """The full data sets (data=shared: WikiText-2 test, the Gutenberg calibration corpus)."""
+    from omegaconf import OmegaConf
+
+    from slimlm.config import DataConfig
+
     return OmegaConf.merge(OmegaConf.structured(DataConfig), OmegaConf.load(REPO / "conf" / "data" / "shared.yaml"))
 
 

@@ -23,7 +23,6 @@ from transformers import DynamicCache
 from transformers.generation.streamers import BaseStreamer
 
 from slimlm.errors import SlimlmError
-from slimlm.data import tokenize_text
 from slimlm.memory import peak_memory
 
 # The benchmark prompt: real English (so attention and tokenization behave as on real input), the
@@ -90,6 +89,8 @@ def device_clock(device: torch.device) -> float:
 
 def benchmark_prompt(tokenizer, prompt_tokens: int, prompt_text: Optional[str] = None) -> torch.Tensor:
     """Exactly `prompt_tokens` ids of `prompt_text` (default PASSAGE), repeated paragraph by paragraph as needed."""
+    from slimlm.data import tokenize_text  # here: the GPU benchmark imports this module where the data stack is absent
+
     text = PASSAGE if prompt_text is None else prompt_text
     if tokenize_text(tokenizer, text).numel() == 0:
         raise SlimlmError("the benchmark prompt text tokenizes to no tokens; give a non-empty prompt_text")

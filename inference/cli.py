@@ -155,14 +155,13 @@ def chat_command(args: Sequence[str]) -> None:
 
 def plan_command(args: Sequence[str]) -> None:
     import json
-    from importlib import resources
     from pathlib import Path
 
     from slimlm.inference.model import ModelArgs
-    from slimlm.inference.planner import HARDWARE, format_plan, make_plan, uniform_schemes
+    from slimlm.inference.planner import HARDWARE, format_plan, make_plan, preset_config, preset_names, uniform_schemes
     from slimlm.qlinear import QuantScheme
 
-    presets = sorted(entry.name[: -len(".json")] for entry in resources.files("slimlm.assets").joinpath("configs").iterdir() if entry.name.endswith(".json"))
+    presets = preset_names()
     parser = argparse.ArgumentParser(prog="slimlm plan", description="Memory and speed plan for a model on a device; reads no weights.")
     parser.add_argument("model", help=f"a slimlm artifact or HF checkpoint directory (its config.json and manifest), or a preset: {', '.join(presets)}")
     parser.add_argument("--hardware", choices=sorted(HARDWARE), default="laptop-8gb")
@@ -176,7 +175,7 @@ def plan_command(args: Sequence[str]) -> None:
     options = parser.parse_args(args)
     path = Path(options.model)
     if options.model in presets:
-        config = json.loads(resources.files("slimlm.assets").joinpath("configs", f"{options.model}.json").read_text())
+        config = preset_config(options.model)
         manifest = None
     elif (path / "config.json").is_file():
         config = json.loads((path / "config.json").read_text())

@@ -54,6 +54,14 @@ def cache_and_input_guards(entries: Sequence) -> list[bool]:
     return [not entry.orig_guard.source.is_unspecialized_nn_module() or "_cache" in entry.name for entry in entries]
 
 
+def private_method(model: torch.nn.Module, function: Callable) -> Callable:
+    """`function` bound to `model` through a private copy of its code: Dynamo keeps compiled
+    graphs (and their pruned guards) per code object, so this decoder's never serve, or are
+    evicted by, another model's."""
+    private = types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__, function.__defaults__)
+    return types.MethodType(private, model)
+
+
 class Decoder:
     def __init__(self, model: Transformer, tokenizer, prefill_chunk: int = 512, cache_dtype: Optional[torch.dtype] = None):
         self.model = model
@@ -66,19 +74,31 @@ class Decoder:
         self.step = model  # the decode step; compile_decode_step swaps in a compiled one
         self.lock = threading.Lock()  # one generation at a time owns the cache
 
-    def compile_decode_step(self) -> None:
+    def compile_decode_step(self, static: Optional[bool] = None) -> None:
         """torch.compile the one-token decode step: the norms, RoPE and attention of each layer
-        become a few fused kernels, and on CPU a C++ wrapper calls them without Python in between
-        (the overhead that dominates a small model's step). The first steps compile (a minute or
-        two); the prefill stays eager. The first step compiles for its own slot, the second for any
-        slot (Dynamo's automatic dynamic shapes): `dynamic=True` would also turn every float
-        attribute (the norms' epsilons) into a tensor argument of the graph, 8% slower per step."""
-        options = {"cpp_wrapper": True} if self.device.type == "cpu" else {}
-        # Dynamo keeps compiled graphs per code object: a private copy of Transformer.forward
-        # keeps this decoder's graphs (and their pruned guards) away from every other model's.
-        forward = type(self.model).forward
-        private = types.FunctionType(forward.__code__.replace(), forward.__globals__, forward.__name__, forward.__defaults__)
-        self.step = torch.compile(types.MethodType(private, self.model), fullgraph=True, options={**options, "guard_filter_fn": cache_and_input_guards})
+        become a few fused kernels, run without Python in between (the overhead that dominates a
+        small model's step). The first steps compile (a minute or two); the prefill stays eager.
+
+        On a GPU the step is `Transformer.step_static` (every shape fixed, the slot a tensor)
+        captured in a CUDA graph (mode "reduce-overhead"): one launch replays all of a step's
+        kernels. On a CPU a C++ wrapper calls the kernels; the first step compiles for its own
+        slot, the second for any slot (Dynamo's automatic dynamic shapes): `dynamic=True` would
+        also turn every float attribute (the norms' epsilons) into a tensor argument of the
+        graph, 8% slower per step. `static` picks the fixed-shape step on a CPU too (tests)."""
+        options = {"guard_filter_fn": cache_and_input_guards}
+        on_gpu = self.device.type == "cuda"
+        if not (on_gpu if static is None else static):
+            self.step = torch.compile(private_method(self.model, Transformer.forward), fullgraph=True, options={**options, "cpp_wrapper": True})
+            return
+        # triton.cudagraphs is what mode="reduce-overhead" sets (torch.compile takes a mode or options, not both)
+        compiled = torch.compile(private_method(self.model, Transformer.step_static), fullgraph=True, options={**options, "triton.cudagraphs": on_gpu})
+        slot = torch.zeros(1, dtype=torch.long, device=self.device)
+
+        def step(tokens: torch.Tensor, start: int, pad: Optional[torch.Tensor] = None) -> torch.Tensor:
+            slot.fill_(start)  # a kernel argument: no host-to-device copy, no synchronization
+            return compiled(tokens, slot, pad)
+
+        self.step = step
 
     def end_ids(self, params: SamplingParams) -> set[int]:
         ids = set(params.stop_token_ids)

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from slimlm.inference import cpu_kernels
+from slimlm.packing import unpack_codes
 from slimlm.qlinear import QuantLinear
 
 TINYGEMM_GROUPS = (32, 64, 128, 256)
@@ -35,6 +36,12 @@ INNER_K_TILES = 2
 def tinygemm_fits(scheme, in_features: int) -> bool:
     """Whether torch's int4 kernel can hold a layer of this scheme and width."""
     return scheme is not None and scheme.bits == 4 and scheme.group_size in TINYGEMM_GROUPS and in_features % (INNER_K_TILES * 16) == 0
+
+
+def cuda_inner_k_tiles(in_features: int) -> int:
+    """How many 16-input tiles the CUDA int4 kernel loads at once: 8 (16-byte loads, the
+    fastest, what gpt-fast and torchao use) when the width allows, fewer otherwise."""
+    return next(tiles for tiles in (8, 4, INNER_K_TILES) if in_features % (tiles * 16) == 0)
 
 
 def int8pack_fits(scheme) -> bool:
@@ -51,20 +58,24 @@ class Int4Linear(nn.Module):
         super().__init__()
         scheme = layer.scheme
         self.in_features, self.out_features, self.group_size = layer.in_features, layer.out_features, scheme.group_size
-        codes = layer.codes().to(device=device, dtype=torch.int32)
+        codes = unpack_codes(layer.qweight.to(device), 4)  # uint8, one code each, unpacked where they will live
         scales = layer.scales.to(device=device, dtype=torch.float32)
         zeros = (8 - layer.zeros.to(device=device, dtype=torch.float32)) * scales if layer.zeros is not None else torch.zeros_like(scales)
-        if device.type == "cuda":
-            packed = torch._convert_weight_to_int4pack((codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8), INNER_K_TILES)
+        if device.type == "cuda":  # two codes a byte, the first in the high nibble
+            packed = torch._convert_weight_to_int4pack((codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8), cuda_inner_k_tiles(self.in_features))
         else:
-            packed = torch._convert_weight_to_int4pack_for_cpu(codes, INNER_K_TILES)
+            packed = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), INNER_K_TILES)
         self.register_buffer("weight", packed)
         self.register_buffer("scales_and_zeros", torch.stack([scales.t(), zeros.t()], dim=-1).to(dtype).contiguous())
         self.register_buffer("bias", None if layer.bias is None else layer.bias.detach().to(device=device, dtype=dtype))
 
     @staticmethod
-    def supports(layer: QuantLinear) -> bool:
-        return tinygemm_fits(layer.scheme, layer.in_features)
+    def supports(layer: QuantLinear, dtype: torch.dtype, device: torch.device) -> bool:
+        """The scheme fits; on a GPU also bf16 activations and an Ampere or newer chip (what
+        the CUDA kernel reads and where it is built)."""
+        if not tinygemm_fits(layer.scheme, layer.in_features):
+            return False
+        return device.type != "cuda" or (dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) >= (8, 0))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         matmul = torch._weight_int4pack_mm if x.is_cuda else torch._weight_int4pack_mm_for_cpu
@@ -254,7 +265,7 @@ def build_linear(layer: nn.Module, dtype: torch.dtype, device: torch.device, ker
     if isinstance(layer, QuantLinear):
         if kernels and int8_activations and Int4Int8Linear.supports(layer, dtype, device):
             return Int4Int8Linear(layer, dtype, device)
-        if kernels and Int4Linear.supports(layer):
+        if kernels and Int4Linear.supports(layer, dtype, device):
             return Int4Linear(layer, dtype, device)
         if kernels and Int8Linear.supports(layer):
             return Int8Linear(layer, dtype, device, int8_activations and device.type == "cpu")

@@ -288,13 +288,25 @@ class Transformer(nn.Module):
         batch, length = tokens.shape
         if start + length > self.max_seq or first_row + batch > self.max_batch:
             raise SlimlmError(f"the cache holds {self.max_batch} sequences of {self.max_seq} slots; this step needs {batch} of {start + length}")
-        device = tokens.device
         end = start + length
-        slots = torch.arange(start, end, device=device)
+        slots = torch.arange(start, end, device=tokens.device)
+        window = self.args.sliding_window
+        sees_all = length == 1 and pad is None and (window is None or end <= window)  # a plain decode step needs no mask
+        return self.run_layers(tokens, slots, pad, None if sees_all else self.attention_mask(slots, pad, end), end, first_row, last_only)
+
+    def step_static(self, tokens: torch.Tensor, slot: torch.Tensor, pad: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """A decode step whose shapes never change, what a CUDA graph replays at every position:
+        `tokens` [batch, 1] go to cache slot `slot` (a one-element tensor, not a Python int), and
+        attention reads the whole cache with the slots after `slot` masked. Logits [batch, 1, vocab]."""
+        slots = slot.reshape(1)
+        return self.run_layers(tokens, slots, pad, self.attention_mask(slots, pad, self.max_seq), self.max_seq, 0, False)
+
+    def run_layers(self, tokens: torch.Tensor, slots: torch.Tensor, pad: Optional[torch.Tensor], mask: Optional[torch.Tensor], end: int, first_row: int, last_only: bool) -> torch.Tensor:
+        """Embedding, blocks and head for `tokens` written at cache `slots`; attention reads
+        slots up to `end` under `mask`."""
         positions = slots[None, :] if pad is None else (slots[None, :] - pad[:, None]).clamp(min=0)  # [batch or 1, length]
         angles = positions[..., None, None].float() * self.inv_freq
         cos, sin = angles.cos().to(self.dtype), angles.sin().to(self.dtype)  # [batch or 1, length, 1, head_dim/2]
-        mask = self.attention_mask(slots, pad, end)
         x = self.embedding(tokens).to(self.dtype)
         for block in self.layers:
             x = block(x, cos, sin, slots, mask, end, first_row)
@@ -321,13 +333,10 @@ class Transformer(nn.Module):
             x = block(x, cos, sin, positions, mask, end, rows)
         return self.output(self.norm(x))[:, -1]
 
-    def attention_mask(self, slots: torch.Tensor, pad: Optional[torch.Tensor], end: int) -> Optional[torch.Tensor]:
-        """[batch or 1, 1, length, end] booleans (a query sees its own row's slots up to itself),
-        or None for a decode step that may see every slot so far (no padding, no window)."""
-        length = slots.shape[0]
+    def attention_mask(self, slots: torch.Tensor, pad: Optional[torch.Tensor], end: int) -> torch.Tensor:
+        """[batch or 1, 1, length, end] booleans: a query sees its own row's slots up to itself
+        (after the row's padding, within the sliding window)."""
         window = self.args.sliding_window
-        if length == 1 and pad is None and (window is None or end <= window):
-            return None
         keys = torch.arange(end, device=slots.device)
         visible = (keys[None, :] <= slots[:, None])[None]
         if pad is not None:

@@ -17,7 +17,9 @@ one row) and the cache so far; streamed layers cross the host link instead of de
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from importlib import resources
 from typing import Optional
 
 from slimlm.errors import SlimlmError
@@ -47,6 +49,18 @@ HARDWARE = {
     # A 16 GB laptop's CPU: the Python process with torch and transformers takes about 0.6 GiB.
     "cpu": Hardware("cpu", "cpu", 16 * GiB, int(0.6 * GiB), 33e9),
 }
+
+
+def preset_names() -> list[str]:
+    """The model shapes known by name (slimlm/assets/configs): `slimlm plan llama-3-8b`."""
+    return sorted(entry.name.removesuffix(".json") for entry in resources.files("slimlm.assets").joinpath("configs").iterdir() if entry.name.endswith(".json"))
+
+
+def preset_config(name: str) -> dict:
+    """The HF-style config (a dict) of a preset shape."""
+    if name not in preset_names():
+        raise SlimlmError(f"no model preset named '{name}'; known: {', '.join(preset_names())}")
+    return json.loads(resources.files("slimlm.assets").joinpath("configs", f"{name}.json").read_text())
 
 
 def packed_bytes(out_features: int, in_features: int, scheme: QuantScheme) -> int:

@@ -167,16 +167,36 @@ def test_generate_and_chat_commands_stream_from_a_checkpoint(tiny_model_dir, tmp
     assert missing.returncode == 2 and missing.stderr.startswith("slimlm: error:")
 
 
-def test_the_compiled_decode_step_gives_the_same_tokens(tiny_model, tiny_tokenizer, tmp_path):
-    """One prompt, then two of different lengths (left padding: the attention mask's path)."""
+@pytest.mark.parametrize("static", [False, True], ids=["cpu-step", "static-step"])
+def test_the_compiled_decode_step_gives_the_same_tokens(tiny_model, tiny_tokenizer, tmp_path, static):
+    """One prompt, then two of different lengths (left padding: the attention mask's path).
+    The static step is the one a GPU captures in a CUDA graph; here it is compiled for the CPU."""
     model = quantized(tiny_model, tiny_tokenizer, tmp_path, bits=4, group_size=32, targets=[r"model\.layers\.\d+\..*", "lm_head"])
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     eager = Decoder(build_decoder(model, dtype=torch.bfloat16), tiny_tokenizer)
     compiled = Decoder(build_decoder(model, dtype=torch.bfloat16), tiny_tokenizer)
-    compiled.compile_decode_step()
+    compiled.compile_decode_step(static=static)
     for prompts in ([prompt_ids(6, 300)], [prompt_ids(6, 300), prompt_ids(9, 300, seed=1)]):
         expected = [g.token_ids for g in eager.generate_ids(prompts, params)]
         assert [g.token_ids for g in compiled.generate_ids(prompts, params)] == expected, len(prompts)
+
+
+@pytest.mark.parametrize("cache_dtype", [None, torch.int8], ids=["float-cache", "int8-cache"])
+def test_the_static_step_reads_the_whole_cache_as_the_growing_one_does(tiny_model, cache_dtype):
+    """step_static (fixed shapes, slot as a tensor, every slot read under a mask) gives the
+    logits of the ordinary step, for one row and for left-padded rows."""
+    decoder = build_decoder(tiny_model)
+    decoder.setup_cache(2, 48, cache_dtype)
+    ids = torch.tensor([prompt_ids(20, tiny_model.config.vocab_size), prompt_ids(20, tiny_model.config.vocab_size, seed=1)])
+    pad = torch.tensor([0, 5])
+    with torch.no_grad():
+        for rows in (ids[:1], ids):
+            row_pad = None if len(rows) == 1 else pad
+            decoder(rows[:, :16], 0, row_pad)
+            for slot in range(16, 20):
+                grown = decoder(rows[:, slot : slot + 1], slot, row_pad)
+                static = decoder.step_static(rows[:, slot : slot + 1], torch.tensor([slot]), row_pad)
+                torch.testing.assert_close(static, grown, rtol=1e-5, atol=1e-5)
 
 
 def test_decoders_compiled_in_one_process_keep_their_own_steps(tiny_model, tiny_tokenizer, tmp_path):

@@ -10,7 +10,7 @@ from slimlm.errors import SlimlmError
 from slimlm.inference import cpu_kernels
 from slimlm.inference.build import build_decoder
 from slimlm.inference.model import ModelArgs
-from slimlm.inference.planner import GiB, HARDWARE, budget, format_plan, make_plan, uniform_schemes
+from slimlm.inference.planner import GiB, HARDWARE, budget, format_plan, make_plan, preset_config, uniform_schemes
 from slimlm.pipeline import RunState
 from slimlm.qlinear import QuantScheme
 
@@ -49,10 +49,7 @@ def test_predicted_bytes_are_what_the_decoder_allocates(tiny_model, tiny_tokeniz
 
 
 def args_of(preset: str) -> ModelArgs:
-    import json
-    from importlib import resources
-
-    return ModelArgs.from_hf_config(json.loads(resources.files("slimlm.assets").joinpath("configs", f"{preset}.json").read_text()))
+    return ModelArgs.from_hf_config(preset_config(preset))
 
 
 def test_plans_fit_stream_shorten_or_refuse_with_numbers():

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Every GPU check of the decoder in one run, for a machine with a CUDA GPU whose python3 already
+# has torch and transformers (slimlm's other dependencies are not needed, nor is a network):
+# bench/decode_gpu.py's sections, about 6-8 minutes on one H200 (see that file), results in
+# bench/results/decode_gpu.{md,json} and, when $OUT is set, copied there too.
+#
+#     bash bench/gpu.sh [decode_gpu.py options]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+site=$(mktemp -d)
+# slimlm itself, without its dependencies: whatever the image lacks stays lazily imported
+python3 -m pip install --quiet --no-deps --no-build-isolation --no-index --target "$site" . >"$site/install.log" 2>&1 || { cat "$site/install.log"; exit 1; }
+export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv || true
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+status=0
+python3 bench/decode_gpu.py "$@" || status=$?
+if [ -n "${OUT:-}" ]; then cp bench/results/decode_gpu.* "$OUT"/ 2>/dev/null || true; fi
+exit $status
