@@ -5,9 +5,10 @@ cap against the memory planner's prediction.
 Every model has random weights of a preset shape (slimlm/assets/configs, built on the device by
 inference/synthetic.py): speed and memory do not depend on the values. Sections:
   bandwidth              a device-to-device copy of 1 GiB: (bytes read + written) / s
-  slimlm <shape>         every decoder Linear and the LM head int4 g64 (torch's tinygemm kernel),
-                         bf16 activations and embedding table; eager, then the decode step
-                         compiled into a CUDA graph (Decoder.compile_decode_step)
+  slimlm <shape>         every decoder Linear and the LM head int4 g64, bf16 activations and
+                         embedding table, in torch's tinygemm kernel and in slimlm's Triton
+                         kernel (inference/gpu_kernels.py); eager (tinygemm only), then the
+                         decode step compiled into a CUDA graph (Decoder.compile_decode_step)
   transformers <shape>   the same config as a transformers model in bf16, `generate` with a static
                          cache, which transformers compiles (torch.compile, CUDA graphs)
   cap                    llama-3-8b int4 g64 with torch.cuda.set_per_process_memory_fraction set
@@ -31,7 +32,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 
@@ -76,7 +77,7 @@ def median_runs(run: Callable[[], tuple[float, float]], repeats: int) -> tuple[f
     return statistics.median(speeds), statistics.median(ttft for _, ttft in results), speeds
 
 
-def copy_bandwidth(device: torch.device, options) -> dict:
+def copy_bandwidth(device: torch.device, options) -> list[dict]:
     """Bytes read plus written per second by a large device-to-device copy (random bytes)."""
     size = 2**30 if device.type == "cuda" else 2**26
     source = torch.randint(0, 256, (size,), dtype=torch.uint8, device=device)
@@ -88,15 +89,18 @@ def copy_bandwidth(device: torch.device, options) -> dict:
         start = device_clock(device)
         target.copy_(source)
         times.append(device_clock(device) - start)
-    return {"name": "device copy", "bandwidth_bytes_s": 2 * size / statistics.median(times)}
+    return [{"name": "device copy", "bandwidth_bytes_s": 2 * size / statistics.median(times)}]
 
 
-def slimlm_rows(shape: str, device: torch.device, options) -> list[dict]:
-    """Eager and compiled decoding of one shape at int4 g64."""
+def slimlm_rows(shape: str, kernel: str, device: torch.device, options) -> list[dict]:
+    """Decoding of one shape at int4 g64 in one GPU int4 kernel: eager (tinygemm only: the
+    CUDA graph's gain) and compiled."""
     config = shape_config(shape)
     started = time.perf_counter()
-    model = random_decoder(config, SCHEME, SCHEME, torch.bfloat16, device)
+    model = random_decoder(config, SCHEME, SCHEME, torch.bfloat16, device, gpu_int4=kernel)
     build_s = time.perf_counter() - started
+    if f"int4-{kernel}" not in describe_kernels(model):
+        raise SystemExit(f"the {kernel} kernel took no layer here ({describe_kernels(model)}); it needs a CUDA GPU (and Triton for triton)")
     decoder = Decoder(model, IdsOnly())
     slots = options.prompt_tokens + options.new_tokens
     model.setup_cache(1, slots)
@@ -109,7 +113,7 @@ def slimlm_rows(shape: str, device: torch.device, options) -> list[dict]:
 
     info = {"shape": shape, "weight_bytes": model.weight_bytes(), "bytes_per_token": model.bytes_per_token(options.prompt_tokens + options.new_tokens // 2), "kernels": describe_kernels(model), "build_s": build_s}
     rows = []
-    for compiled in (False, True):
+    for compiled in (False, True) if kernel == "tinygemm" else (True,):
         started = time.perf_counter()
         if compiled:
             decoder.compile_decode_step()
@@ -117,7 +121,7 @@ def slimlm_rows(shape: str, device: torch.device, options) -> list[dict]:
             run()
         warm_s = time.perf_counter() - started
         speed, ttft, speeds = median_runs(run, options.repeats)
-        name = f"slimlm int4 g64 {shape}, {'compiled (CUDA graph)' if compiled and device.type == 'cuda' else 'compiled' if compiled else 'eager'}"
+        name = f"slimlm int4 g64 {shape}, {kernel}, {'compiled (CUDA graph)' if compiled and device.type == 'cuda' else 'compiled' if compiled else 'eager'}"
         rows.append({"name": name, **info, "decode_tok_s": speed, "ttft_ms": 1000 * ttft, "runs_tok_s": speeds, "warmup_s": warm_s})
         print(f"{name}: {speed:.1f} tok/s", flush=True)
     return rows
@@ -190,19 +194,21 @@ def capped_rows(shape: str, device: torch.device, options) -> list[dict]:
 
 def sections(options) -> list[tuple[str, list[str]]]:
     """(label, arguments of this script's --section run), most important first."""
-    first, *rest = options.shapes
-    order = [("bandwidth", ["bandwidth"]), (f"slimlm {first}", ["slimlm", first]), (f"transformers {first}", ["transformers", first]), (f"cap {options.cap_shape}", ["cap", options.cap_shape])]
-    for shape in rest:
-        order += [(f"slimlm {shape}", ["slimlm", shape]), (f"transformers {shape}", ["transformers", shape])]
+    order = [("bandwidth", ["bandwidth"])]
+    for index, shape in enumerate(options.shapes):
+        order += [(f"slimlm {shape} {kernel}", ["slimlm", shape, kernel]) for kernel in options.kernels]
+        order.append((f"transformers {shape}", ["transformers", shape]))
+        if index == 0:
+            order.append((f"cap {options.cap_shape}", ["cap", options.cap_shape]))
     return order
 
 
-SECTIONS = {"bandwidth": lambda _shape, device, options: [copy_bandwidth(device, options)], "slimlm": slimlm_rows, "transformers": transformers_rows, "cap": capped_rows}
+SECTIONS: dict[str, Callable[..., list[dict]]] = {"bandwidth": copy_bandwidth, "slimlm": slimlm_rows, "transformers": transformers_rows, "cap": capped_rows}
 
 
-def run_section(kind: str, shape: Optional[str], options) -> None:
+def run_section(kind: str, arguments: list[str], options) -> None:
     """One section in this process: its rows as JSON on the last line of stdout."""
-    rows = SECTIONS[kind](shape, torch.device(options.device), options)
+    rows = SECTIONS[kind](*arguments, torch.device(options.device), options)
     print(json.dumps(rows))
 
 
@@ -254,7 +260,8 @@ def report(rows: list[dict], failures: list[str], options, command: str, elapsed
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shapes", nargs="+", default=["llama-3-8b", "llama-3.2-1b"], help="preset shapes; the first also gets the transformers row first")
+    parser.add_argument("--shapes", nargs="+", default=["llama-3-8b", "llama-3.2-1b"], help="preset shapes, most important first (the memory cap section follows the first)")
+    parser.add_argument("--kernels", nargs="+", choices=("tinygemm", "triton"), default=["tinygemm", "triton"], help="GPU int4 kernels to time")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--prompt-tokens", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=128)
@@ -262,7 +269,7 @@ def main() -> None:
     parser.add_argument("--cap-shape", default="llama-3-8b")
     parser.add_argument("--cap-context", type=int, default=8192)
     parser.add_argument("--cap-gib", type=float, default=8.0)
-    parser.add_argument("--budget-s", type=float, default=450.0, help="no section starts after this many seconds; a running one is stopped at it")
+    parser.add_argument("--budget-s", type=float, default=480.0, help="no section starts after this many seconds; a running one is stopped at it")
     parser.add_argument("--out", type=Path, default=RESULTS, help="where decode_gpu.{md,json} go")
     parser.add_argument("--tiny", action="store_true", help="every shape is a tiny Llama (a dry run of every path, e.g. on a CPU)")
     parser.add_argument("--section", nargs="+", help=argparse.SUPPRESS)  # internal: run one section in this process
@@ -270,8 +277,10 @@ def main() -> None:
     command = command_line("decode_gpu.py", parser, options)
     if options.tiny:
         options.shapes, options.cap_shape = ["tiny"], "tiny"
+    if options.device == "cpu":
+        options.kernels = ["tinygemm"]  # the only int4 kernel of these on a CPU (a dry run)
     if options.section:
-        run_section(options.section[0], options.section[1] if len(options.section) > 1 else None, options)
+        run_section(options.section[0], options.section[1:], options)
         return
     if options.device == "cuda" and not torch.cuda.is_available():
         sys.exit("decode_gpu: no CUDA device here; run it on a GPU machine (bash bench/gpu.sh), or --tiny --device cpu for a dry run")

@@ -12,7 +12,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from slimlm.inference.linear import DequantLinear, DenseLinear, build_linear, fuse
+from slimlm.errors import SlimlmError
+from slimlm.inference.linear import GPU_INT4_KERNELS, DequantLinear, DenseLinear, build_linear, fuse
 from slimlm.inference.model import Attention, Block, FeedForward, ModelArgs, Transformer
 from slimlm.qlinear import QuantEmbedding
 
@@ -29,11 +30,11 @@ class RowEmbedding(nn.Module):
         return self.table.rows(tokens.reshape(-1), self.dtype).view(*tokens.shape, -1)
 
 
-def build_decoder(model: nn.Module, dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None, kernels: bool = True, int8_activations: bool = False) -> Transformer:
+def build_decoder(model: nn.Module, dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None, kernels: bool = True, int8_activations: bool = False, gpu_int4: str = "tinygemm") -> Transformer:
     """A decoder Transformer holding `model`'s weights (HF Llama-family layout). With
     `int8_activations`, int4 and int8 layers also round their inputs to int8 (CPU; see
-    Int4Int8Linear and Int8Linear)."""
-    parts = DecoderParts(model, dtype, device, kernels, int8_activations)
+    Int4Int8Linear and Int8Linear); `gpu_int4` picks the GPU's int4 kernel (inference/linear.py)."""
+    parts = DecoderParts(model, dtype, device, kernels, int8_activations, gpu_int4)
     return parts.assemble([parts.block(layer) for layer in model.model.layers])
 
 
@@ -41,13 +42,15 @@ class DecoderParts:
     """Turns an HF model's modules into decoder modules one at a time, so a loader can hand
     them over layer by layer (inference/load.py) instead of holding two copies of the model."""
 
-    def __init__(self, model: nn.Module, dtype: torch.dtype, device: Optional[torch.device], kernels: bool, int8_activations: bool):
+    def __init__(self, model: nn.Module, dtype: torch.dtype, device: Optional[torch.device], kernels: bool, int8_activations: bool, gpu_int4: str = "tinygemm"):
+        if gpu_int4 not in GPU_INT4_KERNELS:
+            raise SlimlmError(f"unknown GPU int4 kernel '{gpu_int4}'; choose one of {', '.join(GPU_INT4_KERNELS)}")
         self.model, self.dtype, self.device = model, dtype, torch.device(device or "cpu")
-        self.kernels, self.int8_activations = kernels, int8_activations
+        self.kernels, self.int8_activations, self.gpu_int4 = kernels, int8_activations, gpu_int4
         self.args = ModelArgs.from_hf_config(model.config)
 
     def linear(self, layer: nn.Module) -> nn.Module:
-        return build_linear(layer, self.dtype, self.device, self.kernels, self.int8_activations)
+        return build_linear(layer, self.dtype, self.device, self.kernels, self.int8_activations, self.gpu_int4)
 
     def norm_weight(self, norm: nn.Module) -> torch.Tensor:
         return norm.weight.detach().to(device=self.device, dtype=self.dtype)

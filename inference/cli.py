@@ -30,10 +30,11 @@ def sampling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repetition-penalty", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
-    parser.add_argument("--dtype", choices=DTYPES, default="float32", help="activation dtype (bfloat16 is faster on CPUs with AVX512-BF16 and on GPUs)")
+    parser.add_argument("--dtype", choices=DTYPES, default=None, help="activation dtype; default float32 on a CPU, bfloat16 on a GPU (what its int4 kernels read)")
     parser.add_argument("--int8-activations", action="store_true", help="int4 and int8 layers also round their inputs to int8 (CPU: integer dot products, faster, slightly less exact)")
     parser.add_argument("--kv-cache", choices=("float", "int8"), default="float", help="int8: the key/value cache as int8 codes with a scale per head and slot (about a quarter of the fp32 CPU cache, half of an fp16 one)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--gpu-int4", choices=("tinygemm", "triton"), default="tinygemm", help="int4 kernel on a GPU: torch's tinygemm, or slimlm's Triton kernel (reads the artifact's packing as stored; experimental)")
     parser.add_argument("--threads", type=int, default=None)
 
 
@@ -65,15 +66,15 @@ def open_decoder(model: str, options):
     device = torch.device(options.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SlimlmError("--device cuda but no CUDA GPU is visible; use --device cpu")
-    dtype = getattr(torch, options.dtype)
+    dtype = getattr(torch, options.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     cache_dtype = torch.int8 if options.kv_cache == "int8" else None
     if (Path(model) / MANIFEST).is_file():  # a slimlm artifact: straight into the decoder, layer by layer
         from transformers import AutoTokenizer
 
-        decoder, _ = load_decoder(Path(model), dtype=dtype, device=device, int8_activations=options.int8_activations)
+        decoder, _ = load_decoder(Path(model), dtype=dtype, device=device, int8_activations=options.int8_activations, gpu_int4=options.gpu_int4)
         return Decoder(decoder, AutoTokenizer.from_pretrained(model), cache_dtype=cache_dtype)
     loaded = load_model(ModelConfig(name="cli", path=model), torch.device("cpu"))
-    decoder = build_decoder(loaded.model, dtype=dtype, device=device, int8_activations=options.int8_activations)
+    decoder = build_decoder(loaded.model, dtype=dtype, device=device, int8_activations=options.int8_activations, gpu_int4=options.gpu_int4)
     del loaded.model
     return Decoder(decoder, loaded.tokenizer, cache_dtype=cache_dtype)
 

@@ -3,6 +3,9 @@
   int4 with int8 activations on CPUs with AVX512-VNNI (groups a multiple of 64) -> slimlm's own
       kernel (inference/kernels/int4_int8_cpu.cpp): activations rounded to int8 per 64 inputs,
       integer dot products; three to four times torch's int4 kernel at decode time
+  int4 on a GPU with gpu_int4="triton" (groups of 32/64/128, widths a multiple of 512) ->
+      slimlm's Triton kernel (inference/gpu_kernels.py), reading the QuantLinear's own buffers;
+      experimental until measured on a GPU (bench/decode_gpu.py times it beside tinygemm)
   int4, symmetric or not, groups of 32/64/128/256 -> torch's tinygemm int4 kernel
       (`_weight_int4pack_mm_for_cpu` on CPU, `_weight_int4pack_mm` on CUDA); it computes
       (q - 8) * scale + zero per group, so slimlm's (code - z) * scale maps to zero = (8 - z) * scale
@@ -25,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from slimlm.inference import cpu_kernels
+from slimlm.inference import cpu_kernels, gpu_kernels
 from slimlm.packing import unpack_codes
 from slimlm.qlinear import QuantLinear
 
@@ -178,6 +181,24 @@ class DequantLinear(nn.Module):
         return self.layer.dequantize(dtype, rows=ids)
 
 
+class Int4MatvecLinear(DequantLinear):
+    """int4 on a GPU through slimlm's Triton kernel (inference/gpu_kernels.py) at decode time
+    (up to MAX_ROWS input rows); a prefill chunk dequantizes the weight and calls cuBLAS. The
+    packed codes are kept as stored, so a tied head is read by rows as the embedding too."""
+
+    @staticmethod
+    def supports(layer: QuantLinear, dtype: torch.dtype, device: torch.device) -> bool:
+        return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and gpu_kernels.fits(layer.scheme.bits, layer.scheme.group_size, layer.in_features) and gpu_kernels.available()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        layer, x2 = self.layer, _as_2d(x).to(self.dtype)
+        if x2.shape[0] > gpu_kernels.MAX_ROWS:
+            return super().forward(x)
+        y = torch.ops.slimlm.int4_matvec(x2, layer.qweight, layer.scales, layer.zeros, layer.scheme.group_size, layer.scheme.symmetric_zero)
+        y = y.view(*x.shape[:-1], layer.out_features)
+        return y if layer.bias is None else y + layer.bias.to(y.dtype)
+
+
 class DenseLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], dtype: torch.dtype, device: torch.device):
         super().__init__()
@@ -257,12 +278,18 @@ class Concat(nn.Module):
         return torch.cat([part(x) for part in self.parts], dim=-1)
 
 
-def build_linear(layer: nn.Module, dtype: torch.dtype, device: torch.device, kernels: bool = True, int8_activations: bool = False) -> nn.Module:
+GPU_INT4_KERNELS = ("tinygemm", "triton")
+
+
+def build_linear(layer: nn.Module, dtype: torch.dtype, device: torch.device, kernels: bool = True, int8_activations: bool = False, gpu_int4: str = "tinygemm") -> nn.Module:
     """The fastest decoder layer for a transformers Linear, QuantLinear or a `Concat` of them;
-    `kernels=False` forces the dequantizing path (the reference the kernels are tested against)."""
+    `kernels=False` forces the dequantizing path (the reference the kernels are tested against);
+    `gpu_int4` picks the int4 kernel on a GPU (GPU_INT4_KERNELS)."""
     if isinstance(layer, Concat):
-        return Concat([build_linear(part, dtype, device, kernels, int8_activations) for part in layer.parts])
+        return Concat([build_linear(part, dtype, device, kernels, int8_activations, gpu_int4) for part in layer.parts])
     if isinstance(layer, QuantLinear):
+        if kernels and gpu_int4 == "triton" and Int4MatvecLinear.supports(layer, dtype, device):
+            return Int4MatvecLinear(layer, dtype, device)
         if kernels and int8_activations and Int4Int8Linear.supports(layer, dtype, device):
             return Int4Int8Linear(layer, dtype, device)
         if kernels and Int4Linear.supports(layer, dtype, device):
@@ -280,4 +307,4 @@ def kernel_name(layer: nn.Module) -> str:
         return "+".join(kernel_name(part) for part in layer.parts)
     if isinstance(layer, Int8Linear) and layer.int8_activations:
         return "int8-int8act"
-    return {Int4Int8Linear: "int4-int8act", Int4Linear: "int4-tinygemm", Int8Linear: "int8-pack", DequantLinear: "dequant", DenseLinear: "dense", SemiSparseLinear: "2:4-sparse"}[type(layer)]
+    return {Int4Int8Linear: "int4-int8act", Int4Linear: "int4-tinygemm", Int4MatvecLinear: "int4-triton", Int8Linear: "int8-pack", DequantLinear: "dequant", DenseLinear: "dense", SemiSparseLinear: "2:4-sparse"}[type(layer)]

@@ -56,12 +56,12 @@ class WeightsFile:
         return tensors
 
 
-def load_decoder(path: Path, dtype: torch.dtype = torch.bfloat16, device: Optional[torch.device] = None, kernels: bool = True, int8_activations: bool = False) -> tuple[Transformer, dict]:
+def load_decoder(path: Path, dtype: torch.dtype = torch.bfloat16, device: Optional[torch.device] = None, kernels: bool = True, int8_activations: bool = False, gpu_int4: str = "tinygemm") -> tuple[Transformer, dict]:
     """The decoder for an artifact and its manifest (checksums verified first)."""
     path = Path(path)
     manifest = read_manifest(path)
     skeleton = model_skeleton(path, manifest, meta=True)
-    parts = DecoderParts(skeleton, dtype, device, kernels, int8_activations)
+    parts = DecoderParts(skeleton, dtype, device, kernels, int8_activations, gpu_int4)
     weights = WeightsFile(path / WEIGHTS)
     keys = weights.keys()
     unread = set(keys)

@@ -48,7 +48,7 @@ def random_linear(in_features: int, out_features: int, scheme: Optional[QuantSch
     return layer.requires_grad_(False)
 
 
-def random_decoder(config: dict, scheme: Optional[QuantScheme], head_scheme: Optional[QuantScheme] = None, dtype: torch.dtype = torch.bfloat16, device: Optional[torch.device] = None, kernels: bool = True, seed: int = 0) -> Transformer:
+def random_decoder(config: dict, scheme: Optional[QuantScheme], head_scheme: Optional[QuantScheme] = None, dtype: torch.dtype = torch.bfloat16, device: Optional[torch.device] = None, kernels: bool = True, gpu_int4: str = "tinygemm", seed: int = 0) -> Transformer:
     """The decoder of an HF-style `config` (dict) with random weights: every decoder Linear in
     `scheme` (None: float in `dtype`), the LM head in `head_scheme`. Peak memory while building
     is the decoder plus one layer in its stored form."""
@@ -58,7 +58,7 @@ def random_decoder(config: dict, scheme: Optional[QuantScheme], head_scheme: Opt
     device = torch.device(device or "cpu")
     with no_init_weights(), torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(transformers_config(config), dtype=dtype)
-    parts = DecoderParts(skeleton, dtype, device, kernels, int8_activations=False)
+    parts = DecoderParts(skeleton, dtype, device, kernels, int8_activations=False, gpu_int4=gpu_int4)
     generator = torch.Generator(device).manual_seed(seed)
     ones = lambda dim: nn.Parameter(torch.ones(dim, dtype=dtype, device=device), requires_grad=False)  # noqa: E731
     blocks = []
