@@ -13,7 +13,10 @@ inference/synthetic.py): speed and memory do not depend on the values. Sections:
                          cache, which transformers compiles (torch.compile, CUDA graphs)
   cap                    llama-3-8b int4 g64 with torch.cuda.set_per_process_memory_fraction set
                          so that the CUDA context plus the allocator stay within 8 GiB: fill an 8k
-                         context, decode, and compare the peak with the planner's laptop-8gb plan
+                         context, decode, and compare the peak with the planner's laptop-8gb plan;
+                         then within 4 GiB, where the plan streams layers from pinned host memory
+                         (inference/streaming.py): decode speed against the plan's bound at the
+                         measured device and host-link bandwidths
 The prompt is 16 random token ids, then exactly 128 new tokens (greedy), median of 5 runs after
 warm-ups. Each section runs in a process of its own (a fresh allocator and its own peak), in
 order of importance, and the results are rewritten after each: a section that fails or runs
@@ -26,6 +29,7 @@ past `--budget-s` leaves the others. Writes bench/results/decode_gpu.{md,json}, 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import subprocess
@@ -157,39 +161,61 @@ def transformers_rows(shape: str, device: torch.device, options) -> list[dict]:
     return [{"name": name, "shape": shape, "weight_bytes": weights, "bytes_per_token": weights - table + args.dim * 2 + kv, "decode_tok_s": speed, "ttft_ms": 1000 * ttft, "runs_tok_s": speeds, "warmup_s": warm_s, "build_s": build_s}]
 
 
-def capped_rows(shape: str, device: torch.device, options) -> list[dict]:
-    """Load and decode a long context under the memory cap; the planner's peak against the
-    measured one (CUDA: the context's bytes, measured before any tensor, plus the allocator's
-    peak reservation; a CPU dry run: the process's peak resident set)."""
+def host_link_bandwidth(device: torch.device) -> float:
+    """Bytes per second of a pinned host-to-device copy of 256 MiB (what streamed layers cross)."""
+    host = torch.randint(0, 256, (2**28,), dtype=torch.uint8).pin_memory()
+    target = torch.empty_like(host, device=device)
+    target.copy_(host)
+    times = []
+    for _ in range(5):
+        start = device_clock(device)
+        target.copy_(host, non_blocking=True)
+        times.append(device_clock(device) - start)
+    return host.numel() / statistics.median(times)
+
+
+def capped_rows(shape: str, cap_gib: str, context: str, device: torch.device, options) -> list[dict]:
+    """Load and decode a context under a memory cap, in the planner's plan for that cap (all
+    layers on the device, or some streamed from pinned host memory); the planner's peak against
+    the measured one (CUDA: the context's bytes, measured before any tensor, plus the
+    allocator's peak reservation; a CPU dry run: the process's peak resident set) and, for a
+    streaming plan, the decode speed against the plan's bound at the measured bandwidths."""
     from slimlm.memory import peak_memory
 
     config = shape_config(shape)
     args = ModelArgs.from_hf_config(config)
-    context = min(options.cap_context, args.max_position_embeddings)
-    hardware = HARDWARE["laptop-8gb" if device.type == "cuda" else "cpu"]
-    plan = make_plan(args, uniform_schemes(args, SCHEME, SCHEME), hardware, context)
-    runtime_bytes = 0
-    if device.type == "cuda":
+    context = min(int(context), args.max_position_embeddings)
+    on_gpu = device.type == "cuda"
+    hardware = dataclasses.replace(HARDWARE["laptop-8gb"], memory_bytes=int(float(cap_gib) * GiB)) if on_gpu else HARDWARE["cpu"]
+    schemes = uniform_schemes(args, SCHEME, SCHEME)
+    plan = make_plan(args, schemes, hardware, context)
+    runtime_bytes, bound = 0, None
+    if on_gpu:
         torch.ones(64, 64, device=device) @ torch.ones(64, 64, device=device)  # the context and cuBLAS's workspace
         free, total = torch.cuda.mem_get_info(device)
         runtime_bytes = total - free
-        torch.cuda.set_per_process_memory_fraction((options.cap_gib * GiB - runtime_bytes) / total, device)
+        if plan.kind == "stream":  # the plan's speed bound at this machine's measured bandwidths
+            measured = dataclasses.replace(hardware, bandwidth_bytes_s=copy_bandwidth(device, options)[0]["bandwidth_bytes_s"], host_link_bytes_s=host_link_bandwidth(device))
+            bound = dataclasses.replace(plan, hardware=measured).decode_tok_s_bound()
+            torch.cuda.empty_cache()
+        torch.cuda.set_per_process_memory_fraction((plan.hardware.memory_bytes - runtime_bytes) / total, device)
         torch.cuda.reset_peak_memory_stats(device)
     new_tokens = 32
     with peak_memory(device) as peak:
-        model = random_decoder(config, SCHEME, SCHEME, torch.bfloat16, device)
+        model = random_decoder(config, SCHEME, SCHEME, torch.bfloat16, device, placement=plan.placement)
         decoder = Decoder(model, IdsOnly())
         model.setup_cache(1, context)
         prompt = random_prompt(context - new_tokens, args.vocab_size, device)[0].tolist()
         decoder.generate_ids([prompt], SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
-    measured = runtime_bytes + torch.cuda.max_memory_reserved(device) if device.type == "cuda" else peak.bytes
+    measured_peak = runtime_bytes + torch.cuda.max_memory_reserved(device) if on_gpu else peak.bytes
     predicted = plan.device_bytes()
-    name = f"slimlm int4 g64 {shape}, {context} context, {options.cap_gib} GiB cap" if device.type == "cuda" else f"slimlm int4 g64 {shape}, {context} context (CPU: no cap)"
+    where = f"{plan.streamed_layers} of {args.n_layers} layers streamed" if plan.kind == "stream" else plan.kind
+    name = f"slimlm int4 g64 {shape}, {context} context, {float(cap_gib):g} GiB cap, {where}" if on_gpu else f"slimlm int4 g64 {shape}, {context} context (CPU: no cap)"
     stats = decoder.last_stats
-    print(f"{name}: predicted {predicted / GiB:.2f} GiB, measured {measured / GiB:.2f} GiB", flush=True)
-    return [{"name": name, "shape": shape, "context": context, "plan": plan.kind, "predicted_peak_bytes": predicted, "measured_peak_bytes": measured, "runtime_bytes": runtime_bytes,
-             "allocated_peak_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None, "prediction_error": predicted / measured - 1,
-             "prefill_s": stats.prefill_s, "decode_tok_s": stats.decode_tok_s}]
+    print(f"{name}: predicted {predicted / GiB:.2f} GiB, measured {measured_peak / GiB:.2f} GiB, {stats.decode_tok_s:.1f} tok/s", flush=True)
+    return [{"name": name, "shape": shape, "context": context, "plan": plan.kind, "streamed_layers": plan.streamed_layers, "predicted_peak_bytes": predicted, "measured_peak_bytes": measured_peak,
+             "runtime_bytes": runtime_bytes, "allocated_peak_bytes": torch.cuda.max_memory_allocated(device) if on_gpu else None, "prediction_error": predicted / measured_peak - 1,
+             "prefill_s": stats.prefill_s, "decode_tok_s": stats.decode_tok_s, "stream_bound_tok_s": bound}]
 
 
 def sections(options) -> list[tuple[str, list[str]]]:
@@ -199,7 +225,8 @@ def sections(options) -> list[tuple[str, list[str]]]:
         order += [(f"slimlm {shape} {kernel}", ["slimlm", shape, kernel]) for kernel in options.kernels]
         order.append((f"transformers {shape}", ["transformers", shape]))
         if index == 0:
-            order.append((f"cap {options.cap_shape}", ["cap", options.cap_shape]))
+            order.append((f"cap {options.cap_shape} {options.cap_gib:g} GiB", ["cap", options.cap_shape, str(options.cap_gib), str(options.cap_context)]))
+            order.append((f"cap {options.cap_shape} {options.stream_cap_gib:g} GiB (streaming)", ["cap", options.cap_shape, str(options.stream_cap_gib), str(options.stream_context)]))
     return order
 
 
@@ -243,9 +270,10 @@ def report(rows: list[dict], failures: list[str], options, command: str, elapsed
         lines.append(f"| {row['name']} | {row['decode_tok_s']:.1f} | {ratio} | {row['ttft_ms']:.1f} | {row['weight_bytes'] / 1e9:.2f} | {bound} | {used} |")
     capped = [row for row in rows if "context" in row]
     if capped:
-        lines += ["", "| memory cap row | plan | predicted peak GiB | measured peak GiB | prediction error | CUDA context GiB | prefill s | decode tok/s |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+        lines += ["", "| memory cap row | plan | predicted peak GiB | measured peak GiB | prediction error | CUDA context GiB | prefill s | decode tok/s | streaming bound tok/s |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
         for row in capped:
-            lines.append(f"| {row['name']} | {row['plan']} | {row['predicted_peak_bytes'] / GiB:.2f} | {row['measured_peak_bytes'] / GiB:.2f} | {row['prediction_error']:+.1%} | {row['runtime_bytes'] / GiB:.2f} | {row['prefill_s']:.1f} | {row['decode_tok_s']:.1f} |")
+            bound = f"{row['stream_bound_tok_s']:.1f}" if row.get("stream_bound_tok_s") else ""
+            lines.append(f"| {row['name']} | {row['plan']} | {row['predicted_peak_bytes'] / GiB:.2f} | {row['measured_peak_bytes'] / GiB:.2f} | {row['prediction_error']:+.1%} | {row['runtime_bytes'] / GiB:.2f} | {row['prefill_s']:.1f} | {row['decode_tok_s']:.1f} | {bound} |")
     if failures:
         lines += ["", "Sections that did not finish:", "", *[f"- {failure}" for failure in failures]]
     lines.append("")
@@ -269,6 +297,8 @@ def main() -> None:
     parser.add_argument("--cap-shape", default="llama-3-8b")
     parser.add_argument("--cap-context", type=int, default=8192)
     parser.add_argument("--cap-gib", type=float, default=8.0)
+    parser.add_argument("--stream-cap-gib", type=float, default=4.0, help="a cap the model does not fit: the planner streams layers from host memory")
+    parser.add_argument("--stream-context", type=int, default=1024)
     parser.add_argument("--budget-s", type=float, default=480.0, help="no section starts after this many seconds; a running one is stopped at it")
     parser.add_argument("--out", type=Path, default=RESULTS, help="where decode_gpu.{md,json} go")
     parser.add_argument("--tiny", action="store_true", help="every shape is a tiny Llama (a dry run of every path, e.g. on a CPU)")

@@ -15,6 +15,7 @@ from torch import nn
 from slimlm.errors import SlimlmError
 from slimlm.inference.linear import GPU_INT4_KERNELS, DequantLinear, DenseLinear, build_linear, fuse
 from slimlm.inference.model import Attention, Block, FeedForward, ModelArgs, Transformer
+from slimlm.inference.streaming import HostBlock, HostEmbedding, LayerStreamer, Placement, streamed_layers, to_host
 from slimlm.qlinear import QuantEmbedding
 
 
@@ -30,24 +31,32 @@ class RowEmbedding(nn.Module):
         return self.table.rows(tokens.reshape(-1), self.dtype).view(*tokens.shape, -1)
 
 
-def build_decoder(model: nn.Module, dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None, kernels: bool = True, int8_activations: bool = False, gpu_int4: str = "tinygemm") -> Transformer:
+def build_decoder(model: nn.Module, dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None, kernels: bool = True, int8_activations: bool = False, gpu_int4: str = "tinygemm", placement: Placement = Placement()) -> Transformer:
     """A decoder Transformer holding `model`'s weights (HF Llama-family layout). With
     `int8_activations`, int4 and int8 layers also round their inputs to int8 (CPU; see
-    Int4Int8Linear and Int8Linear); `gpu_int4` picks the GPU's int4 kernel (inference/linear.py)."""
-    parts = DecoderParts(model, dtype, device, kernels, int8_activations, gpu_int4)
-    return parts.assemble([parts.block(layer) for layer in model.model.layers])
+    Int4Int8Linear and Int8Linear); `gpu_int4` picks the GPU's int4 kernel (inference/linear.py);
+    `placement` keeps some of it in host memory (inference/streaming.py)."""
+    parts = DecoderParts(model, dtype, device, kernels, int8_activations, gpu_int4, placement)
+    return parts.assemble([parts.block(index, layer) for index, layer in enumerate(model.model.layers)])
 
 
 class DecoderParts:
     """Turns an HF model's modules into decoder modules one at a time, so a loader can hand
     them over layer by layer (inference/load.py) instead of holding two copies of the model."""
 
-    def __init__(self, model: nn.Module, dtype: torch.dtype, device: Optional[torch.device], kernels: bool, int8_activations: bool, gpu_int4: str = "tinygemm"):
+    def __init__(self, model: nn.Module, dtype: torch.dtype, device: Optional[torch.device], kernels: bool, int8_activations: bool, gpu_int4: str = "tinygemm", placement: Placement = Placement()):
         if gpu_int4 not in GPU_INT4_KERNELS:
             raise SlimlmError(f"unknown GPU int4 kernel '{gpu_int4}'; choose one of {', '.join(GPU_INT4_KERNELS)}")
         self.model, self.dtype, self.device = model, dtype, torch.device(device or "cpu")
         self.kernels, self.int8_activations, self.gpu_int4 = kernels, int8_activations, gpu_int4
         self.args = ModelArgs.from_hf_config(model.config)
+        if not 0 <= placement.stream_layers <= self.args.n_layers:
+            raise SlimlmError(f"{placement.stream_layers} streamed layers asked for; the model has {self.args.n_layers} decoder layers")
+        if placement.table_on_host and self.args.tie_embeddings:
+            raise SlimlmError("this model's embedding is tied to its LM head, which the device reads every step: it cannot stay in host memory")
+        self.placement = placement
+        self.streamed = set(streamed_layers(self.args.n_layers, placement.stream_layers))
+        self.hosts: list[HostBlock] = []  # the streamed blocks' weights, in host memory
 
     def linear(self, layer: nn.Module) -> nn.Module:
         return build_linear(layer, self.dtype, self.device, self.kernels, self.int8_activations, self.gpu_int4)
@@ -55,7 +64,14 @@ class DecoderParts:
     def norm_weight(self, norm: nn.Module) -> torch.Tensor:
         return norm.weight.detach().to(device=self.device, dtype=self.dtype)
 
-    def block(self, layer: nn.Module) -> Block:
+    def block(self, index: int, layer: nn.Module) -> Block:
+        """Decoder block `index` from its HF layer; a streamed one's weights go to host memory."""
+        block = self._block(layer)
+        if index in self.streamed:
+            self.hosts.append(to_host(block, self.device))
+        return block
+
+    def _block(self, layer: nn.Module) -> Block:
         attn, mlp = layer.self_attn, layer.mlp
         attention = Attention(self.args, self.linear(fuse([attn.q_proj, attn.k_proj, attn.v_proj])), self.linear(attn.o_proj))
         feed_forward = FeedForward(self.linear(fuse([mlp.gate_proj, mlp.up_proj])), self.linear(mlp.down_proj))
@@ -67,16 +83,21 @@ class DecoderParts:
     def assemble(self, blocks: list[Block]) -> Transformer:
         """The Transformer from its blocks plus the model's head, embedding and final norm."""
         model, dtype, device = self.model, self.dtype, self.device
+        streamer = LayerStreamer(self.hosts, device) if self.hosts else None  # binds the streamed blocks' device views before .to(device)
         output = self.linear(model.get_output_embeddings())
         source_embedding = model.get_input_embeddings()
         if isinstance(source_embedding, QuantEmbedding):  # tied to the quantized head
             table = output if hasattr(output, "rows") else DequantLinear(source_embedding.head, dtype, device)
         elif self.args.tie_embeddings and isinstance(output, DenseLinear):
             table = output
+        elif self.placement.table_on_host:
+            table = None
         else:
             table = DenseLinear(source_embedding.weight, None, dtype, device)
-        decoder = Transformer(self.args, RowEmbedding(table, dtype), blocks, output, dtype).to(device)
+        embedding = HostEmbedding(source_embedding.weight, dtype, device) if table is None else RowEmbedding(table, dtype)
+        decoder = Transformer(self.args, embedding, blocks, output, dtype).to(device)
         decoder.norm.weight.data = self.norm_weight(model.model.norm)
+        decoder.streamer = streamer
         return decoder.eval()
 
 

@@ -36,6 +36,12 @@ def sampling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--gpu-int4", choices=("tinygemm", "triton"), default="tinygemm", help="int4 kernel on a GPU: torch's tinygemm, or slimlm's Triton kernel (reads the artifact's packing as stored; experimental)")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--stream-layers", type=int, default=0, help="keep the last N decoder layers in host memory and stream them to the GPU as they run (a model larger than the GPU; `slimlm plan` says how many)")
+    parser.add_argument("--embedding-on-host", action="store_true", help="keep an untied embedding table in host memory; each step copies its tokens' rows (`slimlm plan` says when)")
+
+
+def compile_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--compile", action="store_true", help="compile the decode step (CPU: fused C++; GPU: a CUDA graph); the first answer waits minutes for it")
 
 
 def sampling_params(options):
@@ -59,6 +65,7 @@ def open_decoder(model: str, options):
     from slimlm.artifact import MANIFEST
     from slimlm.inference.decoder import Decoder
     from slimlm.inference.load import load_decoder
+    from slimlm.inference.streaming import Placement
     from slimlm.models import load_model
 
     if options.threads:
@@ -68,15 +75,20 @@ def open_decoder(model: str, options):
         raise SlimlmError("--device cuda but no CUDA GPU is visible; use --device cpu")
     dtype = getattr(torch, options.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     cache_dtype = torch.int8 if options.kv_cache == "int8" else None
+    placement = Placement(options.stream_layers, options.embedding_on_host)
     if (Path(model) / MANIFEST).is_file():  # a slimlm artifact: straight into the decoder, layer by layer
         from transformers import AutoTokenizer
 
-        decoder, _ = load_decoder(Path(model), dtype=dtype, device=device, int8_activations=options.int8_activations, gpu_int4=options.gpu_int4)
-        return Decoder(decoder, AutoTokenizer.from_pretrained(model), cache_dtype=cache_dtype)
-    loaded = load_model(ModelConfig(name="cli", path=model), torch.device("cpu"))
-    decoder = build_decoder(loaded.model, dtype=dtype, device=device, int8_activations=options.int8_activations, gpu_int4=options.gpu_int4)
-    del loaded.model
-    return Decoder(decoder, loaded.tokenizer, cache_dtype=cache_dtype)
+        transformer, _ = load_decoder(Path(model), dtype=dtype, device=device, int8_activations=options.int8_activations, gpu_int4=options.gpu_int4, placement=placement)
+        decoder = Decoder(transformer, AutoTokenizer.from_pretrained(model), cache_dtype=cache_dtype)
+    else:
+        loaded = load_model(ModelConfig(name="cli", path=model), torch.device("cpu"))
+        transformer = build_decoder(loaded.model, dtype=dtype, device=device, int8_activations=options.int8_activations, gpu_int4=options.gpu_int4, placement=placement)
+        del loaded.model
+        decoder = Decoder(transformer, loaded.tokenizer, cache_dtype=cache_dtype)
+    if getattr(options, "compile", False):
+        decoder.compile_decode_step()
+    return decoder
 
 
 def generate_command(args: Sequence[str]) -> None:
@@ -87,6 +99,7 @@ def generate_command(args: Sequence[str]) -> None:
     parser.add_argument("--draft", default=None, help="speculative decoding with this draft model (same tokenizer; greedy only)")
     parser.add_argument("--lookahead", type=int, default=4, help="guesses checked per pass in speculative decoding")
     sampling_arguments(parser)
+    compile_argument(parser)
     options = parser.parse_args(args)
     if len(options.model_or_prompt) > 2:
         parser.error("give at most MODEL and PROMPT (quote the prompt)")
@@ -122,6 +135,7 @@ def chat_command(args: Sequence[str]) -> None:
     parser.add_argument("model", nargs="?", default=DEFAULT_MODEL)
     parser.add_argument("--system", default=None, help="a system message for the conversation")
     sampling_arguments(parser)
+    compile_argument(parser)
     options = parser.parse_args(args)
     decoder = open_decoder(options.model, options)
     tokenizer = decoder.tokenizer

@@ -85,6 +85,8 @@ class Decoder:
         slot, the second for any slot (Dynamo's automatic dynamic shapes): `dynamic=True` would
         also turn every float attribute (the norms' epsilons) into a tensor argument of the
         graph, 8% slower per step. `static` picks the fixed-shape step on a CPU too (tests)."""
+        if self.model.streamer is not None:
+            raise SlimlmError("this decoder streams layers from host memory, which runs eagerly (its copies and waits are not a compilable graph); compile one that fits the device")
         options = {"guard_filter_fn": cache_and_input_guards}
         on_gpu = self.device.type == "cuda"
         if not (on_gpu if static is None else static):

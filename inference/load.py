@@ -20,6 +20,7 @@ from slimlm.artifact import WEIGHTS, dense_tensors, model_skeleton, read_manifes
 from slimlm.errors import SlimlmError
 from slimlm.inference.build import DecoderParts
 from slimlm.inference.model import Transformer
+from slimlm.inference.streaming import Placement
 
 
 class WeightsFile:
@@ -56,12 +57,13 @@ class WeightsFile:
         return tensors
 
 
-def load_decoder(path: Path, dtype: torch.dtype = torch.bfloat16, device: Optional[torch.device] = None, kernels: bool = True, int8_activations: bool = False, gpu_int4: str = "tinygemm") -> tuple[Transformer, dict]:
-    """The decoder for an artifact and its manifest (checksums verified first)."""
+def load_decoder(path: Path, dtype: torch.dtype = torch.bfloat16, device: Optional[torch.device] = None, kernels: bool = True, int8_activations: bool = False, gpu_int4: str = "tinygemm", placement: Placement = Placement()) -> tuple[Transformer, dict]:
+    """The decoder for an artifact and its manifest (checksums verified first); `placement`
+    keeps some of it in host memory (inference/streaming.py)."""
     path = Path(path)
     manifest = read_manifest(path)
     skeleton = model_skeleton(path, manifest, meta=True)
-    parts = DecoderParts(skeleton, dtype, device, kernels, int8_activations, gpu_int4)
+    parts = DecoderParts(skeleton, dtype, device, kernels, int8_activations, gpu_int4, placement)
     weights = WeightsFile(path / WEIGHTS)
     keys = weights.keys()
     unread = set(keys)
@@ -78,7 +80,7 @@ def load_decoder(path: Path, dtype: torch.dtype = torch.bfloat16, device: Option
     blocks = []
     for index, layer in enumerate(skeleton.model.layers):
         fill(layer, f"model.layers.{index}.")
-        blocks.append(parts.block(layer))
+        blocks.append(parts.block(index, layer))
         layer.to("meta")  # the block holds its own layout now: drop the source copy
     fill(skeleton.model.norm, "model.norm.")
     head, embedding = skeleton.get_output_embeddings(), skeleton.get_input_embeddings()

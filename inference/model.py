@@ -236,6 +236,7 @@ class Transformer(nn.Module):
         self.output = output
         self.register_buffer("inv_freq", rope_inverse_frequencies(args), persistent=False)
         self.max_batch = self.max_seq = 0
+        self.streamer = None  # a LayerStreamer when some blocks live in host memory (inference/streaming.py)
 
     def setup_cache(self, batch: int, max_seq: int, cache_dtype: Optional[torch.dtype] = None) -> None:
         """Allocate the key/value cache once; decoding never allocates it again. Its dtype
@@ -273,9 +274,10 @@ class Transformer(nn.Module):
     def bytes_per_token(self, context: int) -> int:
         """The least a batch-1 decode step at `context` tokens reads: every weight except the
         embedding table (one row of it), and the cache up to `context`."""
-        table = self.embedding.table
-        table_bytes = 0 if table is self.output else sum(t.nbytes for t in (*table.parameters(), *table.buffers()))
-        row = self.args.dim * next(t.element_size() for t in (*table.parameters(), *table.buffers()))
+        table = getattr(self.embedding, "table", None)  # None: a table in host memory (streaming.HostEmbedding), not in weight_bytes
+        tensors = [self.embedding.host_table] if table is None else [*table.parameters(), *table.buffers()]
+        table_bytes = 0 if table is None or table is self.output else sum(t.nbytes for t in tensors)
+        row = self.args.dim * tensors[0].element_size()
         kv = self.cache_bytes() * context // (self.max_seq * self.max_batch) if self.max_seq else 2 * self.args.n_layers * self.args.n_kv_heads * self.args.head_dim * context * self.inv_freq.element_size()
         return self.weight_bytes() - table_bytes + row + kv
 

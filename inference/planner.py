@@ -26,6 +26,7 @@ from slimlm.errors import SlimlmError
 from slimlm.inference.cpu_kernels import int4_int8_fits
 from slimlm.inference.linear import int8pack_fits, tinygemm_fits
 from slimlm.inference.model import ModelArgs
+from slimlm.inference.streaming import Placement
 from slimlm.qlinear import QuantScheme
 
 GiB = 2**30
@@ -115,6 +116,11 @@ class Plan:
     table_on_host: bool = False  # an untied embedding table is read one row per token: host memory serves
     notes: list[str] = field(default_factory=list)
 
+    @property
+    def placement(self) -> Placement:
+        """What this plan keeps in host memory, for build_decoder / load_decoder."""
+        return Placement(self.streamed_layers if self.kind == "stream" else 0, self.table_on_host)
+
     def device_bytes(self) -> int:
         """Peak bytes on the device (or in RAM for CPU plans)."""
         b = self.budget
@@ -187,7 +193,7 @@ def make_plan(args: ModelArgs, schemes: dict[str, QuantScheme], hardware: Hardwa
     if plan.device_bytes() <= hardware.memory_bytes:
         return plan
     host_table = hardware.device == "cuda" and not args.tie_embeddings
-    table_note = ["the embedding table stays in host memory (one row per token is copied over)"] if host_table else []
+    table_note = ["the embedding table stays in host memory (one row per token is copied over): run with --embedding-on-host"] if host_table else []
     plan = Plan(hardware, context, batch, full, "device", table_on_host=host_table, notes=list(table_note))
     if plan.device_bytes() <= hardware.memory_bytes:
         return plan
@@ -195,7 +201,7 @@ def make_plan(args: ModelArgs, schemes: dict[str, QuantScheme], hardware: Hardwa
         for streamed in range(1, args.n_layers + 1):
             plan = Plan(hardware, context, batch, full, "stream", streamed_layers=streamed, table_on_host=host_table, notes=list(table_note))
             if plan.device_bytes() <= hardware.memory_bytes:
-                plan.notes.append(f"{streamed} of {args.n_layers} decoder layers stay in pinned host memory and stream in one layer ahead of use")
+                plan.notes.append(f"{streamed} of {args.n_layers} decoder layers stay in pinned host memory and stream in one layer ahead of use: run with --stream-layers {streamed}")
                 return plan
     shorter = context
     while shorter > 256:

@@ -16,6 +16,7 @@ from torch import nn
 
 from slimlm.inference.build import DecoderParts
 from slimlm.inference.model import Transformer
+from slimlm.inference.streaming import Placement
 from slimlm.qlinear import QuantLinear, QuantScheme, set_submodule, tie_quantized_head
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
@@ -48,27 +49,27 @@ def random_linear(in_features: int, out_features: int, scheme: Optional[QuantSch
     return layer.requires_grad_(False)
 
 
-def random_decoder(config: dict, scheme: Optional[QuantScheme], head_scheme: Optional[QuantScheme] = None, dtype: torch.dtype = torch.bfloat16, device: Optional[torch.device] = None, kernels: bool = True, gpu_int4: str = "tinygemm", seed: int = 0) -> Transformer:
+def random_decoder(config: dict, scheme: Optional[QuantScheme], head_scheme: Optional[QuantScheme] = None, dtype: torch.dtype = torch.bfloat16, device: Optional[torch.device] = None, kernels: bool = True, gpu_int4: str = "tinygemm", placement: Placement = Placement(), seed: int = 0) -> Transformer:
     """The decoder of an HF-style `config` (dict) with random weights: every decoder Linear in
-    `scheme` (None: float in `dtype`), the LM head in `head_scheme`. Peak memory while building
-    is the decoder plus one layer in its stored form."""
+    `scheme` (None: float in `dtype`), the LM head in `head_scheme`; `placement` keeps some of
+    it in host memory (inference/streaming.py). Peak memory while
+    building is the device-resident decoder plus one layer in its stored form."""
     from transformers import AutoModelForCausalLM
-    from transformers.initialization import no_init_weights
 
     device = torch.device(device or "cpu")
-    with no_init_weights(), torch.device("meta"):
+    with torch.device("meta"):  # the skeleton: shapes and module names, no memory
         skeleton = AutoModelForCausalLM.from_config(transformers_config(config), dtype=dtype)
-    parts = DecoderParts(skeleton, dtype, device, kernels, int8_activations=False, gpu_int4=gpu_int4)
+    parts = DecoderParts(skeleton, dtype, device, kernels, int8_activations=False, gpu_int4=gpu_int4, placement=placement)
     generator = torch.Generator(device).manual_seed(seed)
     ones = lambda dim: nn.Parameter(torch.ones(dim, dtype=dtype, device=device), requires_grad=False)  # noqa: E731
     blocks = []
-    for layer in skeleton.model.layers:
+    for index, layer in enumerate(skeleton.model.layers):
         for name in LINEARS:
             meta = layer.get_submodule(name)
             set_submodule(layer, name, random_linear(meta.in_features, meta.out_features, scheme, meta.bias is not None, dtype, device, generator))
         layer.input_layernorm.weight = ones(parts.args.dim)
         layer.post_attention_layernorm.weight = ones(parts.args.dim)
-        blocks.append(parts.block(layer))
+        blocks.append(parts.block(index, layer))
         layer.to("meta")  # the block holds its own layout now
     skeleton.model.norm.weight = ones(parts.args.dim)
     args = parts.args
@@ -78,6 +79,7 @@ def random_decoder(config: dict, scheme: Optional[QuantScheme], head_scheme: Opt
     elif args.tie_embeddings:
         skeleton.get_input_embeddings().weight = skeleton.get_output_embeddings().weight
     else:
-        table = torch.empty(args.vocab_size, args.dim, dtype=dtype, device=device)
-        skeleton.get_input_embeddings().weight = nn.Parameter(table.normal_(generator=generator), requires_grad=False)
+        # drawn on the host wherever it will live: the same values for either placement
+        table = torch.empty(args.vocab_size, args.dim, dtype=dtype).normal_(generator=torch.Generator().manual_seed(seed))
+        skeleton.get_input_embeddings().weight = nn.Parameter(table if placement.table_on_host else table.to(device), requires_grad=False)
     return parts.assemble(blocks)

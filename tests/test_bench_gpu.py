@@ -40,13 +40,13 @@ def test_the_gpu_benchmark_dry_runs_with_only_the_gpu_images_packages(tmp_path):
     (blocker / "sitecustomize.py").write_text("import sys\n" + "".join(f"sys.modules[{name!r}] = None\n" for name in ABSENT_ON_THE_GPU_IMAGE))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(blocker), os.environ.get("PYTHONPATH", "")])}
     out = tmp_path / "results"
-    command = [sys.executable, "bench/decode_gpu.py", "--tiny", "--device", "cpu", "--out", str(out), "--repeats", "1", "--new-tokens", "8", "--cap-context", "256"]
+    command = [sys.executable, "bench/decode_gpu.py", "--tiny", "--device", "cpu", "--out", str(out), "--repeats", "1", "--new-tokens", "8", "--cap-context", "256", "--stream-context", "128"]
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     record = json.loads((out / "decode_gpu.json").read_text())
     assert record["failures"] == [], record["failures"]
     names = [row["name"] for row in record["rows"]]
-    assert names == ["device copy", "slimlm int4 g64 tiny, tinygemm, eager", "slimlm int4 g64 tiny, tinygemm, compiled", "transformers bf16 tiny, static cache, generate", "slimlm int4 g64 tiny, 256 context (CPU: no cap)"]
+    assert names == ["device copy", "slimlm int4 g64 tiny, tinygemm, eager", "slimlm int4 g64 tiny, tinygemm, compiled", "transformers bf16 tiny, static cache, generate", "slimlm int4 g64 tiny, 256 context (CPU: no cap)", "slimlm int4 g64 tiny, 128 context (CPU: no cap)"]
     speeds = [row for row in record["rows"] if "vs_transformers" in row]
     assert len(speeds) == 2 and all(row["decode_tok_s"] > 0 and 0 < row["bandwidth_fraction"] for row in speeds)
     assert "| slimlm int4 g64 tiny, tinygemm, compiled |" in (out / "decode_gpu.md").read_text()

@@ -160,6 +160,10 @@ def test_generate_and_chat_commands_stream_from_a_checkpoint(tiny_model_dir, tmp
     assert result.stdout.strip() and "8 tokens" in result.stderr
     compact = run("generate", str(tiny_model_dir), "the story of", "--max-new-tokens", "8", "--kv-cache", "int8", "--int8-activations", "--dtype", "bfloat16")
     assert compact.returncode == 0 and "8 tokens" in compact.stderr, compact.stderr
+    streamed = run("generate", str(tiny_model_dir), "the story of", "--max-new-tokens", "8", "--stream-layers", "1")
+    assert streamed.returncode == 0 and "8 tokens" in streamed.stderr, streamed.stderr
+    uncompilable = run("generate", str(tiny_model_dir), "hi", "--stream-layers", "1", "--compile")
+    assert uncompilable.returncode == 2 and "streams layers" in uncompilable.stderr, uncompilable.stderr
     chat = run("chat", str(tiny_model_dir), "--max-new-tokens", "4", input="hello\nagain\n/exit\n")
     assert chat.returncode == 0, chat.stderr
     assert chat.stdout.count("> ") >= 3

@@ -10,6 +10,7 @@ from slimlm.errors import SlimlmError
 from slimlm.inference import cpu_kernels
 from slimlm.inference.build import build_decoder
 from slimlm.inference.model import ModelArgs
+from slimlm.inference.streaming import Placement
 from slimlm.inference.planner import GiB, HARDWARE, budget, format_plan, make_plan, preset_config, uniform_schemes
 from slimlm.pipeline import RunState
 from slimlm.qlinear import QuantScheme
@@ -61,6 +62,7 @@ def test_plans_fit_stream_shorten_or_refuse_with_numbers():
     assert 30 < fits.decode_tok_s_bound() < 256e9 / (4 * GiB)  # bandwidth over about 4-5 GiB read per token
     float_weights = make_plan(args, {}, laptop, context=8192)
     assert float_weights.kind == "stream" and float_weights.device_bytes() <= 8 * GiB and float_weights.streamed_layers > 0
+    assert float_weights.placement == Placement(float_weights.streamed_layers, table_on_host=True) and fits.placement == Placement()
     no_link = dataclasses.replace(laptop, host_link_bytes_s=None)
     capped = make_plan(args, int4, dataclasses.replace(no_link, memory_bytes=6 * GiB), context=8192)
     assert capped.kind == "shorter-context" and capped.context < 8192

@@ -1,0 +1,67 @@
+"""Decoder blocks streamed from host memory (inference/streaming.py) compute what resident ones
+do, whichever blocks and however many are streamed, through prefill chunks, decode steps and
+continuous batching; the device holds two block buffers and the host the rest. The GPU's
+overlap of copies and compute is timed by bench/decode_gpu.py."""
+
+import pytest
+import torch
+
+from slimlm.compress.quantize import QuantizeParams, run as quantize
+from slimlm.errors import SlimlmError
+from slimlm.inference.decoder import Decoder
+from slimlm.inference.load import load_decoder
+from slimlm.inference.sampling import SamplingParams
+from slimlm.inference.streaming import HostEmbedding, Placement, streamed_layers
+from slimlm.inference.synthetic import random_decoder
+from slimlm.pipeline import RunState
+from slimlm.qlinear import QuantScheme
+from tests.test_artifact import export
+
+CONFIG = {"model_type": "llama", "vocab_size": 512, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 5, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 5], ids=lambda c: f"{c}-streamed")
+def test_streamed_blocks_give_the_resident_decoders_tokens_and_logits(count):
+    scheme = QuantScheme(bits=4, group_size=32)
+    resident = random_decoder(CONFIG, scheme, scheme, dtype=torch.float32)
+    streamed = random_decoder(CONFIG, scheme, scheme, dtype=torch.float32, placement=Placement(count, table_on_host=True))
+    streamer = streamed.streamer
+    assert isinstance(streamed.embedding, HostEmbedding) and streamed.weight_bytes() == resident.weight_bytes() - streamed.embedding.host_table.nbytes
+    assert len(streamer.hosts) == count and len(streamer.buffers) == min(2, count)
+    block_bytes = streamer.hosts[0].host.numel()
+    assert streamer.host_bytes == count * block_bytes and streamer.device_bytes == min(2, count) * block_bytes
+    tokens = torch.randint(0, CONFIG["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(count))
+    with torch.inference_mode():
+        for model in (resident, streamed):
+            model.setup_cache(2, 40)
+        torch.testing.assert_close(streamed(tokens[:, :16], 0), resident(tokens[:, :16], 0), rtol=0, atol=0)
+        for slot in range(16, 24):  # decode steps: every block runs each step, the prefetch chain wraps around
+            torch.testing.assert_close(streamed(tokens[:, slot : slot + 1], slot), resident(tokens[:, slot : slot + 1], slot), rtol=0, atol=0)
+        rows, positions = torch.tensor([1, 0]), torch.tensor([24, 24])
+        torch.testing.assert_close(streamed.step_rows(tokens[:, -1], rows, positions), resident.step_rows(tokens[:, -1], rows, positions), rtol=0, atol=0)
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    prompt = tokens[0, :10].tolist()
+
+    class Ids:
+        eos_token_id = None
+
+        def decode(self, ids, skip_special_tokens=True):
+            return ""
+
+    assert Decoder(streamed, Ids()).generate_ids([prompt], params)[0].token_ids == Decoder(resident, Ids()).generate_ids([prompt], params)[0].token_ids
+    with pytest.raises(SlimlmError, match="streams layers"):
+        Decoder(streamed, Ids()).compile_decode_step()
+
+
+def test_an_artifact_loads_with_its_last_blocks_in_host_memory(tiny_model, tiny_tokenizer, tmp_path):
+    state = RunState(cfg=None, run_dir=tmp_path, model=tiny_model, tokenizer=tiny_tokenizer, source=None, source_sha256=None, device=torch.device("cpu"))
+    quantize(state, QuantizeParams(bits=4, group_size=32, targets=[r"model\.layers\.\d+\..*", "lm_head"]))
+    path = export(state, tmp_path / "artifact")
+    resident, _ = load_decoder(path, dtype=torch.float32)
+    streamed, _ = load_decoder(path, dtype=torch.float32, placement=Placement(stream_layers=1))
+    assert [host.block for host in streamed.streamer.hosts] == [streamed.layers[i] for i in streamed_layers(len(streamed.layers), 1)]
+    tokens = torch.randint(0, tiny_model.config.vocab_size, (1, 12))
+    with torch.inference_mode():
+        for model in (resident, streamed):
+            model.setup_cache(1, 16)
+        torch.testing.assert_close(streamed(tokens, 0), resident(tokens, 0), rtol=0, atol=0)
