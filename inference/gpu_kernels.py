@@ -58,7 +58,6 @@ def _kernels():
     @triton.jit
     def int4_matvec_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, N, K: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, ZERO: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
         pid_n, pid_k, row = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        GROUPS_PER_BLOCK: tl.constexpr = BLOCK_K // GROUP
         n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < N
         groups = K // GROUP
@@ -70,9 +69,9 @@ def _kernels():
             x_even = tl.load(x_ptr + row * K + 2 * byte).to(tl.float32)
             x_odd = tl.load(x_ptr + row * K + 2 * byte + 1).to(tl.float32)
             dots = (packed & 0xF).to(tl.float32) * x_even[None, :] + (packed >> 4).to(tl.float32) * x_odd[None, :]
-            group_dots = tl.sum(tl.reshape(dots, [BLOCK_N, GROUPS_PER_BLOCK, GROUP // 2]), axis=2)  # sum of code x input per group
-            group_x = tl.sum(tl.reshape(x_even + x_odd, [GROUPS_PER_BLOCK, GROUP // 2]), axis=1)  # sum of inputs per group
-            g = block * GROUPS_PER_BLOCK + tl.arange(0, GROUPS_PER_BLOCK)
+            group_dots = tl.sum(tl.reshape(dots, [BLOCK_N, BLOCK_K // GROUP, GROUP // 2]), axis=2)  # sum of code x input per group
+            group_x = tl.sum(tl.reshape(x_even + x_odd, [BLOCK_K // GROUP, GROUP // 2]), axis=1)  # sum of inputs per group
+            g = block * (BLOCK_K // GROUP) + tl.arange(0, BLOCK_K // GROUP)
             scales = tl.load(s_ptr + n[:, None] * groups + g[None, :], mask=n_ok[:, None], other=0).to(tl.float32)
             if HAS_ZEROS:
                 zeros = tl.load(z_ptr + n[:, None] * groups + g[None, :], mask=n_ok[:, None], other=0).to(tl.float32)
