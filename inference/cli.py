@@ -187,6 +187,7 @@ def plan_command(args: Sequence[str]) -> None:
     parser.add_argument("--head-bits", type=int, default=None, help="quantize the LM head too")
     parser.add_argument("--int8-activations", action="store_true", help="plan for `generate --int8-activations` (CPU: a tied int4 head needs no second embedding table)")
     parser.add_argument("--kv-cache", choices=("float", "int8"), default="float", help="plan for `generate --kv-cache int8`")
+    parser.add_argument("--gpu-int4", choices=("tinygemm", "triton"), default="tinygemm", help="plan for `generate --gpu-int4 triton` (the stored packing, a little smaller)")
     options = parser.parse_args(args)
     path = Path(options.model)
     if options.model in presets:
@@ -206,7 +207,7 @@ def plan_command(args: Sequence[str]) -> None:
         scheme = None if options.bits is None else QuantScheme(bits=options.bits, group_size=options.group_size)
         head = None if options.head_bits is None else QuantScheme(bits=options.head_bits, group_size=options.group_size if options.head_bits < 8 else None)
         schemes = uniform_schemes(model_args, scheme, head)
-    plan = make_plan(model_args, schemes, HARDWARE[options.hardware], options.context, options.batch, int8_activations=options.int8_activations, kv_int8=options.kv_cache == "int8")
+    plan = make_plan(model_args, schemes, HARDWARE[options.hardware], options.context, options.batch, int8_activations=options.int8_activations, kv_int8=options.kv_cache == "int8", gpu_int4=options.gpu_int4)
     print(format_plan(plan, options.model))
 
 

@@ -23,6 +23,7 @@ from importlib import resources
 from typing import Optional
 
 from slimlm.errors import SlimlmError
+from slimlm.inference import gpu_kernels
 from slimlm.inference.cpu_kernels import int4_int8_fits
 from slimlm.inference.linear import int8pack_fits, tinygemm_fits
 from slimlm.inference.model import ModelArgs
@@ -70,10 +71,18 @@ def packed_bytes(out_features: int, in_features: int, scheme: QuantScheme) -> in
     return out_features * in_features * scheme.bits // 8 + out_features * groups * (2 + (0 if scheme.symmetric else 1))
 
 
-def linear_bytes(out_features: int, in_features: int, scheme: Optional[QuantScheme], act_bytes: int) -> int:
-    """Bytes of one linear layer as the decoder stores it (inference/linear.py)."""
+def matvec_fits(scheme: Optional[QuantScheme], in_features: int) -> bool:
+    """Whether slimlm's Triton int4 kernel holds a layer of this scheme (GPU, gpu_int4="triton")."""
+    return scheme is not None and gpu_kernels.fits(scheme.bits, scheme.group_size, in_features)
+
+
+def linear_bytes(out_features: int, in_features: int, scheme: Optional[QuantScheme], act_bytes: int, matvec: bool = False) -> int:
+    """Bytes of one linear layer as the decoder stores it (inference/linear.py); `matvec`: int4
+    layers run in slimlm's Triton kernel, which keeps the stored packing."""
     if scheme is None:
         return out_features * in_features * act_bytes
+    if matvec and matvec_fits(scheme, in_features):
+        return packed_bytes(out_features, in_features, scheme)
     if tinygemm_fits(scheme, in_features):
         return out_features * in_features // 2 + 2 * scheme.groups(in_features) * out_features * act_bytes  # codes; (scale, zero) per group
     if int8pack_fits(scheme):  # int8 codes; a scale (and an offset) per row
@@ -140,12 +149,15 @@ class Plan:
         return 1 / seconds
 
 
-def budget(args: ModelArgs, schemes: dict[str, QuantScheme], hardware: Hardware, context: int, batch: int, prefill_chunk: int = 512, int8_activations: bool = False, kv_int8: bool = False) -> Budget:
+def budget(args: ModelArgs, schemes: dict[str, QuantScheme], hardware: Hardware, context: int, batch: int, prefill_chunk: int = 512, int8_activations: bool = False, kv_int8: bool = False, gpu_int4: str = "tinygemm") -> Budget:
     """The decoder's bytes for this model on this hardware. `schemes` maps module names
     (`model.layers.0.self_attn.q_proj`, `lm_head`) to schemes; absent modules stay float.
     `int8_activations` (CPU): int4 layers run in slimlm's int4 x int8 kernel, whose layout a
     tied head's embedding reads row by row (no second table). `kv_int8`: the cache holds int8
-    codes and a float32 scale per head and slot, and a step reads one layer's cache dequantized."""
+    codes and a float32 scale per head and slot, and a step reads one layer's cache dequantized.
+    `gpu_int4="triton"` (GPU): int4 layers keep their stored packing (inference/gpu_kernels.py),
+    a tied head serves as the embedding, and a prefill chunk dequantizes one layer at a time."""
+    matvec = hardware.device == "cuda" and gpu_int4 == "triton"
     act_bytes = 2  # bf16/fp16 activations: the fast path of every packed kernel
     float_kv = act_bytes if hardware.device == "cuda" else 4  # the CPU cache is fp32 (inference/model.py)
     per_slot = args.n_kv_heads * (args.head_dim + 4 if kv_int8 else args.head_dim * float_kv)  # bytes of one slot's keys
@@ -156,16 +168,18 @@ def budget(args: ModelArgs, schemes: dict[str, QuantScheme], hardware: Hardware,
     for index in range(args.n_layers):
         total = 2 * args.dim * act_bytes  # the two norms
         for name, (out_features, in_features) in shapes.items():
-            total += linear_bytes(out_features, in_features, schemes.get(f"model.layers.{index}.{name}"), act_bytes)
+            total += linear_bytes(out_features, in_features, schemes.get(f"model.layers.{index}.{name}"), act_bytes, matvec)
             if args.qkv_bias and name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
                 total += out_features * act_bytes
         layers.append(total)
     head_scheme = schemes.get("lm_head")
-    head = linear_bytes(args.vocab_size, args.dim, head_scheme, act_bytes)
+    head = linear_bytes(args.vocab_size, args.dim, head_scheme, act_bytes, matvec)
     if not args.tie_embeddings:
         table = args.vocab_size * args.dim * act_bytes
     elif int8_activations and hardware.device == "cpu" and int4_int8_fits(head_scheme, args.vocab_size, args.dim):
         table = 0
+    elif matvec and matvec_fits(head_scheme, args.dim):
+        table = 0  # the head's stored codes are read by rows
     elif tinygemm_fits(head_scheme, args.dim):
         table = packed_bytes(args.vocab_size, args.dim, head_scheme)  # a tinygemm head cannot be read by rows: the packed codes again
     else:
@@ -175,6 +189,10 @@ def budget(args: ModelArgs, schemes: dict[str, QuantScheme], hardware: Hardware,
     hidden = tokens * (4 * args.dim + q + 2 * kv + 3 * args.intermediate_size) * act_bytes
     if kv_int8:
         hidden += 2 * batch * context * kv * float_kv
+    if matvec and any(matvec_fits(scheme, args.dim) for scheme in schemes.values()):
+        # a prefill chunk multiplies by a dequantized weight: the largest fused layer's unpacked
+        # codes (a byte each) and two activation-dtype copies while it is scaled
+        hidden += 2 * args.intermediate_size * args.dim * (1 + 2 * act_bytes)
     logits = batch * args.vocab_size * 4
     # Loading on a CPU holds the largest layer in its stored and its kernel layout at once (the
     # stored copy is dropped before the next is read); a GPU plan leaves that host-side.
@@ -182,13 +200,13 @@ def budget(args: ModelArgs, schemes: dict[str, QuantScheme], hardware: Hardware,
     return Budget(layers, head, table, args.dim * act_bytes, kv_cache, hidden + logits, hardware.reserve_bytes, transit_bytes=transit)
 
 
-def make_plan(args: ModelArgs, schemes: dict[str, QuantScheme], hardware: Hardware, context: int, batch: int = 1, int8_activations: bool = False, kv_int8: bool = False) -> Plan:
+def make_plan(args: ModelArgs, schemes: dict[str, QuantScheme], hardware: Hardware, context: int, batch: int = 1, int8_activations: bool = False, kv_int8: bool = False, gpu_int4: str = "tinygemm") -> Plan:
     """The first plan that fits (see the module docstring), or SlimlmError with the numbers."""
     if context < 1 or batch < 1:
         raise SlimlmError(f"context ({context}) and batch ({batch}) must be at least 1")
     if context > args.max_position_embeddings:
         raise SlimlmError(f"a context of {context} is longer than the model's {args.max_position_embeddings}")
-    full = budget(args, schemes, hardware, context, batch, int8_activations=int8_activations, kv_int8=kv_int8)
+    full = budget(args, schemes, hardware, context, batch, int8_activations=int8_activations, kv_int8=kv_int8, gpu_int4=gpu_int4)
     plan = Plan(hardware, context, batch, full, "device")
     if plan.device_bytes() <= hardware.memory_bytes:
         return plan
@@ -206,7 +224,7 @@ def make_plan(args: ModelArgs, schemes: dict[str, QuantScheme], hardware: Hardwa
     shorter = context
     while shorter > 256:
         shorter //= 2
-        candidate = budget(args, schemes, hardware, shorter, batch, int8_activations=int8_activations, kv_int8=kv_int8)
+        candidate = budget(args, schemes, hardware, shorter, batch, int8_activations=int8_activations, kv_int8=kv_int8, gpu_int4=gpu_int4)
         plan = Plan(hardware, shorter, batch, candidate, "shorter-context", table_on_host=host_table, notes=list(table_note))
         if plan.device_bytes() <= hardware.memory_bytes:
             plan.notes.append(f"the context is capped at {shorter} tokens (of {context} asked)")

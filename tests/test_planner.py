@@ -8,7 +8,7 @@ import torch
 from slimlm.compress.quantize import QuantizeParams, run as quantize
 from slimlm.errors import SlimlmError
 from slimlm.inference import cpu_kernels
-from slimlm.inference.build import build_decoder
+from slimlm.inference.build import build_decoder, describe_kernels
 from slimlm.inference.model import ModelArgs
 from slimlm.inference.streaming import Placement
 from slimlm.inference.planner import GiB, HARDWARE, budget, format_plan, make_plan, preset_config, uniform_schemes
@@ -85,3 +85,22 @@ def test_plan_command_reads_presets_and_artifacts(tiny_model, tiny_tokenizer, tm
     artifact = run(str(tmp_path / "artifact"), "--hardware", "cpu", "--context", "256")
     assert artifact.returncode == 0 and "fits in RAM" in artifact.stdout
     assert run("nonsense").returncode == 2
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_the_triton_layout_is_planned_as_stored(monkeypatch, tied):
+    """gpu_int4="triton" keeps the stored packing (and a tied head doubles as the embedding);
+    the layer is built here on the CPU in that layout to count its bytes (it runs on GPUs)."""
+    from slimlm.inference import gpu_kernels
+    from slimlm.inference.linear import Int4MatvecLinear
+    from slimlm.inference.synthetic import random_decoder
+
+    monkeypatch.setattr(Int4MatvecLinear, "supports", staticmethod(lambda layer, dtype, device: gpu_kernels.fits(layer.scheme.bits, layer.scheme.group_size, layer.in_features)))
+    config = {"model_type": "llama", "vocab_size": 512, "hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256, "tie_word_embeddings": tied}
+    scheme = QuantScheme(bits=4, group_size=64)
+    decoder = random_decoder(config, scheme, scheme, gpu_int4="triton")
+    assert set(describe_kernels(decoder)) == {"int4-triton", "head: int4-triton"}
+    args = ModelArgs.from_hf_config(config)
+    planned = budget(args, uniform_schemes(args, scheme, scheme), HARDWARE["laptop-8gb"], 64, 1, gpu_int4="triton")
+    assert planned.weight_bytes == decoder.weight_bytes()
+    assert planned.weight_bytes < budget(args, uniform_schemes(args, scheme, scheme), HARDWARE["laptop-8gb"], 64, 1).weight_bytes  # smaller than tinygemm's
