@@ -51,11 +51,11 @@ def command_line(script: str, parser: argparse.ArgumentParser, options: argparse
     return " ".join(parts)
 
 
-def write_result(name: str, command: str, record: dict, lines: list[str], notes: Optional[str] = None) -> None:
-    """bench/results/<name>.json (the machine, the command and `record`) and <name>.md (`lines`,
-    then bench/<notes or name>.notes.md when it exists)."""
+def write_result(name: str, command: str, record: dict, lines: list[str], notes: Optional[str] = None, machine: Optional[dict] = None) -> None:
+    """bench/results/<name>.json (`machine`, by default this one's machine_info(), the command and
+    `record`) and <name>.md (`lines`, then bench/<notes or name>.notes.md when it exists)."""
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{name}.json").write_text(json.dumps({"machine": machine_info(), "command": command, **record}, indent=2) + "\n")
+    (RESULTS / f"{name}.json").write_text(json.dumps({"machine": machine or machine_info(), "command": command, **record}, indent=2) + "\n")
     notes_file = REPO / "bench" / f"{notes or name}.notes.md"
     if notes_file.is_file():
         lines = [*lines, notes_file.read_text().strip(), ""]

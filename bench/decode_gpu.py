@@ -222,11 +222,12 @@ def sections(options) -> list[tuple[str, list[str]]]:
     """(label, arguments of this script's --section run), most important first."""
     order = [("bandwidth", ["bandwidth"])]
     for index, shape in enumerate(options.shapes):
-        order += [(f"slimlm {shape} {kernel}", ["slimlm", shape, kernel]) for kernel in options.kernels]
-        order.append((f"transformers {shape}", ["transformers", shape]))
-        if index == 0:
+        kernels = [(f"slimlm {shape} {kernel}", ["slimlm", shape, kernel]) for kernel in options.kernels]
+        order.append(kernels[0])
+        if index == 0:  # the acceptance's sections before the slower comparisons (transformers compiles for minutes)
             order.append((f"cap {options.cap_shape} {options.cap_gib:g} GiB", ["cap", options.cap_shape, str(options.cap_gib), str(options.cap_context)]))
             order.append((f"cap {options.cap_shape} {options.stream_cap_gib:g} GiB (streaming)", ["cap", options.cap_shape, str(options.stream_cap_gib), str(options.stream_context)]))
+        order += [(f"transformers {shape}", ["transformers", shape]), *kernels[1:]]
     return order
 
 
@@ -235,8 +236,10 @@ SECTIONS: dict[str, Callable[..., list[dict]]] = {"bandwidth": copy_bandwidth, "
 
 def run_section(kind: str, arguments: list[str], options) -> None:
     """One section in this process: its rows as JSON on the last line of stdout."""
-    rows = SECTIONS[kind](*arguments, torch.device(options.device), options)
-    print(json.dumps(rows))
+    device = torch.device(options.device)
+    rows = SECTIONS[kind](*arguments, device, options)
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "no GPU (dry run)"
+    print(json.dumps([{**row, "gpu": gpu} for row in rows]))
 
 
 def report(rows: list[dict], failures: list[str], options, command: str, elapsed_s: float) -> None:
@@ -249,7 +252,7 @@ def report(rows: list[dict], failures: list[str], options, command: str, elapsed
             row["bandwidth_fraction"] = row["decode_tok_s"] / row["bound_tok_s"]
         if row["name"].startswith("slimlm") and row.get("shape") in peers and "context" not in row:
             row["vs_transformers"] = row["decode_tok_s"] / peers[row["shape"]]
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU (dry run)"
+    gpu = next((row["gpu"] for row in rows if "gpu" in row), "no GPU (dry run)")  # from a section: this process makes no CUDA context
     lines = [
         "# decode_gpu",
         "",
@@ -278,11 +281,12 @@ def report(rows: list[dict], failures: list[str], options, command: str, elapsed
         lines += ["", "Sections that did not finish:", "", *[f"- {failure}" for failure in failures]]
     lines.append("")
     record = {"rows": rows, "failures": failures}
+    machine = {**machine_info(query_gpu=False), "cuda": gpu}
     if options.out == RESULTS:
-        write_result("decode_gpu", command, record, lines)
+        write_result("decode_gpu", command, record, lines, machine=machine)
     else:
         options.out.mkdir(parents=True, exist_ok=True)
-        (options.out / "decode_gpu.json").write_text(json.dumps({"machine": machine_info(), "command": command, **record}, indent=2) + "\n")
+        (options.out / "decode_gpu.json").write_text(json.dumps({"machine": machine, "command": command, **record}, indent=2) + "\n")
         (options.out / "decode_gpu.md").write_text("\n".join(lines))
 
 

@@ -8,8 +8,16 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 site=$(mktemp -d)
-# slimlm itself, without its dependencies: whatever the image lacks stays lazily imported
-python3 -m pip install --quiet --no-deps --no-build-isolation --no-index --target "$site" . >"$site/install.log" 2>&1 || { cat "$site/install.log"; exit 1; }
+# slimlm itself, without its dependencies: whatever the image lacks stays lazily imported. Where
+# pip cannot build it (no setuptools, no network for build isolation), lay out the same package
+# tree by hand: the stage folders sit under slimlm/ as pyproject.toml's package-dir maps them.
+if ! python3 -m pip install --quiet --no-deps --no-build-isolation --no-index --target "$site" . >"$site/install.log" 2>&1; then
+    tail -3 "$site/install.log"
+    echo "pip could not install slimlm; copying its package tree instead"
+    rm -rf "${site:?}"/* && cp -r slimlm "$site/slimlm"
+    for stage in compress distill eval inference conf; do cp -r "$stage" "$site/slimlm/$stage"; done
+    cp -r recipes "$site/slimlm/recipe"
+fi
 export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv || true
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"

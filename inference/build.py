@@ -83,8 +83,7 @@ class DecoderParts:
     def assemble(self, blocks: list[Block]) -> Transformer:
         """The Transformer from its blocks plus the model's head, embedding and final norm."""
         model, dtype, device = self.model, self.dtype, self.device
-        streamer = LayerStreamer(self.hosts, device) if self.hosts else None  # binds the streamed blocks' device views before .to(device)
-        output = self.linear(model.get_output_embeddings())
+        output = self.linear(model.get_output_embeddings())  # before the streaming buffers: its conversion has the most room
         source_embedding = model.get_input_embeddings()
         if isinstance(source_embedding, QuantEmbedding):  # tied to the quantized head
             table = output if hasattr(output, "rows") else DequantLinear(source_embedding.head, dtype, device)
@@ -95,6 +94,7 @@ class DecoderParts:
         else:
             table = DenseLinear(source_embedding.weight, None, dtype, device)
         embedding = HostEmbedding(source_embedding.weight, dtype, device) if table is None else RowEmbedding(table, dtype)
+        streamer = LayerStreamer(self.hosts, device) if self.hosts else None  # binds the streamed blocks' device views before .to(device)
         decoder = Transformer(self.args, embedding, blocks, output, dtype).to(device)
         decoder.norm.weight.data = self.norm_weight(model.model.norm)
         decoder.streamer = streamer

@@ -47,6 +47,13 @@ def cuda_inner_k_tiles(in_features: int) -> int:
     return next(tiles for tiles in (8, 4, INNER_K_TILES) if in_features % (tiles * 16) == 0)
 
 
+def tinygemm_bytes(qweight: torch.Tensor) -> torch.Tensor:
+    """Stored int4 bytes (code 2j in the low nibble of byte j) -> the CUDA kernel's input (code
+    2j in the high nibble): a nibble swap, so converting the largest layer (an 8B model's LM
+    head) needs one byte-sized copy rather than a byte per code."""
+    return (qweight << 4) | (qweight >> 4)
+
+
 def int8pack_fits(scheme) -> bool:
     """Whether torch's int8 kernel can hold a layer of this scheme (one scale per row)."""
     return scheme is not None and scheme.bits == 8 and scheme.group_size is None
@@ -61,24 +68,25 @@ class Int4Linear(nn.Module):
         super().__init__()
         scheme = layer.scheme
         self.in_features, self.out_features, self.group_size = layer.in_features, layer.out_features, scheme.group_size
-        codes = unpack_codes(layer.qweight.to(device), 4)  # uint8, one code each, unpacked where they will live
         scales = layer.scales.to(device=device, dtype=torch.float32)
         zeros = (8 - layer.zeros.to(device=device, dtype=torch.float32)) * scales if layer.zeros is not None else torch.zeros_like(scales)
-        if device.type == "cuda":  # two codes a byte, the first in the high nibble
-            packed = torch._convert_weight_to_int4pack((codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8), cuda_inner_k_tiles(self.in_features))
+        if device.type == "cuda":
+            packed = torch._convert_weight_to_int4pack(tinygemm_bytes(layer.qweight.to(device)), cuda_inner_k_tiles(self.in_features))
         else:
-            packed = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), INNER_K_TILES)
+            packed = torch._convert_weight_to_int4pack_for_cpu(unpack_codes(layer.qweight, 4).to(torch.int32), INNER_K_TILES)
         self.register_buffer("weight", packed)
         self.register_buffer("scales_and_zeros", torch.stack([scales.t(), zeros.t()], dim=-1).to(dtype).contiguous())
         self.register_buffer("bias", None if layer.bias is None else layer.bias.detach().to(device=device, dtype=dtype))
 
     @staticmethod
     def supports(layer: QuantLinear, dtype: torch.dtype, device: torch.device) -> bool:
-        """The scheme fits; on a GPU also bf16 activations and an Ampere or newer chip (what
-        the CUDA kernel reads and where it is built)."""
+        """The scheme fits; on a GPU also bf16 activations, rows a multiple of 8 and an Ampere or
+        newer chip (what the CUDA kernel reads, tiles and is built for)."""
         if not tinygemm_fits(layer.scheme, layer.in_features):
             return False
-        return device.type != "cuda" or (dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) >= (8, 0))
+        if device.type != "cuda":
+            return True
+        return dtype == torch.bfloat16 and layer.out_features % 8 == 0 and torch.cuda.get_device_capability(device) >= (8, 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         matmul = torch._weight_int4pack_mm if x.is_cuda else torch._weight_int4pack_mm_for_cpu

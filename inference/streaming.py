@@ -105,6 +105,8 @@ class LayerStreamer:
             host.block.register_forward_hook(partial(self._after, index))
         self.on_gpu = device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(device) if self.on_gpu else None
+        if self.on_gpu:  # the buffers come from the compute stream's pool: copy only after its pending work
+            self.copy_stream.wait_stream(torch.cuda.current_stream(device))
         self.copied: list[Optional[torch.cuda.Event]] = [None] * len(hosts)
         self.released: list[Optional[torch.cuda.Event]] = [None] * len(self.buffers)  # the last use of each buffer ended
         self.deferred: Optional[int] = None

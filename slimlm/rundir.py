@@ -62,12 +62,16 @@ def write_status(run_dir: Path, status: str, error: Optional[str] = None) -> Non
     write_atomic(run_dir / STATUS, json.dumps(record, indent=2) + "\n")
 
 
-def machine_info() -> dict[str, Any]:
-    return {
+def machine_info(query_gpu: bool = True) -> dict[str, Any]:
+    """The machine a result came from. query_gpu=False leaves out the GPU's name: asking creates
+    a CUDA context, whose memory a benchmark's child processes would then count as theirs."""
+    info = {
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
-        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
     }
+    if query_gpu:
+        info["cuda"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return info

@@ -46,7 +46,8 @@ def test_the_gpu_benchmark_dry_runs_with_only_the_gpu_images_packages(tmp_path):
     record = json.loads((out / "decode_gpu.json").read_text())
     assert record["failures"] == [], record["failures"]
     names = [row["name"] for row in record["rows"]]
-    assert names == ["device copy", "slimlm int4 g64 tiny, tinygemm, eager", "slimlm int4 g64 tiny, tinygemm, compiled", "transformers bf16 tiny, static cache, generate", "slimlm int4 g64 tiny, 256 context (CPU: no cap)", "slimlm int4 g64 tiny, 128 context (CPU: no cap)"]
+    assert names == ["device copy", "slimlm int4 g64 tiny, tinygemm, eager", "slimlm int4 g64 tiny, tinygemm, compiled", "slimlm int4 g64 tiny, 256 context (CPU: no cap)", "slimlm int4 g64 tiny, 128 context (CPU: no cap)", "transformers bf16 tiny, static cache, generate"]
     speeds = [row for row in record["rows"] if "vs_transformers" in row]
     assert len(speeds) == 2 and all(row["decode_tok_s"] > 0 and 0 < row["bandwidth_fraction"] for row in speeds)
     assert "| slimlm int4 g64 tiny, tinygemm, compiled |" in (out / "decode_gpu.md").read_text()
+    assert record["machine"]["cuda"] == "no GPU (dry run)" and all(row["gpu"] == "no GPU (dry run)" for row in record["rows"])

@@ -7,8 +7,9 @@ import torch
 from slimlm.inference import cpu_kernels
 from slimlm.inference.build import build_decoder, describe_kernels
 from slimlm.inference.decoder import Decoder
-from slimlm.inference.linear import Int4Linear, build_linear
+from slimlm.inference.linear import Int4Linear, build_linear, tinygemm_bytes
 from slimlm.inference.sampling import SamplingParams
+from slimlm.packing import unpack_codes
 from slimlm.qlinear import QuantLinear, QuantScheme
 
 from tests.test_decoder import prompt_ids, quantized
@@ -124,3 +125,12 @@ def test_activations_the_kernel_cannot_read_keep_torchs_kernel():
     """fp16 activations on a CPU: the kernel reads fp32 or bf16 only, so the layer stays in tinygemm."""
     layer = QuantLinear(64, 32, QuantScheme(bits=4, group_size=64))
     assert isinstance(build_linear(layer, torch.float16, torch.device("cpu"), int8_activations=True), Int4Linear)
+
+
+def test_cuda_tinygemm_bytes_are_the_stored_bytes_with_nibbles_swapped():
+    """The CUDA int4 kernel reads code 2j in the high nibble of byte j; the swap of the stored
+    bytes must equal packing the unpacked codes that way (checked on the CPU, where it runs the same)."""
+    layer = QuantLinear(256, 24, QuantScheme(bits=4, group_size=64))
+    layer.qweight.random_(0, 256)
+    codes = unpack_codes(layer.qweight, 4)
+    assert torch.equal(tinygemm_bytes(layer.qweight), (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8))
