@@ -245,7 +245,8 @@ def main() -> None:
     write_result("decode_cpu", command, {"summary": summary, "rows": rows, "kernels": kernels}, markdown(rows, summary, command, kernels))
 
 
-def write_plot(rows: list[dict]) -> None:
+def write_plot(rows: list[dict], name: str = "decode_cpu", title: str = "Decode speed on CPU, default model") -> None:
+    """bench/results/<name>.png: decode tokens/s per row, slimlm's rows in blue."""
     figure, axis = plt.subplots(figsize=(8, 0.45 * len(rows) + 1.2))
     names = [row["name"] for row in rows][::-1]
     speeds = [row["decode_tok_s"] for row in rows][::-1]
@@ -254,9 +255,9 @@ def write_plot(rows: list[dict]) -> None:
     for y, speed in enumerate(speeds):
         axis.text(speed, y, f" {speed:.0f}", va="center")
     axis.set_xlabel("decode tokens/s (batch 1, 128 new tokens)")
-    axis.set_title("Decode speed on CPU, default model")
+    axis.set_title(title)
     figure.tight_layout()
-    figure.savefig(RESULTS / "decode_cpu.png", dpi=120)
+    figure.savefig(RESULTS / f"{name}.png", dpi=120)
     plt.close(figure)
 
 

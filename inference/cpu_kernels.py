@@ -3,25 +3,36 @@
 torch has no CPU kernel that multiplies 4-bit codes by integer activations, and the
 ecosystem's ones (torchao's da8w4, IPEX) ship no CPU build for this torch. The kernel is
 compiled on first use with the machine's compiler (torch.utils.cpp_extension, cached per
-machine) and used only where the processor has AVX512-VNNI; elsewhere the decoder keeps
-torch's int4 kernel.
+machine) for the widest instruction set the processor has: AVX512-VNNI (servers, AMD Zen 4),
+AVX-VNNI (Intel laptops since Alder Lake) or AVX2 (older laptops). Elsewhere, or where it cannot
+be built, the decoder keeps torch's int4 kernel. SLIMLM_CPU_ISA names a narrower set to build
+for instead (to measure or test a laptop's path on a bigger machine).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import os
 from pathlib import Path
 from typing import Optional
 
 import torch
 
+from slimlm.errors import ConfigError
 from slimlm.qlinear import QuantScheme
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "kernels" / "int4_int8_cpu.cpp"
-REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512_vnni")
+ISA_ENV = "SLIMLM_CPU_ISA"
+# Widest first: the /proc/cpuinfo flags each needs, and the compiler flags that select its path
+# in the source (explicit sets, not -march=native, so a narrower one can be chosen).
+ISAS = {
+    "avx512_vnni": (("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx512_vnni", "avx2", "fma"), ["-march=native"]),
+    "avx_vnni": (("avx2", "fma", "avx_vnni"), ["-march=x86-64-v3", "-mavxvnni"]),
+    "avx2": (("avx2", "fma"), ["-march=x86-64-v3"]),
+}
 BLOCK = 64  # inputs per activation block; the kernel's group sizes are multiples of it
 TILE = 16  # output rows per vector: one lane each
 
@@ -35,22 +46,40 @@ def cpu_flags() -> set[str]:
     return set(line.partition(":")[2].split())
 
 
+def kernel_isa() -> Optional[str]:
+    """The instruction set the kernel is built for here: $SLIMLM_CPU_ISA if set (it must be one
+    of ISAS and the processor must have it), else the widest one the processor has; None if none."""
+    flags = cpu_flags()
+    chosen = os.environ.get(ISA_ENV)
+    if chosen:
+        if chosen not in ISAS:
+            raise ConfigError(f"{ISA_ENV}={chosen!r} is not an instruction set of the int4 x int8 kernel: use one of {', '.join(ISAS)}, or unset it")
+        missing = [flag for flag in ISAS[chosen][0] if flag not in flags]
+        if missing:
+            raise ConfigError(f"{ISA_ENV}={chosen}, but this processor lacks {', '.join(missing)}: choose a narrower set or unset it")
+        return chosen
+    return next((isa for isa, (needed, _) in ISAS.items() if all(flag in flags for flag in needed)), None)
+
+
 @functools.cache
 def int4_int8_available() -> bool:
-    """Whether the int4 x int8 kernel runs here: a processor with AVX512-VNNI, and the kernel
-    compiles (a C++ compiler and ninja). Compiling takes 10-20 s, once per machine."""
-    missing = [flag for flag in REQUIRED_FLAGS if flag not in cpu_flags()]
-    if missing:
-        log.info("int4 x int8 CPU kernel not used: the processor lacks %s", ", ".join(missing))
+    """Whether the int4 x int8 kernel runs here: an x86 processor with AVX2 and FMA at least,
+    and the kernel compiles (a C++ compiler and ninja). Compiling takes 10-20 s, once per
+    machine and instruction set."""
+    isa = kernel_isa()
+    if isa is None:
+        log.info("int4 x int8 CPU kernel not used: the processor has none of %s", ", ".join(ISAS))
         return False
     try:
         from torch.utils.cpp_extension import load
 
-        load(name="slimlm_int4_int8_cpu", sources=[str(SOURCE)], extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], is_python_module=False)
+        cflags = ["-O3", "-mtune=native", "-fopenmp", *ISAS[isa][1]]
+        load(name=f"slimlm_int4_int8_cpu_{isa}", sources=[str(SOURCE)], extra_cflags=cflags, extra_ldflags=["-fopenmp"], is_python_module=False)
     except Exception as error:  # no compiler, no ninja, a failed build: torch's kernel still works
         log.warning("int4 x int8 CPU kernel not built (%s); int4 layers use torch's kernel", str(error).splitlines()[0] if str(error) else type(error).__name__)
         return False
     torch.library.register_fake("slimlm::int4_int8_mm")(_output_shape)
+    log.info("int4 x int8 CPU kernel built for %s", isa)
     return True
 
 

@@ -84,13 +84,19 @@ class Decoder:
         kernels. On a CPU a C++ wrapper calls the kernels; the first step compiles for its own
         slot, the second for any slot (Dynamo's automatic dynamic shapes): `dynamic=True` would
         also turn every float attribute (the norms' epsilons) into a tensor argument of the
-        graph, 8% slower per step. `static` picks the fixed-shape step on a CPU too (tests)."""
+        graph, 8% slower per step. `static` picks the fixed-shape step on a CPU too (tests).
+
+        The CPU kernels are generated for 256-bit vectors: on AVX-512 processors torch 2.13's
+        Inductor tiled the attention's loops by 8 but stored full 16-float vectors, writing past
+        the end of the scores and output buffers and corrupting the heap (the process aborted on
+        the first compiled step of the default model). The matmuls are torch's or slimlm's own
+        kernels, whatever their width, so little is lost."""
         if self.model.streamer is not None:
             raise SlimlmError("this decoder streams layers from host memory, which runs eagerly (its copies and waits are not a compilable graph); compile one that fits the device")
         options = {"guard_filter_fn": cache_and_input_guards}
         on_gpu = self.device.type == "cuda"
         if not (on_gpu if static is None else static):
-            self.step = torch.compile(private_method(self.model, Transformer.forward), fullgraph=True, options={**options, "cpp_wrapper": True})
+            self.step = torch.compile(private_method(self.model, Transformer.forward), fullgraph=True, options={**options, "cpp_wrapper": True, "cpp.simdlen": 256})
             return
         # triton.cudagraphs is what mode="reduce-overhead" sets (torch.compile takes a mode or options, not both)
         compiled = torch.compile(private_method(self.model, Transformer.step_static), fullgraph=True, options={**options, "triton.cudagraphs": on_gpu})

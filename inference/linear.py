@@ -1,6 +1,6 @@
 """The decoder's linear layers: each weight runs in the kernel its scheme allows.
 
-  int4 with int8 activations on CPUs with AVX512-VNNI (groups a multiple of 64) -> slimlm's own
+  int4 with int8 activations on x86 CPUs with AVX2 at least (groups a multiple of 64) -> slimlm's own
       kernel (inference/kernels/int4_int8_cpu.cpp): activations rounded to int8 per 64 inputs,
       integer dot products; three to four times torch's int4 kernel at decode time
   int4 on a GPU with gpu_int4="triton" (groups of 32/64/128, widths a multiple of 512) ->
@@ -96,9 +96,9 @@ class Int4Linear(nn.Module):
 
 
 class Int4Int8Linear(nn.Module):
-    """int4 weights times activations rounded to int8 per block of 64 inputs (CPU, AVX512-VNNI;
-    inference/cpu_kernels.py). Its layout can be read row by row, so a tied head also serves
-    as the embedding table without a second copy."""
+    """int4 weights times activations rounded to int8 per block of 64 inputs (x86 CPUs with
+    AVX512-VNNI, AVX-VNNI or AVX2; inference/cpu_kernels.py). Its layout can be read row by
+    row, so a tied head also serves as the embedding table without a second copy."""
 
     def __init__(self, layer: QuantLinear, dtype: torch.dtype, device: torch.device):
         super().__init__()

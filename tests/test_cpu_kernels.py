@@ -1,6 +1,11 @@
 """slimlm's int4 x int8 CPU kernel against an exact emulation of its arithmetic, and the decoder
 built on it against the weight-only kernel."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -9,12 +14,13 @@ from slimlm.inference.build import build_decoder, describe_kernels
 from slimlm.inference.decoder import Decoder
 from slimlm.inference.linear import Int4Linear, build_linear, tinygemm_bytes
 from slimlm.inference.sampling import SamplingParams
+from slimlm.errors import ConfigError
 from slimlm.packing import unpack_codes
 from slimlm.qlinear import QuantLinear, QuantScheme
 
 from tests.test_decoder import prompt_ids, quantized
 
-needs_kernel = pytest.mark.skipif(not cpu_kernels.int4_int8_available(), reason="the processor lacks AVX512-VNNI (or no compiler): the decoder uses torch's int4 kernel")
+needs_kernel = pytest.mark.skipif(not cpu_kernels.int4_int8_available(), reason="the processor lacks AVX2 and FMA (or no compiler): the decoder uses torch's int4 kernel")
 
 
 def random_weights(rows, width, group, seed=0):
@@ -111,8 +117,50 @@ def test_compiled_step_matches_eager_also_after_the_cache_changes(tiny_model, ti
     assert compiled.model.layers[0].attention.k_cache.dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize(
+    "flags, isa",
+    [
+        ({"avx2", "fma", "avx_vnni", "avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx512_vnni"}, "avx512_vnni"),
+        ({"avx2", "fma", "avx_vnni", "avx512f"}, "avx_vnni"),  # AVX-512 without VNNI: the 256-bit VNNI path
+        ({"avx2", "fma"}, "avx2"),
+        ({"avx", "sse4_2"}, None),
+    ],
+)
+def test_the_widest_instruction_set_the_processor_has_is_chosen(monkeypatch, flags, isa):
+    monkeypatch.delenv(cpu_kernels.ISA_ENV, raising=False)
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: flags)
+    assert cpu_kernels.kernel_isa() == isa
+
+
+def test_a_chosen_instruction_set_must_exist_and_be_there(monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: {"avx2", "fma"})
+    monkeypatch.setenv(cpu_kernels.ISA_ENV, "avx2")
+    assert cpu_kernels.kernel_isa() == "avx2"
+    monkeypatch.setenv(cpu_kernels.ISA_ENV, "avx512_vnni")
+    with pytest.raises(ConfigError, match="lacks avx512f, .*avx512_vnni: choose a narrower set"):
+        cpu_kernels.kernel_isa()
+    monkeypatch.setenv(cpu_kernels.ISA_ENV, "neon")
+    with pytest.raises(ConfigError, match="'neon' is not an instruction set .* use one of avx512_vnni, avx_vnni, avx2"):
+        cpu_kernels.kernel_isa()
+
+
+@pytest.mark.skipif(bool(os.environ.get(cpu_kernels.ISA_ENV)), reason="this run is already one instruction set's")
+@pytest.mark.parametrize("isa", ["avx_vnni", "avx2"])
+def test_the_laptop_instruction_sets_pass_the_kernel_tests(isa):
+    """The 256-bit paths (laptop processors without AVX-512), built and checked on a processor
+    that also has them, in a process of their own: one process loads one build of the op."""
+    if isa == cpu_kernels.kernel_isa() or not all(flag in cpu_kernels.cpu_flags() for flag in cpu_kernels.ISAS[isa][0]):
+        pytest.skip(f"{isa} is this run's own instruction set, or the processor lacks it")
+    tests = "emulation or refuses or every_int4_layer"
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", tests, __file__], cwd=Path(__file__).parent.parent, env={**os.environ, cpu_kernels.ISA_ENV: isa}, capture_output=True, text=True, timeout=900)
+    summary = result.stdout.strip().splitlines()[-1]
+    assert result.returncode == 0 and "skipped" not in summary, result.stdout[-4000:] + result.stderr[-2000:]
+    assert summary.startswith("18 passed"), summary
+
+
 def test_without_the_kernel_int4_layers_use_torchs(monkeypatch):
-    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: {"avx2"})
+    monkeypatch.delenv(cpu_kernels.ISA_ENV, raising=False)
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: {"avx", "sse4_2"})
     cpu_kernels.int4_int8_available.cache_clear()
     try:
         layer = QuantLinear(64, 32, QuantScheme(bits=4, group_size=64))

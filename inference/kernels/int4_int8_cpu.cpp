@@ -1,19 +1,25 @@
-// int4 weights times int8 activations on x86 CPUs with AVX512-VNNI: the decode-time kernel.
+// int4 weights times int8 activations on x86 CPUs: the decode-time kernel.
 //
 // Why: torch's CPU int4 kernel turns the 4-bit codes into bf16 and multiplies in floating
 // point; decoding at batch 1 is then bound by that conversion, not by memory. Rounding the
-// activations to int8 per block of 64 inputs lets VPDPBUSD multiply codes by activations in
-// int32 (as llama.cpp does for its Q4 formats), and a layout where the 16 lanes of a vector
-// are 16 output rows applies each scale once per block for 16 rows instead of once per row.
+// activations to int8 per block of 64 inputs lets integer dot products multiply codes by
+// activations in int32 (as llama.cpp does for its Q4 formats), and a layout where the 16 lanes
+// of a vector are 16 output rows applies each scale once per block for 16 rows instead of once per row.
 //
 // Layout (built by pack_int4 in inference/cpu_kernels.py), for tiles of 16 output rows:
 //   packed  [N/16, K/8, 64] uint8: for inputs 8c .. 8c+7 of the tile, byte 4r+j holds row r's
 //           input 8c+j in its low nibble and input 8c+4+j in its high nibble, so one 64-byte
-//           load unpacks to two VPDPBUSD operands (4 inputs of 16 rows each)
+//           load unpacks to two dot-product operands (4 inputs of 16 rows each)
 //   scales  [N/16, K/G, 16] bfloat16: w = scale * code - offset for the G inputs of a group
 //   offsets [N/16, K/G, 16] bfloat16: scale * zero point
 // y[m, n] = sum_blocks scale * a_scale * dot(codes, a_int8) - sum_groups offset * sum(a)
 // where a_scale is the 64-input block's absmax / 127 and sum(a) the exact sum of the group's inputs.
+//
+// Instruction sets (inference/cpu_kernels.py compiles with the flags of one): AVX512-VNNI holds
+// a tile's 16 rows in one 512-bit register and multiplies with VPDPBUSD; laptop processors
+// without AVX-512 hold them in two 256-bit halves of 8 rows, multiplied with AVX-VNNI's 256-bit
+// VPDPBUSD where present, else with AVX2's VPMADDUBSW and VPMADDWD (llama.cpp's AVX2 way).
+// Every path computes the same integer dots; only float summation order differs.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -23,18 +29,139 @@
 #include <cstring>
 #include <vector>
 
-#if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512VNNI__)
-#error "the int4 x int8 kernel needs AVX512F, AVX512BW and AVX512-VNNI"
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define SLIMLM_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#define SLIMLM_AVX512 0
+#else
+#error "the int4 x int8 kernel needs AVX512-VNNI (with AVX512F and AVX512BW) or AVX2 with FMA"
 #endif
 
 namespace {
 
-constexpr int64_t kBlock = 64;  // inputs per activation block and per VNNI step
+constexpr int64_t kBlock = 64;  // inputs per activation block and per dot-product step
 
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::BFloat16* p) {
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+// Sixteen lanes, one per row of a tile (or per input when rounding activations), and the few
+// operations the kernel needs on them.
+#if SLIMLM_AVX512
+using Floats = __m512;
+using Ints = __m512i;
+constexpr int kTokens = 4;  // tokens per pass over a tile's weights
+
+inline Floats zero_floats() { return _mm512_setzero_ps(); }
+inline Ints zero_ints() { return _mm512_setzero_si512(); }
+inline Floats splat(float value) { return _mm512_set1_ps(value); }
+inline Floats load16(const float* p) { return _mm512_loadu_ps(p); }
+inline Floats load16(const uint16_t* bf16) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bf16))), 16));
+}
+inline void store16(float* p, Floats v) { _mm512_storeu_ps(p, v); }
+inline Floats add(Floats a, Floats b) { return _mm512_add_ps(a, b); }
+inline Floats mul(Floats a, Floats b) { return _mm512_mul_ps(a, b); }
+inline Floats max(Floats a, Floats b) { return _mm512_max_ps(a, b); }
+inline Floats abs(Floats v) { return _mm512_abs_ps(v); }
+inline Floats fmadd(Floats a, Floats b, Floats c) { return _mm512_fmadd_ps(a, b, c); }
+inline Floats fnmadd(Floats a, Floats b, Floats c) { return _mm512_fnmadd_ps(a, b, c); }
+inline float reduce_max(Floats v) { return _mm512_reduce_max_ps(v); }
+inline float reduce_add(Floats v) { return _mm512_reduce_add_ps(v); }
+// Round to nearest even (the default rounding mode) and saturate to int8.
+inline void store_int8(int8_t* p, Floats v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(v))); }
+inline Floats to_floats(Ints v) { return _mm512_cvtepi32_ps(v); }
+inline Ints add(Ints a, Ints b) { return _mm512_add_epi32(a, b); }
+
+// A 64-byte chunk's codes: `first` inputs 8c..8c+3 of the 16 rows, `second` inputs 8c+4..8c+7.
+inline void unpack(const uint8_t* w, Ints& first, Ints& second) {
+  const __m512i bytes = _mm512_loadu_si512(w), low = _mm512_set1_epi8(0x0F);
+  first = _mm512_and_si512(bytes, low);
+  second = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low);
+}
+// even += first . a[0..3], odd += second . a[4..7] per row: two chains in flight.
+inline void dot8(Ints& even, Ints& odd, Ints first, Ints second, int32_t a_low, int32_t a_high) {
+  even = _mm512_dpbusd_epi32(even, first, _mm512_set1_epi32(a_low));
+  odd = _mm512_dpbusd_epi32(odd, second, _mm512_set1_epi32(a_high));
+}
+#else
+struct Floats { __m256 lo, hi; };
+struct Ints { __m256i lo, hi; };
+constexpr int kTokens = 2;  // sixteen 256-bit registers: fewer tokens per pass
+
+inline Floats zero_floats() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline Ints zero_ints() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+inline Floats splat(float value) { return {_mm256_set1_ps(value), _mm256_set1_ps(value)}; }
+inline Floats load16(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline __m256 widen_bf16(__m128i bits) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16)); }
+inline Floats load16(const uint16_t* bf16) {
+  return {widen_bf16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bf16))), widen_bf16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bf16 + 8)))};
+}
+inline void store16(float* p, Floats v) {
+  _mm256_storeu_ps(p, v.lo);
+  _mm256_storeu_ps(p + 8, v.hi);
+}
+inline Floats add(Floats a, Floats b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+inline Floats mul(Floats a, Floats b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+inline Floats max(Floats a, Floats b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
+inline Floats abs(Floats v) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  return {_mm256_andnot_ps(sign, v.lo), _mm256_andnot_ps(sign, v.hi)};
+}
+inline Floats fmadd(Floats a, Floats b, Floats c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+inline Floats fnmadd(Floats a, Floats b, Floats c) { return {_mm256_fnmadd_ps(a.lo, b.lo, c.lo), _mm256_fnmadd_ps(a.hi, b.hi, c.hi)}; }
+inline __m128 halve(__m256 v) { return _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1)); }
+inline float reduce_max(Floats v) {
+  const __m256 m8 = _mm256_max_ps(v.lo, v.hi);
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+inline float reduce_add(Floats v) {
+  __m128 s = halve(_mm256_add_ps(v.lo, v.hi));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+inline void store_int8(int8_t* p, Floats v) {
+  const __m256i lo = _mm256_cvtps_epi32(v.lo), hi = _mm256_cvtps_epi32(v.hi);
+  const __m128i lo16 = _mm_packs_epi32(_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1));
+  const __m128i hi16 = _mm_packs_epi32(_mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm_packs_epi16(lo16, hi16));
+}
+inline Floats to_floats(Ints v) { return {_mm256_cvtepi32_ps(v.lo), _mm256_cvtepi32_ps(v.hi)}; }
+inline Ints add(Ints a, Ints b) { return {_mm256_add_epi32(a.lo, b.lo), _mm256_add_epi32(a.hi, b.hi)}; }
+
+inline void unpack(const uint8_t* w, Ints& first, Ints& second) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m256i rows_lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));  // rows 0-7
+  const __m256i rows_hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32));  // rows 8-15
+  first = {_mm256_and_si256(rows_lo, low), _mm256_and_si256(rows_hi, low)};
+  second = {_mm256_and_si256(_mm256_srli_epi16(rows_lo, 4), low), _mm256_and_si256(_mm256_srli_epi16(rows_hi, 4), low)};
+}
+#if defined(__AVXVNNI__)
+// even += first . a[0..3], odd += second . a[4..7] per row: four chains in flight.
+inline void dot8(Ints& even, Ints& odd, Ints first, Ints second, int32_t a_low, int32_t a_high) {
+  const __m256i low = _mm256_set1_epi32(a_low), high = _mm256_set1_epi32(a_high);
+  even = {_mm256_dpbusd_avx_epi32(even.lo, first.lo, low), _mm256_dpbusd_avx_epi32(even.hi, first.hi, low)};
+  odd = {_mm256_dpbusd_avx_epi32(odd.lo, second.lo, high), _mm256_dpbusd_avx_epi32(odd.hi, second.hi, high)};
+}
+#else
+// Unsigned codes (at most 15) times signed activations: each 16-bit pair sum is at most
+// 2 * 15 * 128 and the two products' sum 7680, far from int16 saturation. Only the final
+// 32-bit add is a chain, so everything goes to `even`.
+inline __m256i dot8_half(__m256i acc, __m256i first, __m256i second, __m256i low, __m256i high) {
+  const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(first, low), _mm256_maddubs_epi16(second, high));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+inline void dot8(Ints& even, Ints& /*odd*/, Ints first, Ints second, int32_t a_low, int32_t a_high) {
+  const __m256i low = _mm256_set1_epi32(a_low), high = _mm256_set1_epi32(a_high);
+  even = {dot8_half(even.lo, first.lo, second.lo, low, high), dot8_half(even.hi, first.hi, second.hi, low, high)};
+}
+#endif  // __AVXVNNI__
+#endif  // SLIMLM_AVX512
+
+inline Floats load16(const at::BFloat16* p) { return load16(reinterpret_cast<const uint16_t*>(p)); }
+
+inline int32_t four_bytes(const int8_t* p) {
+  int32_t four;
+  std::memcpy(&four, p, sizeof(four));
+  return four;
 }
 
 struct Problem {
@@ -54,84 +181,63 @@ template <typename In>
 void quantize_row(const Problem& p, const In* row, int64_t m) {
   const int64_t blocks = p.blocks();
   for (int64_t b = 0; b < blocks; ++b) {
-    __m512 v[kBlock / 16];
-    __m512 amax = _mm512_setzero_ps();
+    Floats v[kBlock / 16];
+    Floats amax = zero_floats();
     for (int i = 0; i < kBlock / 16; ++i) {
       v[i] = load16(row + b * kBlock + i * 16);
-      amax = _mm512_max_ps(amax, _mm512_abs_ps(v[i]));
+      amax = max(amax, abs(v[i]));
     }
-    const float absmax = _mm512_reduce_max_ps(amax);
+    const float absmax = reduce_max(amax);
     const float scale = absmax > 0.f ? absmax / 127.f : 1.f;
-    const __m512 inverse = _mm512_set1_ps(1.f / scale);
-    for (int i = 0; i < kBlock / 16; ++i) {
-      const __m512i rounded = _mm512_cvtps_epi32(_mm512_mul_ps(v[i], inverse));  // round to nearest even
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(p.q + m * p.K + b * kBlock + i * 16), _mm512_cvtsepi32_epi8(rounded));
-    }
+    const Floats inverse = splat(1.f / scale);
+    for (int i = 0; i < kBlock / 16; ++i) store_int8(p.q + m * p.K + b * kBlock + i * 16, mul(v[i], inverse));
     p.block_scale[m * blocks + b] = scale;
   }
   for (int64_t g = 0; g < p.groups(); ++g) {
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t i = 0; i < p.group; i += 16) sum = _mm512_add_ps(sum, load16(row + g * p.group + i));
-    p.group_sum[m * p.groups() + g] = _mm512_reduce_add_ps(sum);
+    Floats sum = zero_floats();
+    for (int64_t i = 0; i < p.group; i += 16) sum = add(sum, load16(row + g * p.group + i));
+    p.group_sum[m * p.groups() + g] = reduce_add(sum);
   }
 }
 
-inline __m512 load_bf16x16(const uint16_t* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
-
-inline __m512i broadcast4(const int8_t* p) {
-  int32_t four;
-  std::memcpy(&four, p, sizeof(four));
-  return _mm512_set1_epi32(four);
-}
-
-// y[m0 .. m0+T, 16 rows of tile i]. Two int32 sums per token (even and odd groups of four
-// inputs) keep two VPDPBUSD chains in flight.
+// y[m0 .. m0+T, 16 rows of tile i]; each 64-byte weight load feeds T tokens.
 template <int T, typename Out>
 void tile(const Problem& p, Out* y, int64_t i, int64_t m0) {
   const int64_t blocks = p.blocks(), groups = p.groups(), per_group = p.group / kBlock;
-  const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
   const uint8_t* w = p.packed + i * (p.K / 8) * 64;
-  __m512 acc[T];
-  for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
+  Floats acc[T];
+  for (int t = 0; t < T; ++t) acc[t] = zero_floats();
   for (int64_t g = 0; g < groups; ++g) {
-    const __m512 w_scale = load_bf16x16(p.scales + (i * groups + g) * 16);
-    const __m512 w_offset = load_bf16x16(p.offsets + (i * groups + g) * 16);
+    const Floats w_scale = load16(p.scales + (i * groups + g) * 16);
+    const Floats w_offset = load16(p.offsets + (i * groups + g) * 16);
     for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
-      __m512i even[T], odd[T];
-      for (int t = 0; t < T; ++t) even[t] = odd[t] = _mm512_setzero_si512();
+      Ints even[T], odd[T];
+      for (int t = 0; t < T; ++t) even[t] = odd[t] = zero_ints();
       for (int64_t c = b * (kBlock / 8); c < (b + 1) * (kBlock / 8); ++c) {
-        const __m512i bytes = _mm512_loadu_si512(w + c * 64);
-        const __m512i first = _mm512_and_si512(bytes, low_nibbles);
-        const __m512i second = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low_nibbles);
+        Ints first, second;
+        unpack(w + c * 64, first, second);
         for (int t = 0; t < T; ++t) {
           const int8_t* a = p.q + (m0 + t) * p.K + c * 8;
-          even[t] = _mm512_dpbusd_epi32(even[t], first, broadcast4(a));
-          odd[t] = _mm512_dpbusd_epi32(odd[t], second, broadcast4(a + 4));
+          dot8(even[t], odd[t], first, second, four_bytes(a), four_bytes(a + 4));
         }
       }
-      for (int t = 0; t < T; ++t) {
-        const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(even[t], odd[t]));
-        acc[t] = _mm512_fmadd_ps(dot, _mm512_mul_ps(w_scale, _mm512_set1_ps(p.block_scale[(m0 + t) * blocks + b])), acc[t]);
-      }
+      for (int t = 0; t < T; ++t) acc[t] = fmadd(to_floats(add(even[t], odd[t])), mul(w_scale, splat(p.block_scale[(m0 + t) * blocks + b])), acc[t]);
     }
-    for (int t = 0; t < T; ++t) acc[t] = _mm512_fnmadd_ps(w_offset, _mm512_set1_ps(p.group_sum[(m0 + t) * groups + g]), acc[t]);
+    for (int t = 0; t < T; ++t) acc[t] = fnmadd(w_offset, splat(p.group_sum[(m0 + t) * groups + g]), acc[t]);
   }
   for (int t = 0; t < T; ++t) {
-    alignas(64) float out[16];
-    _mm512_store_ps(out, acc[t]);
+    float out[16];
+    store16(out, acc[t]);
     for (int r = 0; r < 16; ++r) y[(m0 + t) * p.N + i * 16 + r] = static_cast<Out>(out[r]);
   }
 }
 
-// Tiles [begin, end) against every activation row, four tokens at a time (each 64-byte
-// weight load then feeds four tokens), the rest one by one.
+// Tiles [begin, end) against every activation row, kTokens at a time, the rest one by one.
 template <typename Out>
 void tiles(const Problem& p, Out* y, int64_t begin, int64_t end) {
   for (int64_t i = begin; i < end; ++i) {
     int64_t m0 = 0;
-    for (; m0 + 4 <= p.M; m0 += 4) tile<4>(p, y, i, m0);
+    for (; m0 + kTokens <= p.M; m0 += kTokens) tile<kTokens>(p, y, i, m0);
     for (; m0 < p.M; ++m0) tile<1>(p, y, i, m0);
   }
 }

@@ -1,0 +1,170 @@
+"""Batch-1 int4 decode speed on CPU per instruction set: what a laptop processor without AVX-512 gets.
+
+slimlm's int4 x int8 kernel has three builds (inference/cpu_kernels.py): AVX512-VNNI, AVX-VNNI
+(Intel laptops since Alder Lake) and AVX2 (older laptops). This machine has all three, so each
+runs here in a process of its own that is limited to that instruction set: SLIMLM_CPU_ISA picks
+the kernel's build, and ATEN_CPU_CAPABILITY=avx2 limits torch's own kernels to 256-bit vectors
+as on such a laptop (the compiled step's generated code is 256-bit in every row:
+Decoder.compile_decode_step). Against each, torch's int4 kernel with bf16 activations under the
+same limit: what these processors ran before.
+
+The default model, every decoder Linear and the tied head int4 g64 RTN, a 16-token prompt,
+exactly 128 new tokens (greedy), decode step compiled; each process prepares its row, decodes
+`--repeats` times, and the processes take turns for `--passes` passes (a slow spell of the
+machine then falls on every row); medians over all decodes of a row. The memory system is this
+machine's, not a laptop's: the ratios between rows are the result, not the tokens/s.
+Writes bench/results/decode_cpu_isa.{md,json,png}.
+
+    python bench/decode_cpu_isa.py [--repeats 5 --passes 2 --threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+from benchlib import RESULTS, command_line, write_result
+
+MARK = "decode_cpu_isa result: "
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    isa: str | None  # the kernel's build (SLIMLM_CPU_ISA); None: torch's int4 kernel, bf16 activations
+    aten: str | None  # ATEN_CPU_CAPABILITY; None: the widest this processor has
+
+
+ROWS = [
+    Row("torch int4, bf16 activations, AVX2", None, "avx2"),
+    Row("slimlm int4 x int8, AVX2", "avx2", "avx2"),
+    Row("slimlm int4 x int8, AVX-VNNI", "avx_vnni", "avx2"),
+    Row("torch int4, bf16 activations, AVX-512", None, None),
+    Row("slimlm int4 x int8, AVX512-VNNI", "avx512_vnni", None),
+]
+
+
+def worker(row: Row, options) -> None:
+    """One row in this process: prepare, decode `repeats` times, print the result as JSON."""
+    from decode_cpu import load_default, quantized_copy, slimlm_contender
+
+    from slimlm.eval.speed import benchmark_prompt
+    from slimlm.inference import cpu_kernels
+
+    torch.set_num_threads(options.threads)
+    cfg, loaded = load_default()
+    model = quantized_copy(cfg, dict(bits=4, group_size=64))
+    prompt = benchmark_prompt(loaded.tokenizer, options.prompt_tokens).tolist()
+    contender = slimlm_contender(row.name, model, loaded.tokenizer, prompt, options, torch.bfloat16, compiled=True, int8_activations=row.isa is not None)
+    speeds = [contender.run()[0] for _ in range(options.repeats)]
+    built = cpu_kernels.kernel_isa() if row.isa else None
+    print(MARK + json.dumps({"decode_tok_s": speeds, "kernel_isa": built, **contender.info}), flush=True)
+
+
+def run_row(row: Row, options) -> dict:
+    env = {key: value for key, value in os.environ.items() if key not in ("SLIMLM_CPU_ISA", "ATEN_CPU_CAPABILITY")}
+    env.update({"SLIMLM_CPU_ISA": row.isa} if row.isa else {})
+    env.update({"ATEN_CPU_CAPABILITY": row.aten} if row.aten else {})
+    args = [sys.executable, __file__, "--worker", row.name, "--repeats", str(options.repeats), "--threads", str(options.threads), "--new-tokens", str(options.new_tokens), "--prompt-tokens", str(options.prompt_tokens)]
+    done = subprocess.run(args, env=env, capture_output=True, text=True)
+    lines = [line for line in done.stdout.splitlines() if line.startswith(MARK)]
+    if done.returncode != 0 or not lines:
+        raise SystemExit(f"row '{row.name}' failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    result = json.loads(lines[-1][len(MARK) :])
+    if result["kernel_isa"] != row.isa or (row.isa and not any("int4-int8act" in kernel for kernel in result["kernels"])):
+        raise SystemExit(f"row '{row.name}' ran {result['kernel_isa']} with kernels {result['kernels']}, not {row.isa}")
+    return result
+
+
+def available(row: Row) -> bool:
+    from slimlm.inference import cpu_kernels
+
+    flags = cpu_kernels.cpu_flags()
+    needed = cpu_kernels.ISAS[row.isa][0] if row.isa else ()
+    return all(flag in flags for flag in needed) and (row.aten != "avx2" or {"avx2", "fma"} <= flags)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--passes", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--prompt-tokens", type=int, default=16)
+    parser.add_argument("--worker", choices=[row.name for row in ROWS], help=argparse.SUPPRESS)
+    options = parser.parse_args()
+    if options.worker:
+        return worker(next(row for row in ROWS if row.name == options.worker), options)
+    from decode_cpu import write_plot
+
+    from slimlm.eval.bandwidth import memory_bandwidth
+
+    started = time.perf_counter()
+    rows = [row for row in ROWS if available(row)]
+    skipped = [row.name for row in ROWS if row not in rows]
+    results: dict[str, list[dict]] = {row.name: [] for row in rows}
+    for _ in tqdm(range(options.passes), desc="passes"):
+        for row in tqdm(rows, desc="rows", leave=False):
+            results[row.name].append(run_row(row, options))
+    bandwidth = memory_bandwidth("cpu").bytes_per_s
+    table = []
+    for row in rows:
+        first = results[row.name][0]
+        speed = statistics.median(s for result in results[row.name] for s in result["decode_tok_s"])
+        baseline = next(r for r in table if r["kernel_isa"] is None and r["aten_cpu_capability"] == (row.aten or "default")) if row.isa else None
+        table.append(
+            {
+                "name": row.name,
+                "kernel_isa": row.isa,
+                "aten_cpu_capability": row.aten or "default",
+                "decode_tok_s": speed,
+                "speedup_vs_torch_int4": speed / baseline["decode_tok_s"] if baseline else 1.0,
+                "bandwidth_fraction": speed * first["bytes_per_token"] / bandwidth,
+                "bytes_per_token": first["bytes_per_token"],
+                "weight_bytes": first["weight_bytes"],
+                "kernels": first["kernels"],
+            }
+        )
+        print(f"{row.name}: {speed:.1f} tok/s", flush=True)
+    summary = {"bandwidth_bytes_s": bandwidth, "passes": options.passes, "repeats": options.repeats, "threads": options.threads, "prompt_tokens": options.prompt_tokens, "new_tokens": options.new_tokens, "skipped": skipped, "seconds": time.perf_counter() - started}
+    command = command_line("decode_cpu_isa.py", parser, options)
+    RESULTS.mkdir(exist_ok=True)
+    write_plot(table, "decode_cpu_isa", "int4 decode on CPU by instruction set, default model")
+    write_result("decode_cpu_isa", command, {"summary": summary, "rows": table}, markdown(table, summary, command))
+
+
+def markdown(rows: list[dict], summary: dict, command: str) -> list[str]:
+    from slimlm.rundir import machine_info
+
+    machine = machine_info()
+    return [
+        "# decode_cpu_isa",
+        "",
+        f"- command: `{command}`",
+        f"- machine: {machine['processor']}, {machine['cpu_count']} CPUs, {summary['threads']} threads; torch {machine['torch']}; {summary['seconds'] / 60:.1f} min",
+        f"- default model, int4 g64 RTN (decoder Linears and tied head), batch 1, a {summary['prompt_tokens']}-token prompt, exactly {summary['new_tokens']} new tokens (greedy), decode step compiled; "
+        f"median of {summary['passes']} passes x {summary['repeats']} decodes, one process per row and pass, rows taking turns",
+        "- a row limited to AVX2 runs with ATEN_CPU_CAPABILITY=avx2 (torch's own kernels use 256-bit vectors; the compiled step's generated code does in every row) and, for slimlm's kernel, SLIMLM_CPU_ISA naming its build; "
+        f"bandwidth used = bytes per token x tokens/s / this machine's {summary['bandwidth_bytes_s'] / 1e9:.1f} GB/s (a laptop's memory differs: compare rows, not tokens/s)",
+        *([f"- not run (the processor lacks them): {', '.join(summary['skipped'])}"] if summary["skipped"] else []),
+        "",
+        "| decoder | vector width | decode tok/s | vs torch int4 at that width | bandwidth used |",
+        "|---|---|---:|---:|---:|",
+        *[f"| {r['name']} | {'256-bit' if r['aten_cpu_capability'] == 'avx2' else 'widest'} | {r['decode_tok_s']:.1f} | {r['speedup_vs_torch_int4']:.2f}x | {100 * r['bandwidth_fraction']:.0f}% |" for r in rows],
+        "",
+        "![decode_cpu_isa](decode_cpu_isa.png)",
+        "",
+    ]
+
+
+if __name__ == "__main__":
+    main()
