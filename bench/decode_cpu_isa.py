@@ -86,11 +86,10 @@ def run_row(row: Row, options) -> dict:
 
 
 def available(row: Row) -> bool:
+    """Whether this processor has the row's kernel build and, for a row limited to AVX2, AVX2."""
     from slimlm.inference import cpu_kernels
 
-    flags = cpu_kernels.cpu_flags()
-    needed = cpu_kernels.ISAS[row.isa][0] if row.isa else ()
-    return all(flag in flags for flag in needed) and (row.aten != "avx2" or {"avx2", "fma"} <= flags)
+    return not any(cpu_kernels.missing_flags(isa) for isa in (row.isa, "avx2" if row.aten == "avx2" else None) if isa)
 
 
 def main() -> None:

@@ -29,7 +29,7 @@ ISA_ENV = "SLIMLM_CPU_ISA"
 # Widest first: the /proc/cpuinfo flags each needs, and the compiler flags that select its path
 # in the source (explicit sets, not -march=native, so a narrower one can be chosen).
 ISAS = {
-    "avx512_vnni": (("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx512_vnni", "avx2", "fma"), ["-march=native"]),
+    "avx512_vnni": (("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx512_vnni", "avx2", "fma"), ["-march=x86-64-v4", "-mavx512vnni"]),
     "avx_vnni": (("avx2", "fma", "avx_vnni"), ["-march=x86-64-v3", "-mavxvnni"]),
     "avx2": (("avx2", "fma"), ["-march=x86-64-v3"]),
 }
@@ -46,19 +46,24 @@ def cpu_flags() -> set[str]:
     return set(line.partition(":")[2].split())
 
 
+def missing_flags(isa: str) -> list[str]:
+    """The processor flags instruction set `isa` (one of ISAS) needs that this processor lacks."""
+    flags = cpu_flags()
+    return [flag for flag in ISAS[isa][0] if flag not in flags]
+
+
 def kernel_isa() -> Optional[str]:
     """The instruction set the kernel is built for here: $SLIMLM_CPU_ISA if set (it must be one
     of ISAS and the processor must have it), else the widest one the processor has; None if none."""
-    flags = cpu_flags()
     chosen = os.environ.get(ISA_ENV)
     if chosen:
         if chosen not in ISAS:
             raise ConfigError(f"{ISA_ENV}={chosen!r} is not an instruction set of the int4 x int8 kernel: use one of {', '.join(ISAS)}, or unset it")
-        missing = [flag for flag in ISAS[chosen][0] if flag not in flags]
+        missing = missing_flags(chosen)
         if missing:
             raise ConfigError(f"{ISA_ENV}={chosen}, but this processor lacks {', '.join(missing)}: choose a narrower set or unset it")
         return chosen
-    return next((isa for isa, (needed, _) in ISAS.items() if all(flag in flags for flag in needed)), None)
+    return next((isa for isa in ISAS if not missing_flags(isa)), None)
 
 
 @functools.cache
