@@ -60,3 +60,27 @@ def write_result(name: str, command: str, record: dict, lines: list[str], notes:
     if notes_file.is_file():
         lines = [*lines, notes_file.read_text().strip(), ""]
     (RESULTS / f"{name}.md").write_text("\n".join(lines))
+
+
+def check_llama_cpp(gguf: Path, threads: int) -> None:
+    """Evaluate three tokens of `gguf` with llama-cpp-python in a child process, so that a build
+    that dies on this processor stops the benchmark with a reason instead of killing it silently.
+    Seen: llama.cpp's AMX matmul dies of SIGILL (`tilezero`) on AMX processors under some kernels
+    and hypervisors; a build without AMX runs."""
+    import signal
+    import subprocess
+    import sys
+
+    probe = f"from llama_cpp import Llama; Llama(model_path={str(gguf)!r}, n_ctx=16, n_threads={threads}, verbose=False).eval([1, 2, 3])"
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    if result.returncode == 0:
+        return
+    if result.returncode > 0:
+        error = result.stderr.strip().splitlines()[-1] if result.stderr.strip() else "no message"
+        raise SystemExit(f"llama-cpp-python could not evaluate {gguf.name} (exit {result.returncode}): {error}")
+    raise SystemExit(
+        f"llama-cpp-python died of {signal.Signals(-result.returncode).name} evaluating {gguf.name} on this processor. If the processor "
+        "has AMX, rebuild llama-cpp-python without it: CMAKE_ARGS=\"-DCMAKE_C_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16' "
+        "-DCMAKE_CXX_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16'\" .venv/bin/pip install --force-reinstall --no-deps --no-cache-dir "
+        "llama-cpp-python; or leave the llama.cpp rows out."
+    )

@@ -43,7 +43,7 @@ from slimlm.models import load_model, resolve_model
 from slimlm.pipeline import RunState
 from slimlm.rundir import machine_info
 
-from benchlib import REPO, RESULTS, command_line, default_model_cfg, wikitext_ids, write_result
+from benchlib import REPO, RESULTS, check_llama_cpp, command_line, default_model_cfg, wikitext_ids, write_result
 
 RUNS = REPO / "bench" / "runs" / "decode_cpu"
 SCHEMES = {"int8": dict(bits=8), "int4 g64": dict(bits=4, group_size=64)}
@@ -211,6 +211,7 @@ def main() -> None:
         source = resolve_model(cfg)
         for gguf_type in ("Q8_0", "Q4_0"):
             path = llama_cpp_file(f"default-{gguf_type.lower()}", gguf_type, model, tokenizer, source)
+            check_llama_cpp(path, options.threads)
             contenders.append(llama_cpp_contender(f"llama.cpp {gguf_type}", path, prompt, options, model.config))
     windows = eval_windows(tokenizer)
     with torch.inference_mode():

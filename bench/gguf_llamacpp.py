@@ -33,7 +33,7 @@ from slimlm.gguf_export import export_gguf
 from slimlm.models import load_model, resolve_model
 from slimlm.rundir import machine_info
 
-from benchlib import REPO, command_line, default_model_cfg, wikitext_ids, write_result
+from benchlib import REPO, check_llama_cpp, command_line, default_model_cfg, wikitext_ids, write_result
 
 RUNS = REPO / "bench" / "runs" / "gguf_llamacpp"
 
@@ -88,6 +88,7 @@ def main() -> None:
     options = parser.parse_args()
     started = time.perf_counter()
     files = build_files()
+    check_llama_cpp(files["llama.cpp-q4_0"], options.threads)
     tokenizer = load_model(default_model_cfg(), torch.device("cpu")).tokenizer
     ids = wikitext_ids(tokenizer)[: options.windows * options.window]
     windows = ids.view(options.windows, options.window).numpy()
