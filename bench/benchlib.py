@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -67,10 +70,6 @@ def check_llama_cpp(gguf: Path, threads: int) -> None:
     that dies on this processor stops the benchmark with a reason instead of killing it silently.
     Seen: llama.cpp's AMX matmul dies of SIGILL (`tilezero`) on AMX processors under some kernels
     and hypervisors; a build without AMX runs."""
-    import signal
-    import subprocess
-    import sys
-
     probe = f"from llama_cpp import Llama; Llama(model_path={str(gguf)!r}, n_ctx=16, n_threads={threads}, verbose=False).eval([1, 2, 3])"
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
     if result.returncode == 0:

@@ -47,6 +47,13 @@ from benchlib import REPO, RESULTS, check_llama_cpp, command_line, default_model
 
 RUNS = REPO / "bench" / "runs" / "decode_cpu"
 SCHEMES = {"int8": dict(bits=8), "int4 g64": dict(bits=4, group_size=64)}
+# What a slimlm row's decoding needs (slimlm_contender reads them), shared with decode_cpu_isa.py.
+DECODE_OPTIONS = {"repeats": 5, "threads": 2, "new_tokens": 128, "prompt_tokens": 16}
+
+
+def add_decode_options(parser: argparse.ArgumentParser) -> None:
+    for name, default in DECODE_OPTIONS.items():
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=default)
 
 
 def load_default():
@@ -194,10 +201,7 @@ def race(contenders: list[Contender], repeats: int) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--prompt-tokens", type=int, default=16)
+    add_decode_options(parser)
     parser.add_argument("--skip-llama-cpp", action="store_true", help="when llama-cpp-python is not installed (pip install '.[bench]')")
     options = parser.parse_args()
     torch.set_num_threads(options.threads)

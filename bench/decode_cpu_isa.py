@@ -32,7 +32,13 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
+from slimlm.eval.bandwidth import memory_bandwidth
+from slimlm.eval.speed import benchmark_prompt
+from slimlm.inference import cpu_kernels
+from slimlm.rundir import machine_info
+
 from benchlib import RESULTS, command_line, write_result
+from decode_cpu import DECODE_OPTIONS, add_decode_options, load_default, quantized_copy, slimlm_contender, write_plot
 
 MARK = "decode_cpu_isa result: "
 
@@ -55,11 +61,6 @@ ROWS = [
 
 def worker(row: Row, options) -> None:
     """One row in this process: prepare, decode `repeats` times, print the result as JSON."""
-    from decode_cpu import load_default, quantized_copy, slimlm_contender
-
-    from slimlm.eval.speed import benchmark_prompt
-    from slimlm.inference import cpu_kernels
-
     torch.set_num_threads(options.threads)
     cfg, loaded = load_default()
     model = quantized_copy(cfg, dict(bits=4, group_size=64))
@@ -71,10 +72,11 @@ def worker(row: Row, options) -> None:
 
 
 def run_row(row: Row, options) -> dict:
-    env = {key: value for key, value in os.environ.items() if key not in ("SLIMLM_CPU_ISA", "ATEN_CPU_CAPABILITY")}
-    env.update({"SLIMLM_CPU_ISA": row.isa} if row.isa else {})
+    env = {key: value for key, value in os.environ.items() if key not in (cpu_kernels.ISA_ENV, "ATEN_CPU_CAPABILITY")}
+    env.update({cpu_kernels.ISA_ENV: row.isa} if row.isa else {})
     env.update({"ATEN_CPU_CAPABILITY": row.aten} if row.aten else {})
-    args = [sys.executable, __file__, "--worker", row.name, "--repeats", str(options.repeats), "--threads", str(options.threads), "--new-tokens", str(options.new_tokens), "--prompt-tokens", str(options.prompt_tokens)]
+    forwarded = [part for name in DECODE_OPTIONS for part in (f"--{name.replace('_', '-')}", str(getattr(options, name)))]
+    args = [sys.executable, __file__, "--worker", row.name, *forwarded]
     done = subprocess.run(args, env=env, capture_output=True, text=True)
     lines = [line for line in done.stdout.splitlines() if line.startswith(MARK)]
     if done.returncode != 0 or not lines:
@@ -87,26 +89,17 @@ def run_row(row: Row, options) -> dict:
 
 def available(row: Row) -> bool:
     """Whether this processor has the row's kernel build and, for a row limited to AVX2, AVX2."""
-    from slimlm.inference import cpu_kernels
-
     return not any(cpu_kernels.missing_flags(isa) for isa in (row.isa, "avx2" if row.aten == "avx2" else None) if isa)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=5)
+    add_decode_options(parser)
     parser.add_argument("--passes", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--prompt-tokens", type=int, default=16)
     parser.add_argument("--worker", choices=[row.name for row in ROWS], help=argparse.SUPPRESS)
     options = parser.parse_args()
     if options.worker:
         return worker(next(row for row in ROWS if row.name == options.worker), options)
-    from decode_cpu import write_plot
-
-    from slimlm.eval.bandwidth import memory_bandwidth
-
     started = time.perf_counter()
     rows = [row for row in ROWS if available(row)]
     skipped = [row.name for row in ROWS if row not in rows]
@@ -142,8 +135,6 @@ def main() -> None:
 
 
 def markdown(rows: list[dict], summary: dict, command: str) -> list[str]:
-    from slimlm.rundir import machine_info
-
     machine = machine_info()
     return [
         "# decode_cpu_isa",
