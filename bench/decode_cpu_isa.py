@@ -107,7 +107,7 @@ def main() -> None:
     for _ in tqdm(range(options.passes), desc="passes"):
         for row in tqdm(rows, desc="rows", leave=False):
             results[row.name].append(run_row(row, options))
-    bandwidth = memory_bandwidth("cpu").bytes_per_s
+    bandwidth = memory_bandwidth("cpu", refresh=True).bytes_per_s
     table = []
     for row in rows:
         first = results[row.name][0]

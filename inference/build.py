@@ -34,7 +34,7 @@ class RowEmbedding(nn.Module):
 def build_decoder(model: nn.Module, dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None, kernels: bool = True, int8_activations: bool = False, gpu_int4: str = "tinygemm", placement: Placement = Placement()) -> Transformer:
     """A decoder Transformer holding `model`'s weights (HF Llama-family layout). With
     `int8_activations`, int4 and int8 layers also round their inputs to int8 (CPU; see
-    Int4Int8Linear and Int8Linear); `gpu_int4` picks the GPU's int4 kernel (inference/linear.py);
+    Int8ActivationLinear); `gpu_int4` picks the GPU's int4 kernel (inference/linear.py);
     `placement` keeps some of it in host memory (inference/streaming.py)."""
     parts = DecoderParts(model, dtype, device, kernels, int8_activations, gpu_int4, placement)
     return parts.assemble([parts.block(index, layer) for index, layer in enumerate(model.model.layers)])

@@ -185,7 +185,7 @@ def plan_command(args: Sequence[str]) -> None:
     parser.add_argument("--bits", type=int, default=None, help="quantize every decoder Linear to this width (a preset or HF checkpoint; an artifact has its own)")
     parser.add_argument("--group-size", type=int, default=64)
     parser.add_argument("--head-bits", type=int, default=None, help="quantize the LM head too")
-    parser.add_argument("--int8-activations", action="store_true", help="plan for `generate --int8-activations` (CPU: a tied int4 head needs no second embedding table)")
+    parser.add_argument("--int8-activations", action="store_true", help="plan for `generate --int8-activations` (CPU: int4 and int8 layers in slimlm's kernels; a tied int4 head needs no second embedding table)")
     parser.add_argument("--kv-cache", choices=("float", "int8"), default="float", help="plan for `generate --kv-cache int8`")
     parser.add_argument("--gpu-int4", choices=("tinygemm", "triton"), default="tinygemm", help="plan for `generate --gpu-int4 triton` (the stored packing, a little smaller)")
     options = parser.parse_args(args)

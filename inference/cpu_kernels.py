@@ -1,11 +1,12 @@
-"""slimlm's own CPU kernel: int4 weights times int8 activations (inference/kernels/).
+"""slimlm's own CPU kernels: int4 or int8 weights times int8 activations (inference/kernels/).
 
 torch has no CPU kernel that multiplies 4-bit codes by integer activations, and the
-ecosystem's ones (torchao's da8w4, IPEX) ship no CPU build for this torch. The kernel is
+ecosystem's ones (torchao's da8w4, IPEX) ship no CPU build for this torch; torch's int8 kernel
+multiplies in floating point. The kernels are
 compiled on first use with the machine's compiler (torch.utils.cpp_extension, cached per
 machine) for the widest instruction set the processor has: AVX512-VNNI (servers, AMD Zen 4),
 AVX-VNNI (Intel laptops since Alder Lake) or AVX2 (older laptops). Elsewhere, or where it cannot
-be built, the decoder keeps torch's int4 kernel. SLIMLM_CPU_ISA names a narrower set to build
+be built, the decoder keeps torch's int4 and int8 kernels. SLIMLM_CPU_ISA names a narrower set to build
 for instead (to measure or test a laptop's path on a bigger machine).
 """
 
@@ -24,7 +25,7 @@ from slimlm.qlinear import QuantScheme
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "kernels" / "int4_int8_cpu.cpp"
+SOURCE = Path(__file__).parent / "kernels" / "int8_activations_cpu.cpp"
 ISA_ENV = "SLIMLM_CPU_ISA"
 # Widest first: the /proc/cpuinfo flags each needs, and the compiler flags that select its path
 # in the source (explicit sets, not -march=native, so a narrower one can be chosen).
@@ -33,7 +34,7 @@ ISAS = {
     "avx_vnni": (("avx2", "fma", "avx_vnni"), ["-march=x86-64-v3", "-mavxvnni"]),
     "avx2": (("avx2", "fma"), ["-march=x86-64-v3"]),
 }
-BLOCK = 64  # inputs per activation block; the kernel's group sizes are multiples of it
+BLOCK = 64  # inputs per activation block; the kernels' group sizes are multiples of it
 TILE = 16  # output rows per vector: one lane each
 
 
@@ -58,7 +59,7 @@ def kernel_isa() -> Optional[str]:
     chosen = os.environ.get(ISA_ENV)
     if chosen:
         if chosen not in ISAS:
-            raise ConfigError(f"{ISA_ENV}={chosen!r} is not an instruction set of the int4 x int8 kernel: use one of {', '.join(ISAS)}, or unset it")
+            raise ConfigError(f"{ISA_ENV}={chosen!r} is not an instruction set of the int8-activation kernels: use one of {', '.join(ISAS)}, or unset it")
         missing = missing_flags(chosen)
         if missing:
             raise ConfigError(f"{ISA_ENV}={chosen}, but this processor lacks {', '.join(missing)}: choose a narrower set or unset it")
@@ -66,25 +67,29 @@ def kernel_isa() -> Optional[str]:
     return next((isa for isa in ISAS if not missing_flags(isa)), None)
 
 
+OPS = {4: "int4_int8_mm", 8: "int8_int8_mm"}  # the kernel of each weight width (torch.ops.slimlm)
+
+
 @functools.cache
-def int4_int8_available() -> bool:
-    """Whether the int4 x int8 kernel runs here: an x86 processor with AVX2 and FMA at least,
-    and the kernel compiles (a C++ compiler and ninja). Compiling takes 10-20 s, once per
+def available() -> bool:
+    """Whether the int8-activation kernels run here: an x86 processor with AVX2 and FMA at
+    least, and the kernels compile (a C++ compiler and ninja). Compiling takes 10-20 s, once per
     machine and instruction set."""
     isa = kernel_isa()
     if isa is None:
-        log.info("int4 x int8 CPU kernel not used: the processor has none of %s", ", ".join(ISAS))
+        log.info("int8-activation CPU kernels not used: the processor has none of %s", ", ".join(ISAS))
         return False
     try:
         from torch.utils.cpp_extension import load
 
         cflags = ["-O3", "-mtune=native", "-fopenmp", *ISAS[isa][1]]
-        load(name=f"slimlm_int4_int8_cpu_{isa}", sources=[str(SOURCE)], extra_cflags=cflags, extra_ldflags=["-fopenmp"], is_python_module=False)
-    except Exception as error:  # no compiler, no ninja, a failed build: torch's kernel still works
-        log.warning("int4 x int8 CPU kernel not built (%s); int4 layers use torch's kernel", str(error).splitlines()[0] if str(error) else type(error).__name__)
+        load(name=f"slimlm_int8_activations_cpu_{isa}", sources=[str(SOURCE)], extra_cflags=cflags, extra_ldflags=["-fopenmp"], is_python_module=False)
+    except Exception as error:  # no compiler, no ninja, a failed build: torch's kernels still work
+        log.warning("int8-activation CPU kernels not built (%s); int4 and int8 layers use torch's kernels", str(error).splitlines()[0] if str(error) else type(error).__name__)
         return False
-    torch.library.register_fake("slimlm::int4_int8_mm")(_output_shape)
-    log.info("int4 x int8 CPU kernel built for %s", isa)
+    for op in OPS.values():
+        torch.library.register_fake(f"slimlm::{op}")(_output_shape)
+    log.info("int8-activation CPU kernels built for %s", isa)
     return True
 
 
@@ -92,13 +97,24 @@ def group_size(scheme: QuantScheme, in_features: int) -> int:
     return in_features // scheme.groups(in_features)
 
 
-def int4_int8_fits(scheme: Optional[QuantScheme], out_features: int, in_features: int) -> bool:
-    """Whether the kernel's layout can hold a layer of this scheme and shape (the planner asks
-    too, so it needs no processor)."""
-    if scheme is None or scheme.bits != 4:
+def fits(scheme: Optional[QuantScheme], out_features: int, in_features: int) -> bool:
+    """Whether a kernel's layout can hold a layer of this scheme and shape: int4 or int8, groups
+    (or whole rows) a multiple of 64 inputs, rows a multiple of 16 (the planner asks too, so it
+    needs no processor)."""
+    if scheme is None or scheme.bits not in OPS:
         return False
     group = group_size(scheme, in_features)
     return group % BLOCK == 0 and in_features % group == 0 and out_features % TILE == 0
+
+
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """[N, K] codes -> the layout of the kernel for `bits` (pack_int4, pack_int8)."""
+    return pack_int4(codes) if bits == 4 else pack_int8(codes)
+
+
+def unpack_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of the codes packed by pack_int4 or pack_int8 (told apart by the chunk size)."""
+    return unpack_int4_rows(packed, ids) if packed.shape[-1] == 64 else unpack_int8_rows(packed, ids)
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
@@ -114,6 +130,20 @@ def unpack_int4_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     tiles, chunks = packed.shape[:2]
     bytes_ = packed.view(tiles, chunks, TILE, 4)[ids // TILE, :, ids % TILE]  # [n, K/8, 4]
     return torch.stack([bytes_ & 0x0F, bytes_ >> 4], dim=2).reshape(len(ids), chunks * 8)
+
+
+def pack_int8(codes: torch.Tensor) -> torch.Tensor:
+    """[N, K] codes 0..255 -> [N/16, K/8, 128] uint8 in the kernel's layout: for inputs 8c..8c+7
+    of a tile of 16 rows, byte 4r + j holds row r's input 8c + j, byte 64 + 4r + j its 8c + 4 + j."""
+    rows, width = codes.shape
+    split = codes.to(torch.uint8).view(rows // TILE, TILE, width // 8, 2, 4).permute(0, 2, 3, 1, 4)
+    return split.reshape(rows // TILE, width // 8, 2 * TILE * 4).contiguous()
+
+
+def unpack_int8_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of the codes packed by pack_int8: [len(ids), K] uint8."""
+    tiles, chunks = packed.shape[:2]
+    return packed.view(tiles, chunks, 2, TILE, 4)[ids // TILE, :, :, ids % TILE].reshape(len(ids), chunks * 8)
 
 
 def tile_groups(values: torch.Tensor) -> torch.Tensor:

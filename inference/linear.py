@@ -1,8 +1,9 @@
 """The decoder's linear layers: each weight runs in the kernel its scheme allows.
 
-  int4 with int8 activations on x86 CPUs with AVX2 at least (groups a multiple of 64) -> slimlm's own
-      kernel (inference/kernels/int4_int8_cpu.cpp): activations rounded to int8 per 64 inputs,
-      integer dot products; three to four times torch's int4 kernel at decode time
+  int4 or int8 with int8 activations on x86 CPUs with AVX2 at least (groups or rows a multiple of
+      64 inputs) -> slimlm's own kernels (inference/kernels/int8_activations_cpu.cpp): activations
+      rounded to int8 per 64 inputs, integer dot products; 1.2-2.5x torch's int4 and int8 kernels
+      per layer at decode time (bench/results/decode_cpu.md)
   int4 on a GPU with gpu_int4="triton" (groups of 32/64/128, widths a multiple of 512) ->
       slimlm's Triton kernel (inference/gpu_kernels.py), reading the QuantLinear's own buffers;
       experimental until measured on a GPU (bench/decode_gpu.py times it beside tinygemm)
@@ -95,21 +96,22 @@ class Int4Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-class Int4Int8Linear(nn.Module):
-    """int4 weights times activations rounded to int8 per block of 64 inputs (x86 CPUs with
-    AVX512-VNNI, AVX-VNNI or AVX2; inference/cpu_kernels.py). Its layout can be read row by
+class Int8ActivationLinear(nn.Module):
+    """int4 or int8 weights times activations rounded to int8 per block of 64 inputs (x86 CPUs
+    with AVX512-VNNI, AVX-VNNI or AVX2; inference/cpu_kernels.py). Its layout can be read row by
     row, so a tied head also serves as the embedding table without a second copy."""
 
     def __init__(self, layer: QuantLinear, dtype: torch.dtype, device: torch.device):
         super().__init__()
         scheme = layer.scheme
-        self.in_features, self.out_features, self.dtype = layer.in_features, layer.out_features, dtype
+        self.in_features, self.out_features, self.dtype, self.bits = layer.in_features, layer.out_features, dtype, scheme.bits
         self.group_size = cpu_kernels.group_size(scheme, layer.in_features)
-        scales = layer.scales.to(device=device, dtype=torch.float32)
-        zeros = layer.zeros.to(device=device, dtype=torch.float32) if layer.zeros is not None else torch.full_like(scales, scheme.symmetric_zero)
-        self.register_buffer("weight", cpu_kernels.pack_int4(layer.codes().to(device)))
-        self.register_buffer("scales", cpu_kernels.tile_groups(scales.to(torch.bfloat16)))
-        self.register_buffer("offsets", cpu_kernels.tile_groups((zeros * scales).to(torch.bfloat16)))
+        scales = layer.scales.to(device=device, dtype=torch.float32).view(layer.out_features, -1)
+        zeros = layer.zeros.to(device=device, dtype=torch.float32).view_as(scales) if layer.zeros is not None else torch.full_like(scales, scheme.symmetric_zero)
+        self.register_buffer("weight", cpu_kernels.pack(layer.codes().to(device), self.bits))
+        scales = scales.to(torch.bfloat16)  # the offsets from the rounded scales: exact for zero points 8 and 128
+        self.register_buffer("scales", cpu_kernels.tile_groups(scales))
+        self.register_buffer("offsets", cpu_kernels.tile_groups((zeros * scales.float()).to(torch.bfloat16)))
         self.register_buffer("bias", None if layer.bias is None else layer.bias.detach().to(device=device, dtype=dtype))
 
     @staticmethod
@@ -118,30 +120,27 @@ class Int4Int8Linear(nn.Module):
         processor and compiler that can run the kernel."""
         if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
             return False
-        return cpu_kernels.int4_int8_fits(layer.scheme, layer.out_features, layer.in_features) and cpu_kernels.int4_int8_available()
+        return cpu_kernels.fits(layer.scheme, layer.out_features, layer.in_features) and cpu_kernels.available()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.slimlm.int4_int8_mm(_as_2d(x).to(self.dtype), self.weight, self.scales, self.offsets, self.group_size)
+        matmul = getattr(torch.ops.slimlm, cpu_kernels.OPS[self.bits])
+        y = matmul(_as_2d(x).to(self.dtype), self.weight, self.scales, self.offsets, self.group_size)
         y = y.view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Weight rows `ids` dequantized (the embedding of a model whose head this is)."""
-        codes = cpu_kernels.unpack_int4_rows(self.weight, ids).to(dtype).view(len(ids), -1, self.group_size)
+        codes = cpu_kernels.unpack_rows(self.weight, ids).to(dtype).view(len(ids), -1, self.group_size)
         scales = cpu_kernels.untile_groups(self.scales, ids).to(dtype).unsqueeze(-1)
         offsets = cpu_kernels.untile_groups(self.offsets, ids).to(dtype).unsqueeze(-1)
         return (codes * scales - offsets).view(len(ids), self.in_features)
 
 
 class Int8Linear(nn.Module):
-    """int8 weights, one scale per output channel. With `int8_activations`, each input row is
-    rounded to int8 with its own absmax scale and multiplied by integer dot products
-    (`torch._int_mm`, VNNI on x86): several times faster on CPU, at the cost of that rounding
-    (measured in bench/results/decode_cpu.md); otherwise the activations stay bf16/fp32."""
+    """int8 weights, one scale per output channel, bf16/fp32 activations (torch's kernel)."""
 
-    def __init__(self, layer: QuantLinear, dtype: torch.dtype, device: torch.device, int8_activations: bool = False):
+    def __init__(self, layer: QuantLinear, dtype: torch.dtype, device: torch.device):
         super().__init__()
-        self.int8_activations = int8_activations
         self.in_features, self.out_features = layer.in_features, layer.out_features
         self.register_buffer("weight", (layer.codes().to(device) ^ 0x80).view(torch.int8))  # code - 128 as int8: flip the top bit
         scales = layer.scales.to(device=device, dtype=torch.float32).view(-1)
@@ -156,12 +155,7 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = _as_2d(x).to(self.scales.dtype)
-        if self.int8_activations:
-            row_scale = x2.abs().amax(-1, keepdim=True).float().clamp(min=1e-8) / 127
-            x_int8 = (x2.float() / row_scale).round().to(torch.int8)
-            y = (torch._int_mm(x_int8, self.weight.t()).float() * row_scale * self.scales.float()).to(x2.dtype)
-        else:
-            y = torch._weight_int8pack_mm(x2, self.weight, self.scales)
+        y = torch._weight_int8pack_mm(x2, self.weight, self.scales)
         if self.offset is not None:
             y = y + x2.sum(-1, keepdim=True) * self.offset
         y = y.view(*x.shape[:-1], self.out_features)
@@ -298,12 +292,12 @@ def build_linear(layer: nn.Module, dtype: torch.dtype, device: torch.device, ker
     if isinstance(layer, QuantLinear):
         if kernels and gpu_int4 == "triton" and Int4MatvecLinear.supports(layer, dtype, device):
             return Int4MatvecLinear(layer, dtype, device)
-        if kernels and int8_activations and Int4Int8Linear.supports(layer, dtype, device):
-            return Int4Int8Linear(layer, dtype, device)
+        if kernels and int8_activations and Int8ActivationLinear.supports(layer, dtype, device):
+            return Int8ActivationLinear(layer, dtype, device)
         if kernels and Int4Linear.supports(layer, dtype, device):
             return Int4Linear(layer, dtype, device)
         if kernels and Int8Linear.supports(layer):
-            return Int8Linear(layer, dtype, device, int8_activations and device.type == "cpu")
+            return Int8Linear(layer, dtype, device)
         return DequantLinear(layer, dtype, device)
     if kernels and semi_sparse_fits(layer.weight, dtype, device):
         return SemiSparseLinear(layer.weight, layer.bias, dtype, device)
@@ -313,6 +307,6 @@ def build_linear(layer: nn.Module, dtype: torch.dtype, device: torch.device, ker
 def kernel_name(layer: nn.Module) -> str:
     if isinstance(layer, Concat):
         return "+".join(kernel_name(part) for part in layer.parts)
-    if isinstance(layer, Int8Linear) and layer.int8_activations:
-        return "int8-int8act"
-    return {Int4Int8Linear: "int4-int8act", Int4Linear: "int4-tinygemm", Int4MatvecLinear: "int4-triton", Int8Linear: "int8-pack", DequantLinear: "dequant", DenseLinear: "dense", SemiSparseLinear: "2:4-sparse"}[type(layer)]
+    if isinstance(layer, Int8ActivationLinear):
+        return f"int{layer.bits}-int8act"
+    return {Int4Linear: "int4-tinygemm", Int4MatvecLinear: "int4-triton", Int8Linear: "int8-pack", DequantLinear: "dequant", DenseLinear: "dense", SemiSparseLinear: "2:4-sparse"}[type(layer)]

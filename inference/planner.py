@@ -23,8 +23,7 @@ from importlib import resources
 from typing import Optional
 
 from slimlm.errors import SlimlmError
-from slimlm.inference import gpu_kernels
-from slimlm.inference.cpu_kernels import int4_int8_fits
+from slimlm.inference import cpu_kernels, gpu_kernels
 from slimlm.inference.linear import int8pack_fits, tinygemm_fits
 from slimlm.inference.model import ModelArgs
 from slimlm.inference.streaming import Placement
@@ -76,13 +75,16 @@ def matvec_fits(scheme: Optional[QuantScheme], in_features: int) -> bool:
     return scheme is not None and gpu_kernels.fits(scheme.bits, scheme.group_size, in_features)
 
 
-def linear_bytes(out_features: int, in_features: int, scheme: Optional[QuantScheme], act_bytes: int, matvec: bool = False) -> int:
+def linear_bytes(out_features: int, in_features: int, scheme: Optional[QuantScheme], act_bytes: int, matvec: bool = False, int8_activations: bool = False) -> int:
     """Bytes of one linear layer as the decoder stores it (inference/linear.py); `matvec`: int4
-    layers run in slimlm's Triton kernel, which keeps the stored packing."""
+    layers run in slimlm's Triton kernel, which keeps the stored packing; `int8_activations`:
+    int4 and int8 layers run in slimlm's CPU kernels (a bf16 scale and offset per group or row)."""
     if scheme is None:
         return out_features * in_features * act_bytes
     if matvec and matvec_fits(scheme, in_features):
         return packed_bytes(out_features, in_features, scheme)
+    if int8_activations and cpu_kernels.fits(scheme, out_features, in_features):
+        return out_features * in_features * scheme.bits // 8 + 2 * scheme.groups(in_features) * out_features * 2
     if tinygemm_fits(scheme, in_features):
         return out_features * in_features // 2 + 2 * scheme.groups(in_features) * out_features * act_bytes  # codes; (scale, zero) per group
     if int8pack_fits(scheme):  # int8 codes; a scale (and an offset) per row
@@ -152,12 +154,13 @@ class Plan:
 def budget(args: ModelArgs, schemes: dict[str, QuantScheme], hardware: Hardware, context: int, batch: int, prefill_chunk: int = 512, int8_activations: bool = False, kv_int8: bool = False, gpu_int4: str = "tinygemm") -> Budget:
     """The decoder's bytes for this model on this hardware. `schemes` maps module names
     (`model.layers.0.self_attn.q_proj`, `lm_head`) to schemes; absent modules stay float.
-    `int8_activations` (CPU): int4 layers run in slimlm's int4 x int8 kernel, whose layout a
-    tied head's embedding reads row by row (no second table). `kv_int8`: the cache holds int8
+    `int8_activations` (CPU): int4 and int8 layers run in slimlm's int8-activation kernels, whose
+    layout a tied head's embedding reads row by row (no second table). `kv_int8`: the cache holds int8
     codes and a float32 scale per head and slot, and a step reads one layer's cache dequantized.
     `gpu_int4="triton"` (GPU): int4 layers keep their stored packing (inference/gpu_kernels.py),
     a tied head serves as the embedding, and a prefill chunk dequantizes one layer at a time."""
     matvec = hardware.device == "cuda" and gpu_int4 == "triton"
+    int8_kernels = int8_activations and hardware.device == "cpu"
     act_bytes = 2  # bf16/fp16 activations: the fast path of every packed kernel
     float_kv = act_bytes if hardware.device == "cuda" else 4  # the CPU cache is fp32 (inference/model.py)
     per_slot = args.n_kv_heads * (args.head_dim + 4 if kv_int8 else args.head_dim * float_kv)  # bytes of one slot's keys
@@ -168,15 +171,15 @@ def budget(args: ModelArgs, schemes: dict[str, QuantScheme], hardware: Hardware,
     for index in range(args.n_layers):
         total = 2 * args.dim * act_bytes  # the two norms
         for name, (out_features, in_features) in shapes.items():
-            total += linear_bytes(out_features, in_features, schemes.get(f"model.layers.{index}.{name}"), act_bytes, matvec)
+            total += linear_bytes(out_features, in_features, schemes.get(f"model.layers.{index}.{name}"), act_bytes, matvec, int8_kernels)
             if args.qkv_bias and name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
                 total += out_features * act_bytes
         layers.append(total)
     head_scheme = schemes.get("lm_head")
-    head = linear_bytes(args.vocab_size, args.dim, head_scheme, act_bytes, matvec)
+    head = linear_bytes(args.vocab_size, args.dim, head_scheme, act_bytes, matvec, int8_kernels)
     if not args.tie_embeddings:
         table = args.vocab_size * args.dim * act_bytes
-    elif int8_activations and hardware.device == "cpu" and int4_int8_fits(head_scheme, args.vocab_size, args.dim):
+    elif int8_kernels and cpu_kernels.fits(head_scheme, args.vocab_size, args.dim):
         table = 0
     elif matvec and matvec_fits(head_scheme, args.dim):
         table = 0  # the head's stored codes are read by rows

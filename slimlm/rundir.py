@@ -62,6 +62,17 @@ def write_status(run_dir: Path, status: str, error: Optional[str] = None) -> Non
     write_atomic(run_dir / STATUS, json.dumps(record, indent=2) + "\n")
 
 
+def last_level_cache_bytes() -> Optional[int]:
+    """The size of the processor's largest cache (Linux), None where unknown. A quantized small
+    model can fit in it, and then decodes faster than memory bandwidth alone allows."""
+    units = {"K": 2**10, "M": 2**20, "G": 2**30}
+    sizes = []
+    for path in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = path.read_text().strip()
+        sizes.append(int(text[:-1]) * units[text[-1]] if text[-1:] in units else int(text))
+    return max(sizes, default=None)
+
+
 def machine_info(query_gpu: bool = True) -> dict[str, Any]:
     """The machine a result came from. query_gpu=False leaves out the GPU's name: asking creates
     a CUDA context, whose memory a benchmark's child processes would then count as theirs."""
@@ -71,6 +82,7 @@ def machine_info(query_gpu: bool = True) -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
+        "last_level_cache_bytes": last_level_cache_bytes(),
     }
     if query_gpu:
         info["cuda"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None

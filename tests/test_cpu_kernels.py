@@ -1,5 +1,5 @@
-"""slimlm's int4 x int8 CPU kernel against an exact emulation of its arithmetic, and the decoder
-built on it against the weight-only kernel."""
+"""slimlm's int4 x int8 and int8 x int8 CPU kernels against an exact emulation of their
+arithmetic, and the decoder built on them against the weight-only kernels."""
 
 import os
 import subprocess
@@ -12,7 +12,7 @@ import torch
 from slimlm.inference import cpu_kernels
 from slimlm.inference.build import build_decoder, describe_kernels
 from slimlm.inference.decoder import Decoder
-from slimlm.inference.linear import Int4Linear, build_linear, tinygemm_bytes
+from slimlm.inference.linear import Int4Linear, Int8Linear, build_linear, tinygemm_bytes
 from slimlm.inference.sampling import SamplingParams
 from slimlm.errors import ConfigError
 from slimlm.packing import unpack_codes
@@ -20,20 +20,21 @@ from slimlm.qlinear import QuantLinear, QuantScheme
 
 from tests.test_decoder import prompt_ids, quantized
 
-needs_kernel = pytest.mark.skipif(not cpu_kernels.int4_int8_available(), reason="the processor lacks AVX2 and FMA (or no compiler): the decoder uses torch's int4 kernel")
+needs_kernel = pytest.mark.skipif(not cpu_kernels.available(), reason="the processor lacks AVX2 and FMA (or no compiler): the decoder uses torch's kernels")
 
 
-def random_weights(rows, width, group, seed=0):
+def random_weights(rows, width, group, bits=4, seed=0):
     generator = torch.Generator().manual_seed(seed)
-    codes = torch.randint(0, 16, (rows, width), generator=generator)
+    codes = torch.randint(0, 2**bits, (rows, width), generator=generator)
     scales = (torch.rand(rows, width // group, generator=generator) * 0.02 + 0.001).to(torch.bfloat16)
-    zeros = torch.randint(0, 16, (rows, width // group), generator=generator).float()
+    zeros = torch.randint(0, 2**bits, (rows, width // group), generator=generator).float()
     offsets = (zeros * scales.float()).to(torch.bfloat16)
     return codes, scales, offsets
 
 
 def emulate(x, codes, scales, offsets, group):
-    """The kernel's arithmetic in torch: activations rounded per 64 inputs, integer dots per block."""
+    """The kernel's arithmetic in torch: activations rounded per 64 inputs, integer dots per
+    block, the offsets times the sums of the rounded activations."""
     rows, width = codes.shape
     blocks = x.float().view(x.shape[0], width // 64, 64)
     block_scale = blocks.abs().amax(-1, keepdim=True) / 127
@@ -42,29 +43,33 @@ def emulate(x, codes, scales, offsets, group):
     dots = torch.einsum("mbi,nbi->mnb", q.double(), codes.view(rows, width // 64, 64).double())
     per_block = scales.double().repeat_interleave(group // 64, dim=1)
     y = (dots * per_block[None] * block_scale.squeeze(-1).double()[:, None]).sum(-1)
-    group_sum = x.double().view(x.shape[0], width // group, group).sum(-1)
-    return (y - group_sum @ offsets.double().t()).float()
+    rounded = (q * block_scale).double().view(x.shape[0], width // group, group)
+    return (y - rounded.sum(-1) @ offsets.double().t()).float()
 
 
-def test_packing_round_trips_and_rows_read_back():
-    codes, scales, _ = random_weights(48, 128, 64)
-    packed = cpu_kernels.pack_int4(codes)
-    assert packed.shape == (3, 16, 64) and packed.dtype == torch.uint8
+@pytest.mark.parametrize("bits", [4, 8])
+def test_packing_round_trips_and_rows_read_back(bits):
+    codes, scales, _ = random_weights(48, 128, 64, bits)
+    packed = cpu_kernels.pack(codes, bits)
+    assert packed.shape == (3, 16, 16 * bits) and packed.dtype == torch.uint8
     ids = torch.tensor([0, 17, 47, 5])
-    assert torch.equal(cpu_kernels.unpack_int4_rows(packed, ids).long(), codes[ids])
+    assert torch.equal(cpu_kernels.unpack_rows(packed, ids).long(), codes[ids])
     assert torch.equal(cpu_kernels.untile_groups(cpu_kernels.tile_groups(scales), ids), scales[ids])
 
 
 @needs_kernel
-@pytest.mark.parametrize("group", [64, 128])
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group", [64, 256], ids=["g64", "row"])
 @pytest.mark.parametrize("tokens", [1, 3, 4, 9])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_kernel_matches_the_emulation_of_its_arithmetic(group, tokens, dtype):
+def test_kernel_matches_the_emulation_of_its_arithmetic(bits, group, tokens, dtype):
     rows, width = 48, 256
-    codes, scales, offsets = random_weights(rows, width, group, seed=tokens)
+    codes, scales, offsets = random_weights(rows, width, group, bits, seed=tokens)
     x = torch.randn(tokens, width, generator=torch.Generator().manual_seed(1)).to(dtype)
     x[0, :64] = 0  # an all-zero block must not divide by zero
-    y = torch.ops.slimlm.int4_int8_mm(x, cpu_kernels.pack_int4(codes), cpu_kernels.tile_groups(scales), cpu_kernels.tile_groups(offsets), group)
+    codes[0], x[-1, 64:128] = 2**bits - 1, 1.0  # the largest codes times 127s: int16 pair sums would saturate
+    op = getattr(torch.ops.slimlm, cpu_kernels.OPS[bits])
+    y = op(x, cpu_kernels.pack(codes, bits), cpu_kernels.tile_groups(scales), cpu_kernels.tile_groups(offsets), group)
     assert y.dtype == dtype and y.shape == (tokens, rows)
     torch.testing.assert_close(y.float(), emulate(x, codes, scales, offsets, group), rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-3 if dtype == torch.bfloat16 else 1e-5)
     weight = (codes.float().view(rows, -1, group) * scales.float()[..., None] - offsets.float()[..., None]).view(rows, width)
@@ -80,21 +85,25 @@ def test_kernel_refuses_shapes_it_cannot_run():
         torch.ops.slimlm.int4_int8_mm(torch.randn(1, 128), packed, s, o, 96)
     with pytest.raises(RuntimeError, match="must match the packed width"):
         torch.ops.slimlm.int4_int8_mm(torch.randn(1, 64), packed, s, o, 64)
+    with pytest.raises(RuntimeError, match=r"int8_int8_mm: packed weights \[N/16, K/8, 128\] expected"):
+        torch.ops.slimlm.int8_int8_mm(torch.randn(1, 128), packed, s, o, 64)  # int4 codes given to the int8 kernel
 
 
 @needs_kernel
-def test_decoder_with_int8_activations_runs_every_int4_layer_in_the_kernel(tiny_model, tiny_tokenizer, tmp_path):
-    model = quantized(tiny_model, tiny_tokenizer, tmp_path, bits=4, group_size=64, targets=[r"model\.layers\.\d+\..*", "lm_head"])
-    weight_only, w4a8 = build_decoder(model, dtype=torch.bfloat16), build_decoder(model, dtype=torch.bfloat16, int8_activations=True)
-    assert describe_kernels(w4a8) == {"int4-int8act": 4 * model.config.num_hidden_layers, "head: int4-int8act": 1}
-    assert w4a8.embedding.table is w4a8.output  # the tied head's codes serve the embedding: no second table
-    assert w4a8.weight_bytes() < weight_only.weight_bytes()
+@pytest.mark.parametrize("bits", [4, 8])
+def test_decoder_with_int8_activations_runs_every_layer_in_the_kernel(tiny_model, tiny_tokenizer, tmp_path, bits):
+    model = quantized(tiny_model, tiny_tokenizer, tmp_path, bits=bits, group_size=64 if bits == 4 else None, targets=[r"model\.layers\.\d+\..*", "lm_head"])
+    weight_only, w8a8 = build_decoder(model, dtype=torch.bfloat16), build_decoder(model, dtype=torch.bfloat16, int8_activations=True)
+    assert describe_kernels(w8a8) == {f"int{bits}-int8act": 4 * model.config.num_hidden_layers, f"head: int{bits}-int8act": 1}
+    assert w8a8.embedding.table is w8a8.output  # the tied head's codes serve the embedding: no second table
+    if bits == 4:  # torch's int4 head cannot be read by rows: it keeps a second table
+        assert w8a8.weight_bytes() < weight_only.weight_bytes()
     ids = torch.tensor([prompt_ids(24, model.config.vocab_size)])
-    torch.testing.assert_close(w4a8.embedding(ids), weight_only.embedding(ids), rtol=0.02, atol=1e-3)  # bf16 arithmetic in both
-    for decoder in (weight_only, w4a8):
+    torch.testing.assert_close(w8a8.embedding(ids), weight_only.embedding(ids), rtol=0.02, atol=1e-3)  # bf16 arithmetic in both
+    for decoder in (weight_only, w8a8):
         decoder.setup_cache(1, 32)
     with torch.no_grad():
-        reference, rounded = weight_only(ids, 0).float().log_softmax(-1), w4a8(ids, 0).float().log_softmax(-1)
+        reference, rounded = weight_only(ids, 0).float().log_softmax(-1), w8a8(ids, 0).float().log_softmax(-1)
     kl = (reference.exp() * (reference - rounded)).sum(-1).mean()
     assert 0 < kl < 1e-2
 
@@ -151,22 +160,23 @@ def test_the_laptop_instruction_sets_pass_the_kernel_tests(isa):
     that also has them, in a process of their own: one process loads one build of the op."""
     if isa == cpu_kernels.kernel_isa() or cpu_kernels.missing_flags(isa):
         pytest.skip(f"{isa} is this run's own instruction set, or the processor lacks it")
-    tests = "emulation or refuses or every_int4_layer"
+    tests = "emulation or refuses or every_layer"
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", tests, __file__], cwd=Path(__file__).parent.parent, env={**os.environ, cpu_kernels.ISA_ENV: isa}, capture_output=True, text=True, timeout=900)
     summary = result.stdout.strip().splitlines()[-1]
     assert result.returncode == 0 and "skipped" not in summary, result.stdout[-4000:] + result.stderr[-2000:]
-    assert summary.startswith("18 passed"), summary
+    assert summary.startswith("35 passed"), summary
 
 
-def test_without_the_kernel_int4_layers_use_torchs(monkeypatch):
+def test_without_the_kernels_int4_and_int8_layers_use_torchs(monkeypatch):
     monkeypatch.delenv(cpu_kernels.ISA_ENV, raising=False)
     monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: {"avx", "sse4_2"})
-    cpu_kernels.int4_int8_available.cache_clear()
+    cpu_kernels.available.cache_clear()
     try:
-        layer = QuantLinear(64, 32, QuantScheme(bits=4, group_size=64))
-        assert isinstance(build_linear(layer, torch.bfloat16, torch.device("cpu"), int8_activations=True), Int4Linear)
+        int4, int8 = QuantLinear(64, 32, QuantScheme(bits=4, group_size=64)), QuantLinear(64, 32, QuantScheme(bits=8))
+        assert isinstance(build_linear(int4, torch.bfloat16, torch.device("cpu"), int8_activations=True), Int4Linear)
+        assert isinstance(build_linear(int8, torch.bfloat16, torch.device("cpu"), int8_activations=True), Int8Linear)
     finally:
-        cpu_kernels.int4_int8_available.cache_clear()
+        cpu_kernels.available.cache_clear()
 
 
 def test_activations_the_kernel_cannot_read_keep_torchs_kernel():

@@ -153,7 +153,7 @@ def test_compiled_int4_int8_decoding_of_the_default_model_runs_clean(tmp_path):
 
     from slimlm.inference import cpu_kernels
 
-    if not cpu_kernels.int4_int8_available():
+    if not cpu_kernels.available():
         pytest.skip("the int4 x int8 kernel does not run on this processor")
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
     checks = ctypes.util.find_library("c_malloc_debug")  # glibc's heap checks (2.34 and later)

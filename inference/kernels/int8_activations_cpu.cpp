@@ -1,25 +1,34 @@
-// int4 weights times int8 activations on x86 CPUs: the decode-time kernel.
+// int4 and int8 weights times int8 activations on x86 CPUs: the decode-time kernels.
 //
 // Why: torch's CPU int4 kernel turns the 4-bit codes into bf16 and multiplies in floating
-// point; decoding at batch 1 is then bound by that conversion, not by memory. Rounding the
-// activations to int8 per block of 64 inputs lets integer dot products multiply codes by
-// activations in int32 (as llama.cpp does for its Q4 formats), and a layout where the 16 lanes
-// of a vector are 16 output rows applies each scale once per block for 16 rows instead of once per row.
+// point, and its int8 kernel likewise; decoding at batch 1 is then bound by that conversion, not
+// by memory. Rounding the activations to int8 per block of 64 inputs lets integer dot products
+// multiply codes by activations in int32 (as llama.cpp does for its Q4 and Q8 formats), and a
+// layout where the 16 lanes of a vector are 16 output rows applies each scale once per block for
+// 16 rows instead of once per row.
 //
-// Layout (built by pack_int4 in inference/cpu_kernels.py), for tiles of 16 output rows:
-//   packed  [N/16, K/8, 64] uint8: for inputs 8c .. 8c+7 of the tile, byte 4r+j holds row r's
-//           input 8c+j in its low nibble and input 8c+4+j in its high nibble, so one 64-byte
+// Layout (built by pack_int4 / pack_int8 in inference/cpu_kernels.py), for tiles of 16 output rows:
+//   packed  int4: [N/16, K/8, 64] uint8: for inputs 8c .. 8c+7 of the tile, byte 4r+j holds row
+//           r's input 8c+j in its low nibble and input 8c+4+j in its high nibble, so one 64-byte
 //           load unpacks to two dot-product operands (4 inputs of 16 rows each)
+//           int8: [N/16, K/8, 128] uint8: the same two operands stored whole, byte 4r+j of the
+//           first 64 holding row r's input 8c+j and of the second 64 its input 8c+4+j
 //   scales  [N/16, K/G, 16] bfloat16: w = scale * code - offset for the G inputs of a group
 //   offsets [N/16, K/G, 16] bfloat16: scale * zero point
 // y[m, n] = sum_blocks scale * a_scale * dot(codes, a_int8) - sum_groups offset * sum(a)
-// where a_scale is the 64-input block's absmax / 127 and sum(a) the exact sum of the group's inputs.
+// where a_scale is the 64-input block's absmax / 127 and sum(a) the sum of the group's rounded
+// inputs (a_scale * sum(a_int8) per block): the offset then cancels against the same rounded
+// inputs the codes met, and the result is the integer dot of (code - zero) and a_int8. With the
+// exact sum instead, the activations' rounding error would be multiplied by the zero point (128
+// for int8) rather than by code - zero; llama.cpp's Q4_1/Q8_1 keep the rounded sum likewise.
 //
 // Instruction sets (inference/cpu_kernels.py compiles with the flags of one): AVX512-VNNI holds
 // a tile's 16 rows in one 512-bit register and multiplies with VPDPBUSD; laptop processors
 // without AVX-512 hold them in two 256-bit halves of 8 rows, multiplied with AVX-VNNI's 256-bit
 // VPDPBUSD where present, else with AVX2's VPMADDUBSW and VPMADDWD (llama.cpp's AVX2 way).
 // Every path computes the same integer dots; only float summation order differs.
+//
+// Two entry points, one per weight width: slimlm::int4_int8_mm and slimlm::int8_int8_mm.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -34,7 +43,7 @@
 #elif defined(__AVX2__) && defined(__FMA__)
 #define SLIMLM_AVX512 0
 #else
-#error "the int4 x int8 kernel needs AVX512-VNNI (with AVX512F and AVX512BW) or AVX2 with FMA"
+#error "the int8-activation kernels need AVX512-VNNI (with AVX512F and AVX512BW) or AVX2 with FMA"
 #endif
 
 namespace {
@@ -63,19 +72,27 @@ inline Floats abs(Floats v) { return _mm512_abs_ps(v); }
 inline Floats fmadd(Floats a, Floats b, Floats c) { return _mm512_fmadd_ps(a, b, c); }
 inline Floats fnmadd(Floats a, Floats b, Floats c) { return _mm512_fnmadd_ps(a, b, c); }
 inline float reduce_max(Floats v) { return _mm512_reduce_max_ps(v); }
-inline float reduce_add(Floats v) { return _mm512_reduce_add_ps(v); }
 // Round to nearest even (the default rounding mode) and saturate to int8.
 inline void store_int8(int8_t* p, Floats v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(v))); }
 inline Floats to_floats(Ints v) { return _mm512_cvtepi32_ps(v); }
+inline Ints splat_ints(int32_t value) { return _mm512_set1_epi32(value); }
 inline Ints add(Ints a, Ints b) { return _mm512_add_epi32(a, b); }
 
-// A 64-byte chunk's codes: `first` inputs 8c..8c+3 of the 16 rows, `second` inputs 8c+4..8c+7.
+// A chunk's codes: `first` inputs 8c..8c+3 of the 16 rows, `second` inputs 8c+4..8c+7.
+template <int Bits>
 inline void unpack(const uint8_t* w, Ints& first, Ints& second) {
-  const __m512i bytes = _mm512_loadu_si512(w), low = _mm512_set1_epi8(0x0F);
-  first = _mm512_and_si512(bytes, low);
-  second = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low);
+  if constexpr (Bits == 4) {
+    const __m512i bytes = _mm512_loadu_si512(w), low = _mm512_set1_epi8(0x0F);
+    first = _mm512_and_si512(bytes, low);
+    second = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low);
+  } else {
+    first = _mm512_loadu_si512(w);
+    second = _mm512_loadu_si512(w + 64);
+  }
 }
-// even += first . a[0..3], odd += second . a[4..7] per row: two chains in flight.
+// even += first . a[0..3], odd += second . a[4..7] per row: two chains in flight. VPDPBUSD
+// multiplies unsigned codes up to 255 by signed activations without saturating.
+template <int Bits>
 inline void dot8(Ints& even, Ints& odd, Ints first, Ints second, int32_t a_low, int32_t a_high) {
   even = _mm512_dpbusd_epi32(even, first, _mm512_set1_epi32(a_low));
   odd = _mm512_dpbusd_epi32(odd, second, _mm512_set1_epi32(a_high));
@@ -106,17 +123,11 @@ inline Floats abs(Floats v) {
 }
 inline Floats fmadd(Floats a, Floats b, Floats c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
 inline Floats fnmadd(Floats a, Floats b, Floats c) { return {_mm256_fnmadd_ps(a.lo, b.lo, c.lo), _mm256_fnmadd_ps(a.hi, b.hi, c.hi)}; }
-inline __m128 halve(__m256 v) { return _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1)); }
 inline float reduce_max(Floats v) {
   const __m256 m8 = _mm256_max_ps(v.lo, v.hi);
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
   m = _mm_max_ps(m, _mm_movehl_ps(m, m));
   return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-}
-inline float reduce_add(Floats v) {
-  __m128 s = halve(_mm256_add_ps(v.lo, v.hi));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 inline void store_int8(int8_t* p, Floats v) {
   const __m256i lo = _mm256_cvtps_epi32(v.lo), hi = _mm256_cvtps_epi32(v.hi);
@@ -125,17 +136,25 @@ inline void store_int8(int8_t* p, Floats v) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm_packs_epi16(lo16, hi16));
 }
 inline Floats to_floats(Ints v) { return {_mm256_cvtepi32_ps(v.lo), _mm256_cvtepi32_ps(v.hi)}; }
+inline Ints splat_ints(int32_t value) { return {_mm256_set1_epi32(value), _mm256_set1_epi32(value)}; }
 inline Ints add(Ints a, Ints b) { return {_mm256_add_epi32(a.lo, b.lo), _mm256_add_epi32(a.hi, b.hi)}; }
 
+inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+template <int Bits>
 inline void unpack(const uint8_t* w, Ints& first, Ints& second) {
-  const __m256i low = _mm256_set1_epi8(0x0F);
-  const __m256i rows_lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));  // rows 0-7
-  const __m256i rows_hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32));  // rows 8-15
-  first = {_mm256_and_si256(rows_lo, low), _mm256_and_si256(rows_hi, low)};
-  second = {_mm256_and_si256(_mm256_srli_epi16(rows_lo, 4), low), _mm256_and_si256(_mm256_srli_epi16(rows_hi, 4), low)};
+  if constexpr (Bits == 4) {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    const __m256i rows_lo = load32(w), rows_hi = load32(w + 32);  // rows 0-7, rows 8-15
+    first = {_mm256_and_si256(rows_lo, low), _mm256_and_si256(rows_hi, low)};
+    second = {_mm256_and_si256(_mm256_srli_epi16(rows_lo, 4), low), _mm256_and_si256(_mm256_srli_epi16(rows_hi, 4), low)};
+  } else {
+    first = {load32(w), load32(w + 32)};
+    second = {load32(w + 64), load32(w + 96)};
+  }
 }
 #if defined(__AVXVNNI__)
 // even += first . a[0..3], odd += second . a[4..7] per row: four chains in flight.
+template <int Bits>
 inline void dot8(Ints& even, Ints& odd, Ints first, Ints second, int32_t a_low, int32_t a_high) {
   const __m256i low = _mm256_set1_epi32(a_low), high = _mm256_set1_epi32(a_high);
   even = {_mm256_dpbusd_avx_epi32(even.lo, first.lo, low), _mm256_dpbusd_avx_epi32(even.hi, first.hi, low)};
@@ -149,12 +168,31 @@ inline __m256i dot8_half(__m256i acc, __m256i first, __m256i second, __m256i low
   const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(first, low), _mm256_maddubs_epi16(second, high));
   return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 }
-inline void dot8(Ints& even, Ints& /*odd*/, Ints first, Ints second, int32_t a_low, int32_t a_high) {
+// int8 codes reach 255, and 2 * 255 * 127 would saturate those pair sums: the codes are taken as
+// code - 128 (signed) with their sign moved onto the activation (llama.cpp's Q8 way), pairs at
+// most 2 * 128 * 127, and tile() starts each block's sums at 128 * sum(a) to give back code . a.
+inline __m256i dot4_recentred(__m256i acc, __m256i codes, __m256i a) {
+  const __m256i centred = _mm256_xor_si256(codes, _mm256_set1_epi8(static_cast<char>(0x80)));
+  const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(centred), _mm256_sign_epi8(a, centred));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+constexpr bool kRecentredInt8 = true;
+template <int Bits>
+inline void dot8(Ints& even, Ints& odd, Ints first, Ints second, int32_t a_low, int32_t a_high) {
   const __m256i low = _mm256_set1_epi32(a_low), high = _mm256_set1_epi32(a_high);
-  even = {dot8_half(even.lo, first.lo, second.lo, low, high), dot8_half(even.hi, first.hi, second.hi, low, high)};
+  if constexpr (Bits == 4) {
+    even = {dot8_half(even.lo, first.lo, second.lo, low, high), dot8_half(even.hi, first.hi, second.hi, low, high)};
+  } else {
+    even = {dot4_recentred(even.lo, first.lo, low), dot4_recentred(even.hi, first.hi, low)};
+    odd = {dot4_recentred(odd.lo, second.lo, high), dot4_recentred(odd.hi, second.hi, high)};
+  }
 }
 #endif  // __AVXVNNI__
 #endif  // SLIMLM_AVX512
+
+#if SLIMLM_AVX512 || defined(__AVXVNNI__)
+constexpr bool kRecentredInt8 = false;  // VPDPBUSD takes codes up to 255 as they are
+#endif
 
 inline Floats load16(const at::BFloat16* p) { return load16(reinterpret_cast<const uint16_t*>(p)); }
 
@@ -166,17 +204,19 @@ inline int32_t four_bytes(const int8_t* p) {
 
 struct Problem {
   int64_t M, N, K, group;
-  const uint8_t* packed;    // [N/16, K/8, 64]
+  const uint8_t* packed;    // [N/16, K/8, 16 * Bits]
   const uint16_t* scales;   // [N/16, K/group, 16] bf16 bits
   const uint16_t* offsets;  // [N/16, K/group, 16] bf16 bits
   int8_t* q;                // [M, K] activations rounded to int8
   float* block_scale;       // [M, K/64]
-  float* group_sum;         // [M, K/group]
+  float* group_sum;         // [M, K/group] sums of the rounded activations
+  int32_t* code_sum;        // [M, K/64] sums of the int8 activations
   int64_t blocks() const { return K / kBlock; }
   int64_t groups() const { return K / group; }
 };
 
-// Round each 64-input block of row m to int8 with its absmax scale; also sum each group exactly.
+// Round each 64-input block of row m to int8 with its absmax scale; sum the rounded inputs per
+// block (as integers) and per group (scaled back).
 template <typename In>
 void quantize_row(const Problem& p, const In* row, int64_t m) {
   const int64_t blocks = p.blocks();
@@ -190,21 +230,27 @@ void quantize_row(const Problem& p, const In* row, int64_t m) {
     const float absmax = reduce_max(amax);
     const float scale = absmax > 0.f ? absmax / 127.f : 1.f;
     const Floats inverse = splat(1.f / scale);
-    for (int i = 0; i < kBlock / 16; ++i) store_int8(p.q + m * p.K + b * kBlock + i * 16, mul(v[i], inverse));
+    int8_t* q = p.q + m * p.K + b * kBlock;
+    for (int i = 0; i < kBlock / 16; ++i) store_int8(q + i * 16, mul(v[i], inverse));
     p.block_scale[m * blocks + b] = scale;
+    int32_t sum = 0;
+    for (int i = 0; i < kBlock; ++i) sum += q[i];
+    p.code_sum[m * blocks + b] = sum;
   }
+  const int64_t per_group = p.group / kBlock;
   for (int64_t g = 0; g < p.groups(); ++g) {
-    Floats sum = zero_floats();
-    for (int64_t i = 0; i < p.group; i += 16) sum = add(sum, load16(row + g * p.group + i));
-    p.group_sum[m * p.groups() + g] = reduce_add(sum);
+    float sum = 0.f;
+    for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) sum += p.block_scale[m * blocks + b] * static_cast<float>(p.code_sum[m * blocks + b]);
+    p.group_sum[m * p.groups() + g] = sum;
   }
 }
 
-// y[m0 .. m0+T, 16 rows of tile i]; each 64-byte weight load feeds T tokens.
-template <int T, typename Out>
+// y[m0 .. m0+T, 16 rows of tile i]; each weight load feeds T tokens.
+template <int Bits, int T, typename Out>
 void tile(const Problem& p, Out* y, int64_t i, int64_t m0) {
+  constexpr int64_t chunk = 16 * Bits;  // bytes of 8 inputs of 16 rows
   const int64_t blocks = p.blocks(), groups = p.groups(), per_group = p.group / kBlock;
-  const uint8_t* w = p.packed + i * (p.K / 8) * 64;
+  const uint8_t* w = p.packed + i * (p.K / 8) * chunk;
   Floats acc[T];
   for (int t = 0; t < T; ++t) acc[t] = zero_floats();
   for (int64_t g = 0; g < groups; ++g) {
@@ -212,13 +258,16 @@ void tile(const Problem& p, Out* y, int64_t i, int64_t m0) {
     const Floats w_offset = load16(p.offsets + (i * groups + g) * 16);
     for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
       Ints even[T], odd[T];
-      for (int t = 0; t < T; ++t) even[t] = odd[t] = zero_ints();
+      for (int t = 0; t < T; ++t) {
+        even[t] = odd[t] = zero_ints();
+        if constexpr (Bits == 8 && kRecentredInt8) even[t] = splat_ints(128 * p.code_sum[(m0 + t) * blocks + b]);
+      }
       for (int64_t c = b * (kBlock / 8); c < (b + 1) * (kBlock / 8); ++c) {
         Ints first, second;
-        unpack(w + c * 64, first, second);
+        unpack<Bits>(w + c * chunk, first, second);
         for (int t = 0; t < T; ++t) {
           const int8_t* a = p.q + (m0 + t) * p.K + c * 8;
-          dot8(even[t], odd[t], first, second, four_bytes(a), four_bytes(a + 4));
+          dot8<Bits>(even[t], odd[t], first, second, four_bytes(a), four_bytes(a + 4));
         }
       }
       for (int t = 0; t < T; ++t) acc[t] = fmadd(to_floats(add(even[t], odd[t])), mul(w_scale, splat(p.block_scale[(m0 + t) * blocks + b])), acc[t]);
@@ -233,16 +282,16 @@ void tile(const Problem& p, Out* y, int64_t i, int64_t m0) {
 }
 
 // Tiles [begin, end) against every activation row, kTokens at a time, the rest one by one.
-template <typename Out>
+template <int Bits, typename Out>
 void tiles(const Problem& p, Out* y, int64_t begin, int64_t end) {
   for (int64_t i = begin; i < end; ++i) {
     int64_t m0 = 0;
-    for (; m0 + kTokens <= p.M; m0 += kTokens) tile<kTokens>(p, y, i, m0);
-    for (; m0 < p.M; ++m0) tile<1>(p, y, i, m0);
+    for (; m0 + kTokens <= p.M; m0 += kTokens) tile<Bits, kTokens>(p, y, i, m0);
+    for (; m0 < p.M; ++m0) tile<Bits, 1>(p, y, i, m0);
   }
 }
 
-template <typename Scalar>
+template <int Bits, typename Scalar>
 void run(Problem& p, const at::Tensor& x, at::Tensor& y) {
   const Scalar* xp = x.data_ptr<Scalar>();
   Scalar* yp = y.data_ptr<Scalar>();
@@ -253,41 +302,55 @@ void run(Problem& p, const at::Tensor& x, at::Tensor& y) {
       for (int64_t m = begin; m < end; ++m) quantize_row(p, xp + m * p.K, m);
     });
   }
-  at::parallel_for(0, p.N / 16, 1, [&](int64_t begin, int64_t end) { tiles(p, yp, begin, end); });
+  at::parallel_for(0, p.N / 16, 1, [&](int64_t begin, int64_t end) { tiles<Bits>(p, yp, begin, end); });
+}
+
+template <int Bits>
+at::Tensor mm(const char* name, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& offsets, int64_t group_size) {
+  constexpr int64_t chunk = 16 * Bits;
+  TORCH_CHECK(x.dim() == 2 && packed.scalar_type() == at::kByte, name, ": x [M, K] and uint8 packed weights expected");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, name, ": float32 or bfloat16 activations expected");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == chunk, name, ": packed weights [N/16, K/8, ", chunk, "] expected");
+  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * 16;
+  TORCH_CHECK(packed.size(1) * 8 == K && group_size > 0 && K % group_size == 0 && group_size % kBlock == 0, name, ": K=", K, " must match the packed width and be a multiple of the group size ", group_size, " (itself a multiple of 64)");
+  TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && offsets.scalar_type() == at::kBFloat16 && scales.dim() == 3 && scales.size(0) == N / 16 && scales.size(1) == K / group_size && scales.size(2) == 16 && offsets.sizes() == scales.sizes(), name, ": bfloat16 scales and offsets [N/16, K/group, 16] expected");
+  TORCH_CHECK(packed.is_contiguous() && scales.is_contiguous() && offsets.is_contiguous(), name, ": contiguous weights expected");
+  const at::Tensor input = x.contiguous();
+  // The rounded activations and their block scales and sums live in a per-thread scratch that
+  // only grows: at batch 1 two allocations per call cost as much as a small layer's matmul.
+  thread_local std::vector<float> scratch;
+  thread_local std::vector<int32_t> code_sums;
+  const size_t floats = M * (K / kBlock + K / group_size);
+  scratch.resize(std::max(scratch.size(), floats + (M * K + 3) / 4));
+  code_sums.resize(std::max<size_t>(code_sums.size(), M * (K / kBlock)));
+  at::Tensor y = at::empty({M, N}, x.options());
+  Problem p{M, N, K, group_size, packed.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>()),
+            reinterpret_cast<const uint16_t*>(offsets.data_ptr<at::BFloat16>()), reinterpret_cast<int8_t*>(scratch.data() + floats), scratch.data(), nullptr, code_sums.data()};
+  p.group_sum = p.block_scale + M * (K / kBlock);
+  if (x.scalar_type() == at::kFloat) {
+    run<Bits, float>(p, input, y);
+  } else {
+    run<Bits, at::BFloat16>(p, input, y);
+  }
+  return y;
 }
 
 at::Tensor int4_int8_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& offsets, int64_t group_size) {
-  TORCH_CHECK(x.dim() == 2 && packed.scalar_type() == at::kByte, "int4_int8_mm: x [M, K] and uint8 packed weights expected");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "int4_int8_mm: float32 or bfloat16 activations expected");
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == 64, "int4_int8_mm: packed weights [N/16, K/8, 64] expected");
-  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * 16;
-  TORCH_CHECK(packed.size(1) * 8 == K && group_size > 0 && K % group_size == 0 && group_size % kBlock == 0, "int4_int8_mm: K=", K, " must match the packed width and be a multiple of the group size ", group_size, " (itself a multiple of 64)");
-  TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && offsets.scalar_type() == at::kBFloat16 && scales.dim() == 3 && scales.size(0) == N / 16 && scales.size(1) == K / group_size && scales.size(2) == 16 && offsets.sizes() == scales.sizes(), "int4_int8_mm: bfloat16 scales and offsets [N/16, K/group, 16] expected");
-  TORCH_CHECK(packed.is_contiguous() && scales.is_contiguous() && offsets.is_contiguous(), "int4_int8_mm: contiguous weights expected");
-  const at::Tensor input = x.contiguous();
-  // The rounded activations and their block scales and group sums live in a per-thread scratch
-  // that only grows: at batch 1 two allocations per call cost as much as a small layer's matmul.
-  thread_local std::vector<float> scratch;
-  const size_t floats = M * (K / kBlock + K / group_size);
-  scratch.resize(std::max(scratch.size(), floats + (M * K + 3) / 4));
-  at::Tensor y = at::empty({M, N}, x.options());
-  Problem p{M, N, K, group_size, packed.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>()),
-            reinterpret_cast<const uint16_t*>(offsets.data_ptr<at::BFloat16>()), reinterpret_cast<int8_t*>(scratch.data() + floats), scratch.data(), nullptr};
-  p.group_sum = p.block_scale + M * (K / kBlock);
-  if (x.scalar_type() == at::kFloat) {
-    run<float>(p, input, y);
-  } else {
-    run<at::BFloat16>(p, input, y);
-  }
-  return y;
+  return mm<4>("int4_int8_mm", x, packed, scales, offsets, group_size);
+}
+
+at::Tensor int8_int8_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& offsets, int64_t group_size) {
+  return mm<8>("int8_int8_mm", x, packed, scales, offsets, group_size);
 }
 
 }  // namespace
 
 TORCH_LIBRARY(slimlm, m) {
   m.def("int4_int8_mm(Tensor x, Tensor packed, Tensor scales, Tensor offsets, int group_size) -> Tensor");
+  m.def("int8_int8_mm(Tensor x, Tensor packed, Tensor scales, Tensor offsets, int group_size) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(slimlm, CPU, m) {
   m.impl("int4_int8_mm", &int4_int8_mm);
+  m.impl("int8_int8_mm", &int8_int8_mm);
 }
