@@ -171,14 +171,15 @@ def test_generate_and_chat_commands_stream_from_a_checkpoint(tiny_model_dir, tmp
     assert missing.returncode == 2 and missing.stderr.startswith("slimlm: error:")
 
 
-@pytest.mark.parametrize("static", [False, True], ids=["cpu-step", "static-step"])
-def test_the_compiled_decode_step_gives_the_same_tokens(tiny_model, tiny_tokenizer, tmp_path, static):
+@pytest.mark.parametrize("static, cache_dtype", [(False, None), (True, None), (False, torch.int8)], ids=["cpu-step", "static-step", "cpu-step-int8-cache"])
+def test_the_compiled_decode_step_gives_the_same_tokens(tiny_model, tiny_tokenizer, tmp_path, static, cache_dtype):
     """One prompt, then two of different lengths (left padding: the attention mask's path).
-    The static step is the one a GPU captures in a CUDA graph; here it is compiled for the CPU."""
+    The static step is the one a GPU captures in a CUDA graph; here it is compiled for the CPU,
+    where the step also fuses an int8 cache's dequantization into its attention loop."""
     model = quantized(tiny_model, tiny_tokenizer, tmp_path, bits=4, group_size=32, targets=[r"model\.layers\.\d+\..*", "lm_head"])
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
-    eager = Decoder(build_decoder(model, dtype=torch.bfloat16), tiny_tokenizer)
-    compiled = Decoder(build_decoder(model, dtype=torch.bfloat16), tiny_tokenizer)
+    eager = Decoder(build_decoder(model, dtype=torch.bfloat16), tiny_tokenizer, cache_dtype=cache_dtype)
+    compiled = Decoder(build_decoder(model, dtype=torch.bfloat16), tiny_tokenizer, cache_dtype=cache_dtype)
     compiled.compile_decode_step(static=static)
     for prompts in ([prompt_ids(6, 300)], [prompt_ids(6, 300), prompt_ids(9, 300, seed=1)]):
         expected = [g.token_ids for g in eager.generate_ids(prompts, params)]
