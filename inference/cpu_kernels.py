@@ -108,42 +108,26 @@ def fits(scheme: Optional[QuantScheme], out_features: int, in_features: int) -> 
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """[N, K] codes -> the layout of the kernel for `bits` (pack_int4, pack_int8)."""
-    return pack_int4(codes) if bits == 4 else pack_int8(codes)
+    """[N, K] codes -> the kernel's layout for `bits`: for inputs 8c..8c+7 of a tile of 16 rows,
+    two dot-product operands, the first holding in byte 4r + j row r's input 8c + j, the second
+    its input 8c + 4 + j. int4: [N/16, K/8, 64] uint8, the first operand in the low nibbles and
+    the second in the high ones; int8: [N/16, K/8, 128] uint8, the two operands one after the other."""
+    rows, width = codes.shape
+    halves = codes.to(torch.uint8).view(rows // TILE, TILE, width // 8, 2, 4).permute(0, 2, 3, 1, 4)  # [tiles, K/8, 2, 16, 4]
+    if bits == 4:
+        return (halves[:, :, 0] | halves[:, :, 1] << 4).reshape(rows // TILE, width // 8, 64).contiguous()
+    return halves.reshape(rows // TILE, width // 8, 128).contiguous()
 
 
 def unpack_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Rows `ids` of the codes packed by pack_int4 or pack_int8 (told apart by the chunk size)."""
-    return unpack_int4_rows(packed, ids) if packed.shape[-1] == 64 else unpack_int8_rows(packed, ids)
-
-
-def pack_int4(codes: torch.Tensor) -> torch.Tensor:
-    """[N, K] codes 0..15 -> [N/16, K/8, 64] uint8 in the kernel's layout: for inputs 8c..8c+7
-    of a tile of 16 rows, byte 4r + j holds row r's input 8c + j (low nibble) and 8c + 4 + j."""
-    rows, width = codes.shape
-    split = codes.to(torch.uint8).view(rows // TILE, TILE, width // 8, 2, 4).permute(0, 2, 3, 1, 4)
-    return (split[:, :, 0] | split[:, :, 1] << 4).reshape(rows // TILE, width // 8, 64).contiguous()
-
-
-def unpack_int4_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Rows `ids` of the codes packed by pack_int4: [len(ids), K] uint8."""
-    tiles, chunks = packed.shape[:2]
-    bytes_ = packed.view(tiles, chunks, TILE, 4)[ids // TILE, :, ids % TILE]  # [n, K/8, 4]
-    return torch.stack([bytes_ & 0x0F, bytes_ >> 4], dim=2).reshape(len(ids), chunks * 8)
-
-
-def pack_int8(codes: torch.Tensor) -> torch.Tensor:
-    """[N, K] codes 0..255 -> [N/16, K/8, 128] uint8 in the kernel's layout: for inputs 8c..8c+7
-    of a tile of 16 rows, byte 4r + j holds row r's input 8c + j, byte 64 + 4r + j its 8c + 4 + j."""
-    rows, width = codes.shape
-    split = codes.to(torch.uint8).view(rows // TILE, TILE, width // 8, 2, 4).permute(0, 2, 3, 1, 4)
-    return split.reshape(rows // TILE, width // 8, 2 * TILE * 4).contiguous()
-
-
-def unpack_int8_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Rows `ids` of the codes packed by pack_int8: [len(ids), K] uint8."""
-    tiles, chunks = packed.shape[:2]
-    return packed.view(tiles, chunks, 2, TILE, 4)[ids // TILE, :, :, ids % TILE].reshape(len(ids), chunks * 8)
+    """Rows `ids` of the codes `pack` laid out (int4 or int8, told apart by the chunk size): [len(ids), K] uint8."""
+    tiles, chunks, chunk = packed.shape
+    if chunk == 64:
+        bytes_ = packed.view(tiles, chunks, TILE, 4)[ids // TILE, :, ids % TILE]  # [n, K/8, 4]
+        halves = torch.stack([bytes_ & 0x0F, bytes_ >> 4], dim=2)
+    else:
+        halves = packed.view(tiles, chunks, 2, TILE, 4)[ids // TILE, :, :, ids % TILE]  # [n, K/8, 2, 4]
+    return halves.reshape(len(ids), chunks * 8)
 
 
 def tile_groups(values: torch.Tensor) -> torch.Tensor:

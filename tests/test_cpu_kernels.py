@@ -80,7 +80,7 @@ def test_kernel_matches_the_emulation_of_its_arithmetic(bits, group, tokens, dty
 @needs_kernel
 def test_kernel_refuses_shapes_it_cannot_run():
     codes, scales, offsets = random_weights(16, 128, 64)
-    packed, s, o = cpu_kernels.pack_int4(codes), cpu_kernels.tile_groups(scales), cpu_kernels.tile_groups(offsets)
+    packed, s, o = cpu_kernels.pack(codes, 4), cpu_kernels.tile_groups(scales), cpu_kernels.tile_groups(offsets)
     with pytest.raises(RuntimeError, match="multiple of the group size"):
         torch.ops.slimlm.int4_int8_mm(torch.randn(1, 128), packed, s, o, 96)
     with pytest.raises(RuntimeError, match="must match the packed width"):

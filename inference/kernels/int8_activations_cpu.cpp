@@ -7,7 +7,7 @@
 // layout where the 16 lanes of a vector are 16 output rows applies each scale once per block for
 // 16 rows instead of once per row.
 //
-// Layout (built by pack_int4 / pack_int8 in inference/cpu_kernels.py), for tiles of 16 output rows:
+// Layout (built by pack in inference/cpu_kernels.py), for tiles of 16 output rows:
 //   packed  int4: [N/16, K/8, 64] uint8: for inputs 8c .. 8c+7 of the tile, byte 4r+j holds row
 //           r's input 8c+j in its low nibble and input 8c+4+j in its high nibble, so one 64-byte
 //           load unpacks to two dot-product operands (4 inputs of 16 rows each)
