@@ -86,7 +86,8 @@ def decode_kl(decoder: Decoder, windows: torch.Tensor, reference: torch.Tensor, 
         start = len(ids) - positions
         decoder.prefill(ids[None, :start])
         for position in range(start, len(ids)):
-            logprobs = torch.log_softmax(decoder.step(ids[None, position : position + 1], position)[0, -1].float(), dim=-1)
+            token = torch.tensor([[int(ids[position])]])  # made in inference mode as generate's are: a view of `ids` would compile the step again
+            logprobs = torch.log_softmax(decoder.step(token, position)[0, -1].float(), dim=-1)
             total += (reference[row, position].exp() * (reference[row, position] - logprobs)).sum().item()
     return total / (len(windows) * positions)
 

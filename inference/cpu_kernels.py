@@ -1,4 +1,5 @@
-"""slimlm's own CPU kernels: int4 or int8 weights times int8 activations (inference/kernels/).
+"""slimlm's own CPU kernels (inference/kernels/): int4 or int8 weights times int8 activations,
+and a decode step's attention over an fp32 or int8 key/value cache.
 
 torch has no CPU kernel that multiplies 4-bit codes by integer activations, and the
 ecosystem's ones (torchao's da8w4, IPEX) ship no CPU build for this torch; torch's int8 kernel
@@ -25,7 +26,7 @@ from slimlm.qlinear import QuantScheme
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "kernels" / "int8_activations_cpu.cpp"
+SOURCES = [Path(__file__).parent / "kernels" / name for name in ("int8_activations_cpu.cpp", "decode_attention_cpu.cpp")]
 ISA_ENV = "SLIMLM_CPU_ISA"
 # Widest first: the /proc/cpuinfo flags each needs, and the compiler flags that select its path
 # in the source (explicit sets, not -march=native, so a narrower one can be chosen).
@@ -83,12 +84,13 @@ def available() -> bool:
         from torch.utils.cpp_extension import load
 
         cflags = ["-O3", "-mtune=native", "-fopenmp", *ISAS[isa][1]]
-        load(name=f"slimlm_int8_activations_cpu_{isa}", sources=[str(SOURCE)], extra_cflags=cflags, extra_ldflags=["-fopenmp"], is_python_module=False)
+        load(name=f"slimlm_cpu_kernels_{isa}", sources=[str(source) for source in SOURCES], extra_cflags=cflags, extra_ldflags=["-fopenmp"], is_python_module=False)
     except Exception as error:  # no compiler, no ninja, a failed build: torch's kernels still work
         log.warning("int8-activation CPU kernels not built (%s); int4 and int8 layers use torch's kernels", str(error).splitlines()[0] if str(error) else type(error).__name__)
         return False
     for op in OPS.values():
         torch.library.register_fake(f"slimlm::{op}")(_output_shape)
+    torch.library.register_fake("slimlm::decode_attention")(_attention_shape)
     log.info("int8-activation CPU kernels built for %s", isa)
     return True
 
@@ -144,3 +146,7 @@ def untile_groups(tiled: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 def _output_shape(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group_size: int) -> torch.Tensor:
     """What torch.compile traces in place of the kernel."""
     return x.new_empty(x.shape[0], packed.shape[0] * TILE)
+
+
+def _attention_shape(q: torch.Tensor, k: torch.Tensor, k_scales: Optional[torch.Tensor], v: torch.Tensor, v_scales: Optional[torch.Tensor], mask: Optional[torch.Tensor], softmax_scale: float) -> torch.Tensor:
+    return q.new_empty(q.shape, dtype=torch.float32)

@@ -8,7 +8,9 @@ decides the order of operations.
 Decoding state lives in a static cache allocated once by `setup_cache`: keys and values for
 `batch` sequences of at most `max_seq` slots; attention reads each row up to its current slot
 only. An int8 cache stores each head's key or value vector as int8 codes with one absmax scale
-(a quarter of an fp32 cache's bytes, about half of an fp16 one's) and dequantizes what it reads.
+(a quarter of an fp32 cache's bytes, about half of an fp16 one's). A CPU's decode steps attend
+over an fp32 or int8 cache in slimlm's own kernel (the codes read as stored); other steps
+dequantize what they read.
 Sequences of different lengths decoded together are left-padded: row b's tokens start at slot
 `pad[b]`, its RoPE positions count from there, and its queries never see the slots before it. For continuous batching (`step_rows`) every sequence owns a row and advances on its own.
 """
@@ -24,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from slimlm.errors import SlimlmError
+from slimlm.inference import cpu_kernels
 
 ARCHITECTURES = ("llama", "mistral", "qwen2")
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -141,6 +144,7 @@ class Attention(nn.Module):
         for name in ("k_cache", "v_cache", "k_cache_scale", "v_cache_scale"):  # scales: int8 caches only
             self.register_buffer(name, None, persistent=False)
         self.attention_dtype = torch.float32  # what cached keys and values are read as
+        self.decode_kernel = False  # whether decode steps attend in slimlm's CPU kernel
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, mask: Optional[torch.Tensor], end: int, rows: Union[torch.Tensor, int] = 0) -> torch.Tensor:
         """`rows`: an int, the first of `batch` consecutive cache rows, all written at `slots`;
@@ -152,18 +156,22 @@ class Attention(nn.Module):
         qk = rotate(qkv[:, :, : heads + kv_heads], cos, sin)  # q and k heads rotated in one go
         q, k = qk[:, :, :heads].transpose(1, 2), qk[:, :, heads:].transpose(1, 2)
         v = qkv[:, :, heads + kv_heads :].transpose(1, 2)
-        keys = self.cached(self.k_cache, self.k_cache_scale, k, slots, end, rows)
-        values = self.cached(self.v_cache, self.v_cache_scale, v, slots, end, rows)
-        q = q.to(keys.dtype)  # fp32 on CPU (bf16 matmuls are slow there), the activations' dtype on GPUs
-        if length == 1:
-            out = self.attend_one(q, keys, values, mask)
+        k_codes, k_scale = self.cached(self.k_cache, self.k_cache_scale, k, slots, end, rows)
+        v_codes, v_scale = self.cached(self.v_cache, self.v_cache_scale, v, slots, end, rows)
+        if length == 1 and self.decode_kernel:  # the cache read as it is stored (inference/kernels/)
+            out = torch.ops.slimlm.decode_attention(q, k_codes, k_scale, v_codes, v_scale, mask, self.head_dim**-0.5)
         else:
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=heads != kv_heads)
+            keys, values = from_cache(k_codes, k_scale, self.attention_dtype), from_cache(v_codes, v_scale, self.attention_dtype)
+            q = q.to(keys.dtype)  # fp32 on CPU (bf16 matmuls are slow there), the activations' dtype on GPUs
+            if length == 1:
+                out = self.attend_one(q, keys, values, mask)
+            else:
+                out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=heads != kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, heads * self.head_dim).to(x.dtype))
 
-    def cached(self, cache: torch.Tensor, scale: Optional[torch.Tensor], new: torch.Tensor, slots: torch.Tensor, end: int, rows: Union[torch.Tensor, int]) -> torch.Tensor:
-        """Write `new` [batch, kv_heads, length, head_dim] at `slots` of the cache rows, then read
-        the rows' slots up to `end` as `attention_dtype`."""
+    def cached(self, cache: torch.Tensor, scale: Optional[torch.Tensor], new: torch.Tensor, slots: torch.Tensor, end: int, rows: Union[torch.Tensor, int]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Write `new` [batch, kv_heads, length, head_dim] at `slots` of the cache rows; return
+        the rows' slots up to `end` as stored (views: codes and scales for an int8 cache)."""
         codes, new_scale = to_cache(new, cache.dtype)
         select = slice(rows, rows + new.shape[0]) if isinstance(rows, int) else rows
         for store, values in ((cache, codes), (scale, new_scale)):
@@ -173,13 +181,14 @@ class Attention(nn.Module):
                 store[select].index_copy_(2, slots, values)
             else:
                 store[rows, :, slots] = values[:, :, 0]
-        return from_cache(cache[select, :, :end], None if scale is None else scale[select, :, :end], self.attention_dtype)
+        return cache[select, :, :end], None if scale is None else scale[select, :, :end]
 
     def attend_one(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
         """One query per sequence (a decode step): the query heads of each key/value head are
         stacked as rows of one small matmul, the way grouped-query attention shares keys.
 
-        Compiled for a CPU, the same sums are written as products and reductions: Inductor
+        Compiled for a CPU without slimlm's kernel (not x86, no compiler, a bf16 cache), the
+        same sums are written as products and reductions: Inductor
         fuses them with the softmax into one loop over the cache, where the matmul form is
         matched to its flash-attention kernel (about 30 us per layer at one query, a tenth of
         a small model's decode step)."""
@@ -241,21 +250,24 @@ class Transformer(nn.Module):
     def setup_cache(self, batch: int, max_seq: int, cache_dtype: Optional[torch.dtype] = None) -> None:
         """Allocate the key/value cache once; decoding never allocates it again. Its dtype
         defaults to the activations' on GPUs and to fp32 on CPUs (where bf16 attention is slow);
-        torch.int8 stores codes and a float32 scale per head and slot."""
+        torch.int8 stores codes and a float32 scale per head and slot. A CPU's decode steps attend
+        over an fp32 or int8 cache in slimlm's own kernel where it builds (inference/cpu_kernels.py)."""
         if max_seq > self.args.max_position_embeddings:
             raise SlimlmError(f"a context of {max_seq} tokens is longer than the model's {self.args.max_position_embeddings}; ask for fewer new tokens or a shorter prompt")
         device = self.inv_freq.device
         float_dtype = self.dtype if device.type == "cuda" else torch.float32
         cache_dtype = cache_dtype or float_dtype
         shape = (batch, self.args.n_kv_heads, max_seq, self.args.head_dim)
+        scaled = cache_dtype == torch.int8
+        kernel = cache_dtype in (torch.float32, torch.int8) and device.type == "cpu" and self.args.head_dim % 8 == 0 and cpu_kernels.available()
         for block in self.layers:
             attention = block.attention
             attention.k_cache = torch.zeros(shape, dtype=cache_dtype, device=device)
             attention.v_cache = torch.zeros(shape, dtype=cache_dtype, device=device)
-            scaled = cache_dtype == torch.int8
             attention.k_cache_scale = torch.zeros(*shape[:-1], 1, device=device) if scaled else None
             attention.v_cache_scale = torch.zeros(*shape[:-1], 1, device=device) if scaled else None
             attention.attention_dtype = float_dtype if scaled else cache_dtype
+            attention.decode_kernel = kernel
         self.max_batch, self.max_seq = batch, max_seq
 
     def cache_tensors(self) -> list[torch.Tensor]:

@@ -8,10 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from slimlm.inference import cpu_kernels
 from slimlm.inference.build import build_decoder, describe_kernels
 from slimlm.inference.decoder import Decoder
+from slimlm.inference.model import from_cache, to_cache
 from slimlm.inference.linear import Int4Linear, Int8Linear, build_linear, tinygemm_bytes
 from slimlm.inference.sampling import SamplingParams
 from slimlm.errors import ConfigError
@@ -89,6 +91,75 @@ def test_kernel_refuses_shapes_it_cannot_run():
         torch.ops.slimlm.int8_int8_mm(torch.randn(1, 128), packed, s, o, 64)  # int4 codes given to the int8 kernel
 
 
+def cached(batch, kv_heads, slots, dim, seed, dtype=torch.int8):
+    """Key or value vectors as a cache of `dtype` stores them (int8: codes and a float32 scale per vector)."""
+    return to_cache(torch.randn(batch, kv_heads, slots, dim, generator=torch.Generator().manual_seed(seed)) * 3, dtype)
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads, kv_heads, dim", [(4, 4, 16), (9, 3, 64), (8, 2, 128), (10, 1, 40)], ids=["mha-d16", "gqa3-d64", "gqa4-d128", "gqa10-d40"])
+@pytest.mark.parametrize("slots", [1, 7, 8, 9, 200, 1031])
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float32], ids=["int8", "fp32"])
+def test_decode_attention_matches_attention_over_the_dequantized_cache(heads, kv_heads, dim, slots, batch, cache_dtype):
+    """The kernel against softmax attention over the cache's (dequantized) vectors, with rows read
+    through a view (a slice of the cache's rows and slots, as the decoder passes them), a mask
+    per row with hidden slots (the first half of row 0's: with several threads, a whole chunk of
+    a head hidden), and the slot counts that split one sequence's heads between threads."""
+    rows, capacity = 3, slots + 5
+    (k_codes, k_scales), (v_codes, v_scales) = cached(rows, kv_heads, capacity, dim, 1, cache_dtype), cached(rows, kv_heads, capacity, dim, 2, cache_dtype)
+    view = lambda t: None if t is None else t[1 : 1 + batch, :, :slots]  # noqa: E731
+    q = torch.randn(batch, heads, 1, dim, generator=torch.Generator().manual_seed(3))
+    visible = torch.rand(batch, 1, 1, slots, generator=torch.Generator().manual_seed(4)) > 0.3
+    visible[0, ..., : slots // 2 + 1] = False
+    visible[..., -1] = True  # a query always sees its own slot
+    keys, values = from_cache(view(k_codes), view(k_scales), torch.float32), from_cache(view(v_codes), view(v_scales), torch.float32)
+    for mask in (None, visible, visible[:1]):
+        expected = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=heads != kv_heads)
+        got = torch.ops.slimlm.decode_attention(q, view(k_codes), view(k_scales), view(v_codes), view(v_scales), mask, dim**-0.5)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_decode_attention_refuses_what_it_cannot_read():
+    codes, scales = cached(1, 2, 10, 16, 0)
+    q = torch.randn(1, 4, 1, 16)
+    attention = torch.ops.slimlm.decode_attention
+    with pytest.raises(RuntimeError, match="does not match the cache"):
+        attention(torch.randn(1, 4, 1, 32), codes, scales, codes, scales, None, 0.25)
+    with pytest.raises(RuntimeError, match="must be float32 or int8 codes, not BFloat16"):
+        attention(q, codes.bfloat16(), None, codes.bfloat16(), None, None, 0.25)
+    with pytest.raises(RuntimeError, match="int8 codes need float32 scales"):
+        attention(q, codes, None, codes, scales, None, 0.25)
+    with pytest.raises(RuntimeError, match="a float cache none"):
+        attention(q, codes.float(), scales, codes.float(), scales, None, 0.25)
+    with pytest.raises(RuntimeError, match="mask must be bool"):
+        attention(q, codes, scales, codes, scales, torch.ones(1, 1, 1, 10), 0.25)
+
+
+@needs_kernel
+@pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float32], ids=["int8", "fp32"])
+def test_decode_steps_attend_in_the_kernel_as_in_torch(tiny_model, cache_dtype):
+    """The decoder's steps with the kernel against the same steps in torch's attention over the
+    (dequantized) cache: left-padded rows (a mask per row) and continuous batching's rows at their own slots."""
+    kernel, dequantized = build_decoder(tiny_model), build_decoder(tiny_model)
+    for decoder in (kernel, dequantized):
+        decoder.setup_cache(2, 48, cache_dtype)
+    assert all(block.attention.decode_kernel for block in kernel.layers)
+    for block in dequantized.layers:
+        block.attention.decode_kernel = False
+    vocab = tiny_model.config.vocab_size
+    ids = torch.tensor([prompt_ids(30, vocab), prompt_ids(30, vocab, seed=1)])
+    pad = torch.tensor([0, 5])
+    with torch.no_grad():
+        for decoder in (kernel, dequantized):
+            decoder(ids[:, :16], 0, pad)
+        for slot in range(16, 24):
+            torch.testing.assert_close(kernel(ids[:, slot : slot + 1], slot, pad), dequantized(ids[:, slot : slot + 1], slot, pad), rtol=1e-4, atol=1e-4)
+        rows, positions = torch.tensor([1, 0]), torch.tensor([24, 20])
+        torch.testing.assert_close(kernel.step_rows(ids[[1, 0], 24], rows, positions), dequantized.step_rows(ids[[1, 0], 24], rows, positions), rtol=1e-4, atol=1e-4)
+
+
 @needs_kernel
 @pytest.mark.parametrize("bits", [4, 8])
 def test_decoder_with_int8_activations_runs_every_layer_in_the_kernel(tiny_model, tiny_tokenizer, tmp_path, bits):
@@ -160,11 +231,11 @@ def test_the_laptop_instruction_sets_pass_the_kernel_tests(isa):
     that also has them, in a process of their own: one process loads one build of the op."""
     if isa == cpu_kernels.kernel_isa() or cpu_kernels.missing_flags(isa):
         pytest.skip(f"{isa} is this run's own instruction set, or the processor lacks it")
-    tests = "emulation or refuses or every_layer"
+    tests = "emulation or refuses or every_layer or decode_attention"
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", tests, __file__], cwd=Path(__file__).parent.parent, env={**os.environ, cpu_kernels.ISA_ENV: isa}, capture_output=True, text=True, timeout=900)
     summary = result.stdout.strip().splitlines()[-1]
     assert result.returncode == 0 and "skipped" not in summary, result.stdout[-4000:] + result.stderr[-2000:]
-    assert summary.startswith("35 passed"), summary
+    assert summary.startswith("132 passed"), summary
 
 
 def test_without_the_kernels_int4_and_int8_layers_use_torchs(monkeypatch):

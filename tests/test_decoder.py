@@ -5,6 +5,7 @@ import torch
 
 from slimlm.compress.quantize import QuantizeParams, run as quantize
 from slimlm.errors import SlimlmError
+from slimlm.inference import cpu_kernels
 from slimlm.inference.build import build_decoder, describe_kernels
 from slimlm.inference.decoder import Decoder
 from slimlm.inference.model import ModelArgs
@@ -171,11 +172,18 @@ def test_generate_and_chat_commands_stream_from_a_checkpoint(tiny_model_dir, tmp
     assert missing.returncode == 2 and missing.stderr.startswith("slimlm: error:")
 
 
-@pytest.mark.parametrize("static, cache_dtype", [(False, None), (True, None), (False, torch.int8)], ids=["cpu-step", "static-step", "cpu-step-int8-cache"])
-def test_the_compiled_decode_step_gives_the_same_tokens(tiny_model, tiny_tokenizer, tmp_path, static, cache_dtype):
+@pytest.mark.parametrize(
+    "static, cache_dtype, attention_kernel",
+    [(False, None, True), (True, None, True), (False, torch.int8, True), (False, None, False), (False, torch.int8, False)],
+    ids=["cpu-step", "static-step", "cpu-step-int8-cache", "cpu-step-fused-loop", "cpu-step-int8-cache-fused-loop"],
+)
+def test_the_compiled_decode_step_gives_the_same_tokens(tiny_model, tiny_tokenizer, tmp_path, monkeypatch, static, cache_dtype, attention_kernel):
     """One prompt, then two of different lengths (left padding: the attention mask's path).
-    The static step is the one a GPU captures in a CUDA graph; here it is compiled for the CPU,
-    where the step also fuses an int8 cache's dequantization into its attention loop."""
+    The static step is the one a GPU captures in a CUDA graph; here it is compiled for the CPU.
+    On x86 the compiled step calls slimlm's attention kernel; without it (other processors, or
+    no compiler) Inductor fuses attention, and an int8 cache's dequantization, into one loop."""
+    if not attention_kernel:
+        monkeypatch.setattr(cpu_kernels, "available", lambda: False)
     model = quantized(tiny_model, tiny_tokenizer, tmp_path, bits=4, group_size=32, targets=[r"model\.layers\.\d+\..*", "lm_head"])
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     eager = Decoder(build_decoder(model, dtype=torch.bfloat16), tiny_tokenizer, cache_dtype=cache_dtype)
@@ -184,6 +192,7 @@ def test_the_compiled_decode_step_gives_the_same_tokens(tiny_model, tiny_tokeniz
     for prompts in ([prompt_ids(6, 300)], [prompt_ids(6, 300), prompt_ids(9, 300, seed=1)]):
         expected = [g.token_ids for g in eager.generate_ids(prompts, params)]
         assert [g.token_ids for g in compiled.generate_ids(prompts, params)] == expected, len(prompts)
+    assert compiled.model.layers[0].attention.decode_kernel == (attention_kernel and cpu_kernels.available())
 
 
 @pytest.mark.parametrize("cache_dtype", [None, torch.int8], ids=["float-cache", "int8-cache"])
