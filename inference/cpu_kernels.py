@@ -73,12 +73,12 @@ OPS = {4: "int4_int8_mm", 8: "int8_int8_mm"}  # the kernel of each weight width 
 
 @functools.cache
 def available() -> bool:
-    """Whether the int8-activation kernels run here: an x86 processor with AVX2 and FMA at
-    least, and the kernels compile (a C++ compiler and ninja). Compiling takes 10-20 s, once per
-    machine and instruction set."""
+    """Whether slimlm's CPU kernels (int8 activations, decode attention) run here: an x86
+    processor with AVX2 and FMA at least, and the kernels compile (a C++ compiler and ninja).
+    Compiling takes 15-30 s, once per machine and instruction set."""
     isa = kernel_isa()
     if isa is None:
-        log.info("int8-activation CPU kernels not used: the processor has none of %s", ", ".join(ISAS))
+        log.info("slimlm's CPU kernels not used: the processor has none of %s", ", ".join(ISAS))
         return False
     try:
         from torch.utils.cpp_extension import load
@@ -86,12 +86,12 @@ def available() -> bool:
         cflags = ["-O3", "-mtune=native", "-fopenmp", *ISAS[isa][1]]
         load(name=f"slimlm_cpu_kernels_{isa}", sources=[str(source) for source in SOURCES], extra_cflags=cflags, extra_ldflags=["-fopenmp"], is_python_module=False)
     except Exception as error:  # no compiler, no ninja, a failed build: torch's kernels still work
-        log.warning("int8-activation CPU kernels not built (%s); int4 and int8 layers use torch's kernels", str(error).splitlines()[0] if str(error) else type(error).__name__)
+        log.warning("slimlm's CPU kernels not built (%s); int4 and int8 layers use torch's kernels, attention torch.compile's loop", str(error).splitlines()[0] if str(error) else type(error).__name__)
         return False
     for op in OPS.values():
         torch.library.register_fake(f"slimlm::{op}")(_output_shape)
     torch.library.register_fake("slimlm::decode_attention")(_attention_shape)
-    log.info("int8-activation CPU kernels built for %s", isa)
+    log.info("slimlm's CPU kernels built for %s", isa)
     return True
 
 
