@@ -33,6 +33,7 @@ import torch
 from tqdm import tqdm
 
 from slimlm.compress.quantize import QuantizeParams, run as quantize
+from slimlm.distill.losses import forward_kl
 from slimlm.eval.bandwidth import decode_bytes_per_token, memory_bandwidth
 from slimlm.eval.plots import plt
 from slimlm.eval.speed import benchmark_prompt, measure_generate
@@ -75,21 +76,23 @@ def eval_windows(tokenizer, count: int = 4, window: int = 512) -> torch.Tensor:
 
 
 @torch.inference_mode()
+def step_logprobs(decoder: Decoder, ids: torch.Tensor, positions: int) -> torch.Tensor:
+    """[positions, vocab]: the next-token log-probabilities of `decoder`'s own decode step at the
+    last `positions` tokens of `ids` (teacher-forced: fed one at a time after a prefill of the ones before)."""
+    start = len(ids) - positions
+    decoder.prefill(ids[None, :start])
+    # Each token a tensor made in inference mode, as generation passes them: a view of `ids` is an
+    # ordinary tensor, for which the compiled step would be compiled again.
+    return torch.stack([torch.log_softmax(decoder.step(torch.tensor([[int(ids[p])]]), p)[0, -1].float(), dim=-1) for p in range(start, len(ids))])
+
+
 def decode_kl(decoder: Decoder, windows: torch.Tensor, reference: torch.Tensor, positions: int = 128) -> float:
     """Mean per-token KL(fp32 model || decoder) over the last `positions` tokens of each window,
-    each from the row's own decode step (compiled where the row compiles it; teacher-forced: the
-    window's tokens are fed one at a time after a prefill of the ones before). The decode step's
+    each from the row's own decode step (compiled where the row compiles it). The decode step's
     arithmetic is what the row's speed is measured with: compiled kernels fuse the norms
     differently, and with int8 activations a last-bit change can move a rounded code."""
-    total = 0.0
-    for row, ids in enumerate(windows):
-        start = len(ids) - positions
-        decoder.prefill(ids[None, :start])
-        for position in range(start, len(ids)):
-            token = torch.tensor([[int(ids[position])]])  # made in inference mode as generate's are: a view of `ids` would compile the step again
-            logprobs = torch.log_softmax(decoder.step(token, position)[0, -1].float(), dim=-1)
-            total += (reference[row, position].exp() * (reference[row, position] - logprobs)).sum().item()
-    return total / (len(windows) * positions)
+    start = windows.shape[1] - positions
+    return torch.cat([forward_kl(reference[row, start:], step_logprobs(decoder, ids, positions)) for row, ids in enumerate(windows)]).mean().item()
 
 
 @dataclass

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from slimlm.distill.losses import forward_kl
 from slimlm.eval.bandwidth import memory_bandwidth
 from slimlm.eval.plots import plt
 from slimlm.inference.build import build_decoder
@@ -41,7 +42,7 @@ from slimlm.models import resolve_model
 from slimlm.rundir import machine_info
 
 from benchlib import RESULTS, check_llama_cpp, command_line, wikitext_ids, write_result
-from decode_cpu import cache_cell, llama_cpp_file, load_default, quantized_copy
+from decode_cpu import cache_cell, llama_cpp_file, load_default, quantized_copy, step_logprobs
 
 # slimlm rows: the cache's dtype and whether decode steps attend in slimlm's kernel
 SLIMLM_ROWS = {"fp32 cache": (None, True), "fp32 cache, compiled loop": (None, False), "int8 cache": (torch.int8, True)}
@@ -53,7 +54,7 @@ class Row:
     """One decoder: `prefill` a context once (untimed), then `decode` from it as often as asked."""
 
     name: str
-    info: dict
+    info: dict  # what the result rows say of it: the decoder and its cache
 
     def prefill(self, prompt: list[int]) -> None:
         raise NotImplementedError
@@ -67,8 +68,8 @@ class Row:
 
 
 class SlimlmRow(Row):
-    def __init__(self, name: str, model, tokenizer, cache_dtype, kernel: bool, slots: int):
-        self.name, self.info = name, {"decoder": "slimlm"}
+    def __init__(self, cache: str, model, tokenizer, cache_dtype, kernel: bool, slots: int):
+        self.name, self.info = f"slimlm int4 x int8, {cache}", {"decoder": "slimlm", "cache": cache}
         self.decoder = Decoder(build_decoder(model, dtype=torch.bfloat16, int8_activations=True), tokenizer, cache_dtype=cache_dtype)
         self.decoder.model.setup_cache(1, slots, cache_dtype)  # once, for the longest context: the compiled step is specialized to its size
         for block in self.decoder.model.layers:
@@ -95,11 +96,11 @@ class SlimlmRow(Row):
 
 
 class LlamaCppRow(Row):
-    def __init__(self, name: str, path, slots: int, threads: int, config, cache_bytes_per_value: float, llama_options: dict):
+    def __init__(self, cache: str, path, slots: int, threads: int, config, cache_bytes_per_value: float, llama_options: dict):
         import llama_cpp
         from gguf import GGUFReader
 
-        self.name, self.info = name, {"decoder": "llama.cpp"}
+        self.name, self.info = f"llama.cpp Q4_0, {cache}", {"decoder": "llama.cpp", "cache": cache}
         self.llm = llama_cpp.Llama(model_path=str(path), n_ctx=slots, n_batch=512, n_threads=threads, n_threads_batch=threads, verbose=False, **llama_options)
         self.logits = lambda: np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.llm.ctx, -1), shape=(self.llm.n_vocab(),))
         self.weights = sum(int(t.n_bytes) for t in GGUFReader(path).tensors)
@@ -125,18 +126,10 @@ class LlamaCppRow(Row):
         return int(self.weights + self.cache_per_slot * context)
 
 
-@torch.inference_mode()
 def cache_kl(reference: Decoder, rounded: Decoder, window: torch.Tensor, positions: int) -> float:
     """Mean per-token KL from `reference`'s next-token distribution to `rounded`'s over the last
-    `positions` tokens of `window`, fed one at a time through each one's decode step after a prefill."""
-    start = len(window) - positions
-    logprobs = []
-    for decoder in (reference, rounded):
-        decoder.prefill(window[None, :start])
-        # Each token a tensor made in inference mode, as `decode` passes them: a view of the
-        # window is an ordinary tensor, for which the compiled step would be compiled again.
-        logprobs.append(torch.stack([torch.log_softmax(decoder.step(torch.tensor([[int(window[p])]]), p)[0, -1].float(), dim=-1) for p in range(start, len(window))]))
-    return (logprobs[0].exp() * (logprobs[0] - logprobs[1])).sum(-1).mean().item()
+    `positions` tokens of `window`, each through its own decode step."""
+    return forward_kl(step_logprobs(reference, window, positions), step_logprobs(rounded, window, positions)).mean().item()
 
 
 def race(rows: list[Row], contexts: list[int], text: torch.Tensor, new_tokens: int, repeats: int, bandwidth: float) -> list[dict]:
@@ -154,7 +147,7 @@ def race(rows: list[Row], contexts: list[int], text: torch.Tensor, new_tokens: i
         for row in rows:
             speed, mean_context = statistics.median(speeds[row.name]), context + new_tokens // 2
             bytes_per_token = row.bytes_per_token(mean_context)
-            results.append({"name": f"{row.name}, {context} tokens", **row.info, "cache": row.name.split(", ", 1)[1], "context_tokens": context, "decode_tok_s": speed, "bytes_per_token": bytes_per_token, "bandwidth_fraction": speed * bytes_per_token / bandwidth})
+            results.append({"name": f"{row.name}, {context} tokens", **row.info, "context_tokens": context, "decode_tok_s": speed, "bytes_per_token": bytes_per_token, "bandwidth_fraction": speed * bytes_per_token / bandwidth})
             print(f"{results[-1]['name']}: {speed:.1f} tok/s", flush=True)
     return results
 
@@ -181,12 +174,12 @@ def main() -> None:
     rows: list[Row] = []
     for cache, (dtype, kernel) in SLIMLM_ROWS.items():
         print(f"compiling slimlm, {cache}", flush=True)
-        rows.append(SlimlmRow(f"slimlm int4 x int8, {cache}", model, tokenizer, dtype, kernel, slots))
+        rows.append(SlimlmRow(cache, model, tokenizer, dtype, kernel, slots))
     kl = cache_kl(rows[0].decoder, rows[2].decoder, text[: max(options.contexts)], min(options.kl_positions, max(options.contexts) - 1))
     if not options.skip_llama_cpp:
         gguf = llama_cpp_file("default-q4_0", "Q4_0", loaded.model, tokenizer, resolve_model(cfg))
         check_llama_cpp(gguf, options.threads)
-        rows += [LlamaCppRow(f"llama.cpp Q4_0, {cache}", gguf, slots, options.threads, config, per_value, llama_options) for cache, (per_value, llama_options) in LLAMA_ROWS.items()]
+        rows += [LlamaCppRow(cache, gguf, slots, options.threads, config, per_value, llama_options) for cache, (per_value, llama_options) in LLAMA_ROWS.items()]
     results = race(rows, options.contexts, text, options.new_tokens, options.repeats, bandwidth)
     summary = {"bandwidth_bytes_s": bandwidth, "new_tokens": options.new_tokens, "repeats": options.repeats, "threads": options.threads, "kl_int8_cache_vs_fp32_cache": kl, "kl_positions": options.kl_positions, "kl_context_tokens": max(options.contexts), "seconds": time.perf_counter() - started}
     command = command_line("kv_cache_cpu.py", parser, options)
