@@ -65,6 +65,15 @@ def write_result(name: str, command: str, record: dict, lines: list[str], notes:
     (RESULTS / f"{name}.md").write_text("\n".join(lines))
 
 
+def llama_cpp_bytes(path: Path, config, cache_bytes_per_value: float) -> tuple[int, float]:
+    """What llama.cpp reads per decoded token of the GGUF at `path`: the bytes of all its tensors,
+    and its key/value cache's bytes per slot (`cache_bytes_per_value`: 2 for f16, 34/32 for q8_0)."""
+    from gguf import GGUFReader
+
+    weights = sum(int(t.n_bytes) for t in GGUFReader(path).tensors)
+    return weights, 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * cache_bytes_per_value
+
+
 def check_llama_cpp(gguf: Path, threads: int) -> None:
     """Evaluate three tokens of `gguf` with llama-cpp-python in a child process, so that a build
     that dies on this processor stops the benchmark with a reason instead of killing it silently.

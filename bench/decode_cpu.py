@@ -45,7 +45,7 @@ from slimlm.models import load_model, resolve_model
 from slimlm.pipeline import RunState
 from slimlm.rundir import machine_info
 
-from benchlib import REPO, RESULTS, check_llama_cpp, command_line, default_model_cfg, wikitext_ids, write_result
+from benchlib import REPO, RESULTS, check_llama_cpp, command_line, llama_cpp_bytes, default_model_cfg, wikitext_ids, write_result
 
 RUNS = REPO / "bench" / "runs" / "decode_cpu"
 SCHEMES = {"int8": dict(bits=8), "int4 g64": dict(bits=4, group_size=64)}
@@ -161,7 +161,6 @@ def kernel_table(model, scheme: str) -> list[dict]:
 def llama_cpp_contender(name: str, path: Path, prompt: list[int], options, config) -> Contender:
     """Greedy decoding through llama.cpp's own loop (eval one token, take the argmax)."""
     import numpy as np
-    from gguf import GGUFReader
     from llama_cpp import Llama
 
     llm = Llama(model_path=str(path), n_ctx=len(prompt) + options.new_tokens + 8, n_batch=64, n_threads=options.threads, n_threads_batch=options.threads, logits_all=True, verbose=False)
@@ -178,9 +177,8 @@ def llama_cpp_contender(name: str, path: Path, prompt: list[int], options, confi
         return (options.new_tokens - 1) / (time.perf_counter() - first), first - start
 
     run()  # warm-up
-    weights = sum(int(t.n_bytes) for t in GGUFReader(path).tensors)
-    kv = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * (len(prompt) + options.new_tokens // 2) * 2  # f16 cache
-    return Contender(name, run, {"bytes_per_token": weights + kv, "weight_bytes": weights})
+    weights, cache_per_slot = llama_cpp_bytes(path, config, 2)  # f16 cache
+    return Contender(name, run, {"bytes_per_token": int(weights + cache_per_slot * (len(prompt) + options.new_tokens // 2)), "weight_bytes": weights})
 
 
 def transformers_contender(model, tokenizer, options) -> Contender:

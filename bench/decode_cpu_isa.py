@@ -1,14 +1,15 @@
-"""Batch-1 int4 decode speed on CPU per instruction set: what a laptop processor without AVX-512 gets.
+"""Batch-1 int4 and int8 decode speed on CPU per instruction set: what a laptop processor without AVX-512 gets.
 
-slimlm's int4 x int8 kernel has three builds (inference/cpu_kernels.py): AVX512-VNNI, AVX-VNNI
+slimlm's int4 x int8 and int8 x int8 kernels have three builds (inference/cpu_kernels.py): AVX512-VNNI, AVX-VNNI
 (Intel laptops since Alder Lake) and AVX2 (older laptops). This machine has all three, so each
 runs here in a process of its own that is limited to that instruction set: SLIMLM_CPU_ISA picks
 the kernel's build, and ATEN_CPU_CAPABILITY=avx2 limits torch's own kernels to 256-bit vectors
 as on such a laptop (the compiled step's generated code is 256-bit in every row:
-Decoder.compile_decode_step). Against each, torch's int4 kernel with bf16 activations under the
-same limit: what these processors ran before.
+Decoder.compile_decode_step). Against each, torch's kernel for the same weights (int4 tinygemm or
+int8 weight-only) with bf16 activations under the same limit: what these processors ran before.
 
-The default model, every decoder Linear and the tied head int4 g64 RTN, a 16-token prompt,
+The default model, every decoder Linear and the tied head int4 g64 RTN or int8 RTN per channel
+(decode_cpu.SCHEMES), a 16-token prompt,
 exactly 128 new tokens (greedy), decode step compiled; each process prepares its row, decodes
 `--repeats` times, and the processes take turns for `--passes` passes (a slow spell of the
 machine then falls on every row); medians over all decodes of a row. The memory system is this
@@ -38,7 +39,7 @@ from slimlm.inference import cpu_kernels
 from slimlm.rundir import machine_info
 
 from benchlib import RESULTS, command_line, write_result
-from decode_cpu import DECODE_OPTIONS, add_decode_options, load_default, quantized_copy, slimlm_contender, write_plot
+from decode_cpu import DECODE_OPTIONS, SCHEMES, add_decode_options, load_default, quantized_copy, slimlm_contender, write_plot
 
 MARK = "decode_cpu_isa result: "
 
@@ -46,24 +47,30 @@ MARK = "decode_cpu_isa result: "
 @dataclass(frozen=True)
 class Row:
     name: str
-    isa: str | None  # the kernel's build (SLIMLM_CPU_ISA); None: torch's int4 kernel, bf16 activations
+    scheme: str  # a key of decode_cpu.SCHEMES
+    isa: str | None  # the kernel's build (SLIMLM_CPU_ISA); None: torch's kernel, bf16 activations
     aten: str | None  # ATEN_CPU_CAPABILITY; None: the widest this processor has
 
 
-ROWS = [
-    Row("torch int4, bf16 activations, AVX2", None, "avx2"),
-    Row("slimlm int4 x int8, AVX2", "avx2", "avx2"),
-    Row("slimlm int4 x int8, AVX-VNNI", "avx_vnni", "avx2"),
-    Row("torch int4, bf16 activations, AVX-512", None, None),
-    Row("slimlm int4 x int8, AVX512-VNNI", "avx512_vnni", None),
-]
+def scheme_rows(scheme: str) -> list[Row]:
+    bits = scheme.split()[0]
+    return [
+        Row(f"torch {bits}, bf16 activations, AVX2", scheme, None, "avx2"),
+        Row(f"slimlm {bits} x int8, AVX2", scheme, "avx2", "avx2"),
+        Row(f"slimlm {bits} x int8, AVX-VNNI", scheme, "avx_vnni", "avx2"),
+        Row(f"torch {bits}, bf16 activations, AVX-512", scheme, None, None),
+        Row(f"slimlm {bits} x int8, AVX512-VNNI", scheme, "avx512_vnni", None),
+    ]
+
+
+ROWS = [row for scheme in SCHEMES for row in scheme_rows(scheme)]
 
 
 def worker(row: Row, options) -> None:
     """One row in this process: prepare, decode `repeats` times, print the result as JSON."""
     torch.set_num_threads(options.threads)
     cfg, loaded = load_default()
-    model = quantized_copy(cfg, dict(bits=4, group_size=64))
+    model = quantized_copy(cfg, SCHEMES[row.scheme])
     prompt = benchmark_prompt(loaded.tokenizer, options.prompt_tokens).tolist()
     contender = slimlm_contender(row.name, model, loaded.tokenizer, prompt, options, torch.bfloat16, compiled=True, int8_activations=row.isa is not None)
     speeds = [contender.run()[0] for _ in range(options.repeats)]
@@ -82,7 +89,8 @@ def run_row(row: Row, options) -> dict:
     if done.returncode != 0 or not lines:
         raise SystemExit(f"row '{row.name}' failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
     result = json.loads(lines[-1][len(MARK) :])
-    if result["kernel_isa"] != row.isa or (row.isa and not any("int4-int8act" in kernel for kernel in result["kernels"])):
+    kernel = f"int{SCHEMES[row.scheme]['bits']}-int8act"
+    if result["kernel_isa"] != row.isa or (row.isa and not any(kernel in name for name in result["kernels"])):
         raise SystemExit(f"row '{row.name}' ran {result['kernel_isa']} with kernels {result['kernels']}, not {row.isa}")
     return result
 
@@ -112,14 +120,15 @@ def main() -> None:
     for row in rows:
         first = results[row.name][0]
         speed = statistics.median(s for result in results[row.name] for s in result["decode_tok_s"])
-        baseline = next(r for r in table if r["kernel_isa"] is None and r["aten_cpu_capability"] == (row.aten or "default")) if row.isa else None
+        baseline = next(r for r in table if r["scheme"] == row.scheme and r["kernel_isa"] is None and r["aten_cpu_capability"] == (row.aten or "default")) if row.isa else None
         table.append(
             {
                 "name": row.name,
+                "scheme": row.scheme,
                 "kernel_isa": row.isa,
                 "aten_cpu_capability": row.aten or "default",
                 "decode_tok_s": speed,
-                "speedup_vs_torch_int4": speed / baseline["decode_tok_s"] if baseline else 1.0,
+                "speedup_vs_torch": speed / baseline["decode_tok_s"] if baseline else 1.0,
                 "bandwidth_fraction": speed * first["bytes_per_token"] / bandwidth,
                 "bytes_per_token": first["bytes_per_token"],
                 "weight_bytes": first["weight_bytes"],
@@ -130,7 +139,7 @@ def main() -> None:
     summary = {"bandwidth_bytes_s": bandwidth, "passes": options.passes, "repeats": options.repeats, "threads": options.threads, "prompt_tokens": options.prompt_tokens, "new_tokens": options.new_tokens, "skipped": skipped, "seconds": time.perf_counter() - started}
     command = command_line("decode_cpu_isa.py", parser, options)
     RESULTS.mkdir(exist_ok=True)
-    write_plot(table, "decode_cpu_isa", "int4 decode on CPU by instruction set, default model")
+    write_plot(table, "decode_cpu_isa", "int4 and int8 decode on CPU by instruction set, default model")
     write_result("decode_cpu_isa", command, {"summary": summary, "rows": table}, markdown(table, summary, command))
 
 
@@ -141,15 +150,15 @@ def markdown(rows: list[dict], summary: dict, command: str) -> list[str]:
         "",
         f"- command: `{command}`",
         f"- machine: {machine['processor']}, {machine['cpu_count']} CPUs, {summary['threads']} threads; torch {machine['torch']}; {summary['seconds'] / 60:.1f} min",
-        f"- default model, int4 g64 RTN (decoder Linears and tied head), batch 1, a {summary['prompt_tokens']}-token prompt, exactly {summary['new_tokens']} new tokens (greedy), decode step compiled; "
+        f"- default model, int4 g64 RTN or int8 RTN per channel (decoder Linears and tied head), batch 1, a {summary['prompt_tokens']}-token prompt, exactly {summary['new_tokens']} new tokens (greedy), decode step compiled; "
         f"median of {summary['passes']} passes x {summary['repeats']} decodes, one process per row and pass, rows taking turns",
         "- a row limited to AVX2 runs with ATEN_CPU_CAPABILITY=avx2 (torch's own kernels use 256-bit vectors; the compiled step's generated code does in every row) and, for slimlm's kernel, SLIMLM_CPU_ISA naming its build; "
         f"bandwidth used = bytes per token x tokens/s / this machine's {summary['bandwidth_bytes_s'] / 1e9:.1f} GB/s (a laptop's memory differs: compare rows, not tokens/s)",
         *([f"- not run (the processor lacks them): {', '.join(summary['skipped'])}"] if summary["skipped"] else []),
         "",
-        "| decoder | vector width | decode tok/s | vs torch int4 at that width | bandwidth used |",
+        "| decoder | vector width | decode tok/s | vs torch's kernel for those weights at that width | bandwidth used |",
         "|---|---|---:|---:|---:|",
-        *[f"| {r['name']} | {'256-bit' if r['aten_cpu_capability'] == 'avx2' else 'widest'} | {r['decode_tok_s']:.1f} | {r['speedup_vs_torch_int4']:.2f}x | {100 * r['bandwidth_fraction']:.0f}% |" for r in rows],
+        *[f"| {r['name']} | {'256-bit' if r['aten_cpu_capability'] == 'avx2' else 'widest'} | {r['decode_tok_s']:.1f} | {r['speedup_vs_torch']:.2f}x | {100 * r['bandwidth_fraction']:.0f}% |" for r in rows],
         "",
         "![decode_cpu_isa](decode_cpu_isa.png)",
         "",

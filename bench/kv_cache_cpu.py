@@ -41,7 +41,7 @@ from slimlm.inference.decoder import Decoder
 from slimlm.models import resolve_model
 from slimlm.rundir import machine_info
 
-from benchlib import RESULTS, check_llama_cpp, command_line, wikitext_ids, write_result
+from benchlib import RESULTS, check_llama_cpp, command_line, llama_cpp_bytes, wikitext_ids, write_result
 from decode_cpu import cache_cell, llama_cpp_file, load_default, quantized_copy, step_logprobs
 
 # slimlm rows: the cache's dtype and whether decode steps attend in slimlm's kernel
@@ -98,13 +98,11 @@ class SlimlmRow(Row):
 class LlamaCppRow(Row):
     def __init__(self, cache: str, path, slots: int, threads: int, config, cache_bytes_per_value: float, llama_options: dict):
         import llama_cpp
-        from gguf import GGUFReader
 
         self.name, self.info = f"llama.cpp Q4_0, {cache}", {"decoder": "llama.cpp", "cache": cache}
         self.llm = llama_cpp.Llama(model_path=str(path), n_ctx=slots, n_batch=512, n_threads=threads, n_threads_batch=threads, verbose=False, **llama_options)
         self.logits = lambda: np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.llm.ctx, -1), shape=(self.llm.n_vocab(),))
-        self.weights = sum(int(t.n_bytes) for t in GGUFReader(path).tensors)
-        self.cache_per_slot = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * cache_bytes_per_value
+        self.weights, self.cache_per_slot = llama_cpp_bytes(path, config, cache_bytes_per_value)
         self.context, self.first = 0, 0
 
     def prefill(self, prompt: list[int]) -> None:
