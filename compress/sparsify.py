@@ -115,19 +115,20 @@ def run_calibrated(state: RunState, params: SparsifyParams, names: list[str], pa
     """Wanda or SparseGPT layer by layer; OWL first measures every layer of the dense model."""
     samples = calibration_windows(state, params.samples, params.seq_len, params.seed)
     ratios, outliers = owl_layer_ratios(state, samples, names, params) if params.owl else ({}, {})
-    hessians = LayerInputStatistics()  # Wanda reads only the diagonal, SparseGPT the whole matrix
+    wanda = params.method == "wanda"
+    statistics = LayerInputStatistics(square_sums=wanda)  # Wanda reads the inputs' norms, SparseGPT the whole Hessian
 
     def finish_layer(layer_names: list[str]) -> None:
         layer_pattern = SparsityPattern(ratio=ratios[decoder_layer_name(layer_names[0])]) if ratios else pattern
         for name in layer_names:
             weight = state.model.get_submodule(name).weight
-            hessian = hessians.pop(name).hessian.to(weight.device)  # accumulated on the CPU in float64
-            if params.method == "wanda":
-                prune_in_place(weight, wanda_mask(weight, hessian.diagonal(), layer_pattern))
+            seen = statistics.pop(name)  # accumulated on the CPU in float64
+            if wanda:
+                prune_in_place(weight, wanda_mask(weight, seen.sums.to(weight.device), layer_pattern))
             else:
-                weight.copy_(sparsegpt_prune(weight, hessian, layer_pattern, params.block_size, params.damp, name).to(weight.dtype))
+                weight.copy_(sparsegpt_prune(weight, seen.hessian.to(weight.device), layer_pattern, params.block_size, params.damp, name).to(weight.dtype))
 
-    peak = calibrate_sequentially(state.model, samples, names, hessians.observe, finish_layer, desc=params.label)
+    peak = calibrate_sequentially(state.model, samples, names, statistics.observe, finish_layer, desc=params.label)
     result = {"calibration_tokens": samples.numel(), "samples": params.samples, "seq_len": params.seq_len, "calibration_peak_memory_bytes": peak}
     if ratios:
         result["owl_layer_ratios"] = {name: round(ratio, 4) for name, ratio in ratios.items()}
@@ -138,17 +139,13 @@ def run_calibrated(state: RunState, params: SparsifyParams, names: list[str], pa
 def owl_layer_ratios(state: RunState, samples: torch.Tensor, names: list[str], params: SparsifyParams) -> tuple[dict[str, float], dict[str, float]]:
     """Each decoder layer's sparsity, and the outlier ratio it comes from (measured on the dense model)."""
     outliers: dict[str, float] = {}
-    diagonals: dict[str, torch.Tensor] = {}
-
-    def observe(name: str, inputs: torch.Tensor) -> None:
-        x = inputs.detach().reshape(-1, inputs.shape[-1]).float()
-        diagonals[name] = diagonals.get(name, 0) + (x * x).sum(dim=0)
+    statistics = LayerInputStatistics(square_sums=True)
 
     def finish_layer(layer_names: list[str]) -> None:
-        scores = [wanda_scores(state.model.get_submodule(n).weight, diagonals.pop(n)) for n in layer_names]
+        scores = [wanda_scores(state.model.get_submodule(n).weight, statistics.pop(n).sums) for n in layer_names]
         outliers[decoder_layer_name(layer_names[0])] = outlier_ratio(scores, params.owl_threshold)
 
-    calibrate_sequentially(state.model, samples, names, observe, finish_layer, desc="owl outliers")
+    calibrate_sequentially(state.model, samples, names, statistics.observe, finish_layer, desc="owl outliers")
     layers = list(outliers)
     return dict(zip(layers, owl_ratios([outliers[layer] for layer in layers], params.sparsity, params.owl_spread))), outliers
 

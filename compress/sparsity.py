@@ -84,17 +84,18 @@ def keep_mask(scores: torch.Tensor, pattern: SparsityPattern, per_row: bool) -> 
     return keep
 
 
-def wanda_scores(weight: torch.Tensor, hessian_diagonal: torch.Tensor) -> torch.Tensor:
-    """|W_ij| * ||X_j||: diag(H) = 2/n sum_t x_tj^2, so sqrt(diag H) is ||X_j|| up to a constant."""
-    return weight.detach().abs().float() * hessian_diagonal.float().clamp(min=0).sqrt().unsqueeze(0)
+def wanda_scores(weight: torch.Tensor, square_sums: torch.Tensor) -> torch.Tensor:
+    """|W_ij| * ||X_j|| from sum_t x_tj^2 per input (or anything proportional to it, such as the
+    Hessian's diagonal 2/n sum_t x_tj^2: a constant factor changes no ranking)."""
+    return weight.detach().abs().float() * square_sums.float().clamp(min=0).sqrt().unsqueeze(0)
 
 
 def magnitude_mask(weight: torch.Tensor, pattern: SparsityPattern) -> torch.Tensor:
     return keep_mask(weight.detach().abs().float(), pattern, per_row=False)
 
 
-def wanda_mask(weight: torch.Tensor, hessian_diagonal: torch.Tensor, pattern: SparsityPattern) -> torch.Tensor:
-    return keep_mask(wanda_scores(weight, hessian_diagonal), pattern, per_row=True)
+def wanda_mask(weight: torch.Tensor, square_sums: torch.Tensor, pattern: SparsityPattern) -> torch.Tensor:
+    return keep_mask(wanda_scores(weight, square_sums), pattern, per_row=True)
 
 
 def outlier_ratio(scores: Sequence[torch.Tensor], threshold: float) -> float:

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from slimlm.compress.gptq import GPTQOptions, HessianAccumulator, gptq_quantize
+from slimlm.compress.gptq import GPTQOptions, HessianAccumulator, LayerInputStatistics, SquareSums, gptq_quantize
 from slimlm.compress.rtn import quantize_rtn
 from slimlm.errors import SlimlmError
 from slimlm.qlinear import QuantLinear, QuantScheme
@@ -67,10 +67,35 @@ def test_dead_inputs_are_handled_and_singular_hessians_damped():
     assert torch.isfinite(q.scales.float()).all()
 
 
-def test_non_finite_activations_are_refused():
-    accumulator = HessianAccumulator(4)
+@pytest.mark.parametrize("kind", [HessianAccumulator, SquareSums])
+def test_non_finite_activations_are_refused(kind):
+    accumulator = kind(4)
     with pytest.raises(SlimlmError, match="NaN or Inf"):
         accumulator.add(torch.tensor([[1.0, float("nan"), 0.0, 1.0]]))
+
+
+def test_square_sums_are_the_hessian_diagonal_without_the_hessian():
+    """Wanda's statistic: sum_t x_tj^2 = n/2 diag(H), with in_features numbers kept, not in_features^2."""
+    x = correlated_inputs()
+    sums = SquareSums(x.shape[1])
+    for chunk in x.split(300):
+        sums.add(chunk)
+    torch.testing.assert_close(sums.sums, hessian_of(x).diagonal() * len(x) / 2, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("square_sums", [False, True])
+def test_layers_reading_the_same_inputs_share_their_statistics(square_sums):
+    statistics = LayerInputStatistics(square_sums=square_sums)
+    x, y = correlated_inputs(rows=64), correlated_inputs(rows=64, seed=1)
+    for batch in (x, y):
+        for name in ("q", "k"):  # one input tensor, two layers: accumulated once
+            statistics.observe(name, batch)
+        statistics.observe("o", batch * 2)
+    assert statistics["q"] is statistics["k"] and statistics["o"] is not statistics["q"]
+    assert isinstance(statistics["q"], SquareSums if square_sums else HessianAccumulator)
+    if square_sums:
+        torch.testing.assert_close(statistics["q"].sums, (torch.cat([x, y]) ** 2).sum(dim=0).double(), rtol=1e-5, atol=0)
+        torch.testing.assert_close(statistics["o"].sums, 4 * statistics["q"].sums, rtol=1e-5, atol=0)
 
 
 def test_a_hessian_that_stays_singular_is_a_clear_error_after_warnings(caplog):
