@@ -7,16 +7,31 @@ it will really see, and memory holds one layer's activations, not the whole mode
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
 from tqdm import tqdm
 
-from slimlm.errors import SlimlmError
+from slimlm.errors import ConfigError, SlimlmError
 from slimlm.memory import peak_memory
 
 Captured = list[tuple[torch.Tensor, dict[str, Any]]]  # per chunk: hidden states and the layer's other arguments
+
+
+@dataclass
+class CalibrationParams:
+    """The calibration settings a stage's parameters share: `samples` windows of `seq_len` tokens
+    of data.calibration, chosen at random with `seed` (calibration_samples)."""
+
+    samples: int = 64
+    seq_len: int = 256
+    seed: int = 0
+
+    def check_calibration(self, stage: str) -> None:
+        if self.samples < 1 or self.seq_len < 2:
+            raise ConfigError(f"{stage}: samples ({self.samples}) must be at least 1 and seq_len ({self.seq_len}) at least 2")
 
 
 def calibration_samples(token_ids: torch.Tensor, samples: int, seq_len: int, seed: int) -> torch.Tensor:

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from slimlm.compress.calibration import decoder_layers
+from slimlm.compress.calibration import CalibrationParams, decoder_layers
 from slimlm.compress.quantize import calibration_windows
 from slimlm.data import check_text_source
 from slimlm.errors import ConfigError, SlimlmError
@@ -34,15 +34,13 @@ from slimlm.qlinear import QuantLinear
 
 
 @dataclass
-class PruneParams:
+class PruneParams(CalibrationParams):
     layers: Optional[int] = None  # decoder layers to keep
     hidden_size: Optional[int] = None  # hidden (residual stream) channels to keep
     intermediate_size: Optional[int] = None  # MLP channels to keep in every layer
     kv_heads: Optional[int] = None  # key/value groups to keep in every layer (with their query heads)
-    # Calibration: windows of data.calibration chosen at random with `seed`.
+    # Calibration: seq_len, seed and samples, here 32 by default (CalibrationParams).
     samples: int = 32
-    seq_len: int = 256
-    seed: int = 0
 
     def __post_init__(self) -> None:
         targets = {"layers": self.layers, "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size, "kv_heads": self.kv_heads}
@@ -51,8 +49,7 @@ class PruneParams:
         for key, value in targets.items():
             if value is not None and value < 1:
                 raise ConfigError(f"prune.{key}={value} would remove every one of them; keep at least 1")
-        if self.samples < 1 or self.seq_len < 2:
-            raise ConfigError(f"prune: samples ({self.samples}) must be at least 1 and seq_len ({self.seq_len}) at least 2")
+        self.check_calibration("prune")
 
 
 @dataclass

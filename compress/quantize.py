@@ -18,7 +18,7 @@ import torch
 from tqdm import tqdm
 
 from slimlm.compress.awq import AWQOptions, awq_quantize_layer
-from slimlm.compress.calibration import calibrate_sequentially, calibration_samples, decoder_layers
+from slimlm.compress.calibration import CalibrationParams, calibrate_sequentially, calibration_samples, decoder_layers
 from slimlm.compress.gptq import GPTQOptions, LayerInputStatistics, gptq_quantize
 from slimlm.compress.mixed import bits_per_weight, choose_bits, fisher_diagonal, predicted_loss
 from slimlm.compress.rtn import QuantizedWeight, quantize_rtn
@@ -37,7 +37,7 @@ CALIBRATED = ("gptq", "awq")
 
 
 @dataclass
-class QuantizeParams:
+class QuantizeParams(CalibrationParams):
     method: str = "rtn"
     bits: Optional[int] = None  # uniform bit width (8 when neither bits nor bpw is given)
     group_size: Optional[int] = None  # None: one scale per output channel
@@ -50,10 +50,7 @@ class QuantizeParams:
     bpw: Optional[float] = None
     candidate_bits: List[int] = field(default_factory=lambda: [2, 3, 4, 8])
     sensitivity_samples: int = 32
-    # Calibration (gptq, awq, sensitivity): windows of data.calibration, chosen at random with `seed`.
-    samples: int = 64
-    seq_len: int = 256
-    seed: int = 0
+    # Calibration (gptq, awq, sensitivity): samples, seq_len, seed (CalibrationParams).
     # GPTQ: damping as a fraction of the mean Hessian diagonal, lazy-update block, act-order.
     damp: float = 0.01
     block_size: int = 128
@@ -76,8 +73,9 @@ class QuantizeParams:
             raise ConfigError(f"quantize.candidate_bits={self.candidate_bits}: mixed precision needs at least two bit widths to choose from")
         if self.group_size is not None and self.group_size < 8:
             raise ConfigError(f"quantize.group_size={self.group_size} must be at least 8 (or null for one scale per output channel)")
-        if self.samples < 1 or self.seq_len < 2 or self.sensitivity_samples < 1:
-            raise ConfigError(f"quantize: samples ({self.samples}) and sensitivity_samples ({self.sensitivity_samples}) must be at least 1 and seq_len ({self.seq_len}) at least 2")
+        self.check_calibration("quantize")
+        if self.sensitivity_samples < 1:
+            raise ConfigError(f"quantize.sensitivity_samples={self.sensitivity_samples} must be at least 1")
         if not 0 < self.damp < 1:
             raise ConfigError(f"quantize.damp={self.damp} must lie between 0 and 1 (0.01 is usual)")
         if self.block_size < 1 or self.awq_grid < 1 or self.awq_clip_grid < 2:

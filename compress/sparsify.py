@@ -21,7 +21,7 @@ from typing import List
 import torch
 from tqdm import tqdm
 
-from slimlm.compress.calibration import calibrate_sequentially
+from slimlm.compress.calibration import CalibrationParams, calibrate_sequentially
 from slimlm.compress.gptq import LayerInputStatistics
 from slimlm.compress.quantize import calibration_windows, decoder_layer_name
 from slimlm.compress.sparsity import SparsityPattern, magnitude_mask, outlier_ratio, owl_ratios, sparsegpt_prune, wanda_mask, wanda_scores
@@ -35,7 +35,7 @@ METHODS = ("magnitude", "wanda", "sparsegpt")
 
 
 @dataclass
-class SparsifyParams:
+class SparsifyParams(CalibrationParams):
     method: str = "wanda"
     sparsity: float = 0.5  # fraction of weights set to zero (unstructured)
     pattern: str = "unstructured"  # or N:M, e.g. '2:4' (N kept in every M consecutive inputs)
@@ -46,10 +46,7 @@ class SparsifyParams:
     owl: bool = False
     owl_threshold: float = 5.0
     owl_spread: float = 0.08
-    # Calibration (wanda, sparsegpt): windows of data.calibration chosen at random with `seed`.
-    samples: int = 64
-    seq_len: int = 256
-    seed: int = 0
+    # Calibration (wanda, sparsegpt): samples, seq_len, seed (CalibrationParams).
     # SparseGPT: damping (fraction of the mean Hessian diagonal) and columns per mask block.
     damp: float = 0.01
     block_size: int = 128
@@ -65,8 +62,7 @@ class SparsifyParams:
             raise ConfigError(f"sparsify.owl_spread={self.owl_spread} must keep every layer's ratio within [0, 1): at most {min(self.sparsity, 1 - self.sparsity) / 2:g} here")
         if self.owl_threshold <= 0:
             raise ConfigError(f"sparsify.owl_threshold={self.owl_threshold} must be positive (5 in the OWL paper)")
-        if self.samples < 1 or self.seq_len < 2:
-            raise ConfigError(f"sparsify: samples ({self.samples}) must be at least 1 and seq_len ({self.seq_len}) at least 2")
+        self.check_calibration("sparsify")
         if not 0 < self.damp < 1 or self.block_size < 1:
             raise ConfigError("sparsify: damp must lie between 0 and 1 and block_size be at least 1")
         if not self.targets:
