@@ -125,9 +125,7 @@ def _rebuild_sparse(model, tensors: dict[str, torch.Tensor], entries: dict[str, 
         try:
             bitmask, nonzeros = tensors.pop(f"{key}.bitmask"), tensors.pop(f"{key}.nonzeros")
             module = model.get_submodule(module_name)
-            zero = 0.0
-            if entry["codes"]:
-                zero = module.scheme.symmetric_zero if module.zeros is None else tensors[f"{module_name}.zeros"].repeat_interleave(module.in_features // module.zeros.shape[1], dim=1)
+            zero = zero_codes(module, None if module.zeros is None else tensors[f"{module_name}.zeros"]) if entry["codes"] else 0.0
             tensors[key] = decode_bitmask(bitmask, nonzeros, entry["shape"], zero, entry["bits"], entry["codes"])
         except (KeyError, AttributeError, ValueError, RuntimeError) as error:
             raise SlimlmError(f"artifact '{path}': the sparse tensor {key} cannot be rebuilt ({error}); re-export the artifact") from None

@@ -12,7 +12,7 @@ counts what the artifact would write), so both agree on every byte.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, Union
+from typing import Iterator, Optional, Union
 
 import torch
 from torch import nn
@@ -47,11 +47,13 @@ class SparseCandidate:
         return min(self.dense_bytes(), self.bitmask_bytes(self.nonzero))
 
 
-def zero_codes(layer: QuantLinear) -> Union[torch.Tensor, int]:
-    """The code of 0.0 in each position: the fixed symmetric zero, or each group's zero point."""
-    if layer.zeros is None:
+def zero_codes(layer: QuantLinear, zeros: Optional[torch.Tensor] = None) -> Union[torch.Tensor, int]:
+    """The code of 0.0 in each position: the fixed symmetric zero, or each group's zero point
+    (from `zeros` when given: the layer's zero points read from a file, not yet loaded into it)."""
+    zeros = layer.zeros if zeros is None else zeros
+    if zeros is None:
         return layer.scheme.symmetric_zero
-    return layer.zeros.repeat_interleave(layer.in_features // layer.zeros.shape[1], dim=1)
+    return zeros.repeat_interleave(layer.in_features // zeros.shape[1], dim=1)
 
 
 def sparse_candidates(model: nn.Module) -> Iterator[SparseCandidate]:
