@@ -25,7 +25,7 @@ from slimlm.inference.decoder import Decoder
 from slimlm.inference.sampling import SamplingParams
 from slimlm.rundir import machine_info
 
-from benchlib import command_line, write_result
+from benchlib import command_line, machine_line, write_result
 from decode_cpu import load_default, quantized_copy
 
 BATCHES = (1, 2, 4, 8, 16)
@@ -84,7 +84,7 @@ def main() -> None:
         "# batching_cpu",
         "",
         f"- command: `{command}`",
-        f"- machine: {machine['processor']}, {machine['cpu_count']} CPUs, {options.threads} threads; torch {machine['torch']}; {summary['seconds'] / 60:.1f} min",
+        machine_line(machine, f"{options.threads} threads", summary["seconds"]),
         f"- default model, int4 g64 RTN (head too), bundled decoder, bf16 activations, eager (no compiled step); 16-token prompts; static batches decode {options.new_tokens} new tokens each",
         "- continuous: 16 requests sent at once, 32 to 128 new tokens each, 8 cache rows: a request takes a row when one frees, prefills, and joins the running batch at the next step",
         "",

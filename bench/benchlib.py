@@ -65,6 +65,12 @@ def write_result(name: str, command: str, record: dict, lines: list[str], notes:
     (RESULTS / f"{name}.md").write_text("\n".join(lines))
 
 
+def machine_line(machine: dict, threads: str, seconds: float) -> str:
+    """The `- machine:` line of a CPU benchmark's markdown: processor, CPUs, `threads` as the
+    benchmark words them, torch, and how long the run took."""
+    return f"- machine: {machine['processor']}, {machine['cpu_count']} CPUs, {threads}; torch {machine['torch']}; {seconds / 60:.1f} min"
+
+
 def llama_cpp_bytes(path: Path, config, cache_bytes_per_value: float) -> tuple[int, float]:
     """What llama.cpp reads per decoded token of the GGUF at `path`: the bytes of all its tensors,
     and its key/value cache's bytes per slot (`cache_bytes_per_value`: 2 for f16, 34/32 for q8_0)."""

@@ -45,7 +45,7 @@ from slimlm.models import load_model, resolve_model
 from slimlm.pipeline import RunState
 from slimlm.rundir import machine_info
 
-from benchlib import REPO, RESULTS, check_llama_cpp, command_line, llama_cpp_bytes, default_model_cfg, wikitext_ids, write_result
+from benchlib import REPO, RESULTS, check_llama_cpp, command_line, default_model_cfg, llama_cpp_bytes, machine_line, wikitext_ids, write_result
 
 RUNS = REPO / "bench" / "runs" / "decode_cpu"
 SCHEMES = {"int8": dict(bits=8), "int4 g64": dict(bits=4, group_size=64)}
@@ -283,7 +283,7 @@ def markdown(rows: list[dict], summary: dict, command: str, kernels: list[dict])
         "# decode_cpu",
         "",
         f"- command: `{command}`",
-        f"- machine: {machine['processor']}, {machine['cpu_count']} CPUs, {summary['threads']} threads for every row; torch {machine['torch']}; {summary['seconds'] / 60:.1f} min",
+        machine_line(machine, f"{summary['threads']} threads for every row", summary["seconds"]),
         f"- batch 1, a {summary['prompt_tokens']}-token prompt, exactly {summary['new_tokens']} new tokens (greedy), median of {summary['repeats']} rounds after a warm-up, every row decoding once per round (interleaved)",
         f"- memory bandwidth (eval/bandwidth.py, one-thread-per-core read, measured at the start of this run): {summary['bandwidth_bytes_s'] / 1e9:.1f} GB/s; bytes per token = weights read per step + KV cache at the mean context",
         f"- the processor's largest cache: {cache_cell(machine)}; weights that fit in it partly come from it, so a row can read faster than memory (bandwidth used above 100%)",

@@ -38,7 +38,7 @@ from slimlm.eval.speed import benchmark_prompt
 from slimlm.inference import cpu_kernels
 from slimlm.rundir import machine_info
 
-from benchlib import RESULTS, command_line, write_result
+from benchlib import RESULTS, command_line, machine_line, write_result
 from decode_cpu import DECODE_OPTIONS, SCHEMES, add_decode_options, load_default, quantized_copy, slimlm_contender, write_plot
 
 MARK = "decode_cpu_isa result: "
@@ -149,7 +149,7 @@ def markdown(rows: list[dict], summary: dict, command: str) -> list[str]:
         "# decode_cpu_isa",
         "",
         f"- command: `{command}`",
-        f"- machine: {machine['processor']}, {machine['cpu_count']} CPUs, {summary['threads']} threads; torch {machine['torch']}; {summary['seconds'] / 60:.1f} min",
+        machine_line(machine, f"{summary['threads']} threads", summary["seconds"]),
         f"- default model, int4 g64 RTN or int8 RTN per channel (decoder Linears and tied head), batch 1, a {summary['prompt_tokens']}-token prompt, exactly {summary['new_tokens']} new tokens (greedy), decode step compiled; "
         f"median of {summary['passes']} passes x {summary['repeats']} decodes, one process per row and pass, rows taking turns",
         "- a row limited to AVX2 runs with ATEN_CPU_CAPABILITY=avx2 (torch's own kernels use 256-bit vectors; the compiled step's generated code does in every row) and, for slimlm's kernel, SLIMLM_CPU_ISA naming its build; "

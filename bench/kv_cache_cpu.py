@@ -41,7 +41,7 @@ from slimlm.inference.decoder import Decoder
 from slimlm.models import resolve_model
 from slimlm.rundir import machine_info
 
-from benchlib import RESULTS, check_llama_cpp, command_line, llama_cpp_bytes, wikitext_ids, write_result
+from benchlib import RESULTS, check_llama_cpp, command_line, llama_cpp_bytes, machine_line, wikitext_ids, write_result
 from decode_cpu import cache_cell, llama_cpp_file, load_default, quantized_copy, step_logprobs
 
 # slimlm rows: the cache's dtype and whether decode steps attend in slimlm's kernel
@@ -209,7 +209,7 @@ def markdown(rows: list[dict], summary: dict, command: str) -> list[str]:
         "# kv_cache_cpu",
         "",
         f"- command: `{command}`",
-        f"- machine: {machine['processor']}, {machine['cpu_count']} CPUs, {summary['threads']} threads for every row; torch {machine['torch']}; {summary['seconds'] / 60:.1f} min",
+        machine_line(machine, f"{summary['threads']} threads for every row", summary["seconds"]),
         f"- batch 1, a prompt of the context's length (WikiText-2 test), exactly {summary['new_tokens']} new tokens (greedy), median of {summary['repeats']} rounds after a warm-up, every row decoding once per round (interleaved)",
         f"- memory bandwidth (eval/bandwidth.py, measured at the start of this run): {summary['bandwidth_bytes_s'] / 1e9:.1f} GB/s; the processor's largest cache: {cache_cell(machine)}",
         "- bytes per token: weights read per step + the cache up to the mean context (llama.cpp: f16, 2 bytes a value; q8_0, 34 bytes per 32)",

@@ -29,7 +29,7 @@ from slimlm.eval.speed import benchmark_prompt
 from slimlm.models import load_model
 from slimlm.rundir import machine_info
 
-from benchlib import REPO, RESULTS, command_line, default_model_cfg, shared_data_cfg, wikitext_ids, write_result
+from benchlib import REPO, RESULTS, command_line, default_model_cfg, machine_line, shared_data_cfg, wikitext_ids, write_result
 from decode_cpu import time_slimlm
 
 RUNS = REPO / "bench" / "runs" / "prune_default"
@@ -109,7 +109,7 @@ def markdown(rows: list[dict], summary: dict, command: str) -> list[str]:
         "# prune_default",
         "",
         f"- command: `{command}`",
-        f"- machine: {machine['processor']}, {machine['cpu_count']} CPUs, {summary['threads']} threads; torch {machine['torch']}; {summary['seconds'] / 60:.1f} min",
+        machine_line(machine, f"{summary['threads']} threads", summary["seconds"]),
         f"- perplexity: the first {summary['windows']} windows of {summary['window']} tokens of WikiText-2 test ({tokens:,} tokens scored), before any training",
         f"- decode: the bundled decoder, fp32 weights and activations, eager, batch 1, a {summary['prompt_tokens']}-token prompt, {summary['new_tokens']} new tokens, median of {summary['repeats']} runs",
         "",

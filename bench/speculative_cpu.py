@@ -24,7 +24,7 @@ from slimlm.inference.sampling import SamplingParams
 from slimlm.inference.speculative import generate_speculative
 from slimlm.rundir import machine_info
 
-from benchlib import command_line, write_result
+from benchlib import command_line, machine_line, write_result
 from decode_cpu import load_default, quantized_copy
 
 PASSAGE = (
@@ -93,7 +93,7 @@ def main() -> None:
         "",
         f"- command: `{command}`",
         f"- the same prompts with the other weights: `{'speculative_cpu_fp32.md' if options.weights == 'int8' else 'speculative_cpu.md'}` (`--weights {'fp32' if options.weights == 'int8' else 'int8'}`)",
-        f"- machine: {machine['processor']}, {machine['cpu_count']} CPUs, {options.threads} threads; torch {machine['torch']}; {summary['seconds'] / 60:.1f} min",
+        machine_line(machine, f"{options.threads} threads", summary["seconds"]),
         f"- default model, {WEIGHTS[options.weights]} in the bundled decoder, eager; greedy, up to {options.new_tokens} new tokens, chat template; "
         f"prompt lookup with n-grams of 3 down to 2 tokens and {options.lookahead} guesses per pass; median of {options.repeats} runs",
         "",
