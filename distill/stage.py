@@ -31,7 +31,7 @@ from slimlm.distill.train import Trainer, TrainSettings
 from slimlm.errors import ConfigError, SlimlmError
 from slimlm.models import load_model
 from slimlm.pipeline import RunState, Stage
-from slimlm.qlinear import QuantLinear
+from slimlm.qlinear import QuantEmbedding, QuantLinear, set_submodule
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -120,6 +120,8 @@ def run(state: RunState, params: DistillParams) -> None:
         accelerator.init_trackers("distill")
     if params.student is not None:
         state.adopt(load_model(OmegaConf.merge(state.cfg.model, {"path": params.student, "bnb": None}), state.device), f"student {params.student}")
+    if params.lora_rank is not None:
+        check_lora_targets(state.model, params.lora_targets)  # before the teacher's cache is computed
     teacher_cfg = state.original_model_cfg() if params.teacher is None else OmegaConf.merge(state.cfg.model, {"path": params.teacher, "bnb": None})
     teacher = None if params.loss == "ce" and not params.draft_prompts else load_model(teacher_cfg, state.device)
     if teacher is not None:
@@ -189,10 +191,29 @@ def with_lora(model, params: DistillParams):
         return get_peft_model(model, config)
 
 
+def check_lora_targets(model, targets: List[str]) -> None:
+    """Refuse an adapter on a quantized LM head tied to the embedding: the embedding reads the
+    head's codes alone, so the two would part."""
+    embedding = model.get_input_embeddings()
+    if not isinstance(embedding, QuantEmbedding):
+        return
+    head = next(name for name, module in model.named_modules() if module is embedding.head)
+    if any(head == target or head.endswith(f".{target}") for target in targets):  # peft matches names by suffix
+        raise ConfigError(f"distill.lora_targets names the LM head ({head}), which is quantized and tied to the embedding: an adapter there would part the two; leave it out")
+
+
 def finish_lora(model):
-    """Merge the adapters into float weights; on quantized layers keep them beside the codes."""
-    if any(isinstance(m, QuantLinear) for m in model.modules()):
-        return model.get_base_model()
+    """The plain model back from peft: adapters merged into float weights; on quantized layers
+    handed to the QuantLinear, which keeps them beside its codes (the artifact stores them there
+    and the decoder runs them as a low-rank branch)."""
+    from peft.tuners.lora.layer import Linear as LoraLinear
+
+    for name, module in list(model.named_modules()):
+        if isinstance(module, LoraLinear) and isinstance(module.base_layer, QuantLinear):
+            (adapter,) = module.active_adapters
+            down, up = module.lora_A[adapter].weight, module.lora_B[adapter].weight
+            module.base_layer.add_adapter(down.detach(), up.detach() * module.scaling[adapter])
+            set_submodule(model, name, module.base_layer)
     return model.merge_and_unload()
 
 

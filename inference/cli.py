@@ -203,11 +203,13 @@ def plan_command(args: Sequence[str]) -> None:
         from slimlm.artifact import scheme_of
 
         schemes = {name: scheme_of(record) for name, record in manifest["modules"].items()}
+        adapter_ranks = {name: record.get("adapter_rank", 0) for name, record in manifest["modules"].items()}
     else:
+        adapter_ranks = None
         scheme = None if options.bits is None else QuantScheme(bits=options.bits, group_size=options.group_size)
         head = None if options.head_bits is None else QuantScheme(bits=options.head_bits, group_size=options.group_size if options.head_bits < 8 else None)
         schemes = uniform_schemes(model_args, scheme, head)
-    plan = make_plan(model_args, schemes, HARDWARE[options.hardware], options.context, options.batch, int8_activations=options.int8_activations, kv_int8=options.kv_cache == "int8", gpu_int4=options.gpu_int4)
+    plan = make_plan(model_args, schemes, HARDWARE[options.hardware], options.context, options.batch, int8_activations=options.int8_activations, kv_int8=options.kv_cache == "int8", gpu_int4=options.gpu_int4, adapter_ranks=adapter_ranks)
     print(format_plan(plan, options.model))
 
 

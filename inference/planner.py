@@ -151,18 +151,34 @@ class Plan:
         return 1 / seconds
 
 
-def budget(args: ModelArgs, schemes: dict[str, QuantScheme], hardware: Hardware, context: int, batch: int, prefill_chunk: int = 512, int8_activations: bool = False, kv_int8: bool = False, gpu_int4: str = "tinygemm") -> Budget:
+FUSED = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",), ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",))
+
+
+def adapter_bytes(shapes: list[tuple[int, int]], schemes: list[Optional[QuantScheme]], ranks: list[int], element_bytes: int) -> int:
+    """The LoRA adapters of layers that read one input (inference/linear.py): one adapter of the
+    ranks' sum, its up-projection a block diagonal, when the layers fuse (one quantized scheme);
+    otherwise each its own."""
+    if len(set(schemes)) == 1 and schemes[0] is not None:
+        rank = sum(ranks)
+        return (rank * shapes[0][1] + sum(out for out, _ in shapes) * rank) * element_bytes
+    return sum(rank * (out + inp) * element_bytes for (out, inp), rank in zip(shapes, ranks))
+
+
+def budget(args: ModelArgs, schemes: dict[str, QuantScheme], hardware: Hardware, context: int, batch: int, prefill_chunk: int = 512, int8_activations: bool = False, kv_int8: bool = False, gpu_int4: str = "tinygemm", adapter_ranks: Optional[dict[str, int]] = None) -> Budget:
     """The decoder's bytes for this model on this hardware. `schemes` maps module names
     (`model.layers.0.self_attn.q_proj`, `lm_head`) to schemes; absent modules stay float.
     `int8_activations` (CPU): int4 and int8 layers run in slimlm's int8-activation kernels, whose
     layout a tied head's embedding reads row by row (no second table). `kv_int8`: the cache holds int8
     codes and a float32 scale per head and slot, and a step reads one layer's cache dequantized.
     `gpu_int4="triton"` (GPU): int4 layers keep their stored packing (inference/gpu_kernels.py),
-    a tied head serves as the embedding, and a prefill chunk dequantizes one layer at a time."""
+    a tied head serves as the embedding, and a prefill chunk dequantizes one layer at a time.
+    `adapter_ranks`: the rank of the LoRA adapter beside each quantized layer that has one."""
+    adapter_ranks = adapter_ranks or {}
     matvec = hardware.device == "cuda" and gpu_int4 == "triton"
     int8_kernels = int8_activations and hardware.device == "cpu"
     act_bytes = 2  # bf16/fp16 activations: the fast path of every packed kernel
     float_kv = act_bytes if hardware.device == "cuda" else 4  # the CPU cache is fp32 (inference/model.py)
+    adapter_element = act_bytes if hardware.device == "cuda" else 4  # CPU adapters run in fp32 (inference/linear.py)
     per_slot = args.n_kv_heads * (args.head_dim + 4 if kv_int8 else args.head_dim * float_kv)  # bytes of one slot's keys
     q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
     shapes = {"self_attn.q_proj": (q, args.dim), "self_attn.k_proj": (kv, args.dim), "self_attn.v_proj": (kv, args.dim), "self_attn.o_proj": (args.dim, q),
@@ -174,9 +190,14 @@ def budget(args: ModelArgs, schemes: dict[str, QuantScheme], hardware: Hardware,
             total += linear_bytes(out_features, in_features, schemes.get(f"model.layers.{index}.{name}"), act_bytes, matvec, int8_kernels)
             if args.qkv_bias and name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
                 total += out_features * act_bytes
+        for group in FUSED:
+            names = [f"model.layers.{index}.{name}" for name in group]
+            ranks = [adapter_ranks.get(name, 0) for name in names]
+            total += adapter_bytes([shapes[name] for name in group], [schemes.get(name) for name in names], ranks, adapter_element)
         layers.append(total)
     head_scheme = schemes.get("lm_head")
     head = linear_bytes(args.vocab_size, args.dim, head_scheme, act_bytes, matvec, int8_kernels)
+    head += adapter_bytes([(args.vocab_size, args.dim)], [head_scheme], [adapter_ranks.get("lm_head", 0)], adapter_element)
     if not args.tie_embeddings:
         table = args.vocab_size * args.dim * act_bytes
     elif int8_kernels and cpu_kernels.fits(head_scheme, args.vocab_size, args.dim):
@@ -203,13 +224,13 @@ def budget(args: ModelArgs, schemes: dict[str, QuantScheme], hardware: Hardware,
     return Budget(layers, head, table, args.dim * act_bytes, kv_cache, hidden + logits, hardware.reserve_bytes, transit_bytes=transit)
 
 
-def make_plan(args: ModelArgs, schemes: dict[str, QuantScheme], hardware: Hardware, context: int, batch: int = 1, int8_activations: bool = False, kv_int8: bool = False, gpu_int4: str = "tinygemm") -> Plan:
+def make_plan(args: ModelArgs, schemes: dict[str, QuantScheme], hardware: Hardware, context: int, batch: int = 1, int8_activations: bool = False, kv_int8: bool = False, gpu_int4: str = "tinygemm", adapter_ranks: Optional[dict[str, int]] = None) -> Plan:
     """The first plan that fits (see the module docstring), or SlimlmError with the numbers."""
     if context < 1 or batch < 1:
         raise SlimlmError(f"context ({context}) and batch ({batch}) must be at least 1")
     if context > args.max_position_embeddings:
         raise SlimlmError(f"a context of {context} is longer than the model's {args.max_position_embeddings}")
-    full = budget(args, schemes, hardware, context, batch, int8_activations=int8_activations, kv_int8=kv_int8, gpu_int4=gpu_int4)
+    full = budget(args, schemes, hardware, context, batch, int8_activations=int8_activations, kv_int8=kv_int8, gpu_int4=gpu_int4, adapter_ranks=adapter_ranks)
     plan = Plan(hardware, context, batch, full, "device")
     if plan.device_bytes() <= hardware.memory_bytes:
         return plan
@@ -227,7 +248,7 @@ def make_plan(args: ModelArgs, schemes: dict[str, QuantScheme], hardware: Hardwa
     shorter = context
     while shorter > 256:
         shorter //= 2
-        candidate = budget(args, schemes, hardware, shorter, batch, int8_activations=int8_activations, kv_int8=kv_int8, gpu_int4=gpu_int4)
+        candidate = budget(args, schemes, hardware, shorter, batch, int8_activations=int8_activations, kv_int8=kv_int8, gpu_int4=gpu_int4, adapter_ranks=adapter_ranks)
         plan = Plan(hardware, shorter, batch, candidate, "shorter-context", table_on_host=host_table, notes=list(table_note))
         if plan.device_bytes() <= hardware.memory_bytes:
             plan.notes.append(f"the context is capped at {shorter} tokens (of {context} asked)")

@@ -5,7 +5,9 @@
                        results, a size account, and the sha256 and size of every other file
     model.safetensors  quantized layers as `<module>.qweight` (b-bit codes packed 8 per b bytes,
                        see slimlm.packing), `<module>.scales` (fp16, one per group) and, for
-                       asymmetric schemes, `<module>.zeros` (uint8 zero points); every other
+                       asymmetric schemes, `<module>.zeros` (uint8 zero points) and, where
+                       LoRA trained an adapter on the frozen codes, `<module>.lora_a` [rank, in]
+                       and `<module>.lora_b` [out, rank] (scale included); every other
                        tensor as it was; a tied LM head is stored once (quantized, the embedding
                        reads its codes); a sparse weight or code matrix as `<key>.bitmask` and
                        `<key>.nonzeros` where that is smaller (slimlm.sparse_storage)
@@ -34,7 +36,7 @@ from slimlm.rundir import staged_directory
 from slimlm.sparse_storage import decode_bitmask, encode_bitmask, sparse_candidates, zero_codes
 
 FORMAT = "slimlm"
-FORMAT_VERSION = 4  # 4: bitmask storage of sparse weights; 3: module shapes, packing, sparsity and a size account; 2: packed codes with group scales
+FORMAT_VERSION = 5  # 5: low-rank adapters beside quantized layers; 4: bitmask storage of sparse weights; 3: module shapes, packing, sparsity and a size account; 2: packed codes with group scales
 OLDEST_READABLE = 2
 PACKING = "lsb-8"  # slimlm.packing: 8 codes fill `bits` bytes, code i at bits [i*b, (i+1)*b)
 SCHEME_FIELDS = tuple(QuantScheme.__dataclass_fields__)
@@ -141,7 +143,8 @@ def _module_record(name: str, layer: QuantLinear, scheme: dict, sparse: dict[str
     how its codes are packed and stored, and its sparsity (the fraction of weights exactly zero)."""
     sparsity = (layer.codes() == zero_codes(layer)).float().mean().item()
     storage = "bitmask" if f"{name}.qweight" in sparse else "dense"
-    return {**scheme, "shape": [layer.out_features, layer.in_features], "packing": PACKING, "storage": storage, "sparsity": round(sparsity, 6)}
+    adapter = {"adapter_rank": layer.adapter_rank} if layer.adapter_rank else {}
+    return {**scheme, "shape": [layer.out_features, layer.in_features], "packing": PACKING, "storage": storage, "sparsity": round(sparsity, 6), **adapter}
 
 
 def _size_account(model, tensors: dict[str, torch.Tensor], staging: Path) -> dict:
@@ -219,7 +222,8 @@ def model_skeleton(path: Path, manifest: dict, meta: bool = False):
                 raise SlimlmError(f"artifact '{path}': manifest gives {name} the shape {list(shape)}, config.json gives {[linear.out_features, linear.in_features]}; re-export the artifact")
             if record.get("packing", PACKING) != PACKING:
                 raise SlimlmError(f"artifact '{path}': {name} is packed as '{record['packing']}', which this slimlm does not read (it reads '{PACKING}')")
-            set_submodule(model, name, QuantLinear(linear.in_features, linear.out_features, scheme_of(record), bias=linear.bias is not None))
+            layer = QuantLinear(linear.in_features, linear.out_features, scheme_of(record), bias=linear.bias is not None, adapter_rank=record.get("adapter_rank", 0))
+            set_submodule(model, name, layer)
         if manifest.get("tied_word_embeddings") and isinstance(model.get_output_embeddings(), QuantLinear):
             tie_quantized_head(model)  # the embedding reads the head's codes; nothing of its own to load
     return model

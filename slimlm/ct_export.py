@@ -81,6 +81,12 @@ def export_compressed(model: nn.Module, tokenizer: Any, path: Path, dtype: str) 
     quantized = {name: module for name, module in model.named_modules() if isinstance(module, QuantLinear)}
     if not quantized:
         raise SlimlmError("the compressed-tensors export needs a quantized model: add a quantize stage before it (or use export.format=hf)")
+    adapted = sorted(name for name, layer in quantized.items() if layer.adapter_rank)
+    if adapted:
+        raise SlimlmError(
+            f"the compressed-tensors export has no place for the LoRA adapters beside {len(adapted)} quantized layers (e.g. {adapted[0]}): "
+            "export format=slimlm (keeps them; the bundled decoder runs them) or format=hf (merged into dequantized weights)"
+        )
     asymmetric = sorted(name for name, layer in quantized.items() if not layer.scheme.symmetric)
     if asymmetric:
         raise SlimlmError(

@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 
 from slimlm.artifact import MANIFEST, load_artifact, save_artifact
 from slimlm.ct_export import export_compressed
-from slimlm.errors import ConfigError, SlimlmError
+from slimlm.errors import ConfigError
 from slimlm.gguf_export import ARCHITECTURES, GGUF_TYPES, export_gguf
 from slimlm.hf_export import export_hf
 from slimlm.models import DTYPES, load_model
@@ -52,12 +52,6 @@ class ExportParams:
 
 
 def run(state: RunState, params: ExportParams) -> None:
-    adapters = [name for name, module in state.model.named_modules() if type(module).__module__.startswith("peft.")]
-    if adapters:
-        raise SlimlmError(
-            f"the model carries LoRA adapters beside quantized layers ({adapters[0]}, ...): no export format holds them yet; "
-            "evaluate it in the run, or distill a float student and quantize it afterwards"
-        )
     if params.format != "slimlm":
         export_file(state, params)
         return

@@ -10,7 +10,8 @@ so what GPTQ or AWQ chose reaches llama.cpp unchanged:
                                                        (m = -d * zero, rounded to fp16)
 
 A quantized layer on another grid (another group size, more bits) would lose what its method
-chose if rounded again, so it is refused unless `requantize` allows it. Float tensors are
+chose if rounded again, so it is refused unless `requantize` allows it; so is a layer with a
+LoRA adapter beside its codes (W + B A lies on no grid). Float tensors are
 rounded to the type by the gguf package's quantizer, as llama.cpp's converter does. The
 returned summary says which tensors were written exactly, rounded from float, re-quantized, or
 (for F16/F32 files) dequantized.
@@ -57,7 +58,14 @@ def export_gguf(model: nn.Module, tokenizer: Any, path: Path, gguf_type: str, so
         if chosen not in GGUF_TYPES:
             raise SlimlmError(f"unknown GGUF type '{chosen}'; choose one of {', '.join(GGUF_TYPES)}")
     types = _TypeChoice(gguf_type, head_type)
-    off_grid = [(name, value.scheme, types.of(name)) for name, value in _named_tensors(model) if isinstance(value, QuantLinear) and not on_grid(value.scheme, types.of(name))]
+    layers = [(name, value) for name, value in _named_tensors(model) if isinstance(value, QuantLinear)]
+    adapted = [name for name, value in layers if value.adapter_rank and types.of(name) in GRIDS]
+    if adapted and not requantize:
+        raise SlimlmError(
+            f"GGUF {types.of(adapted[0])} has no place for the LoRA adapters beside {len(adapted)} quantized layer(s) (e.g. {adapted[0]}): "
+            "allow merging them into the weights and rounding again with requantize=true, or export format=slimlm (keeps them)"
+        )
+    off_grid = [(name, value.scheme, types.of(name)) for name, value in layers if not on_grid(value.scheme, types.of(name))]
     if off_grid and not requantize and any(kind in GRIDS for *_, kind in off_grid):
         name, scheme, kind = off_grid[0]
         raise SlimlmError(
@@ -234,14 +242,14 @@ def _encode(value, gguf_type: str, heads: Optional[int]) -> tuple[np.ndarray, An
     """The bytes (or floats) of one tensor, its GGML type and whether it was written exactly."""
     import gguf
 
-    if isinstance(value, QuantLinear) and on_grid(value.scheme, gguf_type):
+    if isinstance(value, QuantLinear) and not value.adapter_rank and on_grid(value.scheme, gguf_type):
         bits, symmetric = GRIDS[gguf_type]
         codes = value.codes() + (2 ** (bits - 1) - value.scheme.symmetric_zero if symmetric else 0)  # same values, wider range
         codes = _permute_rows(codes, heads)
         scales = _permute_rows(value.scales, heads)
         zeros = None if value.zeros is None else _permute_rows(value.zeros, heads)
         return _blocks(codes, scales, zeros, gguf_type), gguf.GGMLQuantizationType[gguf_type], "exact"
-    weight = value.dequantize() if isinstance(value, QuantLinear) else value
+    weight = value.merged_weight() if isinstance(value, QuantLinear) else value
     weight = _permute_rows(weight.detach().float().cpu(), heads)
     array = weight.numpy()
     if array.ndim == 1 or gguf_type in ("F32", "F16"):

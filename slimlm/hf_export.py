@@ -1,6 +1,7 @@
 """Hugging Face export: a plain checkpoint that `AutoModelForCausalLM.from_pretrained` loads.
 
-Every quantized layer is dequantized into an ordinary weight in the chosen dtype, so the
+Every quantized layer is dequantized into an ordinary weight in the chosen dtype (a LoRA adapter
+trained beside its codes merged in: W + B A), so the
 checkpoint runs anywhere transformers (or vLLM, or any tool that reads HF checkpoints) runs,
 at the size of that dtype: the rounding slimlm chose is kept, the memory savings are not.
 """
@@ -30,11 +31,12 @@ def plain_tensors(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tenso
 
 
 def dequantized_state_dict(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The model's tensors under transformers' names, quantized layers as dequantized weights."""
+    """The model's tensors under transformers' names, quantized layers as dequantized weights
+    (adapters merged)."""
     tensors = plain_tensors(model, dtype)
     for name, layer in model.named_modules():
         if isinstance(layer, QuantLinear):
-            tensors[f"{name}.weight"] = layer.dequantize(dtype)
+            tensors[f"{name}.weight"] = layer.merged_weight(dtype)
             if layer.bias is not None:
                 tensors[f"{name}.bias"] = layer.bias.detach().to(dtype)
     embedding = model.get_input_embeddings()

@@ -6,6 +6,10 @@ Shared by `compress` (which fills them), the artifact format (which saves and lo
 A weight row is cut into groups of `group_size` input features (or one group per row); each
 group has an fp16 scale and, when asymmetric, an integer zero point. Codes are unsigned b-bit
 integers, W = (code - zero) * scale, with zero = 2**(b-1) for symmetric schemes.
+
+A layer may also carry a low-rank adapter trained on top of its frozen codes (LoRA, see
+distill/stage.py): y = x W^T + (x A^T) B^T + b. The adapter stays beside the codes because
+folding it into them would mean rounding the weight again.
 """
 
 from __future__ import annotations
@@ -61,7 +65,7 @@ class QuantLinear(nn.Module):
     correct everywhere and exact to the stored integers; the decoder swaps in packed kernels.
     """
 
-    def __init__(self, in_features: int, out_features: int, scheme: QuantScheme, bias: bool = False):
+    def __init__(self, in_features: int, out_features: int, scheme: QuantScheme, bias: bool = False, adapter_rank: int = 0):
         super().__init__()
         problem = scheme.shape_problem(in_features)
         if problem:
@@ -74,6 +78,8 @@ class QuantLinear(nn.Module):
         self.register_buffer("scales", torch.ones(out_features, groups, dtype=torch.float16))
         self.register_buffer("zeros", None if scheme.symmetric else torch.zeros(out_features, groups, dtype=torch.uint8))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        self.register_buffer("lora_a", torch.zeros(adapter_rank, in_features) if adapter_rank else None)
+        self.register_buffer("lora_b", torch.zeros(out_features, adapter_rank) if adapter_rank else None)
 
     @classmethod
     def from_codes(cls, codes: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor], scheme: QuantScheme, bias: Optional[torch.Tensor]) -> "QuantLinear":
@@ -86,6 +92,21 @@ class QuantLinear(nn.Module):
         if bias is not None:
             layer.bias.data = bias.detach().clone()
         return layer
+
+    @property
+    def adapter_rank(self) -> int:
+        return 0 if self.lora_a is None else self.lora_a.shape[0]
+
+    def add_adapter(self, down: torch.Tensor, up: torch.Tensor) -> None:
+        """Add the adapter y += (x down^T) up^T: down [rank, in], up [out, rank], LoRA's alpha /
+        rank scale already in `up`. A second adapter (a second LoRA run) stacks on the first:
+        their ranks add."""
+        if down.shape[1] != self.in_features or up.shape[0] != self.out_features or down.shape[0] != up.shape[1]:
+            raise ValueError(f"an adapter of shapes {tuple(down.shape)} and {tuple(up.shape)} does not fit a {self.out_features}x{self.in_features} layer")
+        down, up = down.detach(), up.detach()
+        if self.lora_a is not None:
+            down, up = torch.cat([self.lora_a, down.to(self.lora_a.dtype)]), torch.cat([self.lora_b, up.to(self.lora_b.dtype)], dim=1)
+        self.lora_a, self.lora_b = down.clone(), up.clone()
 
     def codes(self) -> torch.Tensor:
         return unpack_codes(self.qweight, self.scheme.bits)
@@ -101,13 +122,22 @@ class QuantLinear(nn.Module):
         weight = (codes - offset) * scales.to(dtype).unsqueeze(-1)
         return weight.view(qweight.shape[0], self.in_features)
 
+    def merged_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight the layer computes with: the codes' and, if any, the adapter's B A."""
+        weight = self.dequantize(dtype)
+        return weight if self.lora_a is None else weight + self.lora_b.to(dtype) @ self.lora_a.to(dtype)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.to(x.dtype)
-        return F.linear(x, self.dequantize(x.dtype), bias)
+        y = F.linear(x, self.dequantize(x.dtype), bias)
+        if self.lora_a is not None:
+            y = y + F.linear(F.linear(x, self.lora_a.to(x.dtype)), self.lora_b.to(x.dtype))
+        return y
 
     def extra_repr(self) -> str:
         s = self.scheme
-        return f"in_features={self.in_features}, out_features={self.out_features}, bits={s.bits}, group_size={s.group_size}, symmetric={s.symmetric}, method={s.method}"
+        adapter = f", adapter_rank={self.adapter_rank}" if self.lora_a is not None else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, bits={s.bits}, group_size={s.group_size}, symmetric={s.symmetric}, method={s.method}{adapter}"
 
 
 class QuantEmbedding(nn.Module):

@@ -1,0 +1,99 @@
+"""What a LoRA adapter beside quantized codes costs and buys at decode time, on CPU.
+
+A slimlm artifact whose quantized layers carry adapters (`recipe=w4-lora-recover`, exported by
+bench/lora_deploy.sh) is loaded twice: as it is, each adapter running as a low-rank branch
+beside its layer's kernel (inference/linear.py LowRankAdapter), and with the adapters dropped
+(the same codes alone, i.e. the GPTQ model before LoRA). Both run as decode_cpu's fastest rows:
+int8 activations (slimlm's int4 x int8 kernel), the decode step compiled (each new decoder shape
+compiles three graphs of about eight minutes each on 2 cores; Inductor's cache keeps them). Batch 1, a 16-token prompt, exactly 128 new tokens, median of interleaved rounds (as
+bench/decode_cpu.py), and the KL from the fp32 model to each row through its own decode step.
+Writes bench/results/lora_decode_cpu.{md,json,png}.
+
+    python bench/lora_decode_cpu.py --artifact bench/runs/lora_deploy/w4-lora-recover/artifact
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+
+from slimlm.artifact import load_artifact
+from slimlm.eval.bandwidth import memory_bandwidth
+from slimlm.eval.speed import benchmark_prompt
+from slimlm.qlinear import QuantLinear
+from slimlm.rundir import machine_info
+
+from benchlib import command_line, machine_line, write_result
+from decode_cpu import add_decode_options, eval_windows, load_default, race, slimlm_contender, write_plot
+
+
+def without_adapters(model):
+    """`model` with every quantized layer's adapter dropped (in place): its codes alone."""
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            module.lora_a = module.lora_b = None
+    return model
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--artifact", type=Path, required=True, help="a slimlm artifact whose quantized layers carry LoRA adapters")
+    add_decode_options(parser)
+    options = parser.parse_args()
+    torch.set_num_threads(options.threads)
+    started = time.perf_counter()
+    adapted = load_artifact(options.artifact)
+    ranks = sorted({record["adapter_rank"] for record in adapted.manifest["modules"].values() if record.get("adapter_rank")})
+    if not ranks:
+        parser.error(f"{options.artifact} holds no adapters: export a run of recipe=w4-lora-recover (bench/lora_deploy.sh)")
+    plain = without_adapters(load_artifact(options.artifact).model)
+    _, reference = load_default()
+    tokenizer = adapted.tokenizer
+    prompt = benchmark_prompt(tokenizer, options.prompt_tokens).tolist()
+    bandwidth = memory_bandwidth("cpu", refresh=True).bytes_per_s
+    windows = eval_windows(tokenizer)
+    with torch.inference_mode():
+        quality = (windows, torch.stack([torch.log_softmax(reference.model(ids[None]).logits[0].float(), dim=-1) for ids in windows]))
+    del reference
+    rank = "/".join(str(r) for r in ranks)
+    contenders = []
+    for name, model in ((f"slimlm w4 g64 GPTQ + LoRA r{rank}, int8 activations, compiled", adapted.model), ("slimlm w4 g64 GPTQ, adapters dropped, int8 activations, compiled", plain)):
+        print(f"preparing {name}", flush=True)
+        contenders.append(slimlm_contender(name, model, tokenizer, prompt, options, torch.bfloat16, compiled=True, int8_activations=True, quality=quality))
+    rows = race(contenders, options.repeats)
+    for row in rows:
+        row["bandwidth_fraction"] = row["decode_tok_s"] * row["bytes_per_token"] / bandwidth
+    rows[0]["speed_vs_without_adapters"] = rows[0]["decode_tok_s"] / rows[1]["decode_tok_s"]
+    summary = {"artifact": options.artifact.name, "adapter_ranks": ranks, "bandwidth_bytes_s": bandwidth, "prompt_tokens": options.prompt_tokens, "new_tokens": options.new_tokens, "repeats": options.repeats, "threads": options.threads, "seconds": time.perf_counter() - started}
+    command = command_line("lora_decode_cpu.py", parser, options)
+    write_plot(rows, "lora_decode_cpu", "Decode speed on CPU, w4 + LoRA artifact")
+    write_result("lora_decode_cpu", command, {"summary": summary, "rows": rows}, markdown(rows, summary, command))
+
+
+def markdown(rows: list[dict], summary: dict, command: str) -> list[str]:
+    def ratio(row: dict) -> str:
+        return f"{row['speed_vs_without_adapters']:.2f}x" if "speed_vs_without_adapters" in row else ""
+
+    return [
+        "# lora_decode_cpu",
+        "",
+        f"- command: `{command}`",
+        machine_line(machine_info(), f"{summary['threads']} threads", summary["seconds"]),
+        f"- batch 1, a {summary['prompt_tokens']}-token prompt, exactly {summary['new_tokens']} new tokens (greedy), median of {summary['repeats']} interleaved rounds after a warm-up",
+        f"- memory bandwidth (eval/bandwidth.py, measured at the start of this run): {summary['bandwidth_bytes_s'] / 1e9:.1f} GB/s; bytes per token = weights (adapters included) + KV cache at the mean context",
+        "- KL to fp32: mean per-token KL from the fp32 model to the row's logits over the last 128 tokens of each of the first 4 windows of 512 tokens of WikiText-2 test, through the row's own compiled decode step",
+        "",
+        "| decoder | decode tok/s | vs adapters dropped | weights MB | bandwidth used | KL to fp32 | kernels |",
+        "|---|---:|---:|---:|---:|---:|---|",
+        *[f"| {r['name']} | {r['decode_tok_s']:.1f} | {ratio(r)} | {r['weight_bytes'] / 1e6:.1f} | {100 * r['bandwidth_fraction']:.0f}% | {r['kl_mean']:.4f} | {', '.join(f'{k} x{v}' for k, v in r['kernels'].items())} |" for r in rows],
+        "",
+        "![lora_decode_cpu](lora_decode_cpu.png)",
+        "",
+    ]
+
+
+if __name__ == "__main__":
+    main()
