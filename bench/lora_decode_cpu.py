@@ -69,7 +69,7 @@ def main() -> None:
     rows[0]["speed_vs_without_adapters"] = rows[0]["decode_tok_s"] / rows[1]["decode_tok_s"]
     summary = {"artifact": options.artifact.name, "adapter_ranks": ranks, "bandwidth_bytes_s": bandwidth, "prompt_tokens": options.prompt_tokens, "new_tokens": options.new_tokens, "repeats": options.repeats, "threads": options.threads, "seconds": time.perf_counter() - started}
     command = command_line("lora_decode_cpu.py", parser, options)
-    write_plot(rows, "lora_decode_cpu", "Decode speed on CPU, w4 + LoRA artifact")
+    write_plot(rows, "lora_decode_cpu", "w4 + LoRA decode, CPU")
     write_result("lora_decode_cpu", command, {"summary": summary, "rows": rows}, markdown(rows, summary, command))
 
 
