@@ -34,10 +34,9 @@ from torch import nn
 
 from slimlm.inference import cpu_kernels, gpu_kernels
 from slimlm.packing import unpack_codes
-from slimlm.qlinear import QuantLinear
+from slimlm.qlinear import ADAPTER_BUFFERS, QuantLinear
 
 TINYGEMM_GROUPS = (32, 64, 128, 256)
-ADAPTER_KEYS = ("lora_a", "lora_b")
 INNER_K_TILES = 2
 
 
@@ -177,7 +176,7 @@ class DequantLinear(nn.Module):
     def __init__(self, layer: QuantLinear, dtype: torch.dtype, device: torch.device):
         super().__init__()
         self.layer = QuantLinear(layer.in_features, layer.out_features, layer.scheme, bias=layer.bias is not None).to(device)
-        self.layer.load_state_dict({key: value for key, value in layer.state_dict().items() if key not in ADAPTER_KEYS})  # an adapter runs beside: LowRankAdapter
+        self.layer.load_state_dict({key: value for key, value in layer.state_dict().items() if key not in ADAPTER_BUFFERS})  # an adapter runs beside: LowRankAdapter
         self.dtype = dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -294,7 +293,7 @@ class LowRankAdapter(nn.Module):
     def __init__(self, base: nn.Module, down: torch.Tensor, up: torch.Tensor, dtype: torch.dtype, device: torch.device):
         super().__init__()
         self.base = base
-        adapter_dtype = torch.float32 if torch.device(device).type == "cpu" else dtype
+        adapter_dtype = torch.float32 if device.type == "cpu" else dtype
         self.register_buffer("down", down.detach().to(device=device, dtype=adapter_dtype))
         self.register_buffer("up", up.detach().to(device=device, dtype=adapter_dtype))
 

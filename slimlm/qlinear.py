@@ -23,6 +23,8 @@ from torch import nn
 
 from slimlm.packing import PACKABLE_BITS, pack_codes, unpack_codes
 
+ADAPTER_BUFFERS = ("lora_a", "lora_b")  # a QuantLinear's adapter tensors, beside its codes
+
 
 @dataclass(frozen=True)
 class QuantScheme:
@@ -78,7 +80,7 @@ class QuantLinear(nn.Module):
         self.register_buffer("scales", torch.ones(out_features, groups, dtype=torch.float16))
         self.register_buffer("zeros", None if scheme.symmetric else torch.zeros(out_features, groups, dtype=torch.uint8))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
-        self.register_buffer("lora_a", torch.zeros(adapter_rank, in_features) if adapter_rank else None)
+        self.register_buffer("lora_a", torch.zeros(adapter_rank, in_features) if adapter_rank else None)  # ADAPTER_BUFFERS
         self.register_buffer("lora_b", torch.zeros(out_features, adapter_rank) if adapter_rank else None)
 
     @classmethod
