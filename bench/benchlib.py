@@ -6,10 +6,12 @@ from __future__ import annotations
 import argparse
 import json
 import signal
+import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -63,6 +65,18 @@ def write_result(name: str, command: str, record: dict, lines: list[str], notes:
     if notes_file.is_file():
         lines = [*lines, notes_file.read_text().strip(), ""]
     (RESULTS / f"{name}.md").write_text("\n".join(lines))
+
+
+def call_us(layer: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, calls: int = 100, blocks: int = 6) -> float:
+    """Median microseconds of one call of `layer` on `x` over `blocks` blocks of `calls` calls
+    (the first block a warm-up): a layer's time with its weights warm in cache."""
+    times = []
+    for _ in range(blocks):
+        start = time.perf_counter()
+        for _ in range(calls):
+            layer(x)
+        times.append((time.perf_counter() - start) / calls)
+    return 1e6 * statistics.median(times[1:])
 
 
 def machine_line(machine: dict, threads: str, seconds: float) -> str:

@@ -45,7 +45,7 @@ from slimlm.models import load_model, resolve_model
 from slimlm.pipeline import RunState
 from slimlm.rundir import machine_info
 
-from benchlib import REPO, RESULTS, check_llama_cpp, command_line, default_model_cfg, llama_cpp_bytes, machine_line, wikitext_ids, write_result
+from benchlib import REPO, RESULTS, call_us, check_llama_cpp, command_line, default_model_cfg, llama_cpp_bytes, machine_line, wikitext_ids, write_result
 
 RUNS = REPO / "bench" / "runs" / "decode_cpu"
 SCHEMES = {"int8": dict(bits=8), "int4 g64": dict(bits=4, group_size=64)}
@@ -145,15 +145,8 @@ def kernel_table(model, scheme: str) -> list[dict]:
         row = {"name": f"{scheme} {shape}"}
         for kernel, decoder in decoders.items():
             layer = pick(decoder)
-            x = torch.randn(1, layer.in_features, dtype=torch.bfloat16)
             row["out_features"], row["in_features"] = layer.out_features, layer.in_features
-            blocks = []
-            for _ in range(6):
-                start = time.perf_counter()
-                for _ in range(100):
-                    layer(x)
-                blocks.append((time.perf_counter() - start) / 100)
-            row[f"{kernel}_us"] = 1e6 * statistics.median(blocks[1:])
+            row[f"{kernel}_us"] = call_us(layer, torch.randn(1, layer.in_features, dtype=torch.bfloat16))
         table.append(row)
     return table
 

@@ -1,9 +1,12 @@
 """What a LoRA adapter beside quantized codes costs and buys at decode time, on CPU.
 
 A slimlm artifact whose quantized layers carry adapters (`recipe=w4-lora-recover`, exported by
-bench/lora_deploy.sh) is loaded twice: as it is, each adapter running as a low-rank branch
-beside its layer's kernel (inference/linear.py LowRankAdapter), and with the adapters dropped
-(the same codes alone, i.e. the GPTQ model before LoRA). Both run as decode_cpu's fastest rows:
+bench/lora_deploy.sh) is loaded twice: as it is, each adapter running inside its layer's
+int4 x int8 kernel call (inference/kernels/int8_activations_cpu.cpp), and with the adapters
+dropped (the same codes alone, i.e. the GPTQ model before LoRA). A second table times the
+first block's layers one call at a time: the codes alone, the adapter inside the kernel's call,
+and the adapter beside it as two float32 matmuls (LowRankAdapter, how the decoder runs adapters
+beside torch's kernels, and how it ran them beside this one before). Both run as decode_cpu's fastest rows:
 int8 activations (slimlm's int4 x int8 kernel), the decode step compiled (each new decoder shape
 compiles three graphs of about eight minutes each on 2 cores; Inductor's cache keeps them). Batch 1, a 16-token prompt, exactly 128 new tokens, median of interleaved rounds (as
 bench/decode_cpu.py), and the KL from the fp32 model to each row through its own decode step.
@@ -23,10 +26,12 @@ import torch
 from slimlm.artifact import load_artifact
 from slimlm.eval.bandwidth import memory_bandwidth
 from slimlm.eval.speed import benchmark_prompt
+from slimlm.inference.build import build_decoder
+from slimlm.inference.linear import LowRankAdapter, stacked_adapters
 from slimlm.qlinear import QuantLinear
 from slimlm.rundir import machine_info
 
-from benchlib import command_line, machine_line, write_result
+from benchlib import call_us, command_line, machine_line, write_result
 from decode_cpu import add_decode_options, eval_windows, load_default, race, slimlm_contender, write_plot
 
 
@@ -36,6 +41,23 @@ def without_adapters(model):
         if isinstance(module, QuantLinear):
             module.lora_a = module.lora_b = None
     return model
+
+
+@torch.inference_mode()
+def layer_table(adapted, plain) -> list[dict]:
+    """Batch-1 time of each of the first block's layers (bf16 activations, weights warm in cache):
+    the codes alone, the adapter inside the int8-activation kernel's call, the adapter beside it."""
+    inside, alone = (build_decoder(model, dtype=torch.bfloat16, int8_activations=True) for model in (adapted, plain))
+    attention, mlp = adapted.model.layers[0].self_attn, adapted.model.layers[0].mlp
+    layers = {"q/k/v": ((attention.q_proj, attention.k_proj, attention.v_proj), lambda d: d.layers[0].attention.qkv), "o": ((attention.o_proj,), lambda d: d.layers[0].attention.o_proj),
+              "gate/up": ((mlp.gate_proj, mlp.up_proj), lambda d: d.layers[0].feed_forward.gate_up), "down": ((mlp.down_proj,), lambda d: d.layers[0].feed_forward.down)}
+    rows = []
+    for name, (parts, pick) in layers.items():
+        down, up = stacked_adapters(parts)
+        beside = LowRankAdapter(pick(alone), down, up, torch.bfloat16, torch.device("cpu"))
+        x = torch.randn(1, down.shape[1], dtype=torch.bfloat16)
+        rows.append({"name": name, "out_features": up.shape[0], "in_features": down.shape[1], "rank": down.shape[0], "alone_us": call_us(pick(alone), x), "inside_us": call_us(pick(inside), x), "beside_us": call_us(beside, x)})
+    return rows
 
 
 def main() -> None:
@@ -64,16 +86,17 @@ def main() -> None:
         print(f"preparing {name}", flush=True)
         contenders.append(slimlm_contender(name, model, tokenizer, prompt, options, torch.bfloat16, compiled=True, int8_activations=True, quality=quality))
     rows = race(contenders, options.repeats)
+    layers = layer_table(adapted.model, plain)
     for row in rows:
         row["bandwidth_fraction"] = row["decode_tok_s"] * row["bytes_per_token"] / bandwidth
     rows[0]["speed_vs_without_adapters"] = rows[0]["decode_tok_s"] / rows[1]["decode_tok_s"]
     summary = {"artifact": options.artifact.name, "adapter_ranks": ranks, "bandwidth_bytes_s": bandwidth, "prompt_tokens": options.prompt_tokens, "new_tokens": options.new_tokens, "repeats": options.repeats, "threads": options.threads, "seconds": time.perf_counter() - started}
     command = command_line("lora_decode_cpu.py", parser, options)
     write_plot(rows, "lora_decode_cpu", "w4 + LoRA decode, CPU")
-    write_result("lora_decode_cpu", command, {"summary": summary, "rows": rows}, markdown(rows, summary, command))
+    write_result("lora_decode_cpu", command, {"summary": summary, "rows": rows, "layers": layers}, markdown(rows, summary, command, layers))
 
 
-def markdown(rows: list[dict], summary: dict, command: str) -> list[str]:
+def markdown(rows: list[dict], summary: dict, command: str, layers: list[dict]) -> list[str]:
     def ratio(row: dict) -> str:
         return f"{row['speed_vs_without_adapters']:.2f}x" if "speed_vs_without_adapters" in row else ""
 
@@ -91,6 +114,12 @@ def markdown(rows: list[dict], summary: dict, command: str) -> list[str]:
         *[f"| {r['name']} | {r['decode_tok_s']:.1f} | {ratio(r)} | {r['weight_bytes'] / 1e6:.1f} | {100 * r['bandwidth_fraction']:.0f}% | {r['kl_mean']:.4f} | {', '.join(f'{k} x{v}' for k, v in r['kernels'].items())} |" for r in rows],
         "",
         "![lora_decode_cpu](lora_decode_cpu.png)",
+        "",
+        "### One call per layer (the first block; bf16 activations, batch 1, weights warm in cache, median of 5 blocks of 100 calls)",
+        "",
+        "| layer | out x in | adapter rank | codes alone us | adapter inside the call us | adapter beside (2 fp32 matmuls) us | inside: extra us | beside: extra us |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+        *[f"| {r['name']} | {r['out_features']} x {r['in_features']} | {r['rank']} | {r['alone_us']:.1f} | {r['inside_us']:.1f} | {r['beside_us']:.1f} | {r['inside_us'] - r['alone_us']:.1f} | {r['beside_us'] - r['alone_us']:.1f} |" for r in layers],
         "",
     ]
 

@@ -205,7 +205,7 @@ def check_lora_targets(model, targets: List[str]) -> None:
 def finish_lora(model):
     """The plain model back from peft: adapters merged into float weights; on quantized layers
     handed to the QuantLinear, which keeps them beside its codes (the artifact stores them there
-    and the decoder runs them as a low-rank branch)."""
+    and the decoder runs them with its kernels)."""
     from peft.tuners.lora.layer import Linear as LoraLinear
 
     for name, module in list(model.named_modules()):

@@ -1,5 +1,6 @@
-"""slimlm's own CPU kernels (inference/kernels/): int4 or int8 weights times int8 activations,
-and a decode step's attention over an fp32 or int8 key/value cache.
+"""slimlm's own CPU kernels (inference/kernels/): int4 or int8 weights times int8 activations
+(with the layer's LoRA adapter, if it has one, in the same call), and a decode step's attention
+over an fp32 or int8 key/value cache.
 
 torch has no CPU kernel that multiplies 4-bit codes by integer activations, and the
 ecosystem's ones (torchao's da8w4, IPEX) ship no CPU build for this torch; torch's int8 kernel
@@ -143,7 +144,24 @@ def untile_groups(tiled: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return tiled[ids // TILE, :, ids % TILE]
 
 
-def _output_shape(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group_size: int) -> torch.Tensor:
+def pack_adapter(down: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A LoRA adapter y += B A x (down A [r, K], up B [N, r]) in the kernels' layout: A in
+    bf16; for each tile of 16 rows only the span of B's columns its rows use (a fused layer's
+    B is block-diagonal, one block per part), stored [count, 16] in bf16; and per tile (first
+    column, count, offset into the stored columns). bf16 halves the bytes each token reads; its
+    rounding (3 significant digits) is small beside the int4 codes' the adapter corrects."""
+    rows, rank = up.shape
+    spans, columns, offset = [], [], 0
+    for tile in up.detach().view(rows // TILE, TILE, rank):
+        used = tile.ne(0).any(0).nonzero().flatten().tolist()
+        first, count = (used[0], used[-1] + 1 - used[0]) if used else (0, 0)
+        columns.append(tile[:, first : first + count].t().reshape(-1))
+        spans.append((first, count, offset))
+        offset += count * TILE
+    return down.detach().to(torch.bfloat16).contiguous(), torch.cat(columns).to(torch.bfloat16), torch.tensor(spans, dtype=torch.int64)
+
+
+def _output_shape(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group_size: int, lora_down: Optional[torch.Tensor] = None, lora_up: Optional[torch.Tensor] = None, lora_tiles: Optional[torch.Tensor] = None) -> torch.Tensor:
     """What torch.compile traces in place of the kernel."""
     return x.new_empty(x.shape[0], packed.shape[0] * TILE)
 

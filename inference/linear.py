@@ -20,8 +20,9 @@
 Layers that read the same input (q/k/v, gate/up) are fused into one layer when their schemes
 agree: one kernel launch instead of three or two.
 
-A LoRA adapter trained beside a layer's codes runs as a low-rank branch next to its kernel
-(LowRankAdapter); fused layers fuse their adapters too (stacked_adapters).
+A LoRA adapter trained beside a layer's codes runs inside the int8-activation kernels' call;
+beside any other kernel as a low-rank branch (LowRankAdapter). Fused layers fuse their adapters
+too (stacked_adapters).
 """
 
 from __future__ import annotations
@@ -101,8 +102,9 @@ class Int4Linear(nn.Module):
 
 class Int8ActivationLinear(nn.Module):
     """int4 or int8 weights times activations rounded to int8 per block of 64 inputs (x86 CPUs
-    with AVX512-VNNI, AVX-VNNI or AVX2; inference/cpu_kernels.py). Its layout can be read row by
-    row, so a tied head also serves as the embedding table without a second copy."""
+    with AVX512-VNNI, AVX-VNNI or AVX2; inference/cpu_kernels.py), and the layer's LoRA adapter
+    in the same call. Its layout can be read row by row, so a tied head also serves as the
+    embedding table without a second copy."""
 
     def __init__(self, layer: QuantLinear, dtype: torch.dtype, device: torch.device):
         super().__init__()
@@ -116,6 +118,9 @@ class Int8ActivationLinear(nn.Module):
         self.register_buffer("scales", cpu_kernels.tile_groups(scales))
         self.register_buffer("offsets", cpu_kernels.tile_groups((zeros * scales.float()).to(torch.bfloat16)))
         self.register_buffer("bias", None if layer.bias is None else layer.bias.detach().to(device=device, dtype=dtype))
+        adapter = cpu_kernels.pack_adapter(layer.lora_a, layer.lora_b) if layer.adapter_rank else (None, None, None)
+        for name, value in zip(("lora_down", "lora_up", "lora_tiles"), adapter):
+            self.register_buffer(name, None if value is None else value.to(device))
 
     @staticmethod
     def supports(layer: QuantLinear, dtype: torch.dtype, device: torch.device) -> bool:
@@ -127,7 +132,7 @@ class Int8ActivationLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         matmul = getattr(torch.ops.slimlm, cpu_kernels.OPS[self.bits])
-        y = matmul(_as_2d(x).to(self.dtype), self.weight, self.scales, self.offsets, self.group_size)
+        y = matmul(_as_2d(x).to(self.dtype), self.weight, self.scales, self.offsets, self.group_size, self.lora_down, self.lora_up, self.lora_tiles)
         y = y.view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
@@ -325,14 +330,17 @@ def build_linear(layer: nn.Module, dtype: torch.dtype, device: torch.device, ker
         return Concat([build_linear(part, dtype, device, kernels, int8_activations, gpu_int4) for part in layer.parts])
     if isinstance(layer, QuantLinear):
         base = quantized_kernel(layer, dtype, device, kernels, int8_activations, gpu_int4)
-        return base if not layer.adapter_rank else LowRankAdapter(base, layer.lora_a, layer.lora_b, dtype, device)
+        if not layer.adapter_rank or isinstance(base, Int8ActivationLinear):  # that kernel runs the adapter itself
+            return base
+        return LowRankAdapter(base, layer.lora_a, layer.lora_b, dtype, device)
     if kernels and semi_sparse_fits(layer.weight, dtype, device):
         return SemiSparseLinear(layer.weight, layer.bias, dtype, device)
     return DenseLinear(layer.weight, layer.bias, dtype, device)
 
 
 def quantized_kernel(layer: QuantLinear, dtype: torch.dtype, device: torch.device, kernels: bool, int8_activations: bool, gpu_int4: str) -> nn.Module:
-    """The kernel layer for a QuantLinear's codes (an adapter is added beside by the caller)."""
+    """The kernel layer for a QuantLinear's codes (the caller adds an adapter beside the ones
+    that do not run it themselves)."""
     if kernels and gpu_int4 == "triton" and Int4MatvecLinear.supports(layer, dtype, device):
         return Int4MatvecLinear(layer, dtype, device)
     if kernels and int8_activations and Int8ActivationLinear.supports(layer, dtype, device):
@@ -350,5 +358,5 @@ def kernel_name(layer: nn.Module) -> str:
     if isinstance(layer, LowRankAdapter):
         return f"{kernel_name(layer.base)}+lora"
     if isinstance(layer, Int8ActivationLinear):
-        return f"int{layer.bits}-int8act"
+        return f"int{layer.bits}-int8act" + ("" if layer.lora_down is None else "+lora")
     return {Int4Linear: "int4-tinygemm", Int4MatvecLinear: "int4-triton", Int8Linear: "int8-pack", DequantLinear: "dequant", DenseLinear: "dense", SemiSparseLinear: "2:4-sparse"}[type(layer)]

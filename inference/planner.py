@@ -154,14 +154,23 @@ class Plan:
 FUSED = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",), ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",))
 
 
-def adapter_bytes(shapes: list[tuple[int, int]], schemes: list[Optional[QuantScheme]], ranks: list[int], element_bytes: int) -> int:
+def adapter_bytes(shapes: list[tuple[int, int]], schemes: list[Optional[QuantScheme]], ranks: list[int], element_bytes: int, int8_activations: bool = False) -> int:
     """The LoRA adapters of layers that read one input (inference/linear.py): one adapter of the
-    ranks' sum, its up-projection a block diagonal, when the layers fuse (one quantized scheme);
-    otherwise each its own."""
-    if len(set(schemes)) == 1 and schemes[0] is not None:
-        rank = sum(ranks)
-        return (rank * shapes[0][1] + sum(out for out, _ in shapes) * rank) * element_bytes
-    return sum(rank * (out + inp) * element_bytes for (out, inp), rank in zip(shapes, ranks))
+    ranks' sum when the layers fuse (one quantized scheme), otherwise each its own. Beside a
+    kernel its up-projection is a block diagonal of `element_bytes` values; inside the
+    int8-activation kernels (`int8_activations`, where the scheme fits) both factors are bf16,
+    each tile of 16 rows keeps only its own part's columns, and three int64 per tile say where."""
+    units = [(shapes, ranks, schemes[0])] if len(set(schemes)) == 1 and schemes[0] is not None else [([shape], [rank], scheme) for shape, rank, scheme in zip(shapes, ranks, schemes)]
+    total = 0
+    for unit_shapes, unit_ranks, scheme in units:
+        rank, width, rows = sum(unit_ranks), unit_shapes[0][1], sum(out for out, _ in unit_shapes)
+        if not rank:
+            continue
+        if int8_activations and cpu_kernels.fits(scheme, rows, width):
+            total += 2 * (rank * width + sum(r * out for (out, _), r in zip(unit_shapes, unit_ranks))) + 3 * 8 * rows // cpu_kernels.TILE
+        else:
+            total += rank * (width + rows) * element_bytes
+    return total
 
 
 def budget(args: ModelArgs, schemes: dict[str, QuantScheme], hardware: Hardware, context: int, batch: int, prefill_chunk: int = 512, int8_activations: bool = False, kv_int8: bool = False, gpu_int4: str = "tinygemm", adapter_ranks: Optional[dict[str, int]] = None) -> Budget:
@@ -178,7 +187,7 @@ def budget(args: ModelArgs, schemes: dict[str, QuantScheme], hardware: Hardware,
     int8_kernels = int8_activations and hardware.device == "cpu"
     act_bytes = 2  # bf16/fp16 activations: the fast path of every packed kernel
     float_kv = act_bytes if hardware.device == "cuda" else 4  # the CPU cache is fp32 (inference/model.py)
-    adapter_element = act_bytes if hardware.device == "cuda" else 4  # CPU adapters run in fp32 (inference/linear.py)
+    adapter_element = act_bytes if hardware.device == "cuda" else 4  # CPU adapters beside torch's kernels run in fp32 (inference/linear.py)
     per_slot = args.n_kv_heads * (args.head_dim + 4 if kv_int8 else args.head_dim * float_kv)  # bytes of one slot's keys
     q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
     shapes = {"self_attn.q_proj": (q, args.dim), "self_attn.k_proj": (kv, args.dim), "self_attn.v_proj": (kv, args.dim), "self_attn.o_proj": (args.dim, q),
@@ -193,11 +202,11 @@ def budget(args: ModelArgs, schemes: dict[str, QuantScheme], hardware: Hardware,
         for group in FUSED:
             names = [f"model.layers.{index}.{name}" for name in group]
             ranks = [adapter_ranks.get(name, 0) for name in names]
-            total += adapter_bytes([shapes[name] for name in group], [schemes.get(name) for name in names], ranks, adapter_element)
+            total += adapter_bytes([shapes[name] for name in group], [schemes.get(name) for name in names], ranks, adapter_element, int8_kernels)
         layers.append(total)
     head_scheme = schemes.get("lm_head")
     head = linear_bytes(args.vocab_size, args.dim, head_scheme, act_bytes, matvec, int8_kernels)
-    head += adapter_bytes([(args.vocab_size, args.dim)], [head_scheme], [adapter_ranks.get("lm_head", 0)], adapter_element)
+    head += adapter_bytes([(args.vocab_size, args.dim)], [head_scheme], [adapter_ranks.get("lm_head", 0)], adapter_element, int8_kernels)
     if not args.tie_embeddings:
         table = args.vocab_size * args.dim * act_bytes
     elif int8_kernels and cpu_kernels.fits(head_scheme, args.vocab_size, args.dim):

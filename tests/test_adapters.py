@@ -45,7 +45,9 @@ def test_finishing_hands_the_adapters_to_the_quantized_layers(tiny_model, tiny_t
 
 
 def test_the_artifact_keeps_the_adapters_and_the_decoder_runs_them(tiny_model, tiny_tokenizer, tmp_path):
-    state, ids, expected = adapted(tiny_model, tiny_tokenizer, tmp_path)
+    """Every decoder path: dequantized reference, torch's int4 kernel with the adapter beside it,
+    and (groups of 64) slimlm's int8-activation kernel with the adapter inside its call."""
+    state, ids, expected = adapted(tiny_model, tiny_tokenizer, tmp_path, group_size=64)
     path = save_artifact(state.model, tiny_tokenizer, tmp_path / "artifact", state.schemes, source={"id": "tiny"})
     loaded = load_artifact(path)
     assert loaded.manifest["modules"]["model.layers.0.mlp.down_proj"]["adapter_rank"] == 2
@@ -61,12 +63,14 @@ def test_the_artifact_keeps_the_adapters_and_the_decoder_runs_them(tiny_model, t
             logits = decoder(ids, 0, pad)
         tolerance = 0.05 if options.get("int8_activations") else 1e-4  # activations rounded to int8
         torch.testing.assert_close(logits, expected, rtol=tolerance, atol=tolerance)
-    decoder, manifest = load_decoder(path, dtype=torch.bfloat16)  # the planner's activation dtype
-    schemes = {name: scheme_of(record) for name, record in manifest["modules"].items()}
-    ranks = {name: record.get("adapter_rank", 0) for name, record in manifest["modules"].items()}
-    planned = budget(ModelArgs.from_hf_config(tiny_model.config), schemes, HARDWARE["cpu"], context=32, batch=2, adapter_ranks=ranks)
-    assert planned.weight_bytes == pytest.approx(decoder.weight_bytes(), rel=0.02)
-    assert planned.weight_bytes > budget(ModelArgs.from_hf_config(tiny_model.config), schemes, HARDWARE["cpu"], context=32, batch=2).weight_bytes
+    for int8_activations in (False, True) if cpu_kernels.available() else (False,):
+        decoder, manifest = load_decoder(path, dtype=torch.bfloat16, int8_activations=int8_activations)  # the planner's activation dtype
+        schemes = {name: scheme_of(record) for name, record in manifest["modules"].items()}
+        ranks = {name: record.get("adapter_rank", 0) for name, record in manifest["modules"].items()}
+        args = ModelArgs.from_hf_config(tiny_model.config)
+        planned = budget(args, schemes, HARDWARE["cpu"], context=32, batch=2, int8_activations=int8_activations, adapter_ranks=ranks)
+        assert planned.weight_bytes == pytest.approx(decoder.weight_bytes(), rel=0.02)
+        assert planned.weight_bytes > budget(args, schemes, HARDWARE["cpu"], context=32, batch=2, int8_activations=int8_activations).weight_bytes
 
 
 def test_fused_layers_fuse_their_adapters_even_when_one_has_none():

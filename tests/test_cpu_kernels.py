@@ -91,6 +91,68 @@ def test_kernel_refuses_shapes_it_cannot_run():
         torch.ops.slimlm.int8_int8_mm(torch.randn(1, 128), packed, s, o, 64)  # int4 codes given to the int8 kernel
 
 
+def block_diagonal_adapter(width, parts=((64, 3), (32, 0), (32, 2)), seed=0):
+    """A fused layer's adapter: the parts' down-projections stacked, their up-projections on a
+    block diagonal (one part without an adapter, as stacked_adapters builds it)."""
+    generator = torch.Generator().manual_seed(seed)
+    down = torch.randn(sum(rank for _, rank in parts), width, generator=generator) * 0.1
+    up = torch.block_diag(*[torch.randn(rows, rank, generator=generator) if rank else torch.zeros(rows, 0) for rows, rank in parts])
+    return down, up
+
+
+def test_adapter_layout_keeps_each_tiles_own_columns():
+    down, up = block_diagonal_adapter(128)
+    packed_down, columns, spans = cpu_kernels.pack_adapter(down, up)
+    assert packed_down.dtype == columns.dtype == torch.bfloat16 and packed_down.shape == (5, 128)
+    assert spans.tolist() == [[0, 3, 0], [0, 3, 48], [0, 3, 96], [0, 3, 144], [0, 0, 192], [0, 0, 192], [3, 2, 192], [3, 2, 224]]
+    assert columns.numel() == 64 * 3 + 32 * 2  # the block diagonal's zeros are not stored
+    rebuilt = torch.zeros_like(up)
+    for tile, (first, count, offset) in enumerate(spans.tolist()):
+        rebuilt[tile * 16 : tile * 16 + 16, first : first + count] = columns[offset : offset + count * 16].view(count, 16).t().float()
+    torch.testing.assert_close(rebuilt, up.bfloat16().float())
+    assert cpu_kernels.pack_adapter(down, torch.zeros_like(up))[2][:, 1].eq(0).all()  # an untrained (zero) B: nothing to read
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("tokens", [1, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_kernel_adds_the_lora_adapter_in_the_same_call(bits, tokens, dtype):
+    """y = kernel(x) + B (A x) with both factors rounded to bf16, A x from the unrounded input."""
+    rows, width, group = 128, 256, 64
+    codes, scales, offsets = random_weights(rows, width, group, bits, seed=tokens)
+    down, up = block_diagonal_adapter(width, seed=tokens)
+    x = torch.randn(tokens, width, generator=torch.Generator().manual_seed(1)).to(dtype)
+    op = getattr(torch.ops.slimlm, cpu_kernels.OPS[bits])
+    weights = (cpu_kernels.pack(codes, bits), cpu_kernels.tile_groups(scales), cpu_kernels.tile_groups(offsets), group)
+    y = op(x, *weights, *cpu_kernels.pack_adapter(down, up))
+    assert y.dtype == dtype and y.shape == (tokens, rows)
+    correction = (x.double() @ down.bfloat16().double().t()) @ up.bfloat16().double().t()
+    base = op(x, *weights).double()
+    expected = base + correction
+    if dtype == torch.float32:
+        torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-5)
+    else:  # the base alone was rounded to bf16 once, y once after adding the correction: half a step each
+        assert ((y.double() - expected).abs() <= (base.abs() + expected.abs()) * 2**-8 + 1e-5).all()
+    assert correction.abs().mean() > 0.1  # the adapter is not negligible beside the layer
+
+
+@needs_kernel
+def test_kernel_refuses_an_adapter_it_cannot_read():
+    codes, scales, offsets = random_weights(128, 128, 64)
+    weights = (cpu_kernels.pack(codes, 4), cpu_kernels.tile_groups(scales), cpu_kernels.tile_groups(offsets), 64)
+    down, columns, spans = cpu_kernels.pack_adapter(*block_diagonal_adapter(128))
+    x = torch.randn(1, 128)
+    with pytest.raises(RuntimeError, match="needs lora_down, lora_up and lora_tiles together"):
+        torch.ops.slimlm.int4_int8_mm(x, *weights, down, columns, None)
+    with pytest.raises(RuntimeError, match=r"lora_down must be contiguous bfloat16 \[rank, K=128\]"):
+        torch.ops.slimlm.int4_int8_mm(x, *weights, down.float(), columns, spans)
+    bad = spans.clone()
+    bad[6, 1] = 9  # more columns than the rank
+    with pytest.raises(RuntimeError, match="lora_tiles row 6 reaches outside"):
+        torch.ops.slimlm.int4_int8_mm(x, *weights, down, columns, bad)
+
+
 def cached(batch, kv_heads, slots, dim, seed, dtype=torch.int8):
     """Key or value vectors as a cache of `dtype` stores them (int8: codes and a float32 scale per vector)."""
     return to_cache(torch.randn(batch, kv_heads, slots, dim, generator=torch.Generator().manual_seed(seed)) * 3, dtype)
@@ -182,8 +244,13 @@ def test_decoder_with_int8_activations_runs_every_layer_in_the_kernel(tiny_model
 @needs_kernel
 def test_compiled_step_matches_eager_also_after_the_cache_changes(tiny_model, tiny_tokenizer, tmp_path):
     """The compiled step skips Dynamo's guards on the weights but keeps the cache's: a cache
-    allocated anew between requests (longer, or of another dtype) must be seen."""
+    allocated anew between requests (longer, or of another dtype) must be seen. The first
+    layer's linear layers carry LoRA adapters, which the kernel calls take as optional tensors."""
     model = quantized(tiny_model, tiny_tokenizer, tmp_path, bits=4, group_size=64, targets=[r"model\.layers\.\d+\..*", "lm_head"])
+    torch.manual_seed(0)
+    for layer in model.model.layers[0].modules():
+        if isinstance(layer, QuantLinear):
+            layer.add_adapter(torch.randn(2, layer.in_features) * 0.1, torch.randn(layer.out_features, 2) * 0.1)
     eager = Decoder(build_decoder(model, dtype=torch.bfloat16, int8_activations=True), tiny_tokenizer)
     compiled = Decoder(build_decoder(model, dtype=torch.bfloat16, int8_activations=True), tiny_tokenizer)
     compiled.compile_decode_step()
@@ -195,6 +262,7 @@ def test_compiled_step_matches_eager_also_after_the_cache_changes(tiny_model, ti
         prompt = prompt_ids(length, 300, seed=length)
         assert compiled.generate_ids([prompt], params)[0].token_ids == eager.generate_ids([prompt], params)[0].token_ids
     assert compiled.model.layers[0].attention.k_cache.dtype == torch.bfloat16
+    assert describe_kernels(compiled.model)["int4-int8act+lora"] == 4
 
 
 @pytest.mark.parametrize(
@@ -231,11 +299,11 @@ def test_the_laptop_instruction_sets_pass_the_kernel_tests(isa):
     that also has them, in a process of their own: one process loads one build of the op."""
     if isa == cpu_kernels.kernel_isa() or cpu_kernels.missing_flags(isa):
         pytest.skip(f"{isa} is this run's own instruction set, or the processor lacks it")
-    tests = "emulation or refuses or every_layer or decode_attention"
+    tests = "emulation or lora or refuses or every_layer or decode_attention"
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", tests, __file__], cwd=Path(__file__).parent.parent, env={**os.environ, cpu_kernels.ISA_ENV: isa}, capture_output=True, text=True, timeout=900)
     summary = result.stdout.strip().splitlines()[-1]
     assert result.returncode == 0 and "skipped" not in summary, result.stdout[-4000:] + result.stderr[-2000:]
-    assert summary.startswith("132 passed"), summary
+    assert summary.startswith("141 passed"), summary
 
 
 def test_without_the_kernels_int4_and_int8_layers_use_torchs(monkeypatch):

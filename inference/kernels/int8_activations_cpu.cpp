@@ -28,6 +28,13 @@
 // VPDPBUSD where present, else with AVX2's VPMADDUBSW and VPMADDWD (llama.cpp's AVX2 way).
 // Every path computes the same integer dots; only float summation order differs.
 //
+// A LoRA adapter trained beside the codes (y += B A x) runs inside the same call: A x in float
+// from the unrounded input, once per token before the tiles, then each tile adds its 16 rows of
+// B times it. B is stored per tile, only the span of columns the tile's rows use, so a fused
+// layer's block-diagonal B (q/k/v, gate/up, each part its own adapter) is read without its zeros.
+// As a separate pair of matmuls the adapter cost two library calls per layer, each dearer than
+// the bytes it read.
+//
 // Two entry points, one per weight width: slimlm::int4_int8_mm and slimlm::int8_int8_mm.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -36,6 +43,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <optional>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -72,6 +80,7 @@ inline Floats abs(Floats v) { return _mm512_abs_ps(v); }
 inline Floats fmadd(Floats a, Floats b, Floats c) { return _mm512_fmadd_ps(a, b, c); }
 inline Floats fnmadd(Floats a, Floats b, Floats c) { return _mm512_fnmadd_ps(a, b, c); }
 inline float reduce_max(Floats v) { return _mm512_reduce_max_ps(v); }
+inline float reduce_add(Floats v) { return _mm512_reduce_add_ps(v); }
 // Round to nearest even (the default rounding mode) and saturate to int8.
 inline void store_int8(int8_t* p, Floats v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(v))); }
 inline Floats to_floats(Ints v) { return _mm512_cvtepi32_ps(v); }
@@ -128,6 +137,12 @@ inline float reduce_max(Floats v) {
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
   m = _mm_max_ps(m, _mm_movehl_ps(m, m));
   return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+inline float reduce_add(Floats v) {
+  const __m256 s8 = _mm256_add_ps(v.lo, v.hi);
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 inline void store_int8(int8_t* p, Floats v) {
   const __m256i lo = _mm256_cvtps_epi32(v.lo), hi = _mm256_cvtps_epi32(v.hi);
@@ -211,6 +226,12 @@ struct Problem {
   float* block_scale;       // [M, K/64]
   float* group_sum;         // [M, K/group] sums of the rounded activations
   int32_t* code_sum;        // [M, K/64] sums of the int8 activations
+  // The LoRA adapter, if any (rank 0: none).
+  int64_t rank = 0;
+  const uint16_t* lora_down = nullptr;  // [rank, K] bf16 bits: A
+  const uint16_t* lora_up = nullptr;    // per tile [count, 16] bf16 bits: columns first .. first+count of B, its 16 rows
+  const int64_t* lora_tiles = nullptr;  // [N/16, 3]: first, count, offset into lora_up
+  float* low = nullptr;                 // [M, rank]: A x
   int64_t blocks() const { return K / kBlock; }
   int64_t groups() const { return K / group; }
 };
@@ -245,6 +266,21 @@ void quantize_row(const Problem& p, const In* row, int64_t m) {
   }
 }
 
+// low[m] = A x[m] in float from the unrounded input: A has a handful of rows, so integer dots
+// would save nothing worth having, and the correction stays free of the activations' rounding.
+template <typename In>
+void project_row(const Problem& p, const In* row, int64_t m) {
+  for (int64_t j = 0; j < p.rank; ++j) {
+    const uint16_t* a = p.lora_down + j * p.K;
+    Floats even = zero_floats(), odd = zero_floats();
+    for (int64_t k = 0; k < p.K; k += 32) {
+      even = fmadd(load16(row + k), load16(a + k), even);
+      odd = fmadd(load16(row + k + 16), load16(a + k + 16), odd);
+    }
+    p.low[m * p.rank + j] = reduce_add(add(even, odd));
+  }
+}
+
 // y[m0 .. m0+T, 16 rows of tile i]; each weight load feeds T tokens.
 template <int Bits, int T, typename Out>
 void tile(const Problem& p, Out* y, int64_t i, int64_t m0) {
@@ -274,6 +310,14 @@ void tile(const Problem& p, Out* y, int64_t i, int64_t m0) {
     }
     for (int t = 0; t < T; ++t) acc[t] = fnmadd(w_offset, splat(p.group_sum[(m0 + t) * groups + g]), acc[t]);
   }
+  if (p.rank) {
+    const int64_t* span = p.lora_tiles + i * 3;
+    const uint16_t* up = p.lora_up + span[2];
+    for (int64_t j = 0; j < span[1]; ++j) {
+      const Floats column = load16(up + j * 16);
+      for (int t = 0; t < T; ++t) acc[t] = fmadd(column, splat(p.low[(m0 + t) * p.rank + span[0] + j]), acc[t]);
+    }
+  }
   for (int t = 0; t < T; ++t) {
     float out[16];
     store16(out, acc[t]);
@@ -295,18 +339,41 @@ template <int Bits, typename Scalar>
 void run(Problem& p, const at::Tensor& x, at::Tensor& y) {
   const Scalar* xp = x.data_ptr<Scalar>();
   Scalar* yp = y.data_ptr<Scalar>();
+  const auto prepare = [&](int64_t m) {
+    quantize_row(p, xp + m * p.K, m);
+    if (p.rank) project_row(p, xp + m * p.K, m);
+  };
   if (p.M == 1) {
-    quantize_row(p, xp, 0);
+    prepare(0);
   } else {
     at::parallel_for(0, p.M, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t m = begin; m < end; ++m) quantize_row(p, xp + m * p.K, m);
+      for (int64_t m = begin; m < end; ++m) prepare(m);
     });
   }
   at::parallel_for(0, p.N / 16, 1, [&](int64_t begin, int64_t end) { tiles<Bits>(p, yp, begin, end); });
 }
 
+using Optional = std::optional<at::Tensor>;
+
+// The adapter's three tensors (all or none; cpu_kernels.pack_adapter lays them out), checked
+// against the layer; returns its rank (0: none).
+int64_t adapter_rank(const char* name, int64_t N, int64_t K, const Optional& down, const Optional& up, const Optional& tiles) {
+  TORCH_CHECK(down.has_value() == up.has_value() && up.has_value() == tiles.has_value(), name, ": a LoRA adapter needs lora_down, lora_up and lora_tiles together");
+  if (!down.has_value()) return 0;
+  TORCH_CHECK(down->scalar_type() == at::kBFloat16 && down->dim() == 2 && down->size(1) == K && down->is_contiguous(), name, ": lora_down must be contiguous bfloat16 [rank, K=", K, "]");
+  TORCH_CHECK(up->scalar_type() == at::kBFloat16 && up->dim() == 1 && up->is_contiguous(), name, ": lora_up must be a contiguous bfloat16 vector");
+  TORCH_CHECK(tiles->scalar_type() == at::kLong && tiles->dim() == 2 && tiles->size(0) == N / 16 && tiles->size(1) == 3 && tiles->is_contiguous(), name, ": lora_tiles must be contiguous int64 [N/16=", N / 16, ", 3]");
+  const int64_t rank = down->size(0);
+  const int64_t* span = tiles->data_ptr<int64_t>();
+  for (int64_t i = 0; i < N / 16; ++i, span += 3) {
+    TORCH_CHECK(span[0] >= 0 && span[1] >= 0 && span[0] + span[1] <= rank && span[2] >= 0 && span[2] + span[1] * 16 <= up->numel(), name, ": lora_tiles row ", i, " reaches outside lora_down's rank ", rank, " or lora_up");
+  }
+  return rank;
+}
+
 template <int Bits>
-at::Tensor mm(const char* name, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& offsets, int64_t group_size) {
+at::Tensor mm(const char* name, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& offsets, int64_t group_size,
+              const Optional& lora_down, const Optional& lora_up, const Optional& lora_tiles) {
   constexpr int64_t chunk = 16 * Bits;
   TORCH_CHECK(x.dim() == 2 && packed.scalar_type() == at::kByte, name, ": x [M, K] and uint8 packed weights expected");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, name, ": float32 or bfloat16 activations expected");
@@ -315,18 +382,26 @@ at::Tensor mm(const char* name, const at::Tensor& x, const at::Tensor& packed, c
   TORCH_CHECK(packed.size(1) * 8 == K && group_size > 0 && K % group_size == 0 && group_size % kBlock == 0, name, ": K=", K, " must match the packed width and be a multiple of the group size ", group_size, " (itself a multiple of 64)");
   TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && offsets.scalar_type() == at::kBFloat16 && scales.dim() == 3 && scales.size(0) == N / 16 && scales.size(1) == K / group_size && scales.size(2) == 16 && offsets.sizes() == scales.sizes(), name, ": bfloat16 scales and offsets [N/16, K/group, 16] expected");
   TORCH_CHECK(packed.is_contiguous() && scales.is_contiguous() && offsets.is_contiguous(), name, ": contiguous weights expected");
+  const int64_t rank = adapter_rank(name, N, K, lora_down, lora_up, lora_tiles);
   const at::Tensor input = x.contiguous();
   // The rounded activations and their block scales and sums live in a per-thread scratch that
   // only grows: at batch 1 two allocations per call cost as much as a small layer's matmul.
   thread_local std::vector<float> scratch;
   thread_local std::vector<int32_t> code_sums;
-  const size_t floats = M * (K / kBlock + K / group_size);
+  const size_t floats = M * (K / kBlock + K / group_size + rank);
   scratch.resize(std::max(scratch.size(), floats + (M * K + 3) / 4));
   code_sums.resize(std::max<size_t>(code_sums.size(), M * (K / kBlock)));
   at::Tensor y = at::empty({M, N}, x.options());
   Problem p{M, N, K, group_size, packed.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>()),
             reinterpret_cast<const uint16_t*>(offsets.data_ptr<at::BFloat16>()), reinterpret_cast<int8_t*>(scratch.data() + floats), scratch.data(), nullptr, code_sums.data()};
   p.group_sum = p.block_scale + M * (K / kBlock);
+  if (rank) {
+    p.rank = rank;
+    p.lora_down = reinterpret_cast<const uint16_t*>(lora_down->data_ptr<at::BFloat16>());
+    p.lora_up = reinterpret_cast<const uint16_t*>(lora_up->data_ptr<at::BFloat16>());
+    p.lora_tiles = lora_tiles->data_ptr<int64_t>();
+    p.low = p.group_sum + M * (K / group_size);
+  }
   if (x.scalar_type() == at::kFloat) {
     run<Bits, float>(p, input, y);
   } else {
@@ -335,19 +410,21 @@ at::Tensor mm(const char* name, const at::Tensor& x, const at::Tensor& packed, c
   return y;
 }
 
-at::Tensor int4_int8_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& offsets, int64_t group_size) {
-  return mm<4>("int4_int8_mm", x, packed, scales, offsets, group_size);
+at::Tensor int4_int8_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& offsets, int64_t group_size,
+                        const Optional& lora_down, const Optional& lora_up, const Optional& lora_tiles) {
+  return mm<4>("int4_int8_mm", x, packed, scales, offsets, group_size, lora_down, lora_up, lora_tiles);
 }
 
-at::Tensor int8_int8_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& offsets, int64_t group_size) {
-  return mm<8>("int8_int8_mm", x, packed, scales, offsets, group_size);
+at::Tensor int8_int8_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& offsets, int64_t group_size,
+                        const Optional& lora_down, const Optional& lora_up, const Optional& lora_tiles) {
+  return mm<8>("int8_int8_mm", x, packed, scales, offsets, group_size, lora_down, lora_up, lora_tiles);
 }
 
 }  // namespace
 
 TORCH_LIBRARY(slimlm, m) {
-  m.def("int4_int8_mm(Tensor x, Tensor packed, Tensor scales, Tensor offsets, int group_size) -> Tensor");
-  m.def("int8_int8_mm(Tensor x, Tensor packed, Tensor scales, Tensor offsets, int group_size) -> Tensor");
+  m.def("int4_int8_mm(Tensor x, Tensor packed, Tensor scales, Tensor offsets, int group_size, Tensor? lora_down=None, Tensor? lora_up=None, Tensor? lora_tiles=None) -> Tensor");
+  m.def("int8_int8_mm(Tensor x, Tensor packed, Tensor scales, Tensor offsets, int group_size, Tensor? lora_down=None, Tensor? lora_up=None, Tensor? lora_tiles=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(slimlm, CPU, m) {
