@@ -3,13 +3,13 @@
 A slimlm artifact whose quantized layers carry adapters (`recipe=w4-lora-recover`, exported by
 bench/lora_deploy.sh) is loaded twice: as it is, each adapter running inside its layer's
 int4 x int8 kernel call (inference/kernels/int8_activations_cpu.cpp), and with the adapters
-dropped (the same codes alone, i.e. the GPTQ model before LoRA). A second table times the
-first block's layers one call at a time: the codes alone, the adapter inside the kernel's call,
-and the adapter beside it as two float32 matmuls (LowRankAdapter, how the decoder runs adapters
-beside torch's kernels, and how it ran them beside this one before). Both run as decode_cpu's fastest rows:
+dropped (the same codes alone, i.e. the GPTQ model before LoRA). Both run as decode_cpu's fastest rows:
 int8 activations (slimlm's int4 x int8 kernel), the decode step compiled (each new decoder shape
 compiles three graphs of about eight minutes each on 2 cores; Inductor's cache keeps them). Batch 1, a 16-token prompt, exactly 128 new tokens, median of interleaved rounds (as
 bench/decode_cpu.py), and the KL from the fp32 model to each row through its own decode step.
+A second table times the first block's layers one call at a time: the codes alone, the adapter
+inside the kernel's call, and the adapter beside it as two float32 matmuls (LowRankAdapter, how
+the decoder runs adapters beside torch's kernels, and how it ran them beside this one before).
 Writes bench/results/lora_decode_cpu.{md,json,png}.
 
     python bench/lora_decode_cpu.py --artifact bench/runs/lora_deploy/w4-lora-recover/artifact
