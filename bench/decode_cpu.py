@@ -254,6 +254,7 @@ def write_plot(rows: list[dict], name: str = "decode_cpu", title: str = "Decode 
     axis.barh(names, speeds, color=colours)
     for y, speed in enumerate(speeds):
         axis.text(speed, y, f" {speed:.0f}", va="center")
+    axis.set_xlim(0, 1.12 * max(speeds))  # room for the longest bar's label
     axis.set_xlabel("decode tokens/s (batch 1, 128 new tokens)")
     axis.set_title(title)
     figure.tight_layout()

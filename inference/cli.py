@@ -200,10 +200,9 @@ def plan_command(args: Sequence[str]) -> None:
         raise SlimlmError(f"'{options.model}' is neither a preset ({', '.join(presets)}) nor a directory with a config.json")
     model_args = ModelArgs.from_hf_config(config)
     if manifest is not None:
-        from slimlm.artifact import scheme_of
+        from slimlm.artifact import planner_inputs
 
-        schemes = {name: scheme_of(record) for name, record in manifest["modules"].items()}
-        adapter_ranks = {name: record.get("adapter_rank", 0) for name, record in manifest["modules"].items()}
+        schemes, adapter_ranks = planner_inputs(manifest)
     else:
         adapter_ranks = None
         scheme = None if options.bits is None else QuantScheme(bits=options.bits, group_size=options.group_size)

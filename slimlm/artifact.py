@@ -138,6 +138,13 @@ def scheme_of(record: dict) -> QuantScheme:
     return QuantScheme(**{key: value for key, value in record.items() if key in SCHEME_FIELDS})
 
 
+def planner_inputs(manifest: dict) -> tuple[dict[str, QuantScheme], dict[str, int]]:
+    """What the memory planner reads from an artifact instead of its weights: each quantized
+    module's scheme and its adapter's rank (0: none)."""
+    modules = manifest["modules"]
+    return {name: scheme_of(record) for name, record in modules.items()}, {name: record.get("adapter_rank", 0) for name, record in modules.items()}
+
+
 def _module_record(name: str, layer: QuantLinear, scheme: dict, sparse: dict[str, dict]) -> dict:
     """A quantized module's entry: its scheme, its shape (checked against config.json on load),
     how its codes are packed and stored, and its sparsity (the fraction of weights exactly zero)."""

@@ -4,7 +4,7 @@ and the exports, computing the same function at every step."""
 import pytest
 import torch
 
-from slimlm.artifact import load_artifact, save_artifact, scheme_of
+from slimlm.artifact import load_artifact, planner_inputs, save_artifact
 from slimlm.compress.quantize import QuantizeParams, run as quantize
 from slimlm.distill.stage import DistillParams, check_lora_targets, finish_lora, with_lora
 from slimlm.errors import ConfigError, SlimlmError
@@ -65,8 +65,7 @@ def test_the_artifact_keeps_the_adapters_and_the_decoder_runs_them(tiny_model, t
         torch.testing.assert_close(logits, expected, rtol=tolerance, atol=tolerance)
     for int8_activations in (False, True) if cpu_kernels.available() else (False,):
         decoder, manifest = load_decoder(path, dtype=torch.bfloat16, int8_activations=int8_activations)  # the planner's activation dtype
-        schemes = {name: scheme_of(record) for name, record in manifest["modules"].items()}
-        ranks = {name: record.get("adapter_rank", 0) for name, record in manifest["modules"].items()}
+        schemes, ranks = planner_inputs(manifest)
         args = ModelArgs.from_hf_config(tiny_model.config)
         planned = budget(args, schemes, HARDWARE["cpu"], context=32, batch=2, int8_activations=int8_activations, adapter_ranks=ranks)
         assert planned.weight_bytes == pytest.approx(decoder.weight_bytes(), rel=0.02)

@@ -60,7 +60,7 @@ def test_bundled_decoder_is_token_identical_to_transformers_on_the_default_model
 PEAK_SCRIPT = """
 import json, sys, torch
 from transformers import AutoConfig, AutoTokenizer
-from slimlm.artifact import read_manifest, scheme_of
+from slimlm.artifact import planner_inputs
 from slimlm.inference.decoder import Decoder
 from slimlm.inference.load import load_decoder
 from slimlm.inference.model import ModelArgs
@@ -81,7 +81,8 @@ with peak_memory(torch.device('cpu')) as peak:
     decoder.ensure_cache(1, context)
     decoder.generate_ids([[100 + i % 1000 for i in range(512)]], SamplingParams(max_new_tokens=16, ignore_eos=True))
 args = ModelArgs.from_hf_config(AutoConfig.from_pretrained(path))
-plan = budget(args, {n: scheme_of(r) for n, r in manifest['modules'].items()}, HARDWARE['cpu'], context, 1)
+schemes, ranks = planner_inputs(manifest)
+plan = budget(args, schemes, HARDWARE['cpu'], context, 1, adapter_ranks=ranks)
 # the peak of the whole resident set less the shared libraries' pages mapped by the end (an upper
 # bound of those at the peak): the process's own memory, what the planner counts
 print(json.dumps({'measured': peak.bytes - status('RssFile') - status('RssShmem') - before, 'predicted': plan.total_bytes - plan.reserve_bytes, 'weights': plan.weight_bytes, 'kv': plan.kv_bytes}))
