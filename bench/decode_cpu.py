@@ -35,7 +35,7 @@ from tqdm import tqdm
 from slimlm.compress.quantize import QuantizeParams, run as quantize
 from slimlm.distill.losses import forward_kl
 from slimlm.eval.bandwidth import decode_bytes_per_token, memory_bandwidth
-from slimlm.eval.plots import plt
+from slimlm.eval.plots import plt, save_figure
 from slimlm.eval.speed import benchmark_prompt, measure_generate
 from slimlm.gguf_export import export_gguf
 from slimlm.inference.build import build_decoder, describe_kernels
@@ -257,9 +257,7 @@ def write_plot(rows: list[dict], name: str = "decode_cpu", title: str = "Decode 
     axis.set_xlim(0, 1.12 * max(speeds))  # room for the longest bar's label
     axis.set_xlabel("decode tokens/s (batch 1, 128 new tokens)")
     axis.set_title(title)
-    figure.tight_layout()
-    figure.savefig(RESULTS / f"{name}.png", dpi=120)
-    plt.close(figure)
+    save_figure(figure, RESULTS / f"{name}.png")
 
 
 def cache_cell(machine: dict) -> str:

@@ -35,7 +35,7 @@ from tqdm import tqdm
 
 from slimlm.distill.losses import forward_kl
 from slimlm.eval.bandwidth import memory_bandwidth
-from slimlm.eval.plots import plt
+from slimlm.eval.plots import plt, save_figure
 from slimlm.inference.build import build_decoder
 from slimlm.inference.decoder import Decoder
 from slimlm.models import resolve_model
@@ -198,9 +198,7 @@ def write_plot(rows: list[dict]) -> None:
     axis.set_title("Decode speed against context on CPU, default model at int4")
     axis.legend()
     axis.grid(alpha=0.3)
-    figure.tight_layout()
-    figure.savefig(RESULTS / "kv_cache_cpu.png", dpi=120)
-    plt.close(figure)
+    save_figure(figure, RESULTS / "kv_cache_cpu.png")
 
 
 def markdown(rows: list[dict], summary: dict, command: str) -> list[str]:

@@ -18,7 +18,7 @@ import torch
 from slimlm.compress.calibration import calibration_samples
 from slimlm.compress.mixed import fisher_diagonal, measure_kl_sensitivity, predicted_loss
 from slimlm.data import load_text, tokenize_text
-from slimlm.eval.plots import plt
+from slimlm.eval.plots import plt, save_figure
 from slimlm.models import load_model
 from slimlm.qlinear import QuantScheme
 from slimlm.rundir import machine_info
@@ -89,9 +89,7 @@ def write_plot(rows: list[dict], spearman: float) -> None:
     axis.set_title(f"sensitivity proxy vs measurement (Spearman {spearman:.3f})")
     axis.grid(alpha=0.3)
     axis.legend()
-    figure.tight_layout()
-    figure.savefig(RESULTS / "mixed_sensitivity.png", dpi=120)
-    plt.close(figure)
+    save_figure(figure, RESULTS / "mixed_sensitivity.png")
 
 
 def markdown(rows: list[dict], summary: dict, command: str, options) -> list[str]:

@@ -24,7 +24,7 @@ from slimlm.compress.calibration import calibration_samples
 from slimlm.compress.prune import PruneParams, Shape, parameter_count, prune_model
 from slimlm.data import load_text, tokenize_text
 from slimlm.eval.perplexity import perplexity
-from slimlm.eval.plots import plt
+from slimlm.eval.plots import plt, save_figure
 from slimlm.eval.speed import benchmark_prompt
 from slimlm.models import load_model
 from slimlm.rundir import machine_info
@@ -97,9 +97,7 @@ def write_plot(rows: list[dict]) -> None:
     right.set_xlabel("WikiText-2 perplexity before any training (log scale)")
     right.set_yticklabels([])
     figure.suptitle("Structured pruning of the default model")
-    figure.tight_layout()
-    figure.savefig(RESULTS / "prune_default.png", dpi=120)
-    plt.close(figure)
+    save_figure(figure, RESULTS / "prune_default.png")
 
 
 def markdown(rows: list[dict], summary: dict, command: str) -> list[str]:

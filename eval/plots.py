@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -10,6 +12,21 @@ import matplotlib
 matplotlib.use("Agg")  # files only; never needs a display
 import matplotlib.pyplot as plt  # noqa: E402
 from slimlm.eval.size import comparable_bytes  # noqa: E402
+
+
+def save_figure(figure, path: Path) -> Path:
+    """Lay `figure` out, write it to `path` through a temporary file (a reader never sees half a
+    PNG) and free it."""
+    figure.tight_layout()
+    fd, temp = tempfile.mkstemp(prefix=f".{path.name}-", suffix=path.suffix, dir=path.parent)
+    os.close(fd)
+    try:
+        figure.savefig(temp, dpi=120)
+        os.replace(temp, path)
+    finally:
+        plt.close(figure)
+        Path(temp).unlink(missing_ok=True)
+    return path
 
 
 def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
@@ -42,10 +59,7 @@ def plot_size_quality(rows: Sequence[dict], path: Path) -> Optional[Path]:
             axis.set_yscale("log")
         axis.grid(alpha=0.3)
         axis.legend(loc="upper right")
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return path
+    return save_figure(figure, path)
 
 
 def plot_layer_errors(errors: dict[str, float], title: str, path: Path) -> Optional[Path]:
@@ -58,10 +72,7 @@ def plot_layer_errors(errors: dict[str, float], title: str, path: Path) -> Optio
     axis.set_ylabel("‖W − Q(W)‖ / ‖W‖")
     axis.set_title(title)
     axis.grid(axis="y", alpha=0.3)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return path
+    return save_figure(figure, path)
 
 
 def plot_bit_map(bits: dict[str, int], title: str, path: Path) -> Optional[Path]:
@@ -86,10 +97,7 @@ def plot_bit_map(bits: dict[str, int], title: str, path: Path) -> Optional[Path]
     colorbar = figure.colorbar(image, ticks=range(len(widths)))
     colorbar.set_ticklabels([str(width) for width in widths])
     colorbar.set_label("bits")
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return path
+    return save_figure(figure, path)
 
 
 def plot_training(history: list[dict], title: str, path: Path) -> Optional[Path]:
@@ -112,7 +120,4 @@ def plot_training(history: list[dict], title: str, path: Path) -> Optional[Path]
     right.set_yscale("log")
     right.grid(alpha=0.3)
     figure.suptitle(title)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return path
+    return save_figure(figure, path)
