@@ -154,12 +154,30 @@ class Plan:
 FUSED = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",), ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",))
 
 
+def tile_columns(outs: list[int], ranks: list[int]) -> int:
+    """How many columns of a fused adapter's block-diagonal up-projection cpu_kernels.pack_adapter
+    stores over all tiles of 16 rows: each tile keeps the span from the first to the last column
+    its rows use, so a tile that straddles two parts keeps both parts' columns."""
+    parts, row, column = [], 0, 0
+    for out, rank in zip(outs, ranks):
+        if rank:
+            parts.append((row, row + out, column, column + rank))
+        row, column = row + out, column + rank
+    total = 0
+    for start in range(0, row, cpu_kernels.TILE):
+        used = [(first, last) for top, bottom, first, last in parts if top < start + cpu_kernels.TILE and bottom > start]
+        if used:
+            total += max(last for _, last in used) - min(first for first, _ in used)
+    return total
+
+
 def adapter_bytes(shapes: list[tuple[int, int]], schemes: list[Optional[QuantScheme]], ranks: list[int], element_bytes: int, int8_activations: bool = False) -> int:
     """The LoRA adapters of layers that read one input (inference/linear.py): one adapter of the
     ranks' sum when the layers fuse (one quantized scheme), otherwise each its own. Beside a
     kernel its up-projection is a block diagonal of `element_bytes` values; inside the
     int8-activation kernels (`int8_activations`, where the scheme fits) both factors are bf16,
-    each tile of 16 rows keeps only its own part's columns, and three int64 per tile say where."""
+    each tile of 16 rows keeps only the columns its parts use (tile_columns), and three int64
+    per tile say where."""
     units = [(shapes, ranks, schemes[0])] if len(set(schemes)) == 1 and schemes[0] is not None else [([shape], [rank], scheme) for shape, rank, scheme in zip(shapes, ranks, schemes)]
     total = 0
     for unit_shapes, unit_ranks, scheme in units:
@@ -167,7 +185,7 @@ def adapter_bytes(shapes: list[tuple[int, int]], schemes: list[Optional[QuantSch
         if not rank:
             continue
         if int8_activations and cpu_kernels.fits(scheme, rows, width):
-            total += 2 * (rank * width + sum(r * out for (out, _), r in zip(unit_shapes, unit_ranks))) + 3 * 8 * rows // cpu_kernels.TILE
+            total += 2 * (rank * width + cpu_kernels.TILE * tile_columns([out for out, _ in unit_shapes], unit_ranks)) + 3 * 8 * rows // cpu_kernels.TILE
         else:
             total += rank * (width + rows) * element_bytes
     return total

@@ -10,10 +10,10 @@ from slimlm.distill.stage import DistillParams, check_lora_targets, finish_lora,
 from slimlm.errors import ConfigError, SlimlmError
 from slimlm.inference import cpu_kernels
 from slimlm.inference.build import build_decoder, describe_kernels
-from slimlm.inference.linear import fuse
+from slimlm.inference.linear import build_linear, fuse
 from slimlm.inference.load import load_decoder
 from slimlm.inference.model import ModelArgs
-from slimlm.inference.planner import HARDWARE, budget
+from slimlm.inference.planner import HARDWARE, adapter_bytes, budget
 from slimlm.pipeline import RunState
 from slimlm.qlinear import QuantLinear, QuantScheme
 
@@ -33,6 +33,9 @@ def adapted(model, tokenizer, tmp_path, rank=2, **quantize_params):
         expected = peft_model(ids).logits
     state.model = finish_lora(peft_model).eval()
     return state, ids, expected
+
+
+ADAPTER_BUFFERS = {"lora_down", "lora_up", "lora_tiles", "down", "up"}  # inside the int8-activation kernels' call; beside the others (LowRankAdapter)
 
 
 def test_finishing_hands_the_adapters_to_the_quantized_layers(tiny_model, tiny_tokenizer, tmp_path):
@@ -69,7 +72,26 @@ def test_the_artifact_keeps_the_adapters_and_the_decoder_runs_them(tiny_model, t
         args = ModelArgs.from_hf_config(tiny_model.config)
         planned = budget(args, schemes, HARDWARE["cpu"], context=32, batch=2, int8_activations=int8_activations, adapter_ranks=ranks)
         assert planned.weight_bytes == pytest.approx(decoder.weight_bytes(), rel=0.02)
-        assert planned.weight_bytes > budget(args, schemes, HARDWARE["cpu"], context=32, batch=2, int8_activations=int8_activations).weight_bytes
+        adapters = sum(buffer.nbytes for name, buffer in decoder.named_buffers() if name.rpartition(".")[2] in ADAPTER_BUFFERS)
+        assert adapters and planned.weight_bytes - budget(args, schemes, HARDWARE["cpu"], context=32, batch=2, int8_activations=int8_activations).weight_bytes == adapters
+
+
+@pytest.mark.parametrize("int8_activations", [False, True])
+@pytest.mark.parametrize("outs, ranks, bits", [((128, 32, 32), (4, 0, 2), (4, 4, 4)), ((128, 32, 32), (4, 8, 2), (4, 4, 4)), ((128, 24, 24), (4, 3, 2), (4, 4, 4)), ((128, 32, 32), (4, 0, 2), (4, 8, 8))],
+                         ids=["a-part-without", "every-part", "parts-straddle-tiles", "mixed-schemes"])
+def test_planned_adapter_bytes_are_what_a_fused_layer_holds(outs, ranks, bits, int8_activations):
+    """Exactly, also where a tile of 16 rows straddles two parts and keeps both parts' columns."""
+    if int8_activations and not cpu_kernels.available():
+        pytest.skip("the int8-activation layout needs slimlm's CPU kernels")
+    torch.manual_seed(0)
+    schemes = [QuantScheme(bits=b, group_size=64 if b == 4 else None, symmetric=b == 8) for b in bits]
+    layers = [QuantLinear(128, out, scheme) for out, scheme in zip(outs, schemes)]
+    for layer, out, rank in zip(layers, outs, ranks):
+        if rank:
+            layer.add_adapter(torch.randn(rank, 128), torch.randn(out, rank))
+    built = build_linear(fuse(layers), torch.bfloat16, torch.device("cpu"), int8_activations=int8_activations)
+    held = sum(buffer.nbytes for name, buffer in built.named_buffers() if name.rpartition(".")[2] in ADAPTER_BUFFERS)
+    assert adapter_bytes([(out, 128) for out in outs], schemes, list(ranks), 4, int8_activations) == held > 0  # beside a kernel on a CPU: fp32 factors
 
 
 def test_fused_layers_fuse_their_adapters_even_when_one_has_none():

@@ -147,10 +147,12 @@ def test_kernel_refuses_an_adapter_it_cannot_read():
         torch.ops.slimlm.int4_int8_mm(x, *weights, down, columns, None)
     with pytest.raises(RuntimeError, match=r"lora_down must be contiguous bfloat16 \[rank, K=128\]"):
         torch.ops.slimlm.int4_int8_mm(x, *weights, down.float(), columns, spans)
-    bad = spans.clone()
-    bad[6, 1] = 9  # more columns than the rank
-    with pytest.raises(RuntimeError, match="lora_tiles row 6 reaches outside"):
-        torch.ops.slimlm.int4_int8_mm(x, *weights, down, columns, bad)
+    # more columns than the rank; then spans whose sums would wrap around an int64
+    for span in ([3, 9, 192], [2**63 - 1, 1, 0], [2**63 - 2**59 + 1, 2**59, 0], [0, 1, 2**63 - 10]):
+        bad = spans.clone()
+        bad[6] = torch.tensor(span)
+        with pytest.raises(RuntimeError, match="lora_tiles row 6 reaches outside"):
+            torch.ops.slimlm.int4_int8_mm(x, *weights, down, columns, bad)
 
 
 def cached(batch, kv_heads, slots, dim, seed, dtype=torch.int8):

@@ -366,7 +366,10 @@ int64_t adapter_rank(const char* name, int64_t N, int64_t K, const Optional& dow
   const int64_t rank = down->size(0);
   const int64_t* span = tiles->data_ptr<int64_t>();
   for (int64_t i = 0; i < N / 16; ++i, span += 3) {
-    TORCH_CHECK(span[0] >= 0 && span[1] >= 0 && span[0] + span[1] <= rank && span[2] >= 0 && span[2] + span[1] * 16 <= up->numel(), name, ": lora_tiles row ", i, " reaches outside lora_down's rank ", rank, " or lora_up");
+    // Written so that no sum or product of the caller's values can overflow past the check.
+    const bool in_rank = span[0] >= 0 && span[0] <= rank && span[1] >= 0 && span[1] <= rank - span[0];
+    const bool in_up = span[2] >= 0 && span[2] <= up->numel() && span[1] <= (up->numel() - span[2]) / 16;
+    TORCH_CHECK(in_rank && in_up, name, ": lora_tiles row ", i, " reaches outside lora_down's rank ", rank, " or lora_up");
   }
   return rank;
 }
