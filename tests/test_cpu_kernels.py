@@ -178,9 +178,9 @@ def test_decode_attention_matches_attention_over_the_dequantized_cache(heads, kv
     visible[0, ..., : slots // 2 + 1] = False
     visible[..., -1] = True  # a query always sees its own slot
     keys, values = from_cache(view(k_codes), view(k_scales), torch.float32), from_cache(view(v_codes), view(v_scales), torch.float32)
-    for mask in (None, visible, visible[:1]):
-        expected = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=heads != kv_heads)
-        got = torch.ops.slimlm.decode_attention(q, view(k_codes), view(k_scales), view(v_codes), view(v_scales), mask, dim**-0.5)
+    for mask, scale in ((None, dim**-0.5), (visible, dim**-0.5), (visible[:1], dim**-0.5), (visible, 0.5 * dim**-0.5)):  # the last: the scale is the caller's
+        expected = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=heads != kv_heads, scale=scale)
+        got = torch.ops.slimlm.decode_attention(q, view(k_codes), view(k_scales), view(v_codes), view(v_scales), mask, scale)
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
@@ -199,6 +199,29 @@ def test_decode_attention_refuses_what_it_cannot_read():
         attention(q, codes.float(), scales, codes.float(), scales, None, 0.25)
     with pytest.raises(RuntimeError, match="mask must be bool"):
         attention(q, codes, scales, codes, scales, torch.ones(1, 1, 1, 10), 0.25)
+    with pytest.raises(RuntimeError, match=r"one for all heads\), got Bool \[1, 4, 1, 10\]"):
+        attention(q, codes, scales, codes, scales, torch.ones(1, 4, 1, 10, dtype=torch.bool), 0.25)
+    with pytest.raises(RuntimeError, match=r"got Float \[1, 2, 10, 5\]"):
+        attention(q, codes, scales.expand(1, 2, 10, 5), codes, scales, None, 0.25)
+    with pytest.raises(RuntimeError, match="does not match the cache"):  # no key/value heads: an error, not a division by zero
+        attention(q, codes[:, :0], scales[:, :0], codes[:, :0], scales[:, :0], None, 0.25)
+    assert attention(q[:0], codes[:0], scales[:0], codes[:0], scales[:0], None, 0.25).shape == (0, 4, 1, 16)
+
+
+@needs_kernel
+def test_decode_attention_never_reads_the_keys_of_hidden_slots():
+    """Garbage (NaN) in a hidden slot's key, here the cache's tail beyond the current position,
+    leaves the output as if the slot were not there."""
+    codes, _ = cached(1, 2, 24, 16, 0, torch.float32)
+    values, _ = cached(1, 2, 24, 16, 1, torch.float32)
+    q = torch.randn(1, 4, 1, 16)
+    visible = torch.ones(1, 1, 1, 24, dtype=torch.bool)
+    visible[..., 8:] = False
+    expected = torch.ops.slimlm.decode_attention(q, codes, None, values, None, visible, 0.25)
+    for slot in range(8, 24):
+        poisoned = codes.clone()
+        poisoned[:, :, slot] = float("nan")
+        torch.testing.assert_close(torch.ops.slimlm.decode_attention(q, poisoned, None, values, None, visible, 0.25), expected)
 
 
 @needs_kernel
@@ -305,7 +328,7 @@ def test_the_laptop_instruction_sets_pass_the_kernel_tests(isa):
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", tests, __file__], cwd=Path(__file__).parent.parent, env={**os.environ, cpu_kernels.ISA_ENV: isa}, capture_output=True, text=True, timeout=900)
     summary = result.stdout.strip().splitlines()[-1]
     assert result.returncode == 0 and "skipped" not in summary, result.stdout[-4000:] + result.stderr[-2000:]
-    assert summary.startswith("141 passed"), summary
+    assert summary.startswith("142 passed"), summary
 
 
 def test_without_the_kernels_int4_and_int8_layers_use_torchs(monkeypatch):

@@ -127,7 +127,7 @@ void attend_chunk(const float* q, const Head<T>& h, int64_t dim, int64_t begin, 
       bias[j] = seen ? 0.f : -std::numeric_limits<float>::infinity();
       __m256 acc[G];
       for (int g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps();
-      if (j < n) {
+      if (seen) {  // a hidden slot's keys are not read: its score is exactly 0 * 0 - inf, whatever they hold
         scale[j] = h.k_scales ? h.k_scales[(s0 + j) * h.k_scale_stride] : 1.f;
         const T* keys = h.k + (s0 + j) * h.k_stride;
         for (int64_t d = 0; d < dim; d += 8) {
@@ -207,13 +207,14 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k, const s
   TORCH_CHECK(codes || k.scalar_type() == at::kFloat, "decode_attention: the cache must be float32 or int8 codes, not ", k.scalar_type());
   const int64_t batch = q_in.size(0), heads = q_in.size(1), dim = q_in.size(3);
   const int64_t kv_heads = k.size(1), slots = k.size(2);
-  TORCH_CHECK(k.size(0) == batch && k.size(3) == dim && heads % kv_heads == 0, "decode_attention: q ", q_in.sizes(), " does not match the cache's ", k.sizes());
-  TORCH_CHECK(dim % 8 == 0 && k.stride(3) == 1 && v.stride(3) == 1, "decode_attention: head_dim must be a multiple of 8 and contiguous");
+  TORCH_CHECK(k.size(0) == batch && k.size(3) == dim && kv_heads > 0 && heads % kv_heads == 0, "decode_attention: q ", q_in.sizes(), " does not match the cache's ", k.sizes(), " (a whole number of query heads per key/value head)");
+  TORCH_CHECK(dim % 8 == 0, "decode_attention: head_dim must be a multiple of 8, not ", dim);
+  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "decode_attention: each key and value vector must be contiguous (strides ", k.strides(), " and ", v.strides(), ")");
   for (const auto* scales : {&k_scales, &v_scales}) {
     TORCH_CHECK(scales->has_value() == codes, "decode_attention: int8 codes need float32 scales [batch, kv_heads, slots, 1], a float cache none");
-    if (codes) TORCH_CHECK((*scales)->scalar_type() == at::kFloat && (*scales)->dim() == 4 && (*scales)->size(0) == batch && (*scales)->size(1) == kv_heads && (*scales)->size(2) == slots, "decode_attention: int8 codes need float32 scales [batch, kv_heads, slots, 1]");
+    if (codes) TORCH_CHECK((*scales)->scalar_type() == at::kFloat && (*scales)->dim() == 4 && (*scales)->size(0) == batch && (*scales)->size(1) == kv_heads && (*scales)->size(2) == slots && (*scales)->size(3) == 1, "decode_attention: int8 codes need float32 scales [batch, kv_heads, slots, 1]=[", batch, ", ", kv_heads, ", ", slots, ", 1], got ", (*scales)->scalar_type(), " ", (*scales)->sizes());
   }
-  if (mask) TORCH_CHECK(mask->scalar_type() == at::kBool && mask->dim() == 4 && mask->size(3) == slots && (mask->size(0) == 1 || mask->size(0) == batch), "decode_attention: mask must be bool [batch or 1, 1, 1, slots]");
+  if (mask) TORCH_CHECK(mask->scalar_type() == at::kBool && mask->dim() == 4 && mask->size(1) == 1 && mask->size(2) == 1 && mask->size(3) == slots && (mask->size(0) == 1 || mask->size(0) == batch), "decode_attention: mask must be bool [batch or 1, 1, 1, slots]=[", batch, ", 1, 1, ", slots, "] (one for all heads), got ", mask->scalar_type(), " ", mask->sizes());
   // The queries as contiguous floats times the softmax scale: [B, H, D].
   std::vector<float> q(batch * heads * dim);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q_in.scalar_type(), "decode_attention", [&] {
@@ -223,6 +224,7 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k, const s
         for (int64_t d = 0; d < dim; ++d) q[(b * heads + h) * dim + d] = static_cast<float>(source[b * q_in.stride(0) + h * q_in.stride(1) + d * q_in.stride(3)]) * static_cast<float>(softmax_scale);
   });
   at::Tensor result = at::empty({batch, heads, 1, dim}, q_in.options().dtype(at::kFloat));
+  if (result.numel() == 0) return result;  // no sequences or no heads: nothing to attend
   const int64_t groups = heads / kv_heads;
   // Chunks per head: enough work items for every thread, none under kMinChunk slots.
   const int64_t items_wanted = 2 * at::get_num_threads();
