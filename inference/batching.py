@@ -5,6 +5,8 @@ Each loop: admit waiting requests into free rows (each prefilled alone into its 
 decode step for every running sequence together (`Transformer.step_rows`: each at its own
 position), then hand each sequence's new token to its reader and free the rows that finished.
 A long answer never holds a short one back, and a new request starts at the next step.
+A request whose reader goes away (`Submission.cancel`) leaves at the next step; one whose
+sampling fails gets the error alone, and the loop goes on serving the others.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import queue
 import threading
 from dataclasses import dataclass, field
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
 
@@ -32,6 +34,33 @@ class _Sequence:
     generator: Optional[torch.Generator] = None
     finish: Optional[str] = None
     text: Optional[IncrementalText] = None
+    cancelled: bool = False  # set by the reader's thread, read by the worker's
+
+
+class Submission:
+    """A request in the batcher: iterating it gives the completion's text pieces as they are
+    decoded, then the final Generation (an error in its decoding is raised here). `cancel()`
+    (e.g. when the client went away) frees its row at the next step."""
+
+    def __init__(self, sequence: _Sequence):
+        self._sequence = sequence
+        self._done = False
+
+    def __iter__(self) -> "Submission":
+        return self
+
+    def __next__(self) -> object:
+        if self._done:
+            raise StopIteration
+        item = self._sequence.out.get()
+        if isinstance(item, BaseException):
+            self._done = True
+            raise item
+        self._done = isinstance(item, Generation)
+        return item
+
+    def cancel(self) -> None:
+        self._sequence.cancelled = True
 
 
 class ContinuousBatcher:
@@ -48,50 +77,53 @@ class ContinuousBatcher:
         self.worker = threading.Thread(target=self._loop, daemon=True)
         self.worker.start()
 
-    def submit(self, ids: list[int], params: SamplingParams) -> Iterator[object]:
-        """Text pieces of the completion as they are decoded, then the final Generation."""
+    def submit(self, ids: list[int], params: SamplingParams) -> Submission:
+        """Queue a request (refused at once, before anything is queued, if it cannot fit a row)."""
         if len(ids) + params.max_new_tokens > self.max_seq:
             raise SlimlmError(f"a prompt of {len(ids)} tokens plus {params.max_new_tokens} new tokens exceeds the {self.max_seq} slots a sequence has here")
         sequence = _Sequence(list(ids), params, queue.Queue())
         self.waiting.put(sequence)
-        while True:
-            item = sequence.out.get()
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-            if isinstance(item, Generation):
-                return
+        return Submission(sequence)
 
     def _loop(self) -> None:
         while True:
-            if not self.running:
-                self._admit(self.waiting.get())  # idle: sleep until a request arrives
-            while self.free_rows and not self.waiting.empty():
-                self._admit(self.waiting.get_nowait())
-            if self.running:
-                try:
+            try:
+                if not self.running:
+                    self._admit(self.waiting.get())  # idle: sleep until a request arrives
+                while self.free_rows and not self.waiting.empty():
+                    self._admit(self.waiting.get_nowait())
+                for sequence in [s for s in self.running if s.cancelled]:
+                    self._fail(sequence, SlimlmError("the request was cancelled"))
+                if self.running:
                     self._step()
-                except BaseException as error:  # every running reader learns of it; the loop goes on
-                    for sequence in self.running:
-                        sequence.out.put(error)
-                        self.free_rows.append(sequence.row)
-                    self.running = []
+            except Exception as error:  # the step itself failed: every running reader learns of it; the loop goes on
+                for sequence in list(self.running):
+                    self._fail(sequence, error)
+
+    def _fail(self, sequence: _Sequence, error: BaseException) -> None:
+        """End one sequence with `error` for its reader and free its row."""
+        if sequence in self.running:
+            self.running.remove(sequence)
+        if sequence.row >= 0:
+            self.free_rows.append(sequence.row)
+            sequence.row = -1
+        sequence.out.put(error)
 
     @torch.inference_mode()
     def _admit(self, sequence: _Sequence) -> None:
+        if sequence.cancelled:
+            sequence.out.put(SlimlmError("the request was cancelled"))
+            return
         device = self.decoder.device
         try:
             sequence.row = self.free_rows.pop()
             sequence.seen, sequence.generator = sampling_state([sequence.ids], sequence.params, self.model.args.vocab_size, device)
             sequence.text = IncrementalText(self.decoder.tokenizer)
             logits = self.decoder.prefill(torch.tensor([sequence.ids], device=device), first_row=sequence.row)
-        except BaseException as error:
-            if sequence.row >= 0:
-                self.free_rows.append(sequence.row)
-            sequence.out.put(error)
-            return
-        self.running.append(sequence)
-        self._take(sequence, logits)
+            self.running.append(sequence)
+            self._take(sequence, logits)
+        except Exception as error:
+            self._fail(sequence, error)
 
     def _take(self, sequence: _Sequence, logits: torch.Tensor) -> None:
         """Choose the sequence's next token from its logits [1, vocab]; emit it or finish."""
@@ -114,6 +146,7 @@ class ContinuousBatcher:
                 sequence.out.put(rest)
             self.running.remove(sequence)
             self.free_rows.append(sequence.row)
+            sequence.row = -1
             generation = self.decoder._finish(sequence.tokens, sequence.params, sequence.finish, len(sequence.ids))
             sequence.out.put(generation)
 
@@ -127,4 +160,7 @@ class ContinuousBatcher:
         logits = self.model.step_rows(tokens, rows, positions)
         self.steps += 1
         for index, sequence in enumerate(running):
-            self._take(sequence, logits[index : index + 1])
+            try:
+                self._take(sequence, logits[index : index + 1])
+            except Exception as error:  # this request's sampling failed: the others go on
+                self._fail(sequence, error)

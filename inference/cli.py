@@ -30,6 +30,11 @@ def sampling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repetition-penalty", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    decoder_arguments(parser)
+
+
+def decoder_arguments(parser: argparse.ArgumentParser) -> None:
+    """How the decoder is built and placed (`slimlm serve` takes these; its requests carry the sampling)."""
     parser.add_argument("--dtype", choices=DTYPES, default=None, help="activation dtype; default float32 on a CPU, bfloat16 on a GPU (what its int4 kernels read)")
     parser.add_argument("--int8-activations", action="store_true", help="int4 and int8 layers also round their inputs to int8 (CPU: integer dot products, faster, slightly less exact)")
     parser.add_argument("--kv-cache", choices=("float", "int8"), default="float", help="int8: the key/value cache as int8 codes with a scale per head and slot (about a quarter of the fp32 CPU cache, half of an fp16 one)")
@@ -221,7 +226,7 @@ def serve_command(args: Sequence[str]) -> None:
     parser.add_argument("--max-tokens-limit", type=int, default=1024, help="the largest max_tokens a request may ask for")
     parser.add_argument("--max-concurrent", type=int, default=8, help="requests admitted at once; more get HTTP 429")
     parser.add_argument("--name", default=None, help="the model id clients see (default: the model's file or directory name)")
-    sampling_arguments(parser)
+    decoder_arguments(parser)
     options = parser.parse_args(args)
     try:
         import uvicorn

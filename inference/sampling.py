@@ -7,6 +7,7 @@ decoding is exactly argmax.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import List, Optional
 
@@ -30,14 +31,16 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens={self.max_new_tokens} must be at least 1")
-        if self.temperature < 0:
-            raise ConfigError(f"temperature={self.temperature} must be 0 (greedy) or positive")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ConfigError(f"temperature={self.temperature} must be 0 (greedy) or a positive number")
         if self.top_k is not None and self.top_k < 1:
             raise ConfigError(f"top_k={self.top_k} must be at least 1 (or null for no limit)")
-        if self.top_p is not None and not 0 < self.top_p <= 1:
+        if self.top_p is not None and not 0 < self.top_p <= 1:  # also refuses NaN
             raise ConfigError(f"top_p={self.top_p} must be in (0, 1]")
-        if self.repetition_penalty <= 0:
-            raise ConfigError(f"repetition_penalty={self.repetition_penalty} must be positive (1.0: off)")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise ConfigError(f"repetition_penalty={self.repetition_penalty} must be a positive number (1.0: off)")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            raise ConfigError(f"seed={self.seed} must fit 64 bits (torch's generators take -2**63 .. 2**64-1)")
 
     @property
     def greedy(self) -> bool:
@@ -60,7 +63,8 @@ def penalize_repetition(logits: torch.Tensor, seen: torch.Tensor, penalty: float
     `seen` [batch, vocab] is a boolean mask of tokens in each row's prompt and output."""
     if penalty == 1.0:
         return logits
-    penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
+    largest = torch.finfo(logits.dtype).max  # a tiny penalty must not make a logit infinite (inf - inf is NaN later)
+    penalized = torch.where(logits > 0, logits / penalty, logits * penalty).clamp(-largest, largest)
     return torch.where(seen, penalized, logits)
 
 
@@ -91,5 +95,8 @@ def next_tokens(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor
     logits = penalize_repetition(logits.float(), seen, params.repetition_penalty)
     if params.greedy:
         return greedy_tokens(logits)
+    # Shifted so the largest is 0 before dividing: a tiny temperature then sends the others to
+    # -inf and never the largest to +inf (whose softmax is NaN). Softmax ignores the shift.
+    logits = logits - logits.amax(-1, keepdim=True)
     logits = filter_top_k_top_p(logits / params.temperature, params.top_k, params.top_p)
     return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)

@@ -3,11 +3,15 @@
     /v1/models, /v1/completions, /v1/chat/completions (both with `stream: true` as server-sent
     events, ending in `data: [DONE]`), /health
 
-Binds 127.0.0.1 unless told otherwise. Limits: the prompt's length, max_tokens, and the number
-of requests admitted at once (the rest get HTTP 429 at once rather than waiting unboundedly).
-With a ContinuousBatcher (`slimlm serve` makes one) admitted requests decode together, joining
-and leaving the batch between steps; without one they decode one at a time.
-A malformed request gets HTTP 400 with an OpenAI-style JSON error, and the server keeps serving.
+Binds 127.0.0.1 unless told otherwise. Limits: the prompt's length, max_tokens, up to 4 stop
+strings, and the number of requests admitted at once (the rest get HTTP 429 at once rather than
+waiting unboundedly). With a ContinuousBatcher (`slimlm serve` makes one) admitted requests
+decode together, joining and leaving the batch between steps; without one they decode one at a
+time. A request is admitted until its response ends, however it ends: a client that goes away
+frees its slot, and its row in the batch at the next step.
+A malformed request, or one asking for what this server does not do (n > 1, logprobs, echo,
+best_of, presence or frequency penalties), gets HTTP 400 with an OpenAI-style JSON error; any
+other failure a JSON 500 (or, mid-stream, an error event before `[DONE]`). The server keeps serving.
 """
 
 # No `from __future__ import annotations`: FastAPI reads the request models from the endpoint signatures.
@@ -17,7 +21,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Iterator, Optional, Union
+from typing import Callable, Iterator, Literal, Optional, Union
 
 from slimlm.errors import SlimlmError
 
@@ -27,6 +31,8 @@ class ServerLimits:
     max_prompt_tokens: int = 4096
     max_new_tokens: int = 1024
     max_concurrent: int = 8  # admitted requests (decoding or waiting); more get 429
+    max_stop_strings: int = 4  # as OpenAI's API: each is checked against the text at every token
+    max_stop_chars: int = 256
 
 
 def create_app(decoder, model_name: str, limits: ServerLimits = ServerLimits(), batcher=None):
@@ -34,6 +40,7 @@ def create_app(decoder, model_name: str, limits: ServerLimits = ServerLimits(), 
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, StreamingResponse
     from pydantic import BaseModel, ConfigDict, Field
+    from starlette.exceptions import HTTPException
 
     from slimlm.inference.decoder import Generation, until_stop
     from slimlm.inference.sampling import SamplingParams
@@ -49,12 +56,20 @@ def create_app(decoder, model_name: str, limits: ServerLimits = ServerLimits(), 
         seed: Optional[int] = None
         stop: Union[str, list[str], None] = None
         stream: bool = False
+        # OpenAI options this server does not implement: refused unless left at their defaults
+        n: int = 1
+        best_of: Optional[int] = None
+        logprobs: Union[bool, int, None] = None
+        top_logprobs: Optional[int] = None
+        echo: bool = False
+        presence_penalty: float = 0.0
+        frequency_penalty: float = 0.0
 
     class CompletionRequest(Sampling):
         prompt: str
 
     class Message(BaseModel):
-        role: str
+        role: Literal["system", "user", "assistant"]
         content: str
 
     class ChatRequest(Sampling):
@@ -75,14 +90,37 @@ def create_app(decoder, model_name: str, limits: ServerLimits = ServerLimits(), 
     async def refused(request: Request, exc: SlimlmError) -> JSONResponse:
         return error(400, str(exc))
 
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        kind = "rate_limit_error" if exc.status_code == 429 else "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return error(exc.status_code, str(exc.detail), kind)
+
+    @app.exception_handler(Exception)
+    async def failed(request: Request, exc: Exception) -> JSONResponse:
+        return error(500, f"the server failed on this request: {type(exc).__name__}: {exc}", "server_error")
+
     def params_of(body: Sampling) -> SamplingParams:
+        unsupported = {"n": body.n != 1, "best_of": body.best_of not in (None, 1), "logprobs": bool(body.logprobs) or body.top_logprobs is not None, "echo": body.echo,
+                       "presence_penalty": body.presence_penalty != 0, "frequency_penalty": body.frequency_penalty != 0}
+        asked = [name for name, used in unsupported.items() if used]
+        if asked:
+            raise SlimlmError(f"this server does not support {', '.join(asked)}: it returns one choice, without log probabilities or the prompt (penalties: use repetition_penalty)")
         if body.max_tokens > limits.max_new_tokens:
             raise SlimlmError(f"max_tokens={body.max_tokens} exceeds this server's limit of {limits.max_new_tokens}")
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        if len(stops) > limits.max_stop_strings or not all(0 < len(stop) <= limits.max_stop_chars for stop in stops):
+            raise SlimlmError(f"stop must be at most {limits.max_stop_strings} non-empty strings of at most {limits.max_stop_chars} characters each")
         return SamplingParams(
             max_new_tokens=body.max_tokens, temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
-            repetition_penalty=body.repetition_penalty, seed=body.seed, stop=stops,
+            repetition_penalty=body.repetition_penalty, seed=body.seed, stop=[checked_text(stop, "a stop string") for stop in stops],
         )
+
+    def checked_text(text: str, what: str) -> str:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise SlimlmError(f"{what} is not valid Unicode text ({exc.reason} at character {exc.start})") from None
+        return text
 
     def checked_ids(ids: list[int]) -> list[int]:
         if not ids:
@@ -91,9 +129,34 @@ def create_app(decoder, model_name: str, limits: ServerLimits = ServerLimits(), 
             raise SlimlmError(f"the prompt has {len(ids)} tokens; this server accepts at most {limits.max_prompt_tokens}")
         return ids
 
-    def respond(ids: list[int], params: SamplingParams, stream: bool, chat: bool):
+    def admission() -> Callable[[], None]:
+        """Admit a request (429 when full); returns its release, safe to call more than once."""
         if not admitted.acquire(blocking=False):
-            return error(429, f"the server is busy ({limits.max_concurrent} requests admitted); retry later", "rate_limit_error")
+            raise HTTPException(429, f"the server is busy ({limits.max_concurrent} requests admitted); retry later")
+        once = threading.Lock()
+
+        def release() -> None:
+            if once.acquire(blocking=False):
+                admitted.release()
+
+        return release
+
+    class AdmittedStream(StreamingResponse):
+        """Ends its request's admission however the response ends, also when the client left
+        before the body started (Starlette then never runs the body's generator)."""
+
+        def __init__(self, body: Iterator[str], end_admission: Callable[[], None]):
+            super().__init__(body, media_type="text/event-stream")
+            self.end_admission = end_admission
+
+        async def __call__(self, scope, receive, send) -> None:
+            try:
+                await super().__call__(scope, receive, send)
+            finally:
+                self.end_admission()
+
+    def respond(ids: list[int], params: SamplingParams, stream: bool, chat: bool):
+        release = admission()
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
         if not stream:
@@ -103,24 +166,35 @@ def create_app(decoder, model_name: str, limits: ServerLimits = ServerLimits(), 
                 else:
                     (generation,) = decoder.generate_ids([ids], params)
             finally:
-                admitted.release()
+                release()
             usage = {"prompt_tokens": len(ids), "completion_tokens": len(generation.token_ids), "total_tokens": len(ids) + len(generation.token_ids)}
             if chat:
                 choice = {"index": 0, "message": {"role": "assistant", "content": generation.text}, "finish_reason": generation.finish_reason}
             else:
                 choice = {"index": 0, "text": generation.text, "logprobs": None, "finish_reason": generation.finish_reason}
             return {"id": request_id, "object": "chat.completion" if chat else "text_completion", "created": created, "model": model_name, "choices": [choice], "usage": usage}
-        return StreamingResponse(events(request_id, created, ids, params, chat), media_type="text/event-stream")
+        try:  # refusals (a prompt too long for a row) come now, as a 400, not in a started stream
+            submission = batcher.submit(ids, params) if batcher is not None else None
+        except BaseException:
+            release()
+            raise
 
-    def batched_pieces(ids: list[int], params: SamplingParams, results: list) -> Iterator[str]:
+        def end_admission() -> None:
+            if submission is not None:
+                submission.cancel()  # a no-op once it has finished
+            release()
+
+        return AdmittedStream(events(request_id, created, ids, params, chat, submission, end_admission), end_admission)
+
+    def batched_pieces(submission, results: list) -> Iterator[str]:
         """The batcher's text pieces; its final Generation goes to `results`."""
-        for item in batcher.submit(ids, params):
+        for item in submission:
             if isinstance(item, Generation):
                 results.append(item)
             else:
                 yield item
 
-    def events(request_id: str, created: int, ids: list[int], params: SamplingParams, chat: bool) -> Iterator[str]:
+    def events(request_id: str, created: int, ids: list[int], params: SamplingParams, chat: bool, submission, end_admission: Callable[[], None]) -> Iterator[str]:
         kind = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(piece: Optional[str], finish: Optional[str], first: bool = False) -> str:
@@ -134,9 +208,9 @@ def create_app(decoder, model_name: str, limits: ServerLimits = ServerLimits(), 
         try:
             if chat:
                 yield chunk(None, None, first=True)
-            if batcher is not None:
+            if submission is not None:
                 results: list[Generation] = []
-                source = batched_pieces(ids, params, results)
+                source = batched_pieces(submission, results)
                 for piece in until_stop(source, params.stop):
                     yield chunk(piece, None)
                 for _ in source:  # after a stop string: the sequence ends at once; collect its Generation
@@ -147,9 +221,12 @@ def create_app(decoder, model_name: str, limits: ServerLimits = ServerLimits(), 
                     yield chunk(piece, None)
                 finish = decoder.last_generations[0].finish_reason if decoder.last_generations else "stop"
             yield chunk(None, finish)
-            yield "data: [DONE]\n\n"
+        except Exception as exc:  # the headers went out with 200: the client learns of it in the stream
+            failure = {"message": f"{type(exc).__name__}: {exc}", "type": "invalid_request_error" if isinstance(exc, SlimlmError) else "server_error"}
+            yield f"data: {json.dumps({'error': failure})}\n\n"
         finally:
-            admitted.release()
+            end_admission()
+        yield "data: [DONE]\n\n"
 
     @app.get("/health")
     def health() -> dict:
@@ -161,7 +238,7 @@ def create_app(decoder, model_name: str, limits: ServerLimits = ServerLimits(), 
 
     @app.post("/v1/completions")
     def completions(body: CompletionRequest):
-        ids = checked_ids(decoder.tokenizer(body.prompt, add_special_tokens=False)["input_ids"])
+        ids = checked_ids(decoder.tokenizer(checked_text(body.prompt, "the prompt"), add_special_tokens=False)["input_ids"])
         return respond(ids, params_of(body), body.stream, chat=False)
 
     @app.post("/v1/chat/completions")
@@ -169,7 +246,8 @@ def create_app(decoder, model_name: str, limits: ServerLimits = ServerLimits(), 
         tokenizer = decoder.tokenizer
         if not getattr(tokenizer, "chat_template", None):
             raise SlimlmError(f"model '{model_name}' has no chat template; use /v1/completions")
-        text = tokenizer.apply_chat_template([m.model_dump() for m in body.messages], tokenize=False, add_generation_prompt=True)
+        messages = [{"role": m.role, "content": checked_text(m.content, f"message {i}'s content")} for i, m in enumerate(body.messages)]
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         ids = checked_ids(tokenizer(text, add_special_tokens=False)["input_ids"])
         return respond(ids, params_of(body), body.stream, chat=True)
 

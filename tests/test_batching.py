@@ -53,3 +53,28 @@ def test_stop_strings_and_end_of_sequence_free_the_row(tiny_model, tiny_tokenize
     *_, generation = batcher.submit(ids, SamplingParams(max_new_tokens=30, ignore_eos=True, temperature=1.0, seed=3, stop=[stop]))
     assert generation.finish_reason == "stop" and generation.text == free.text[: free.text.index(stop)]
     assert batcher.free_rows == [0]
+
+
+def test_a_cancelled_request_leaves_at_the_next_step_and_a_failing_one_fails_alone(tiny_model, tiny_tokenizer, monkeypatch):
+    import time
+
+    from slimlm.inference import batching
+
+    batcher = ContinuousBatcher(Decoder(build_decoder(tiny_model), tiny_tokenizer), max_batch=2, max_seq=512)
+    abandoned = batcher.submit(prompt(5, 1), SamplingParams(max_new_tokens=480, ignore_eos=True))
+    next(abandoned)  # decoding has started
+    abandoned.cancel()
+    deadline = time.time() + 30
+    while batcher.running and time.time() < deadline:
+        time.sleep(0.01)
+    assert not batcher.running and sorted(batcher.free_rows) == [0, 1] and batcher.steps < 400
+    with pytest.raises(Exception, match="cancelled"):
+        list(abandoned)
+    # a request whose sampling raises gets its error; one decoding beside it is unharmed
+    sample = batching.next_tokens
+    monkeypatch.setattr(batching, "next_tokens", lambda logits, params, seen, generator: sample(logits, params, seen, generator) if params.seed != 13 else 1 / 0)
+    healthy = batcher.submit(prompt(5, 2), SamplingParams(max_new_tokens=40, ignore_eos=True))
+    with pytest.raises(ZeroDivisionError):
+        list(batcher.submit(prompt(4, 3), SamplingParams(max_new_tokens=40, ignore_eos=True, temperature=1.0, seed=13)))
+    *_, generation = healthy
+    assert len(generation.token_ids) == 40 and sorted(batcher.free_rows) == [0, 1]

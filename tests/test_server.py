@@ -94,21 +94,71 @@ def test_chat_completions_with_and_without_streaming(serve, batched):
     assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == message["content"]
 
 
-def test_malformed_requests_get_400_and_the_server_keeps_serving(serve):
-    base, _ = serve()
+@pytest.mark.parametrize("batched", [False, True], ids=["one-at-a-time", "continuous-batching"])
+def test_malformed_requests_get_400_and_the_server_keeps_serving(serve, batched):
+    base, _ = serve(batched=batched)
     cases = [
         (None, b"{not json"),
+        (None, b'{"prompt": "\\ud800 lone surrogate"}'),  # valid JSON, not text a tokenizer can take
+        (None, b'{"prompt": "\xff\xfe"}'),  # not UTF-8
         ({"max_tokens": 4}, None),  # no prompt
         ({"prompt": "hi", "max_tokens": 999}, None),  # over the server's limit
         ({"prompt": "word " * 200, "max_tokens": 4}, None),  # prompt too long
         ({"prompt": "hi", "temperature": -1}, None),
+        ({"prompt": "hi", "seed": 2**70}, None),
+        ({"prompt": "hi", "n": 2}, None),  # options it does not implement are refused, not ignored
+        ({"prompt": "hi", "logprobs": 3}, None),
+        ({"prompt": "hi", "echo": True}, None),
+        ({"prompt": "hi", "frequency_penalty": 0.5}, None),
+        ({"prompt": "hi", "stop": ""}, None),
+        ({"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, None),
+        ({"prompt": "hi", "stop": ["x" * 300]}, None),
     ]
-    for body, raw in cases:
-        status, text = post(f"{base}/v1/completions", body, raw)
-        assert status == 400, (body, text)
-        assert json.loads(text)["error"]["type"] == "invalid_request_error"
+    for stream in (False, True):
+        for body, raw in cases:
+            status, text = post(f"{base}/v1/completions", None if body is None else {**body, "stream": stream}, raw)
+            assert status == 400, (body, raw, text)
+            assert json.loads(text)["error"]["type"] == "invalid_request_error"
+    status, text = post(f"{base}/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]})
+    assert status == 400 and "role" in json.loads(text)["error"]["message"]
     with urllib.request.urlopen(f"{base}/health") as response:
         assert json.loads(response.read())["status"] == "ok"
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["one-at-a-time", "continuous-batching"])
+def test_extreme_sampling_settings_answer_and_leave_the_server_serving(serve, batched):
+    """A temperature or repetition penalty of 1e-40 once made the probabilities NaN, and the
+    sampling error killed the batching thread: every later request hung."""
+    base, _ = serve(batched=batched)
+    for extreme in ({"temperature": 1e-40}, {"temperature": 1.0, "repetition_penalty": 1e-40}, {"temperature": 1e-40, "repetition_penalty": 1e-40}):
+        for stream in (False, True):
+            status, text = post(f"{base}/v1/completions", {"prompt": "the story of", "max_tokens": 4, "stream": stream, **extreme})
+            assert status == 200 and ("[DONE]" in text if stream else json.loads(text)["choices"][0]["finish_reason"] in ("stop", "length")), (extreme, text)
+    status, text = post(f"{base}/v1/completions", {"prompt": "hi", "max_tokens": 2, "temperature": 0})
+    assert status == 200, text
+
+
+@pytest.mark.parametrize("read_first", [0, 300], ids=["gone-before-the-body", "gone-mid-stream"])
+def test_clients_that_go_away_give_back_their_admission(serve, read_first):
+    """Each stream's admission ends with its response, however that ends: with room for one
+    request, a request after several abandoned streams is still served."""
+    from slimlm.inference.server import ServerLimits
+
+    base, _ = serve(ServerLimits(max_prompt_tokens=64, max_new_tokens=256, max_concurrent=1), batched=True)
+    port = int(base.rsplit(":", 1)[1])
+    body = json.dumps({"prompt": "the story of", "max_tokens": 256, "temperature": 1.0, "stream": True}).encode()
+    for _ in range(3):
+        with socket.create_connection(("127.0.0.1", port)) as client:
+            client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            if read_first:
+                client.recv(read_first)
+    deadline = time.time() + 30
+    while True:
+        status, text = post(f"{base}/v1/completions", {"prompt": "hi", "max_tokens": 2, "temperature": 0})
+        if status != 429 or time.time() > deadline:
+            break
+        time.sleep(0.2)
+    assert status == 200, text
 
 
 def test_requests_beyond_the_admission_limit_get_429(serve):
