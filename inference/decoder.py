@@ -276,23 +276,36 @@ def _held_back(text: str, stops: Sequence[str]) -> int:
 
 class IncrementalText:
     """Text of a growing token list, handed out as the new characters only; pieces that end in
-    an incomplete UTF-8 character wait for the next token."""
+    an incomplete UTF-8 character wait for the next token.
+
+    Each token decodes a window, not the whole list: the tokens since the last piece and the
+    ones before it back to the piece before (the text of the same tokens without the new ones
+    is cut off the front). The window keeps what a tokenizer's decoder needs (a SentencePiece
+    decoder drops the first token's leading space, a byte-level one needs a character's first
+    bytes), and a long answer costs the same per token as a short one (decoding the whole list
+    each time grows with its length: 0.3 ms a token at 1,000 tokens)."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.ids: list[int] = []
-        self.text = ""
+        self.text = ""  # every piece handed out, joined
+        self.start = 0  # the window's first token
+        self.shown = 0  # tokens whose text has been handed out
 
     def add(self, token: int) -> str:
         self.ids.append(token)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):
-            return ""
-        piece, self.text = text[len(self.text) :], text
-        return piece
+        return self.piece(final=False)
 
     def flush(self) -> str:
         """What is still held back when the tokens end (a character that never completed)."""
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        piece, self.text = text[len(self.text) :], text
+        return self.piece(final=True)
+
+    def piece(self, final: bool) -> str:
+        before = self.tokenizer.decode(self.ids[self.start : self.shown], skip_special_tokens=True)
+        now = self.tokenizer.decode(self.ids[self.start :], skip_special_tokens=True)
+        if len(now) <= len(before) or (now.endswith("\ufffd") and not final):
+            return ""
+        piece = now[len(before) :]
+        self.text += piece
+        self.start, self.shown = self.shown, len(self.ids)
         return piece

@@ -143,6 +143,41 @@ def test_stop_strings_end_the_text_and_streaming_gives_the_same_text(tiny_model,
     assert "".join(decoder.stream("the story of", SamplingParams(**sampled))) == free.text
 
 
+def metaspace_tokenizer():
+    """A SentencePiece-style tokenizer: words start with '▁', and decoding drops the first one's space."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE(byte_fallback=True))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+    tokenizer.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Metaspace()])
+    bytes_ = [f"<0x{b:02X}>" for b in range(256)]
+    tokenizer.train_from_iterator(["the story of a cat and the dog " * 20], trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", *bytes_]))
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>")
+
+
+@pytest.mark.parametrize("kind", ["byte-level", "metaspace"])
+def test_incremental_text_pieces_join_to_the_decoded_text_decoding_a_bounded_window(tiny_tokenizer, kind):
+    """Streamed pieces, token by token, are the text the whole list decodes to; a character split
+    over several tokens comes out whole; each token decodes a few tokens, not the whole list."""
+    from slimlm.inference.decoder import IncrementalText
+
+    tokenizer = tiny_tokenizer if kind == "byte-level" else metaspace_tokenizer()
+    text = "the story of a café — naïve 猫 and 🐕 dogs, " * 12
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if kind == "metaspace":
+        ids = [tokenizer.bos_token_id, *ids]  # a special token: decoded as nothing
+    longest = []
+    decode = tokenizer.decode
+    tokenizer.decode = lambda window, **kw: longest.append(len(window)) or decode(window, **kw)
+    incremental = IncrementalText(tokenizer)
+    pieces = [incremental.add(token) for token in ids] + [incremental.flush()]
+    tokenizer.decode = decode
+    assert "".join(pieces) == incremental.text == decode(ids, skip_special_tokens=True)
+    assert not any("\ufffd" in piece for piece in pieces) and sum(1 for p in pieces if p) > len(ids) // 2
+    assert len(ids) > 300 and max(longest) <= 12
+
+
 def test_bad_input_is_refused(tiny_model, tiny_tokenizer):
     with pytest.raises(SlimlmError, match="'gpt2'"):
         ModelArgs.from_hf_config({"model_type": "gpt2"})
