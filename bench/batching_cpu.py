@@ -4,6 +4,8 @@ The default model at int4 g64 (RTN, head too; bundled decoder, bf16 activations,
   static batches    B prompts of 16 tokens decoded together (Decoder.generate_ids), B = 1..16
   continuous        16 requests of 16-token prompts and 32-128 new tokens sent at once to a
                     ContinuousBatcher with 8 rows: they join and leave between steps
+  long prompts      8 requests of 1,024-token prompts, 64 new tokens each, 8 rows: each step
+                    attends over about a thousand cached slots per sequence
 Reports total new tokens per second and the per-request rate. Writes
 bench/results/batching_cpu.{md,json}.
 
@@ -35,6 +37,29 @@ def per_request(row: dict) -> str:
     return "" if row["tok_s_per_request"] is None else f"{row['tok_s_per_request']:.1f}"
 
 
+def continuous(model, tokenizer, name: str, prompts: list[list[int]], lengths: list[int]) -> dict:
+    """All `prompts` sent at once to a ContinuousBatcher of 8 rows, prompt i asking for
+    lengths[i] new tokens: new tokens per second from the first request to the last answer."""
+    batcher = ContinuousBatcher(Decoder(build_decoder(model, dtype=torch.bfloat16), tokenizer), max_batch=8, max_seq=max(map(len, prompts)) + max(lengths))
+    produced = []
+
+    def client(ids: list[int], new_tokens: int) -> None:
+        *_, generation = batcher.submit(ids, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
+        produced.append(len(generation.token_ids))
+
+    begin = time.perf_counter()
+    threads = [threading.Thread(target=client, args=pair) for pair in zip(prompts, lengths)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    seconds = time.perf_counter() - begin
+    total = sum(produced) / seconds
+    decode = batcher.step_tokens / batcher.step_s
+    print(f"{name}: {total:.1f} tok/s in all, {decode:.1f} in its {batcher.steps} decode steps", flush=True)
+    return {"name": name, "batch": 8, "tok_s": total, "tok_s_per_request": None, "decode_tok_s": decode, "decode_steps": batcher.steps, "new_tokens": sum(produced), "seconds": seconds}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--new-tokens", type=int, default=64)
@@ -58,24 +83,11 @@ def main() -> None:
         total = batch * options.new_tokens / seconds
         rows.append({"name": f"static batch {batch}", "batch": batch, "tok_s": total, "tok_s_per_request": total / batch, "decode_tok_s": decoder.last_stats.decode_tok_s, "seconds": seconds})
         print(f"batch {batch}: {total:.1f} tok/s in all, {total / batch:.1f} per request", flush=True)
-    batcher = ContinuousBatcher(Decoder(build_decoder(model, dtype=torch.bfloat16), tokenizer), max_batch=8, max_seq=16 + 128)
     lengths = [32 + (96 * i) // 15 for i in range(16)]  # 32..128 new tokens
-    produced = []
-
-    def client(ids: list[int], new_tokens: int) -> None:
-        *_, generation = batcher.submit(ids, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
-        produced.append(len(generation.token_ids))
-
-    begin = time.perf_counter()
-    threads = [threading.Thread(target=client, args=(prompts[i], lengths[i])) for i in range(16)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    seconds = time.perf_counter() - begin
-    total = sum(produced) / seconds
-    rows.append({"name": "continuous, 16 requests, 8 rows", "batch": 8, "tok_s": total, "tok_s_per_request": None, "decode_steps": batcher.steps, "new_tokens": sum(produced), "seconds": seconds})
-    print(f"continuous: {total:.1f} tok/s in all over {batcher.steps} steps", flush=True)
+    rows.append(continuous(model, tokenizer, "continuous, 16 requests, 8 rows", prompts, lengths))
+    long_ids = benchmark_prompt(tokenizer, 8 * 1024).tolist()
+    long_prompts = [long_ids[1024 * i : 1024 * (i + 1)] for i in range(8)]
+    rows.append(continuous(model, tokenizer, "continuous, 1,024-token prompts, 8 rows", long_prompts, [64] * 8))
     summary = {"new_tokens": options.new_tokens, "threads": options.threads, "seconds": time.perf_counter() - started}
     command = command_line("batching_cpu.py", parser, options)
     machine = machine_info()
@@ -86,11 +98,11 @@ def main() -> None:
         f"- command: `{command}`",
         machine_line(machine, f"{options.threads} threads", summary["seconds"]),
         f"- default model, int4 g64 RTN (head too), bundled decoder, bf16 activations, eager (no compiled step); 16-token prompts; static batches decode {options.new_tokens} new tokens each",
-        "- continuous: 16 requests sent at once, 32 to 128 new tokens each, 8 cache rows: a request takes a row when one frees, prefills, and joins the running batch at the next step",
+        "- continuous: 16 requests sent at once, 32 to 128 new tokens each, 8 cache rows: a request takes a row when one frees, prefills, and joins the running batch at the next step; and 8 requests of 1,024-token prompts, 64 new tokens each (the time includes their prefills)",
         "",
-        "| run | new tokens/s in all | vs batch 1 | per request tokens/s |",
-        "|---|---:|---:|---:|",
-        *[f"| {r['name']} | {r['tok_s']:.1f} | {r['tok_s'] / single:.2f}x | {per_request(r)} |" for r in rows],
+        "| run | new tokens/s in all | vs batch 1 | per request tokens/s | tokens/s in decode steps (prefills aside) |",
+        "|---|---:|---:|---:|---:|",
+        *[f"| {r['name']} | {r['tok_s']:.1f} | {r['tok_s'] / single:.2f}x | {per_request(r)} | {r['decode_tok_s']:.1f} |" for r in rows],
         "",
     ]
     write_result("batching_cpu", command, {"summary": summary, "rows": rows}, lines)

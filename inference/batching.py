@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -74,6 +75,8 @@ class ContinuousBatcher:
         self.waiting: "queue.Queue[_Sequence]" = queue.Queue()
         self.running: list[_Sequence] = []
         self.steps = 0  # decode steps taken (all running sequences at once)
+        self.step_s = 0.0  # seconds in them (prefills aside)
+        self.step_tokens = 0  # tokens they decoded
         self.worker = threading.Thread(target=self._loop, daemon=True)
         self.worker.start()
 
@@ -157,8 +160,9 @@ class ContinuousBatcher:
         tokens = torch.tensor([s.tokens[-1] for s in running], device=device)
         rows = torch.tensor([s.row for s in running], device=device)
         positions = torch.tensor([len(s.ids) + len(s.tokens) - 1 for s in running], device=device)
+        begin = time.perf_counter()
         logits = self.model.step_rows(tokens, rows, positions)
-        self.steps += 1
+        self.steps, self.step_tokens, self.step_s = self.steps + 1, self.step_tokens + len(running), self.step_s + time.perf_counter() - begin
         for index, sequence in enumerate(running):
             try:
                 self._take(sequence, logits[index : index + 1])

@@ -15,6 +15,7 @@ for instead (to measure or test a laptop's path on a bigger machine).
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 from pathlib import Path
@@ -92,8 +93,21 @@ def available() -> bool:
     for op in OPS.values():
         torch.library.register_fake(f"slimlm::{op}")(_output_shape)
     torch.library.register_fake("slimlm::decode_attention")(_attention_shape)
+    tag_compile_caches()
     log.info("slimlm's CPU kernels built for %s", isa)
     return True
+
+
+def tag_compile_caches() -> None:
+    """Key torch.compile's on-disk caches by the kernels' source as well. A graph compiled with
+    the C++ wrapper calls each op with the arguments its schema had then, and Inductor's cache
+    key does not cover a custom op's schema: a graph cached by an earlier slimlm whose op took
+    fewer arguments crashed the process when loaded."""
+    digest = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES)).hexdigest()[:16]
+    tag = f"slimlm-cpu-kernels-{digest}"
+    current = torch.compiler.config.cache_key_tag
+    if tag not in current:
+        torch.compiler.config.cache_key_tag = f"{current}+{tag}" if current else tag
 
 
 def group_size(scheme: QuantScheme, in_features: int) -> int:
@@ -166,5 +180,5 @@ def _output_shape(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, o
     return x.new_empty(x.shape[0], packed.shape[0] * TILE)
 
 
-def _attention_shape(q: torch.Tensor, k: torch.Tensor, k_scales: Optional[torch.Tensor], v: torch.Tensor, v_scales: Optional[torch.Tensor], mask: Optional[torch.Tensor], softmax_scale: float) -> torch.Tensor:
+def _attention_shape(q: torch.Tensor, k: torch.Tensor, k_scales: Optional[torch.Tensor], v: torch.Tensor, v_scales: Optional[torch.Tensor], mask: Optional[torch.Tensor], softmax_scale: float, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
     return q.new_empty(q.shape, dtype=torch.float32)

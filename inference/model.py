@@ -156,10 +156,13 @@ class Attention(nn.Module):
         qk = rotate(qkv[:, :, : heads + kv_heads], cos, sin)  # q and k heads rotated in one go
         q, k = qk[:, :, :heads].transpose(1, 2), qk[:, :, heads:].transpose(1, 2)
         v = qkv[:, :, heads + kv_heads :].transpose(1, 2)
-        k_codes, k_scale = self.cached(self.k_cache, self.k_cache_scale, k, slots, end, rows)
-        v_codes, v_scale = self.cached(self.v_cache, self.v_cache_scale, v, slots, end, rows)
-        if length == 1 and self.decode_kernel:  # the cache read as it is stored (inference/kernels/)
-            out = torch.ops.slimlm.decode_attention(q, k_codes, k_scale, v_codes, v_scale, mask, self.head_dim**-0.5)
+        # The kernel reads each sequence's own row where it lies; torch's attention a gathered copy of the rows.
+        kernel = length == 1 and self.decode_kernel
+        every_row = kernel and not isinstance(rows, int)
+        k_codes, k_scale = self.cached(self.k_cache, self.k_cache_scale, k, slots, end, rows, every_row)
+        v_codes, v_scale = self.cached(self.v_cache, self.v_cache_scale, v, slots, end, rows, every_row)
+        if kernel:  # the cache read as it is stored (inference/kernels/)
+            out = torch.ops.slimlm.decode_attention(q, k_codes, k_scale, v_codes, v_scale, mask, self.head_dim**-0.5, None if isinstance(rows, int) else rows)
         else:
             keys, values = from_cache(k_codes, k_scale, self.attention_dtype), from_cache(v_codes, v_scale, self.attention_dtype)
             q = q.to(keys.dtype)  # fp32 on CPU (bf16 matmuls are slow there), the activations' dtype on GPUs
@@ -169,18 +172,20 @@ class Attention(nn.Module):
                 out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=heads != kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, heads * self.head_dim).to(x.dtype))
 
-    def cached(self, cache: torch.Tensor, scale: Optional[torch.Tensor], new: torch.Tensor, slots: torch.Tensor, end: int, rows: Union[torch.Tensor, int]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def cached(self, cache: torch.Tensor, scale: Optional[torch.Tensor], new: torch.Tensor, slots: torch.Tensor, end: int, rows: Union[torch.Tensor, int], every_row: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Write `new` [batch, kv_heads, length, head_dim] at `slots` of the cache rows; return
-        the rows' slots up to `end` as stored (views: codes and scales for an int8 cache)."""
+        the slots up to `end` as stored (codes and scales for an int8 cache) of the rows written
+        (a view for an int `rows`, a gathered copy for a tensor of rows), or with `every_row` of
+        the whole cache (a view, for the kernel that reads each sequence's row by its index)."""
         codes, new_scale = to_cache(new, cache.dtype)
-        select = slice(rows, rows + new.shape[0]) if isinstance(rows, int) else rows
         for store, values in ((cache, codes), (scale, new_scale)):
             if store is None:
                 continue
             if isinstance(rows, int):
-                store[select].index_copy_(2, slots, values)
+                store[rows : rows + new.shape[0]].index_copy_(2, slots, values)
             else:
                 store[rows, :, slots] = values[:, :, 0]
+        select = slice(None) if every_row else slice(rows, rows + new.shape[0]) if isinstance(rows, int) else rows
         return cache[select, :, :end], None if scale is None else scale[select, :, :end]
 
     def attend_one(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:

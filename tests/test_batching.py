@@ -40,6 +40,7 @@ def test_requests_joining_at_different_times_get_their_solo_output(tiny_model, t
         assert results[index].token_ids == expected.token_ids, index
     assert order.index(1) < order.index(0)  # the short answer left while the long one was still decoding
     assert batcher.steps < sum(n for _, n in requests) - len(requests)  # steps were shared
+    assert batcher.step_tokens == sum(n for _, n in requests) - len(requests) and batcher.step_s > 0  # each first token comes from its prefill
     assert sorted(batcher.free_rows) == [0, 1, 2]  # every row came back
 
 

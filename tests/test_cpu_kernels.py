@@ -209,6 +209,47 @@ def test_decode_attention_refuses_what_it_cannot_read():
 
 
 @needs_kernel
+def test_compile_caches_are_keyed_by_the_kernels_source():
+    """Graphs compiled against an earlier build of the kernels (another op schema) are not
+    loaded from torch.compile's cache; a tag the user set is kept."""
+    import hashlib
+
+    digest = hashlib.sha256(b"".join(source.read_bytes() for source in cpu_kernels.SOURCES)).hexdigest()[:16]
+    assert f"slimlm-cpu-kernels-{digest}" in torch.compiler.config.cache_key_tag
+    with torch.compiler.config.patch(cache_key_tag="users-own"):
+        cpu_kernels.tag_compile_caches()
+        cpu_kernels.tag_compile_caches()
+        assert torch.compiler.config.cache_key_tag == f"users-own+slimlm-cpu-kernels-{digest}"
+
+
+@needs_kernel
+@pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float32], ids=["int8", "fp32"])
+def test_decode_attention_reads_each_sequence_from_its_own_cache_row(cache_dtype):
+    """Continuous batching: each sequence's row of the whole cache, given by index, attends
+    exactly as a gathered copy of those rows; a row outside the cache is refused."""
+    (k_codes, k_scales), (v_codes, v_scales) = cached(4, 2, 40, 16, 1, cache_dtype), cached(4, 2, 40, 16, 2, cache_dtype)
+    rows = torch.tensor([3, 0, 2])
+    q = torch.randn(3, 4, 1, 16, generator=torch.Generator().manual_seed(3))
+    visible = torch.rand(3, 1, 1, 33, generator=torch.Generator().manual_seed(4)) > 0.3
+    visible[..., -1] = True
+    gathered = lambda t: None if t is None else t[rows, :, :33]  # noqa: E731
+    whole = lambda t: None if t is None else t[:, :, :33]  # noqa: E731
+    expected = torch.ops.slimlm.decode_attention(q, gathered(k_codes), gathered(k_scales), gathered(v_codes), gathered(v_scales), visible, 0.25)
+    got = torch.ops.slimlm.decode_attention(q, whole(k_codes), whole(k_scales), whole(v_codes), whole(v_scales), visible, 0.25, rows)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    cache = (whole(k_codes), whole(k_scales), whole(v_codes), whole(v_scales), visible, 0.25)
+    with pytest.raises(RuntimeError, match=r"rows\[2\]=4 is not one of the cache's 4 rows"):
+        torch.ops.slimlm.decode_attention(q, *cache, torch.tensor([3, 0, 4]))
+    with pytest.raises(RuntimeError, match=r"rows\[1\]=-1 is not one"):
+        torch.ops.slimlm.decode_attention(q, *cache, torch.tensor([3, -1, 2]))
+    for bad in (rows.int(), rows[:2]):
+        with pytest.raises(RuntimeError, match=r"rows must be int64 \[batch\]=\[3\]"):
+            torch.ops.slimlm.decode_attention(q, *cache, bad)
+    with pytest.raises(RuntimeError, match="does not match the cache"):  # without rows, one cache row per sequence
+        torch.ops.slimlm.decode_attention(q, *cache)
+
+
+@needs_kernel
 def test_decode_attention_never_reads_the_keys_of_hidden_slots():
     """Garbage (NaN) in a hidden slot's key, here the cache's tail beyond the current position,
     leaves the output as if the slot were not there."""
@@ -328,7 +369,7 @@ def test_the_laptop_instruction_sets_pass_the_kernel_tests(isa):
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", tests, __file__], cwd=Path(__file__).parent.parent, env={**os.environ, cpu_kernels.ISA_ENV: isa}, capture_output=True, text=True, timeout=900)
     summary = result.stdout.strip().splitlines()[-1]
     assert result.returncode == 0 and "skipped" not in summary, result.stdout[-4000:] + result.stderr[-2000:]
-    assert summary.startswith("142 passed"), summary
+    assert summary.startswith("144 passed"), summary
 
 
 def test_without_the_kernels_int4_and_int8_layers_use_torchs(monkeypatch):

@@ -12,6 +12,9 @@
 //   k         [B, KVH, T, D] float32, or int8 codes with k_scales [B, KVH, T, 1] float32 (key = scale * code)
 //   v         likewise, with v_scales for int8
 //   mask      optional [B or 1, 1, 1, T] bool, false where a slot is not visible
+//   rows      optional [B] int64: sequence b reads cache row rows[b], k and v (and their scales)
+//             then being the whole cache [R, KVH, T, D] (continuous batching, whose sequences sit
+//             in rows of their own: a gather of those rows would copy them every step)
 // Output: [B, H, 1, D] float32, softmax(q . k * softmax_scale) . v per query head.
 //
 // The T slots of each key/value head are split into chunks so that two threads share even a
@@ -185,12 +188,12 @@ void attend_group(int64_t count, const float* q, const Head<T>& h, int64_t dim, 
   }
 }
 
-// Sequence b's key/value head kvh, slots [begin, end), all its queries.
+// Sequence b's key/value head kvh in cache row r, slots [begin, end), all its queries.
 template <typename T>
-void attend_head(const float* queries, int64_t groups, const at::Tensor& k, const std::optional<at::Tensor>& k_scales, const at::Tensor& v, const std::optional<at::Tensor>& v_scales, const std::optional<at::Tensor>& mask, int64_t b, int64_t kvh, int64_t begin, int64_t end, const Partial& p) {
-  const auto scales_of = [&](const std::optional<at::Tensor>& scales) { return scales ? scales->data_ptr<float>() + b * scales->stride(0) + kvh * scales->stride(1) : nullptr; };
+void attend_head(const float* queries, int64_t groups, const at::Tensor& k, const std::optional<at::Tensor>& k_scales, const at::Tensor& v, const std::optional<at::Tensor>& v_scales, const std::optional<at::Tensor>& mask, int64_t b, int64_t r, int64_t kvh, int64_t begin, int64_t end, const Partial& p) {
+  const auto scales_of = [&](const std::optional<at::Tensor>& scales) { return scales ? scales->data_ptr<float>() + r * scales->stride(0) + kvh * scales->stride(1) : nullptr; };
   const Head<T> head{
-      k.data_ptr<T>() + b * k.stride(0) + kvh * k.stride(1), scales_of(k_scales), v.data_ptr<T>() + b * v.stride(0) + kvh * v.stride(1), scales_of(v_scales),
+      k.data_ptr<T>() + r * k.stride(0) + kvh * k.stride(1), scales_of(k_scales), v.data_ptr<T>() + r * v.stride(0) + kvh * v.stride(1), scales_of(v_scales),
       mask ? mask->data_ptr<bool>() + (mask->size(0) == 1 ? 0 : b * mask->stride(0)) : nullptr,
       k.stride(2), v.stride(2), k_scales ? k_scales->stride(2) : 0, v_scales ? v_scales->stride(2) : 0, mask ? mask->stride(3) : 0};
   const int64_t dim = k.size(3);
@@ -200,19 +203,30 @@ void attend_head(const float* queries, int64_t groups, const at::Tensor& k, cons
   }
 }
 
-at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k, const std::optional<at::Tensor>& k_scales, const at::Tensor& v, const std::optional<at::Tensor>& v_scales, const std::optional<at::Tensor>& mask, double softmax_scale) {
+at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k, const std::optional<at::Tensor>& k_scales, const at::Tensor& v, const std::optional<at::Tensor>& v_scales, const std::optional<at::Tensor>& mask, double softmax_scale, const std::optional<at::Tensor>& rows) {
   TORCH_CHECK(q_in.dim() == 4 && q_in.size(2) == 1, "decode_attention: q must be [batch, heads, 1, head_dim], got ", q_in.sizes());
   TORCH_CHECK(k.dim() == 4 && k.sizes() == v.sizes() && k.scalar_type() == v.scalar_type(), "decode_attention: keys and values must be [batch, kv_heads, slots, head_dim] of one shape and dtype");
   const bool codes = k.scalar_type() == at::kChar;
   TORCH_CHECK(codes || k.scalar_type() == at::kFloat, "decode_attention: the cache must be float32 or int8 codes, not ", k.scalar_type());
   const int64_t batch = q_in.size(0), heads = q_in.size(1), dim = q_in.size(3);
-  const int64_t kv_heads = k.size(1), slots = k.size(2);
-  TORCH_CHECK(k.size(0) == batch && k.size(3) == dim && kv_heads > 0 && heads % kv_heads == 0, "decode_attention: q ", q_in.sizes(), " does not match the cache's ", k.sizes(), " (a whole number of query heads per key/value head)");
+  const int64_t cache_rows = k.size(0), kv_heads = k.size(1), slots = k.size(2);
+  std::vector<int64_t> row_of(batch);  // the cache row each sequence reads
+  if (rows) {
+    TORCH_CHECK(rows->scalar_type() == at::kLong && rows->dim() == 1 && rows->size(0) == batch && rows->device().is_cpu(), "decode_attention: rows must be int64 [batch]=[", batch, "] on the CPU, one cache row per sequence, got ", rows->scalar_type(), " ", rows->sizes(), " on ", rows->device());
+    const at::Tensor indices = rows->contiguous();
+    for (int64_t b = 0; b < batch; ++b) {
+      row_of[b] = indices.data_ptr<int64_t>()[b];
+      TORCH_CHECK(row_of[b] >= 0 && row_of[b] < cache_rows, "decode_attention: rows[", b, "]=", row_of[b], " is not one of the cache's ", cache_rows, " rows");
+    }
+  } else {
+    for (int64_t b = 0; b < batch; ++b) row_of[b] = b;
+  }
+  TORCH_CHECK((rows || cache_rows == batch) && k.size(3) == dim && kv_heads > 0 && heads % kv_heads == 0, "decode_attention: q ", q_in.sizes(), " does not match the cache's ", k.sizes(), " (a whole number of query heads per key/value head)");
   TORCH_CHECK(dim % 8 == 0, "decode_attention: head_dim must be a multiple of 8, not ", dim);
   TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "decode_attention: each key and value vector must be contiguous (strides ", k.strides(), " and ", v.strides(), ")");
   for (const auto* scales : {&k_scales, &v_scales}) {
-    TORCH_CHECK(scales->has_value() == codes, "decode_attention: int8 codes need float32 scales [batch, kv_heads, slots, 1], a float cache none");
-    if (codes) TORCH_CHECK((*scales)->scalar_type() == at::kFloat && (*scales)->dim() == 4 && (*scales)->size(0) == batch && (*scales)->size(1) == kv_heads && (*scales)->size(2) == slots && (*scales)->size(3) == 1, "decode_attention: int8 codes need float32 scales [batch, kv_heads, slots, 1]=[", batch, ", ", kv_heads, ", ", slots, ", 1], got ", (*scales)->scalar_type(), " ", (*scales)->sizes());
+    TORCH_CHECK(scales->has_value() == codes, "decode_attention: int8 codes need float32 scales [cache rows, kv_heads, slots, 1], a float cache none");
+    if (codes) TORCH_CHECK((*scales)->scalar_type() == at::kFloat && (*scales)->dim() == 4 && (*scales)->size(0) == cache_rows && (*scales)->size(1) == kv_heads && (*scales)->size(2) == slots && (*scales)->size(3) == 1, "decode_attention: int8 codes need float32 scales [cache rows, kv_heads, slots, 1]=[", cache_rows, ", ", kv_heads, ", ", slots, ", 1], got ", (*scales)->scalar_type(), " ", (*scales)->sizes());
   }
   if (mask) TORCH_CHECK(mask->scalar_type() == at::kBool && mask->dim() == 4 && mask->size(1) == 1 && mask->size(2) == 1 && mask->size(3) == slots && (mask->size(0) == 1 || mask->size(0) == batch), "decode_attention: mask must be bool [batch or 1, 1, 1, slots]=[", batch, ", 1, 1, ", slots, "] (one for all heads), got ", mask->scalar_type(), " ", mask->sizes());
   // The queries as contiguous floats times the softmax scale: [B, H, D].
@@ -247,9 +261,9 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k, const s
       }
       const float* queries = q.data() + (b * heads + kvh * groups) * dim;
       if (codes)
-        attend_head<int8_t>(queries, groups, k, k_scales, v, v_scales, mask, b, kvh, begin, end, partials[item]);
+        attend_head<int8_t>(queries, groups, k, k_scales, v, v_scales, mask, b, row_of[b], kvh, begin, end, partials[item]);
       else
-        attend_head<float>(queries, groups, k, k_scales, v, v_scales, mask, b, kvh, begin, end, partials[item]);
+        attend_head<float>(queries, groups, k, k_scales, v, v_scales, mask, b, row_of[b], kvh, begin, end, partials[item]);
     }
   });
   // Combine each head's chunks: rescale each to the head's largest score, then divide by the total.
@@ -277,7 +291,7 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k, const s
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(slimlm, m) {
-  m.def("decode_attention(Tensor q, Tensor k, Tensor? k_scales, Tensor v, Tensor? v_scales, Tensor? mask, float softmax_scale) -> Tensor");
+  m.def("decode_attention(Tensor q, Tensor k, Tensor? k_scales, Tensor v, Tensor? v_scales, Tensor? mask, float softmax_scale, Tensor? rows=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(slimlm, CPU, m) { m.impl("decode_attention", &decode_attention); }
