@@ -70,7 +70,6 @@ class Decoder:
         self.cache_dtype = cache_dtype
         self.device = model.inv_freq.device
         self.last_stats: Optional[GenerationStats] = None
-        self.last_generations: list[Generation] = []
         self.step = model  # the decode step; compile_decode_step swaps in a compiled one
         self.lock = threading.Lock()  # one generation at a time owns the cache
 
@@ -174,8 +173,7 @@ class Decoder:
                 break
             logits = self.step(chosen[:, None], longest + step, pad)[:, -1]
         self.last_stats = GenerationStats(prefill_s=prefilled - started, decode_s=time.perf_counter() - prefilled, decode_steps=steps, batch=batch)
-        self.last_generations = [self._finish(ids, params, finished[row], len(prompts[row])) for row, ids in enumerate(outputs)]
-        return self.last_generations
+        return [self._finish(ids, params, finished[row], len(prompts[row])) for row, ids in enumerate(outputs)]
 
     def _hits_stop_string(self, ids: list[int], stops: Sequence[str]) -> bool:
         tail = self.tokenizer.decode(ids[-16:], skip_special_tokens=True)
@@ -194,14 +192,16 @@ class Decoder:
 
         return self.generate_ids([prompt_ids(self.tokenizer, p, chat_template)[0].tolist() for p in prompts], params)
 
-    def stream(self, prompt: str, params: SamplingParams, chat_template: bool = False) -> Iterator[str]:
+    def stream(self, prompt: str, params: SamplingParams, chat_template: bool = False, results: Optional[list[Generation]] = None) -> Iterator[str]:
         """Text pieces of one prompt's completion as they are decoded (see stream_ids)."""
         from slimlm.inference.generate import prompt_ids
 
-        return self.stream_ids(prompt_ids(self.tokenizer, prompt, chat_template)[0].tolist(), params)
+        return self.stream_ids(prompt_ids(self.tokenizer, prompt, chat_template)[0].tolist(), params, results)
 
-    def stream_ids(self, ids: Sequence[int], params: SamplingParams) -> Iterator[str]:
-        """Text pieces of the completion of prompt `ids`, handed out as they are decoded.
+    def stream_ids(self, ids: Sequence[int], params: SamplingParams, results: Optional[list[Generation]] = None) -> Iterator[str]:
+        """Text pieces of the completion of prompt `ids`, handed out as they are decoded; its
+        Generation (why it ended, its tokens) goes to `results` when given, before the last piece
+        is handed out (none when the reader stops early or a stop string ended it).
 
         Runs the decode loop in a worker thread and passes each piece over a queue, so the caller
         gets text while later tokens are still being computed; text that could be the start of
@@ -219,7 +219,9 @@ class Decoder:
 
         def work() -> None:
             try:
-                self.generate_ids([ids], params, on_token)
+                generations = self.generate_ids([ids], params, on_token)
+                if results is not None:
+                    results.extend(generations)
                 rest = detok.flush()
                 if rest:
                     pieces.put(rest)

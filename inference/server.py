@@ -208,19 +208,17 @@ def create_app(decoder, model_name: str, limits: ServerLimits = ServerLimits(), 
         try:
             if chat:
                 yield chunk(None, None, first=True)
+            results: list[Generation] = []  # the Generation, whose finish reason the last chunk gives; none after a stop string
             if submission is not None:
-                results: list[Generation] = []
                 source = batched_pieces(submission, results)
                 for piece in until_stop(source, params.stop):
                     yield chunk(piece, None)
                 for _ in source:  # after a stop string: the sequence ends at once; collect its Generation
                     pass
-                finish = results[0].finish_reason if results else "stop"
             else:
-                for piece in decoder.stream_ids(ids, params):
+                for piece in decoder.stream_ids(ids, params, results):
                     yield chunk(piece, None)
-                finish = decoder.last_generations[0].finish_reason if decoder.last_generations else "stop"
-            yield chunk(None, finish)
+            yield chunk(None, results[0].finish_reason if results else "stop")
         except Exception as exc:  # the headers went out with 200: the client learns of it in the stream
             failure = {"message": f"{type(exc).__name__}: {exc}", "type": "invalid_request_error" if isinstance(exc, SlimlmError) else "server_error"}
             yield f"data: {json.dumps({'error': failure})}\n\n"

@@ -140,7 +140,9 @@ def test_stop_strings_end_the_text_and_streaming_gives_the_same_text(tiny_model,
     assert stopped.finish_reason == "stop" and stopped.text == free.text[: free.text.index(stop)]
     streamed = list(decoder.stream("the story of", SamplingParams(**sampled, stop=[stop])))
     assert "".join(streamed) == stopped.text and len(streamed) > 1
-    assert "".join(decoder.stream("the story of", SamplingParams(**sampled))) == free.text
+    results = []  # each stream's own Generation, whatever other requests the decoder served since
+    assert "".join(decoder.stream("the story of", SamplingParams(**sampled), results=results)) == free.text
+    assert results == [free]
 
 
 def metaspace_tokenizer():
