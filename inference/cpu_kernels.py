@@ -29,6 +29,10 @@ from slimlm.qlinear import QuantScheme
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).parent / "kernels" / name for name in ("int8_activations_cpu.cpp", "decode_attention_cpu.cpp")]
+# The ops' namespace names the build (its sources' digest): a compiled graph names the kernels
+# it calls, so torch.compile never reuses a graph it cached for another build, whose ops may take
+# other arguments (Inductor's cache key does not cover an op's schema; such a graph crashed).
+NAMESPACE = "slimlm_" + hashlib.sha256(b"".join(source.read_bytes() for source in (*SOURCES, SOURCES[0].with_name("ops_namespace.h")))).hexdigest()[:12]
 ISA_ENV = "SLIMLM_CPU_ISA"
 # Widest first: the /proc/cpuinfo flags each needs, and the compiler flags that select its path
 # in the source (explicit sets, not -march=native, so a narrower one can be chosen).
@@ -70,7 +74,12 @@ def kernel_isa() -> Optional[str]:
     return next((isa for isa in ISAS if not missing_flags(isa)), None)
 
 
-OPS = {4: "int4_int8_mm", 8: "int8_int8_mm"}  # the kernel of each weight width (torch.ops.slimlm)
+OPS = {4: "int4_int8_mm", 8: "int8_int8_mm"}  # the kernel of each weight width (in ops())
+
+
+def ops():
+    """The kernels' namespace in torch.ops (once available() has built them)."""
+    return getattr(torch.ops, NAMESPACE)
 
 
 @functools.cache
@@ -85,29 +94,16 @@ def available() -> bool:
     try:
         from torch.utils.cpp_extension import load
 
-        cflags = ["-O3", "-mtune=native", "-fopenmp", *ISAS[isa][1]]
+        cflags = ["-O3", "-mtune=native", "-fopenmp", f"-DSLIMLM_OPS={NAMESPACE}", *ISAS[isa][1]]
         load(name=f"slimlm_cpu_kernels_{isa}", sources=[str(source) for source in SOURCES], extra_cflags=cflags, extra_ldflags=["-fopenmp"], is_python_module=False)
     except Exception as error:  # no compiler, no ninja, a failed build: torch's kernels still work
         log.warning("slimlm's CPU kernels not built (%s); int4 and int8 layers use torch's kernels, attention torch.compile's loop", str(error).splitlines()[0] if str(error) else type(error).__name__)
         return False
     for op in OPS.values():
-        torch.library.register_fake(f"slimlm::{op}")(_output_shape)
-    torch.library.register_fake("slimlm::decode_attention")(_attention_shape)
-    tag_compile_caches()
+        torch.library.register_fake(f"{NAMESPACE}::{op}")(_output_shape)
+    torch.library.register_fake(f"{NAMESPACE}::decode_attention")(_attention_shape)
     log.info("slimlm's CPU kernels built for %s", isa)
     return True
-
-
-def tag_compile_caches() -> None:
-    """Key torch.compile's on-disk caches by the kernels' source as well. A graph compiled with
-    the C++ wrapper calls each op with the arguments its schema had then, and Inductor's cache
-    key does not cover a custom op's schema: a graph cached by an earlier slimlm whose op took
-    fewer arguments crashed the process when loaded."""
-    digest = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES)).hexdigest()[:16]
-    tag = f"slimlm-cpu-kernels-{digest}"
-    current = torch.compiler.config.cache_key_tag
-    if tag not in current:
-        torch.compiler.config.cache_key_tag = f"{current}+{tag}" if current else tag
 
 
 def group_size(scheme: QuantScheme, in_features: int) -> int:

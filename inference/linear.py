@@ -131,7 +131,7 @@ class Int8ActivationLinear(nn.Module):
         return cpu_kernels.fits(layer.scheme, layer.out_features, layer.in_features) and cpu_kernels.available()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        matmul = getattr(torch.ops.slimlm, cpu_kernels.OPS[self.bits])
+        matmul = getattr(cpu_kernels.ops(), cpu_kernels.OPS[self.bits])
         y = matmul(_as_2d(x).to(self.dtype), self.weight, self.scales, self.offsets, self.group_size, self.lora_down, self.lora_up, self.lora_tiles)
         y = y.view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias

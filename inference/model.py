@@ -162,7 +162,7 @@ class Attention(nn.Module):
         k_codes, k_scale = self.cached(self.k_cache, self.k_cache_scale, k, slots, end, rows, every_row)
         v_codes, v_scale = self.cached(self.v_cache, self.v_cache_scale, v, slots, end, rows, every_row)
         if kernel:  # the cache read as it is stored (inference/kernels/)
-            out = torch.ops.slimlm.decode_attention(q, k_codes, k_scale, v_codes, v_scale, mask, self.head_dim**-0.5, None if isinstance(rows, int) else rows)
+            out = cpu_kernels.ops().decode_attention(q, k_codes, k_scale, v_codes, v_scale, mask, self.head_dim**-0.5, None if isinstance(rows, int) else rows)
         else:
             keys, values = from_cache(k_codes, k_scale, self.attention_dtype), from_cache(v_codes, v_scale, self.attention_dtype)
             q = q.to(keys.dtype)  # fp32 on CPU (bf16 matmuls are slow there), the activations' dtype on GPUs

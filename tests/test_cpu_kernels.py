@@ -70,7 +70,7 @@ def test_kernel_matches_the_emulation_of_its_arithmetic(bits, group, tokens, dty
     x = torch.randn(tokens, width, generator=torch.Generator().manual_seed(1)).to(dtype)
     x[0, :64] = 0  # an all-zero block must not divide by zero
     codes[0], x[-1, 64:128] = 2**bits - 1, 1.0  # the largest codes times 127s: int16 pair sums would saturate
-    op = getattr(torch.ops.slimlm, cpu_kernels.OPS[bits])
+    op = getattr(cpu_kernels.ops(), cpu_kernels.OPS[bits])
     y = op(x, cpu_kernels.pack(codes, bits), cpu_kernels.tile_groups(scales), cpu_kernels.tile_groups(offsets), group)
     assert y.dtype == dtype and y.shape == (tokens, rows)
     torch.testing.assert_close(y.float(), emulate(x, codes, scales, offsets, group), rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-3 if dtype == torch.bfloat16 else 1e-5)
@@ -84,11 +84,11 @@ def test_kernel_refuses_shapes_it_cannot_run():
     codes, scales, offsets = random_weights(16, 128, 64)
     packed, s, o = cpu_kernels.pack(codes, 4), cpu_kernels.tile_groups(scales), cpu_kernels.tile_groups(offsets)
     with pytest.raises(RuntimeError, match="multiple of the group size"):
-        torch.ops.slimlm.int4_int8_mm(torch.randn(1, 128), packed, s, o, 96)
+        cpu_kernels.ops().int4_int8_mm(torch.randn(1, 128), packed, s, o, 96)
     with pytest.raises(RuntimeError, match="must match the packed width"):
-        torch.ops.slimlm.int4_int8_mm(torch.randn(1, 64), packed, s, o, 64)
+        cpu_kernels.ops().int4_int8_mm(torch.randn(1, 64), packed, s, o, 64)
     with pytest.raises(RuntimeError, match=r"int8_int8_mm: packed weights \[N/16, K/8, 128\] expected"):
-        torch.ops.slimlm.int8_int8_mm(torch.randn(1, 128), packed, s, o, 64)  # int4 codes given to the int8 kernel
+        cpu_kernels.ops().int8_int8_mm(torch.randn(1, 128), packed, s, o, 64)  # int4 codes given to the int8 kernel
 
 
 def block_diagonal_adapter(width, parts=((64, 3), (32, 0), (32, 2)), seed=0):
@@ -123,7 +123,7 @@ def test_kernel_adds_the_lora_adapter_in_the_same_call(bits, tokens, dtype):
     codes, scales, offsets = random_weights(rows, width, group, bits, seed=tokens)
     down, up = block_diagonal_adapter(width, seed=tokens)
     x = torch.randn(tokens, width, generator=torch.Generator().manual_seed(1)).to(dtype)
-    op = getattr(torch.ops.slimlm, cpu_kernels.OPS[bits])
+    op = getattr(cpu_kernels.ops(), cpu_kernels.OPS[bits])
     weights = (cpu_kernels.pack(codes, bits), cpu_kernels.tile_groups(scales), cpu_kernels.tile_groups(offsets), group)
     y = op(x, *weights, *cpu_kernels.pack_adapter(down, up))
     assert y.dtype == dtype and y.shape == (tokens, rows)
@@ -144,15 +144,15 @@ def test_kernel_refuses_an_adapter_it_cannot_read():
     down, columns, spans = cpu_kernels.pack_adapter(*block_diagonal_adapter(128))
     x = torch.randn(1, 128)
     with pytest.raises(RuntimeError, match="needs lora_down, lora_up and lora_tiles together"):
-        torch.ops.slimlm.int4_int8_mm(x, *weights, down, columns, None)
+        cpu_kernels.ops().int4_int8_mm(x, *weights, down, columns, None)
     with pytest.raises(RuntimeError, match=r"lora_down must be contiguous bfloat16 \[rank, K=128\]"):
-        torch.ops.slimlm.int4_int8_mm(x, *weights, down.float(), columns, spans)
+        cpu_kernels.ops().int4_int8_mm(x, *weights, down.float(), columns, spans)
     # more columns than the rank; then spans whose sums would wrap around an int64
     for span in ([3, 9, 192], [2**63 - 1, 1, 0], [2**63 - 2**59 + 1, 2**59, 0], [0, 1, 2**63 - 10]):
         bad = spans.clone()
         bad[6] = torch.tensor(span)
         with pytest.raises(RuntimeError, match="lora_tiles row 6 reaches outside"):
-            torch.ops.slimlm.int4_int8_mm(x, *weights, down, columns, bad)
+            cpu_kernels.ops().int4_int8_mm(x, *weights, down, columns, bad)
 
 
 def cached(batch, kv_heads, slots, dim, seed, dtype=torch.int8):
@@ -180,7 +180,7 @@ def test_decode_attention_matches_attention_over_the_dequantized_cache(heads, kv
     keys, values = from_cache(view(k_codes), view(k_scales), torch.float32), from_cache(view(v_codes), view(v_scales), torch.float32)
     for mask, scale in ((None, dim**-0.5), (visible, dim**-0.5), (visible[:1], dim**-0.5), (visible, 0.5 * dim**-0.5)):  # the last: the scale is the caller's
         expected = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=heads != kv_heads, scale=scale)
-        got = torch.ops.slimlm.decode_attention(q, view(k_codes), view(k_scales), view(v_codes), view(v_scales), mask, scale)
+        got = cpu_kernels.ops().decode_attention(q, view(k_codes), view(k_scales), view(v_codes), view(v_scales), mask, scale)
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
@@ -188,7 +188,7 @@ def test_decode_attention_matches_attention_over_the_dequantized_cache(heads, kv
 def test_decode_attention_refuses_what_it_cannot_read():
     codes, scales = cached(1, 2, 10, 16, 0)
     q = torch.randn(1, 4, 1, 16)
-    attention = torch.ops.slimlm.decode_attention
+    attention = cpu_kernels.ops().decode_attention
     with pytest.raises(RuntimeError, match="does not match the cache"):
         attention(torch.randn(1, 4, 1, 32), codes, scales, codes, scales, None, 0.25)
     with pytest.raises(RuntimeError, match="must be float32 or int8 codes, not BFloat16"):
@@ -209,17 +209,14 @@ def test_decode_attention_refuses_what_it_cannot_read():
 
 
 @needs_kernel
-def test_compile_caches_are_keyed_by_the_kernels_source():
-    """Graphs compiled against an earlier build of the kernels (another op schema) are not
-    loaded from torch.compile's cache; a tag the user set is kept."""
+def test_the_ops_namespace_names_the_build():
+    """A graph torch.compile cached for another build of the kernels (whose ops may take other
+    arguments) names other ops, so it is never reused; the namespace is the sources' digest."""
     import hashlib
 
-    digest = hashlib.sha256(b"".join(source.read_bytes() for source in cpu_kernels.SOURCES)).hexdigest()[:16]
-    assert f"slimlm-cpu-kernels-{digest}" in torch.compiler.config.cache_key_tag
-    with torch.compiler.config.patch(cache_key_tag="users-own"):
-        cpu_kernels.tag_compile_caches()
-        cpu_kernels.tag_compile_caches()
-        assert torch.compiler.config.cache_key_tag == f"users-own+slimlm-cpu-kernels-{digest}"
+    sources = [*cpu_kernels.SOURCES, cpu_kernels.SOURCES[0].with_name("ops_namespace.h")]
+    assert cpu_kernels.NAMESPACE == "slimlm_" + hashlib.sha256(b"".join(source.read_bytes() for source in sources)).hexdigest()[:12]
+    assert all(hasattr(cpu_kernels.ops(), name) for name in (*cpu_kernels.OPS.values(), "decode_attention"))
 
 
 @needs_kernel
@@ -234,19 +231,19 @@ def test_decode_attention_reads_each_sequence_from_its_own_cache_row(cache_dtype
     visible[..., -1] = True
     gathered = lambda t: None if t is None else t[rows, :, :33]  # noqa: E731
     whole = lambda t: None if t is None else t[:, :, :33]  # noqa: E731
-    expected = torch.ops.slimlm.decode_attention(q, gathered(k_codes), gathered(k_scales), gathered(v_codes), gathered(v_scales), visible, 0.25)
-    got = torch.ops.slimlm.decode_attention(q, whole(k_codes), whole(k_scales), whole(v_codes), whole(v_scales), visible, 0.25, rows)
+    expected = cpu_kernels.ops().decode_attention(q, gathered(k_codes), gathered(k_scales), gathered(v_codes), gathered(v_scales), visible, 0.25)
+    got = cpu_kernels.ops().decode_attention(q, whole(k_codes), whole(k_scales), whole(v_codes), whole(v_scales), visible, 0.25, rows)
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
     cache = (whole(k_codes), whole(k_scales), whole(v_codes), whole(v_scales), visible, 0.25)
     with pytest.raises(RuntimeError, match=r"rows\[2\]=4 is not one of the cache's 4 rows"):
-        torch.ops.slimlm.decode_attention(q, *cache, torch.tensor([3, 0, 4]))
+        cpu_kernels.ops().decode_attention(q, *cache, torch.tensor([3, 0, 4]))
     with pytest.raises(RuntimeError, match=r"rows\[1\]=-1 is not one"):
-        torch.ops.slimlm.decode_attention(q, *cache, torch.tensor([3, -1, 2]))
+        cpu_kernels.ops().decode_attention(q, *cache, torch.tensor([3, -1, 2]))
     for bad in (rows.int(), rows[:2]):
         with pytest.raises(RuntimeError, match=r"rows must be int64 \[batch\]=\[3\]"):
-            torch.ops.slimlm.decode_attention(q, *cache, bad)
+            cpu_kernels.ops().decode_attention(q, *cache, bad)
     with pytest.raises(RuntimeError, match="does not match the cache"):  # without rows, one cache row per sequence
-        torch.ops.slimlm.decode_attention(q, *cache)
+        cpu_kernels.ops().decode_attention(q, *cache)
 
 
 @needs_kernel
@@ -258,11 +255,11 @@ def test_decode_attention_never_reads_the_keys_of_hidden_slots():
     q = torch.randn(1, 4, 1, 16)
     visible = torch.ones(1, 1, 1, 24, dtype=torch.bool)
     visible[..., 8:] = False
-    expected = torch.ops.slimlm.decode_attention(q, codes, None, values, None, visible, 0.25)
+    expected = cpu_kernels.ops().decode_attention(q, codes, None, values, None, visible, 0.25)
     for slot in range(8, 24):
         poisoned = codes.clone()
         poisoned[:, :, slot] = float("nan")
-        torch.testing.assert_close(torch.ops.slimlm.decode_attention(q, poisoned, None, values, None, visible, 0.25), expected)
+        torch.testing.assert_close(cpu_kernels.ops().decode_attention(q, poisoned, None, values, None, visible, 0.25), expected)
 
 
 @needs_kernel

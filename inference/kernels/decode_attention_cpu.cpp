@@ -32,6 +32,8 @@
 #include <limits>
 #include <vector>
 
+#include "ops_namespace.h"
+
 namespace {
 
 constexpr int64_t kSlots = 8;         // slots per vector of scores
@@ -290,8 +292,8 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k, const s
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(slimlm, m) {
+SLIMLM_LIBRARY_FRAGMENT(m) {
   m.def("decode_attention(Tensor q, Tensor k, Tensor? k_scales, Tensor v, Tensor? v_scales, Tensor? mask, float softmax_scale, Tensor? rows=None) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(slimlm, CPU, m) { m.impl("decode_attention", &decode_attention); }
+SLIMLM_LIBRARY_IMPL(CPU, m) { m.impl("decode_attention", &decode_attention); }

@@ -35,7 +35,8 @@
 // As a separate pair of matmuls the adapter cost two library calls per layer, each dearer than
 // the bytes it read.
 //
-// Two entry points, one per weight width: slimlm::int4_int8_mm and slimlm::int8_int8_mm.
+// Two entry points, one per weight width: int4_int8_mm and int8_int8_mm, in the namespace
+// SLIMLM_OPS (slimlm_ and the sources' digest, given by inference/cpu_kernels.py).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -45,6 +46,8 @@
 #include <cstring>
 #include <optional>
 #include <vector>
+
+#include "ops_namespace.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define SLIMLM_AVX512 1
@@ -425,12 +428,12 @@ at::Tensor int8_int8_mm(const at::Tensor& x, const at::Tensor& packed, const at:
 
 }  // namespace
 
-TORCH_LIBRARY(slimlm, m) {
+SLIMLM_LIBRARY(m) {
   m.def("int4_int8_mm(Tensor x, Tensor packed, Tensor scales, Tensor offsets, int group_size, Tensor? lora_down=None, Tensor? lora_up=None, Tensor? lora_tiles=None) -> Tensor");
   m.def("int8_int8_mm(Tensor x, Tensor packed, Tensor scales, Tensor offsets, int group_size, Tensor? lora_down=None, Tensor? lora_up=None, Tensor? lora_tiles=None) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(slimlm, CPU, m) {
+SLIMLM_LIBRARY_IMPL(CPU, m) {
   m.impl("int4_int8_mm", &int4_int8_mm);
   m.impl("int8_int8_mm", &int8_int8_mm);
 }
