@@ -139,7 +139,7 @@ class ContinuousBatcher:
             piece = sequence.text.add(token)
             if piece:
                 sequence.out.put(piece)
-            if sequence.params.stop and any(stop in sequence.text.text for stop in sequence.params.stop):
+            if piece and self.stop_ends_in(sequence, piece):
                 sequence.finish = "stop"
             elif len(sequence.tokens) >= sequence.params.max_new_tokens:
                 sequence.finish = "length"
@@ -153,6 +153,14 @@ class ContinuousBatcher:
             generation = self.decoder._finish(sequence.tokens, sequence.params, sequence.finish, len(sequence.ids))
             sequence.out.put(generation)
 
+    @staticmethod
+    def stop_ends_in(sequence: _Sequence, piece: str) -> bool:
+        """Whether a stop string ends within the newest `piece` of the text (the only place a new
+        one can end: the text before it was searched when it came)."""
+        stops = sequence.params.stop
+        tail = sequence.text.text[-(len(piece) + max(map(len, stops), default=1) - 1) :]
+        return any(stop in tail for stop in stops)
+
     @torch.inference_mode()
     def _step(self) -> None:
         device = self.decoder.device
@@ -162,6 +170,8 @@ class ContinuousBatcher:
         positions = torch.tensor([len(s.ids) + len(s.tokens) - 1 for s in running], device=device)
         begin = time.perf_counter()
         logits = self.model.step_rows(tokens, rows, positions)
+        if logits.is_cuda:
+            torch.cuda.synchronize(logits.device)  # the step's time, not its launches'
         self.steps, self.step_tokens, self.step_s = self.steps + 1, self.step_tokens + len(running), self.step_s + time.perf_counter() - begin
         for index, sequence in enumerate(running):
             try:

@@ -132,13 +132,17 @@ class Decoder:
         with self.lock, torch.inference_mode():
             return self._generate(prompts, params, on_token)
 
-    def _generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, on_token: Optional[TokenCallback]) -> list[Generation]:
+    def check_prompts(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> None:
+        """Refuse prompts this decoder cannot complete (before any work, e.g. before a stream starts)."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise SlimlmError("every prompt needs at least one token")
-        batch, longest = len(prompts), max(len(p) for p in prompts)
-        limit = self.model.args.max_position_embeddings
+        longest, limit = max(len(p) for p in prompts), self.model.args.max_position_embeddings
         if longest + params.max_new_tokens > limit:
             raise SlimlmError(f"a prompt of {longest} tokens plus {params.max_new_tokens} new tokens exceeds the model's context of {limit}; shorten the prompt or ask for fewer tokens")
+
+    def _generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, on_token: Optional[TokenCallback]) -> list[Generation]:
+        self.check_prompts(prompts, params)
+        batch, longest = len(prompts), max(len(p) for p in prompts)
         self.ensure_cache(batch, longest + params.max_new_tokens)
         pads = [longest - len(p) for p in prompts]
         pad = torch.tensor(pads, device=self.device) if any(pads) else None
@@ -198,17 +202,19 @@ class Decoder:
 
         return self.stream_ids(prompt_ids(self.tokenizer, prompt, chat_template)[0].tolist(), params, results)
 
-    def stream_ids(self, ids: Sequence[int], params: SamplingParams, results: Optional[list[Generation]] = None) -> Iterator[str]:
+    def stream_ids(self, ids: Sequence[int], params: SamplingParams, results: Optional[list[Generation]] = None, cancel: Optional[threading.Event] = None) -> Iterator[str]:
         """Text pieces of the completion of prompt `ids`, handed out as they are decoded; its
         Generation (why it ended, its tokens) goes to `results` when given, before the last piece
-        is handed out (none when the reader stops early or a stop string ended it).
+        is handed out (none when the reader stops early or a stop string ended it). Setting
+        `cancel` (from any thread: the reader may be blocked waiting for a piece) stops the
+        decoding at its next token and ends the pieces.
 
         Runs the decode loop in a worker thread and passes each piece over a queue, so the caller
         gets text while later tokens are still being computed; text that could be the start of
         a stop string is held back until it is clear."""
         pieces: "queue.Queue[Optional[object]]" = queue.Queue()
         detok = IncrementalText(self.tokenizer)
-        cancel = threading.Event()
+        cancel = cancel or threading.Event()
 
         def on_token(row: int, token: int) -> None:
             if cancel.is_set():

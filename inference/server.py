@@ -8,7 +8,8 @@ strings, and the number of requests admitted at once (the rest get HTTP 429 at o
 waiting unboundedly). With a ContinuousBatcher (`slimlm serve` makes one) admitted requests
 decode together, joining and leaving the batch between steps; without one they decode one at a
 time. A request is admitted until its response ends, however it ends: a client that goes away
-frees its slot, and its row in the batch at the next step.
+frees its slot, and a stream's decoding stops at its next step (a request without `stream`
+decodes to its end: its endpoint does not watch the connection).
 A malformed request, or one asking for what this server does not do (n > 1, logprobs, echo,
 best_of, presence or frequency penalties), gets HTTP 400 with an OpenAI-style JSON error; any
 other failure a JSON 500 (or, mid-stream, an error event before `[DONE]`). The server keeps serving.
@@ -173,8 +174,13 @@ def create_app(decoder, model_name: str, limits: ServerLimits = ServerLimits(), 
             else:
                 choice = {"index": 0, "text": generation.text, "logprobs": None, "finish_reason": generation.finish_reason}
             return {"id": request_id, "object": "chat.completion" if chat else "text_completion", "created": created, "model": model_name, "choices": [choice], "usage": usage}
-        try:  # refusals (a prompt too long for a row) come now, as a 400, not in a started stream
-            submission = batcher.submit(ids, params) if batcher is not None else None
+        cancel = threading.Event()  # one at a time: the decoder's stream stops when it is set
+        try:  # refusals (a prompt too long for a row or the model) come now, as a 400, not in a started stream
+            if batcher is not None:
+                submission = batcher.submit(ids, params)
+            else:
+                submission = None
+                decoder.check_prompts([ids], params)
         except BaseException:
             release()
             raise
@@ -182,9 +188,10 @@ def create_app(decoder, model_name: str, limits: ServerLimits = ServerLimits(), 
         def end_admission() -> None:
             if submission is not None:
                 submission.cancel()  # a no-op once it has finished
+            cancel.set()
             release()
 
-        return AdmittedStream(events(request_id, created, ids, params, chat, submission, end_admission), end_admission)
+        return AdmittedStream(events(request_id, created, ids, params, chat, submission, cancel, end_admission), end_admission)
 
     def batched_pieces(submission, results: list) -> Iterator[str]:
         """The batcher's text pieces; its final Generation goes to `results`."""
@@ -194,7 +201,7 @@ def create_app(decoder, model_name: str, limits: ServerLimits = ServerLimits(), 
             else:
                 yield item
 
-    def events(request_id: str, created: int, ids: list[int], params: SamplingParams, chat: bool, submission, end_admission: Callable[[], None]) -> Iterator[str]:
+    def events(request_id: str, created: int, ids: list[int], params: SamplingParams, chat: bool, submission, cancel: threading.Event, end_admission: Callable[[], None]) -> Iterator[str]:
         kind = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(piece: Optional[str], finish: Optional[str], first: bool = False) -> str:
@@ -216,7 +223,7 @@ def create_app(decoder, model_name: str, limits: ServerLimits = ServerLimits(), 
                 for _ in source:  # after a stop string: the sequence ends at once; collect its Generation
                     pass
             else:
-                for piece in decoder.stream_ids(ids, params, results):
+                for piece in decoder.stream_ids(ids, params, results, cancel):
                     yield chunk(piece, None)
             yield chunk(None, results[0].finish_reason if results else "stop")
         except Exception as exc:  # the headers went out with 200: the client learns of it in the stream

@@ -161,6 +161,36 @@ def test_clients_that_go_away_give_back_their_admission(serve, read_first):
     assert status == 200, text
 
 
+def test_one_at_a_time_a_stream_stops_decoding_when_its_client_goes_away(serve, tiny_tokenizer):
+    """Without a batcher the decoder serves one request at a time: an abandoned stream stops at
+    its next token rather than decoding to max_tokens while the next request waits for it; and
+    a stream the model cannot complete is refused with a 400 before it starts."""
+    from slimlm.inference.server import ServerLimits
+
+    base, decoder = serve(ServerLimits(max_prompt_tokens=64, max_new_tokens=600, max_concurrent=2))
+    status, text = post(f"{base}/v1/completions", {"prompt": "the story of", "max_tokens": 600, "stream": True})
+    assert status == 400 and "exceeds the model's context of 512" in json.loads(text)["error"]["message"], text
+    ids = tiny_tokenizer("the story of", add_special_tokens=False)["input_ids"]
+    seed = next(s for s in range(100) if decoder.generate_ids([ids], SamplingParams(max_new_tokens=480, temperature=1.0, seed=s))[0].finish_reason == "length")
+    decoded, generate = [], decoder.generate_ids  # the served decoder's tokens, counted
+
+    def counting(prompts, params, on_token=None):
+        def counted(row, token):
+            decoded.append(token)
+            if on_token is not None:
+                on_token(row, token)
+
+        return generate(prompts, params, counted)
+
+    decoder.generate_ids = counting
+    body = json.dumps({"prompt": "the story of", "max_tokens": 480, "temperature": 1.0, "seed": seed, "stream": True}).encode()
+    with socket.create_connection(("127.0.0.1", int(base.rsplit(":", 1)[1]))) as client:
+        client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        client.recv(300)  # the stream has begun
+    status, text = post(f"{base}/v1/completions", {"prompt": "hi", "max_tokens": 2, "temperature": 0})
+    assert status == 200 and len(decoded) < 480, (status, len(decoded))
+
+
 def test_requests_beyond_the_admission_limit_get_429(serve):
     from slimlm.inference.server import ServerLimits
 

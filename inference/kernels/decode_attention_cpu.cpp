@@ -214,7 +214,7 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k, const s
   const int64_t cache_rows = k.size(0), kv_heads = k.size(1), slots = k.size(2);
   std::vector<int64_t> row_of(batch);  // the cache row each sequence reads
   if (rows) {
-    TORCH_CHECK(rows->scalar_type() == at::kLong && rows->dim() == 1 && rows->size(0) == batch && rows->device().is_cpu(), "decode_attention: rows must be int64 [batch]=[", batch, "] on the CPU, one cache row per sequence, got ", rows->scalar_type(), " ", rows->sizes(), " on ", rows->device());
+    TORCH_CHECK(rows->scalar_type() == at::kLong && rows->dim() == 1 && rows->size(0) == batch, "decode_attention: rows must be int64 [batch]=[", batch, "], one cache row per sequence, got ", rows->scalar_type(), " ", rows->sizes());
     const at::Tensor indices = rows->contiguous();
     for (int64_t b = 0; b < batch; ++b) {
       row_of[b] = indices.data_ptr<int64_t>()[b];
@@ -223,7 +223,8 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k, const s
   } else {
     for (int64_t b = 0; b < batch; ++b) row_of[b] = b;
   }
-  TORCH_CHECK((rows || cache_rows == batch) && k.size(3) == dim && kv_heads > 0 && heads % kv_heads == 0, "decode_attention: q ", q_in.sizes(), " does not match the cache's ", k.sizes(), " (a whole number of query heads per key/value head)");
+  TORCH_CHECK(rows || cache_rows == batch, "decode_attention: ", batch, " sequences but ", cache_rows, " cache rows: without rows, sequence b reads cache row b");
+  TORCH_CHECK(k.size(3) == dim && kv_heads > 0 && heads % kv_heads == 0, "decode_attention: q ", q_in.sizes(), " does not match the cache's ", k.sizes(), " (a whole number of query heads per key/value head)");
   TORCH_CHECK(dim % 8 == 0, "decode_attention: head_dim must be a multiple of 8, not ", dim);
   TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "decode_attention: each key and value vector must be contiguous (strides ", k.strides(), " and ", v.strides(), ")");
   for (const auto* scales : {&k_scales, &v_scales}) {
