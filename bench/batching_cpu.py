@@ -6,7 +6,10 @@ The default model at int4 g64 (RTN, head too; bundled decoder, bf16 activations,
                     ContinuousBatcher with 8 rows: they join and leave between steps
   long prompts      8 requests of 1,024-token prompts, 64 new tokens each, 8 rows: each step
                     attends over about a thousand cached slots per sequence
-Reports total new tokens per second and the per-request rate. Writes
+  arrivals          4 requests answering 128 tokens; after 1 s four 1,024-token prompts arrive:
+                    how long the running answers wait for the new prompts' prefill
+Reports total new tokens per second, the per-request rate, and the time between an answer's
+text pieces. Writes
 bench/results/batching_cpu.{md,json}.
 
     python bench/batching_cpu.py [--new-tokens 64 --threads 2]
@@ -15,6 +18,7 @@ bench/results/batching_cpu.{md,json}.
 from __future__ import annotations
 
 import argparse
+import statistics
 import threading
 import time
 
@@ -37,18 +41,27 @@ def per_request(row: dict) -> str:
     return "" if row["tok_s_per_request"] is None else f"{row['tok_s_per_request']:.1f}"
 
 
-def continuous(model, tokenizer, name: str, prompts: list[list[int]], lengths: list[int]) -> dict:
-    """All `prompts` sent at once to a ContinuousBatcher of 8 rows, prompt i asking for
-    lengths[i] new tokens: new tokens per second from the first request to the last answer."""
-    batcher = ContinuousBatcher(Decoder(build_decoder(model, dtype=torch.bfloat16), tokenizer), max_batch=8, max_seq=max(map(len, prompts)) + max(lengths))
-    produced = []
+def gap(row: dict, key: str) -> str:
+    return f"{row[key]:.0f}" if key in row else ""
 
-    def client(ids: list[int], new_tokens: int) -> None:
-        *_, generation = batcher.submit(ids, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
-        produced.append(len(generation.token_ids))
 
+def continuous(model, tokenizer, name: str, requests: list[tuple[list[int], int, float]]) -> dict:
+    """Requests (prompt, new tokens, seconds after the first it is sent) to a ContinuousBatcher
+    of 8 rows: new tokens per second from the first request to the last answer, and the time
+    between a request's consecutive text pieces (how steadily each answer streams)."""
+    batcher = ContinuousBatcher(Decoder(build_decoder(model, dtype=torch.bfloat16), tokenizer), max_batch=8, max_seq=max(len(ids) + new for ids, new, _ in requests))
+    produced, gaps = [], []
     begin = time.perf_counter()
-    threads = [threading.Thread(target=client, args=pair) for pair in zip(prompts, lengths)]
+
+    def client(ids: list[int], new_tokens: int, delay: float) -> None:
+        time.sleep(max(0.0, begin + delay - time.perf_counter()))
+        times = []
+        for item in batcher.submit(ids, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)):
+            times.append(time.perf_counter())
+        produced.append(len(item.token_ids))
+        gaps.extend(later - earlier for earlier, later in zip(times[:-2], times[1:-1]))  # pieces only (the last item is the Generation)
+
+    threads = [threading.Thread(target=client, args=request) for request in requests]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -56,8 +69,9 @@ def continuous(model, tokenizer, name: str, prompts: list[list[int]], lengths: l
     seconds = time.perf_counter() - begin
     total = sum(produced) / seconds
     decode = batcher.step_tokens / batcher.step_s
-    print(f"{name}: {total:.1f} tok/s in all, {decode:.1f} in its {batcher.steps} decode steps", flush=True)
-    return {"name": name, "batch": 8, "tok_s": total, "tok_s_per_request": None, "decode_tok_s": decode, "decode_steps": batcher.steps, "new_tokens": sum(produced), "seconds": seconds}
+    gap_median, gap_max = 1000 * statistics.median(gaps), 1000 * max(gaps)
+    print(f"{name}: {total:.1f} tok/s in all, {decode:.1f} in its {batcher.steps} decode steps; between pieces {gap_median:.0f} ms median, {gap_max:.0f} ms longest", flush=True)
+    return {"name": name, "batch": 8, "tok_s": total, "tok_s_per_request": None, "decode_tok_s": decode, "gap_median_ms": gap_median, "gap_max_ms": gap_max, "decode_steps": batcher.steps, "new_tokens": sum(produced), "seconds": seconds}
 
 
 def main() -> None:
@@ -84,10 +98,12 @@ def main() -> None:
         rows.append({"name": f"static batch {batch}", "batch": batch, "tok_s": total, "tok_s_per_request": total / batch, "decode_tok_s": decoder.last_stats.decode_tok_s, "seconds": seconds})
         print(f"batch {batch}: {total:.1f} tok/s in all, {total / batch:.1f} per request", flush=True)
     lengths = [32 + (96 * i) // 15 for i in range(16)]  # 32..128 new tokens
-    rows.append(continuous(model, tokenizer, "continuous, 16 requests, 8 rows", prompts, lengths))
+    rows.append(continuous(model, tokenizer, "continuous, 16 requests, 8 rows", [(ids, new, 0.0) for ids, new in zip(prompts, lengths)]))
     long_ids = benchmark_prompt(tokenizer, 8 * 1024).tolist()
     long_prompts = [long_ids[1024 * i : 1024 * (i + 1)] for i in range(8)]
-    rows.append(continuous(model, tokenizer, "continuous, 1,024-token prompts, 8 rows", long_prompts, [64] * 8))
+    rows.append(continuous(model, tokenizer, "continuous, 1,024-token prompts, 8 rows", [(ids, 64, 0.0) for ids in long_prompts]))
+    arriving = [(ids, 128, 0.0) for ids in prompts[:4]] + [(ids, 8, 1.0) for ids in long_prompts[:4]]
+    rows.append(continuous(model, tokenizer, "4 answers, then 4 1,024-token prompts arrive", arriving))
     summary = {"new_tokens": options.new_tokens, "threads": options.threads, "seconds": time.perf_counter() - started}
     command = command_line("batching_cpu.py", parser, options)
     machine = machine_info()
@@ -98,11 +114,11 @@ def main() -> None:
         f"- command: `{command}`",
         machine_line(machine, f"{options.threads} threads", summary["seconds"]),
         f"- default model, int4 g64 RTN (head too), bundled decoder, bf16 activations, eager (no compiled step); 16-token prompts; static batches decode {options.new_tokens} new tokens each",
-        "- continuous: 16 requests sent at once, 32 to 128 new tokens each, 8 cache rows: a request takes a row when one frees, prefills, and joins the running batch at the next step; and 8 requests of 1,024-token prompts, 64 new tokens each (the time includes their prefills)",
+        "- continuous: 16 requests sent at once, 32 to 128 new tokens each, 8 cache rows: a request takes a row when one frees, prefills, and joins the running batch at the next step; and 8 requests of 1,024-token prompts, 64 new tokens each (the time includes their prefills); and 4 answers of 128 tokens that four 1,024-token prompts (8 new tokens each) join after 1 s",
         "",
-        "| run | new tokens/s in all | vs batch 1 | per request tokens/s | tokens/s in decode steps (prefills aside) |",
-        "|---|---:|---:|---:|---:|",
-        *[f"| {r['name']} | {r['tok_s']:.1f} | {r['tok_s'] / single:.2f}x | {per_request(r)} | {r['decode_tok_s']:.1f} |" for r in rows],
+        "| run | new tokens/s in all | vs batch 1 | per request tokens/s | tokens/s in decode steps (prefills aside) | ms between an answer's pieces: median | longest |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+        *[f"| {r['name']} | {r['tok_s']:.1f} | {r['tok_s'] / single:.2f}x | {per_request(r)} | {r['decode_tok_s']:.1f} | {gap(r, 'gap_median_ms')} | {gap(r, 'gap_max_ms')} |" for r in rows],
         "",
     ]
     write_result("batching_cpu", command, {"summary": summary, "rows": rows}, lines)

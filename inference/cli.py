@@ -225,9 +225,12 @@ def serve_command(args: Sequence[str]) -> None:
     parser.add_argument("--max-prompt-tokens", type=int, default=4096)
     parser.add_argument("--max-tokens-limit", type=int, default=1024, help="the largest max_tokens a request may ask for")
     parser.add_argument("--max-concurrent", type=int, default=8, help="requests admitted at once; more get HTTP 429")
+    parser.add_argument("--prefill-chunk", type=int, default=128, help="prompt tokens prefilled between two decode steps: smaller keeps running answers steadier while long prompts arrive, larger prefills faster")
     parser.add_argument("--name", default=None, help="the model id clients see (default: the model's file or directory name)")
     decoder_arguments(parser)
     options = parser.parse_args(args)
+    if options.prefill_chunk < 1:
+        parser.error(f"--prefill-chunk {options.prefill_chunk}: give at least 1 token")
     try:
         import uvicorn
     except ImportError:
@@ -237,6 +240,6 @@ def serve_command(args: Sequence[str]) -> None:
 
     decoder = open_decoder(options.model, options)
     limits = ServerLimits(options.max_prompt_tokens, options.max_tokens_limit, options.max_concurrent)
-    batcher = ContinuousBatcher(decoder, max_batch=options.max_concurrent, max_seq=min(options.max_prompt_tokens + options.max_tokens_limit, decoder.model.args.max_position_embeddings))
+    batcher = ContinuousBatcher(decoder, max_batch=options.max_concurrent, max_seq=min(options.max_prompt_tokens + options.max_tokens_limit, decoder.model.args.max_position_embeddings), prefill_chunk=options.prefill_chunk)
     name = options.name or options.model.rstrip("/").rsplit("/", 1)[-1].removesuffix(".gguf")
     uvicorn.run(create_app(decoder, name, limits, batcher), host=options.host, port=options.port, log_level="info")

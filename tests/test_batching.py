@@ -79,3 +79,21 @@ def test_a_cancelled_request_leaves_at_the_next_step_and_a_failing_one_fails_alo
         list(batcher.submit(prompt(4, 3), SamplingParams(max_new_tokens=40, ignore_eos=True, temperature=1.0, seed=13)))
     *_, generation = healthy
     assert len(generation.token_ids) == 40 and sorted(batcher.free_rows) == [0, 1]
+
+
+def test_a_long_prompt_goes_in_by_chunks_between_the_running_answers_steps(tiny_model, tiny_tokenizer):
+    """A 100-token prompt prefilled 8 tokens a loop: the answer already running takes a step
+    after each chunk instead of waiting for the whole prefill, and both decode as alone."""
+    alone = Decoder(build_decoder(tiny_model), tiny_tokenizer)
+    batcher = ContinuousBatcher(Decoder(build_decoder(tiny_model), tiny_tokenizer), max_batch=2, max_seq=160, prefill_chunk=8)
+    params = SamplingParams(max_new_tokens=48, ignore_eos=True)
+    running = batcher.submit(prompt(5, 1), params)
+    next(running)  # it is decoding
+    steps = batcher.steps
+    *_, long_answer = batcher.submit(prompt(100, 2), SamplingParams(max_new_tokens=1, ignore_eos=True))
+    assert batcher.steps - steps >= 100 // 8  # a step of the running answer after each chunk
+    *_, running_answer = running
+    assert running_answer.token_ids == alone.generate_ids([prompt(5, 1)], params)[0].token_ids
+    assert long_answer.token_ids == alone.generate_ids([prompt(100, 2)], SamplingParams(max_new_tokens=1, ignore_eos=True))[0].token_ids
+    with pytest.raises(Exception, match="prefill_chunk=0 must be at least 1"):
+        ContinuousBatcher(alone, max_batch=1, max_seq=16, prefill_chunk=0)
