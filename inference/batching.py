@@ -71,14 +71,15 @@ class Submission:
 class ContinuousBatcher:
     """`max_batch` sequences of up to `max_seq` tokens at once; `prefill_chunk`: prompt tokens
     prefilled between two decode steps (smaller: steadier answers while prompts arrive, a
-    slower prefill; about 0.4 s of the default model on two laptop cores at 128)."""
+    slower prefill; about 0.4 s of the default model on two laptop cores at 128), at most the
+    decoder's own `prefill_chunk`."""
 
     def __init__(self, decoder: Decoder, max_batch: int, max_seq: int, prefill_chunk: int = 128):
         if prefill_chunk < 1:
             raise SlimlmError(f"prefill_chunk={prefill_chunk} must be at least 1")
         self.decoder = decoder
         self.model = decoder.model
-        self.max_seq, self.prefill_chunk = max_seq, prefill_chunk
+        self.max_seq, self.prefill_chunk = max_seq, min(prefill_chunk, decoder.prefill_chunk)  # the decoder's bounds activation memory
         with decoder.lock:
             self.model.setup_cache(max_batch, max_seq, decoder.cache_dtype)
         self.free_rows = list(range(max_batch))
@@ -93,6 +94,8 @@ class ContinuousBatcher:
 
     def submit(self, ids: list[int], params: SamplingParams) -> Submission:
         """Queue a request (refused at once, before anything is queued, if it cannot fit a row)."""
+        if not ids:
+            raise SlimlmError("the prompt is empty: a request needs at least one token")
         if len(ids) + params.max_new_tokens > self.max_seq:
             raise SlimlmError(f"a prompt of {len(ids)} tokens plus {params.max_new_tokens} new tokens exceeds the {self.max_seq} slots a sequence has here")
         sequence = _Sequence(list(ids), params, queue.Queue())

@@ -97,3 +97,5 @@ def test_a_long_prompt_goes_in_by_chunks_between_the_running_answers_steps(tiny_
     assert long_answer.token_ids == alone.generate_ids([prompt(100, 2)], SamplingParams(max_new_tokens=1, ignore_eos=True))[0].token_ids
     with pytest.raises(Exception, match="prefill_chunk=0 must be at least 1"):
         ContinuousBatcher(alone, max_batch=1, max_seq=16, prefill_chunk=0)
+    with pytest.raises(Exception, match="the prompt is empty"):
+        batcher.submit([], params)
