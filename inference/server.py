@@ -8,8 +8,8 @@ strings, and the number of requests admitted at once (the rest get HTTP 429 at o
 waiting unboundedly). With a ContinuousBatcher (`slimlm serve` makes one) admitted requests
 decode together, joining and leaving the batch between steps; without one they decode one at a
 time. A request is admitted until its response ends, however it ends: a client that goes away
-frees its slot, and a stream's decoding stops at its next step (a request without `stream`
-decodes to its end: its endpoint does not watch the connection).
+frees its slot, and its decoding stops at its next step (a stream's when its response ends, a
+whole completion's when its endpoint, watching the connection, sees it close).
 A malformed request, or one asking for what this server does not do (n > 1, logprobs, echo,
 best_of, presence or frequency penalties), gets HTTP 400 with an OpenAI-style JSON error; any
 other failure a JSON 500 (or, mid-stream, an error event before `[DONE]`). The server keeps serving.
@@ -17,6 +17,7 @@ other failure a JSON 500 (or, mid-stream, an error event before `[DONE]`). The s
 
 # No `from __future__ import annotations`: FastAPI reads the request models from the endpoint signatures.
 
+import asyncio
 import json
 import threading
 import time
@@ -41,6 +42,7 @@ def create_app(decoder, model_name: str, limits: ServerLimits = ServerLimits(), 
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, StreamingResponse
     from pydantic import BaseModel, ConfigDict, Field
+    from starlette.concurrency import run_in_threadpool
     from starlette.exceptions import HTTPException
 
     from slimlm.inference.decoder import Generation, until_stop
@@ -156,16 +158,35 @@ def create_app(decoder, model_name: str, limits: ServerLimits = ServerLimits(), 
             finally:
                 self.end_admission()
 
-    def respond(ids: list[int], params: SamplingParams, stream: bool, chat: bool):
+    async def completed_unless_gone(request: Request, ids: list[int], params: SamplingParams) -> Generation:
+        """The whole completion, decoded in a worker thread while this watches the connection:
+        a client that goes away stops the decoding at its next token (its answer would go nowhere)."""
+        if batcher is not None:
+            submission = batcher.submit(ids, params)
+            stop, work = submission.cancel, lambda: list(submission)[-1]
+        else:
+            decoder.check_prompts([ids], params)
+            gone = threading.Event()
+
+            def on_token(row: int, token: int) -> None:
+                if gone.is_set():
+                    raise SlimlmError("the client went away")
+
+            stop, work = gone.set, lambda: decoder.generate_ids([ids], params, on_token)[0]
+        task = asyncio.ensure_future(run_in_threadpool(work))
+        while not (await asyncio.wait({task}, timeout=0.1))[0]:
+            if await request.is_disconnected():
+                stop()
+                break
+        return await task
+
+    async def respond(request: Request, ids: list[int], params: SamplingParams, stream: bool, chat: bool):
         release = admission()
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
         if not stream:
             try:
-                if batcher is not None:
-                    *_, generation = batcher.submit(ids, params)
-                else:
-                    (generation,) = decoder.generate_ids([ids], params)
+                generation = await completed_unless_gone(request, ids, params)
             finally:
                 release()
             usage = {"prompt_tokens": len(ids), "completion_tokens": len(generation.token_ids), "total_tokens": len(ids) + len(generation.token_ids)}
@@ -241,19 +262,22 @@ def create_app(decoder, model_name: str, limits: ServerLimits = ServerLimits(), 
     def models() -> dict:
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "slimlm"}]}
 
+    # The endpoints run on the event loop (the decoding in worker threads), so that a request
+    # without `stream` can watch its connection; tokenizing there also keeps the tokenizer to
+    # one thread.
     @app.post("/v1/completions")
-    def completions(body: CompletionRequest):
+    async def completions(body: CompletionRequest, request: Request):
         ids = checked_ids(decoder.tokenizer(checked_text(body.prompt, "the prompt"), add_special_tokens=False)["input_ids"])
-        return respond(ids, params_of(body), body.stream, chat=False)
+        return await respond(request, ids, params_of(body), body.stream, chat=False)
 
     @app.post("/v1/chat/completions")
-    def chat_completions(body: ChatRequest):
+    async def chat_completions(body: ChatRequest, request: Request):
         tokenizer = decoder.tokenizer
         if not getattr(tokenizer, "chat_template", None):
             raise SlimlmError(f"model '{model_name}' has no chat template; use /v1/completions")
         messages = [{"role": m.role, "content": checked_text(m.content, f"message {i}'s content")} for i, m in enumerate(body.messages)]
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         ids = checked_ids(tokenizer(text, add_special_tokens=False)["input_ids"])
-        return respond(ids, params_of(body), body.stream, chat=True)
+        return await respond(request, ids, params_of(body), body.stream, chat=True)
 
     return app

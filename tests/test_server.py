@@ -39,8 +39,10 @@ def serve(tiny_model, tiny_tokenizer):
         while not server.started and time.time() < deadline:
             time.sleep(0.05)
         servers.append((server, thread))
-        return f"http://127.0.0.1:{port}", decoder  # a decoder of its own: the reference for the served answers
+        start.batchers.append(batcher)
+        return f"http://127.0.0.1:{port}", decoder  # batched: a decoder of its own, the reference for the served answers
 
+    start.batchers = []  # each server's batcher (None: one at a time)
     yield start
     for server, thread in servers:
         server.should_exit = True
@@ -161,6 +163,22 @@ def test_clients_that_go_away_give_back_their_admission(serve, read_first):
     assert status == 200, text
 
 
+def counted_tokens(decoder) -> list:
+    """The tokens `decoder` decodes from now on, listed as they come."""
+    decoded, generate = [], decoder.generate_ids
+
+    def counting(prompts, params, on_token=None):
+        def counted(row, token):
+            decoded.append(token)
+            if on_token is not None:
+                on_token(row, token)
+
+        return generate(prompts, params, counted)
+
+    decoder.generate_ids = counting
+    return decoded
+
+
 def test_one_at_a_time_a_stream_stops_decoding_when_its_client_goes_away(serve, tiny_tokenizer):
     """Without a batcher the decoder serves one request at a time: an abandoned stream stops at
     its next token rather than decoding to max_tokens while the next request waits for it; and
@@ -172,23 +190,40 @@ def test_one_at_a_time_a_stream_stops_decoding_when_its_client_goes_away(serve, 
     assert status == 400 and "exceeds the model's context of 512" in json.loads(text)["error"]["message"], text
     ids = tiny_tokenizer("the story of", add_special_tokens=False)["input_ids"]
     seed = next(s for s in range(100) if decoder.generate_ids([ids], SamplingParams(max_new_tokens=480, temperature=1.0, seed=s))[0].finish_reason == "length")
-    decoded, generate = [], decoder.generate_ids  # the served decoder's tokens, counted
-
-    def counting(prompts, params, on_token=None):
-        def counted(row, token):
-            decoded.append(token)
-            if on_token is not None:
-                on_token(row, token)
-
-        return generate(prompts, params, counted)
-
-    decoder.generate_ids = counting
+    decoded = counted_tokens(decoder)  # the served decoder's
     body = json.dumps({"prompt": "the story of", "max_tokens": 480, "temperature": 1.0, "seed": seed, "stream": True}).encode()
     with socket.create_connection(("127.0.0.1", int(base.rsplit(":", 1)[1]))) as client:
         client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
         client.recv(300)  # the stream has begun
     status, text = post(f"{base}/v1/completions", {"prompt": "hi", "max_tokens": 2, "temperature": 0})
     assert status == 200 and len(decoded) < 480, (status, len(decoded))
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["one-at-a-time", "continuous-batching"])
+def test_a_whole_completion_stops_decoding_when_its_client_goes_away(serve, tiny_tokenizer, batched):
+    """A request without `stream` whose client leaves while it decodes: its endpoint watches the
+    connection and stops the decoding at its next token instead of finishing an answer that
+    would go nowhere."""
+    from slimlm.inference.server import ServerLimits
+
+    base, decoder = serve(ServerLimits(max_prompt_tokens=16, max_new_tokens=480, max_concurrent=2), batched=batched)
+    ids = tiny_tokenizer("the story of", add_special_tokens=False)["input_ids"]
+    seed = next(s for s in range(100) if decoder.generate_ids([ids], SamplingParams(max_new_tokens=480, temperature=1.0, seed=s))[0].finish_reason == "length")
+    decoded = counted_tokens(decoder)  # one at a time, the served decoder's
+    body = json.dumps({"prompt": "the story of", "max_tokens": 480, "temperature": 1.0, "seed": seed}).encode()
+    with socket.create_connection(("127.0.0.1", int(base.rsplit(":", 1)[1]))) as client:
+        client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        time.sleep(0.3)  # it is decoding
+    status, text = post(f"{base}/v1/completions", {"prompt": "hi", "max_tokens": 2, "temperature": 0})
+    assert status == 200, text
+    batcher = serve.batchers[-1]
+    if batched:
+        deadline = time.time() + 30
+        while (batcher.running or batcher.prefilling) and time.time() < deadline:
+            time.sleep(0.05)
+        assert not batcher.running and batcher.step_tokens < 400, batcher.step_tokens
+    else:
+        assert 0 < len(decoded) < 400, len(decoded)
 
 
 def test_requests_beyond_the_admission_limit_get_429(serve):
