@@ -130,10 +130,8 @@ class ContinuousBatcher:
         sequence.out.put(error)
 
     def _admit(self, sequence: _Sequence) -> None:
-        """Give a waiting request a free row; its prompt goes in a chunk a loop from now on."""
-        if sequence.cancelled:
-            sequence.out.put(SlimlmError("the request was cancelled"))
-            return
+        """Give a waiting request a free row; its prompt goes in a chunk a loop from now on (one
+        cancelled while it waited leaves at the loop's sweep, before its first chunk)."""
         try:
             sequence.row = self.free_rows.pop()
             sequence.seen, sequence.generator = sampling_state([sequence.ids], sequence.params, self.model.args.vocab_size, self.decoder.device)
@@ -149,7 +147,7 @@ class ContinuousBatcher:
         try:
             start = sequence.prefilled
             chunk = torch.tensor([sequence.ids[start : start + self.prefill_chunk]], device=self.decoder.device)
-            logits = self.model(chunk, start, last_only=True, first_row=sequence.row)[:, -1]
+            logits = self.decoder.prefill(chunk, start, first_row=sequence.row)  # one pass: the chunk is at most the decoder's
             sequence.prefilled += chunk.shape[1]
             if sequence.prefilled == len(sequence.ids):
                 self.prefilling.remove(sequence)

@@ -158,21 +158,27 @@ def create_app(decoder, model_name: str, limits: ServerLimits = ServerLimits(), 
             finally:
                 self.end_admission()
 
+    def begin(ids: list[int], params: SamplingParams):
+        """Queue the request with the batcher, or check that the decoder can complete it: its
+        refusals come before any response. Returns the batcher's submission (None one at a
+        time), the event a one-at-a-time decoding stops at, and the call that stops either."""
+        gone = threading.Event()
+        if batcher is not None:
+            submission = batcher.submit(ids, params)
+            return submission, gone, submission.cancel
+        decoder.check_prompts([ids], params)
+        return None, gone, gone.set
+
     async def completed_unless_gone(request: Request, ids: list[int], params: SamplingParams) -> Generation:
         """The whole completion, decoded in a worker thread while this watches the connection:
         a client that goes away stops the decoding at its next token (its answer would go nowhere)."""
-        if batcher is not None:
-            submission = batcher.submit(ids, params)
-            stop, work = submission.cancel, lambda: list(submission)[-1]
-        else:
-            decoder.check_prompts([ids], params)
-            gone = threading.Event()
+        submission, gone, stop = begin(ids, params)
 
-            def on_token(row: int, token: int) -> None:
-                if gone.is_set():
-                    raise SlimlmError("the client went away")
+        def on_token(row: int, token: int) -> None:
+            if gone.is_set():
+                raise SlimlmError("the client went away")
 
-            stop, work = gone.set, lambda: decoder.generate_ids([ids], params, on_token)[0]
+        work = (lambda: list(submission)[-1]) if submission is not None else (lambda: decoder.generate_ids([ids], params, on_token)[0])
         task = asyncio.ensure_future(run_in_threadpool(work))
         while not (await asyncio.wait({task}, timeout=0.1))[0]:
             if await request.is_disconnected():
@@ -195,21 +201,14 @@ def create_app(decoder, model_name: str, limits: ServerLimits = ServerLimits(), 
             else:
                 choice = {"index": 0, "text": generation.text, "logprobs": None, "finish_reason": generation.finish_reason}
             return {"id": request_id, "object": "chat.completion" if chat else "text_completion", "created": created, "model": model_name, "choices": [choice], "usage": usage}
-        cancel = threading.Event()  # one at a time: the decoder's stream stops when it is set
         try:  # refusals (a prompt too long for a row or the model) come now, as a 400, not in a started stream
-            if batcher is not None:
-                submission = batcher.submit(ids, params)
-            else:
-                submission = None
-                decoder.check_prompts([ids], params)
+            submission, cancel, stop = begin(ids, params)
         except BaseException:
             release()
             raise
 
         def end_admission() -> None:
-            if submission is not None:
-                submission.cancel()  # a no-op once it has finished
-            cancel.set()
+            stop()  # a no-op once the decoding has finished
             release()
 
         return AdmittedStream(events(request_id, created, ids, params, chat, submission, cancel, end_admission), end_admission)
