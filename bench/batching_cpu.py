@@ -70,6 +70,7 @@ def continuous(model, tokenizer, name: str, requests: list[tuple[list[int], int,
     total = sum(produced) / seconds
     decode = batcher.step_tokens / batcher.step_s
     gap_median, gap_max = 1000 * statistics.median(gaps), 1000 * max(gaps)
+    batcher.close()
     print(f"{name}: {total:.1f} tok/s in all, {decode:.1f} in its {batcher.steps} decode steps; between pieces {gap_median:.0f} ms median, {gap_max:.0f} ms longest", flush=True)
     return {"name": name, "batch": 8, "tok_s": total, "tok_s_per_request": None, "decode_tok_s": decode, "gap_median_ms": gap_median, "gap_max_ms": gap_max, "decode_steps": batcher.steps, "new_tokens": sum(produced), "seconds": seconds}
 

@@ -9,11 +9,14 @@ request starts once its prompt is in, and a long prompt delays the running answe
 a step rather than by its whole prefill (`prefill_chunk`, as Sarathi-Serve and vLLM's chunked
 prefill bound the stall).
 A request whose reader goes away (`Submission.cancel`) leaves at the next step; one whose
-sampling fails gets the error alone, and the loop goes on serving the others.
+sampling fails gets the error alone, and the loop goes on serving the others. `close()` (or
+leaving a `with` block, or the interpreter's exit) stops the worker between two steps: a worker
+still inside a torch op when Python exits aborts the whole process.
 """
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 import time
@@ -40,6 +43,10 @@ class _Sequence:
     finish: Optional[str] = None
     text: Optional[IncrementalText] = None
     cancelled: bool = False  # set by the reader's thread, read by the worker's
+
+
+class BatcherClosed(RuntimeError):
+    """The batcher was closed (e.g. the server is shutting down) before the request finished."""
 
 
 class Submission:
@@ -83,14 +90,32 @@ class ContinuousBatcher:
         with decoder.lock:
             self.model.setup_cache(max_batch, max_seq, decoder.cache_dtype)
         self.free_rows = list(range(max_batch))
-        self.waiting: "queue.Queue[_Sequence]" = queue.Queue()
+        self.waiting: "queue.Queue[Optional[_Sequence]]" = queue.Queue()
         self.prefilling: list[_Sequence] = []  # admitted, prompt not yet all in the cache; oldest first
         self.running: list[_Sequence] = []
         self.steps = 0  # decode steps taken (all running sequences at once)
         self.step_s = 0.0  # seconds in them (prefills aside)
         self.step_tokens = 0  # tokens they decoded
-        self.worker = threading.Thread(target=self._loop, daemon=True)
+        self.closed = False
+        self._submitting = threading.Lock()  # a request is queued before close() or refused after it, never lost between
+        self.worker = threading.Thread(target=self._loop, daemon=True, name="slimlm-batcher")
         self.worker.start()
+        atexit.register(self.close)
+
+    def __enter__(self) -> "ContinuousBatcher":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the worker after its current step; every request not yet answered gets
+        BatcherClosed, and so does any later submit. Safe to call more than once."""
+        with self._submitting:
+            self.closed = True
+            self.waiting.put(None)  # wakes an idle worker
+        self.worker.join()
+        atexit.unregister(self.close)
 
     def submit(self, ids: list[int], params: SamplingParams) -> Submission:
         """Queue a request (refused at once, before anything is queued, if it cannot fit a row)."""
@@ -99,16 +124,21 @@ class ContinuousBatcher:
         if len(ids) + params.max_new_tokens > self.max_seq:
             raise SlimlmError(f"a prompt of {len(ids)} tokens plus {params.max_new_tokens} new tokens exceeds the {self.max_seq} slots a sequence has here")
         sequence = _Sequence(list(ids), params, queue.Queue())
-        self.waiting.put(sequence)
+        with self._submitting:
+            if self.closed:
+                raise BatcherClosed("the batcher is closed: it takes no more requests")
+            self.waiting.put(sequence)
         return Submission(sequence)
 
     def _loop(self) -> None:
         while True:
             try:
                 if not self.running and not self.prefilling:
-                    self._admit(self.waiting.get())  # idle: sleep until a request arrives
+                    self._admit(self.waiting.get())  # idle: sleep until a request arrives (or close() wakes it)
                 while self.free_rows and not self.waiting.empty():
                     self._admit(self.waiting.get_nowait())
+                if self.closed:
+                    break
                 for sequence in [s for s in (*self.prefilling, *self.running) if s.cancelled]:
                     self._fail(sequence, SlimlmError("the request was cancelled"))
                 if self.prefilling:
@@ -118,6 +148,13 @@ class ContinuousBatcher:
             except Exception as error:  # the step itself failed: every running reader learns of it; the loop goes on
                 for sequence in list(self.running):
                     self._fail(sequence, error)
+        closing = BatcherClosed("the batcher was closed before this request finished")
+        for sequence in [*self.prefilling, *self.running]:
+            self._fail(sequence, closing)
+        while not self.waiting.empty():  # none can be added now: submit refuses once closed
+            sequence = self.waiting.get_nowait()
+            if sequence is not None:
+                sequence.out.put(closing)
 
     def _fail(self, sequence: _Sequence, error: BaseException) -> None:
         """End one sequence with `error` for its reader and free its row."""
@@ -129,9 +166,12 @@ class ContinuousBatcher:
             sequence.row = -1
         sequence.out.put(error)
 
-    def _admit(self, sequence: _Sequence) -> None:
+    def _admit(self, sequence: Optional[_Sequence]) -> None:
         """Give a waiting request a free row; its prompt goes in a chunk a loop from now on (one
-        cancelled while it waited leaves at the loop's sweep, before its first chunk)."""
+        cancelled while it waited leaves at the loop's sweep, before its first chunk). None is
+        close()'s wake-up call."""
+        if sequence is None:
+            return
         try:
             sequence.row = self.free_rows.pop()
             sequence.seen, sequence.generator = sampling_state([sequence.ids], sequence.params, self.model.args.vocab_size, self.decoder.device)

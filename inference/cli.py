@@ -242,4 +242,5 @@ def serve_command(args: Sequence[str]) -> None:
     limits = ServerLimits(options.max_prompt_tokens, options.max_tokens_limit, options.max_concurrent)
     batcher = ContinuousBatcher(decoder, max_batch=options.max_concurrent, max_seq=min(options.max_prompt_tokens + options.max_tokens_limit, decoder.model.args.max_position_embeddings), prefill_chunk=options.prefill_chunk)
     name = options.name or options.model.rstrip("/").rsplit("/", 1)[-1].removesuffix(".gguf")
-    uvicorn.run(create_app(decoder, name, limits, batcher), host=options.host, port=options.port, log_level="info")
+    with batcher:  # at shutdown, the worker stops between steps and unfinished requests are told why
+        uvicorn.run(create_app(decoder, name, limits, batcher), host=options.host, port=options.port, log_level="info")

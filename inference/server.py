@@ -11,8 +11,8 @@ time. A request is admitted until its response ends, however it ends: a client t
 frees its slot, and its decoding stops at its next step (a stream's when its response ends, a
 whole completion's when its endpoint, watching the connection, sees it close).
 A malformed request, or one asking for what this server does not do (n > 1, logprobs, echo,
-best_of, presence or frequency penalties), gets HTTP 400 with an OpenAI-style JSON error; any
-other failure a JSON 500 (or, mid-stream, an error event before `[DONE]`). The server keeps serving.
+best_of, presence or frequency penalties), gets HTTP 400 with an OpenAI-style JSON error; one
+cut short by the batcher closing (the server shutting down) a 503; any other failure a JSON 500 (or, mid-stream, an error event before `[DONE]`). The server keeps serving.
 """
 
 # No `from __future__ import annotations`: FastAPI reads the request models from the endpoint signatures.
@@ -45,6 +45,7 @@ def create_app(decoder, model_name: str, limits: ServerLimits = ServerLimits(), 
     from starlette.concurrency import run_in_threadpool
     from starlette.exceptions import HTTPException
 
+    from slimlm.inference.batching import BatcherClosed
     from slimlm.inference.decoder import Generation, until_stop
     from slimlm.inference.sampling import SamplingParams
 
@@ -97,6 +98,10 @@ def create_app(decoder, model_name: str, limits: ServerLimits = ServerLimits(), 
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
         kind = "rate_limit_error" if exc.status_code == 429 else "invalid_request_error" if exc.status_code < 500 else "server_error"
         return error(exc.status_code, str(exc.detail), kind)
+
+    @app.exception_handler(BatcherClosed)
+    async def closing(request: Request, exc: BatcherClosed) -> JSONResponse:
+        return error(503, f"{exc}: the server is shutting down", "server_error")
 
     @app.exception_handler(Exception)
     async def failed(request: Request, exc: Exception) -> JSONResponse:

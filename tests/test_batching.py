@@ -1,11 +1,14 @@
 """Continuous batching: sequences that join and leave a running batch decode as they would alone."""
 
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
 
-from slimlm.inference.batching import ContinuousBatcher
+from slimlm.inference.batching import BatcherClosed, ContinuousBatcher
 from slimlm.inference.build import build_decoder
 from slimlm.inference.decoder import Decoder, Generation
 from slimlm.inference.sampling import SamplingParams
@@ -99,3 +102,46 @@ def test_a_long_prompt_goes_in_by_chunks_between_the_running_answers_steps(tiny_
         ContinuousBatcher(alone, max_batch=1, max_seq=16, prefill_chunk=0)
     with pytest.raises(Exception, match="the prompt is empty"):
         batcher.submit([], params)
+
+
+def test_closing_fails_unfinished_requests_and_refuses_new_ones(tiny_model, tiny_tokenizer):
+    batcher = ContinuousBatcher(Decoder(build_decoder(tiny_model), tiny_tokenizer), max_batch=1, max_seq=512)
+    decoding = batcher.submit(prompt(5, 1), SamplingParams(max_new_tokens=480, ignore_eos=True))
+    queued = batcher.submit(prompt(5, 2), SamplingParams(max_new_tokens=8, ignore_eos=True))  # waits for the one row
+    next(decoding)
+    with batcher:
+        pass  # leaving the block closes it
+    assert not batcher.worker.is_alive() and batcher.free_rows == [0]
+    for submission in (decoding, queued):
+        with pytest.raises(BatcherClosed, match="closed before this request finished"):
+            list(submission)
+    with pytest.raises(BatcherClosed, match="takes no more requests"):
+        batcher.submit(prompt(5, 3), SamplingParams(max_new_tokens=8))
+    batcher.close()  # again: nothing left to do
+
+
+EXITING_MID_ANSWER = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from conftest import build_tiny_llama, build_tokenizer
+from slimlm.inference.batching import BatcherClosed, ContinuousBatcher
+from slimlm.inference.build import build_decoder
+from slimlm.inference.decoder import Decoder
+from slimlm.inference.sampling import SamplingParams
+
+tokenizer = build_tokenizer()
+batcher = ContinuousBatcher(Decoder(build_decoder(build_tiny_llama(len(tokenizer))), tokenizer), max_batch=2, max_seq=512)
+answers = [batcher.submit(tokenizer("hello there")["input_ids"], SamplingParams(max_new_tokens=480, ignore_eos=True)) for _ in range(2)]
+next(answers[0])
+print("exiting while the worker decodes")
+"""
+
+
+def test_the_process_exits_cleanly_while_the_worker_is_decoding(tmp_path):
+    """Python exiting while the batcher's thread was inside a torch op aborted the process
+    ("terminate called without an active exception", exit 134): the worker stops at exit."""
+    script = tmp_path / "exiting.py"
+    script.write_text(EXITING_MID_ANSWER)
+    finished = subprocess.run([sys.executable, str(script), str(Path(__file__).parent)], capture_output=True, text=True, timeout=300)
+    assert finished.returncode == 0 and "terminate called" not in finished.stderr, finished.stderr[-2000:]
+    assert "exiting while the worker decodes" in finished.stdout

@@ -47,6 +47,8 @@ def serve(tiny_model, tiny_tokenizer):
     for server, thread in servers:
         server.should_exit = True
         thread.join(timeout=10)
+    for batcher in filter(None, start.batchers):
+        batcher.close()
 
 
 def post(url, body, raw=None):
@@ -232,6 +234,14 @@ def test_requests_beyond_the_admission_limit_get_429(serve):
     base, _ = serve(ServerLimits(max_concurrent=0))
     status, text = post(f"{base}/v1/completions", {"prompt": "hi", "max_tokens": 2})
     assert status == 429 and "busy" in json.loads(text)["error"]["message"]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_requests_to_a_closed_batcher_get_503(serve, stream):
+    base, _ = serve(batched=True)
+    serve.batchers[-1].close()  # as at shutdown
+    status, text = post(f"{base}/v1/completions", {"prompt": "hi", "max_tokens": 2, "stream": stream})
+    assert status == 503 and "shutting down" in json.loads(text)["error"]["message"]
 
 
 def test_concurrent_streams_are_batched_and_each_gets_its_own_answer(serve, tiny_tokenizer):
