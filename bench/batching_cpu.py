@@ -8,8 +8,10 @@ The default model at int4 g64 (RTN, head too; bundled decoder, bf16 activations,
                     attends over about a thousand cached slots per sequence
   arrivals          4 requests answering 128 tokens; after 1 s four 1,024-token prompts arrive:
                     how long the running answers wait for the new prompts' prefill
-Reports total new tokens per second, the per-request rate, and the time between an answer's
-text pieces. Writes
+  short behind long four 1,024-token prompts; after 1 s four 16-token prompts arrive: how long
+                    the short ones wait for their first token behind the long prefills
+Reports total new tokens per second, the per-request rate, the time from a request to its first
+text piece, and the time between an answer's text pieces. Writes
 bench/results/batching_cpu.{md,json}.
 
     python bench/batching_cpu.py [--new-tokens 64 --threads 2]
@@ -41,27 +43,29 @@ def per_request(row: dict) -> str:
     return "" if row["tok_s_per_request"] is None else f"{row['tok_s_per_request']:.1f}"
 
 
-def gap(row: dict, key: str) -> str:
+def ms(row: dict, key: str) -> str:
     return f"{row[key]:.0f}" if key in row else ""
 
 
 def continuous(model, tokenizer, name: str, requests: list[tuple[list[int], int, float]]) -> dict:
     """Requests (prompt, new tokens, seconds after the first it is sent) to a ContinuousBatcher
-    of 8 rows: new tokens per second from the first request to the last answer, and the time
-    between a request's consecutive text pieces (how steadily each answer streams)."""
+    of 8 rows: new tokens per second from the first request to the last answer, each request's
+    time to its first text piece, and the time between a request's consecutive text pieces (how
+    steadily each answer streams)."""
     batcher = ContinuousBatcher(Decoder(build_decoder(model, dtype=torch.bfloat16), tokenizer), max_batch=8, max_seq=max(len(ids) + new for ids, new, _ in requests))
-    produced, gaps = [], []
+    produced, gaps, firsts = [], [], [0.0] * len(requests)  # firsts: in the order of `requests`
     begin = time.perf_counter()
 
-    def client(ids: list[int], new_tokens: int, delay: float) -> None:
+    def client(index: int, ids: list[int], new_tokens: int, delay: float) -> None:
         time.sleep(max(0.0, begin + delay - time.perf_counter()))
-        times = []
+        sent, times = time.perf_counter(), []
         for item in batcher.submit(ids, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)):
             times.append(time.perf_counter())
         produced.append(len(item.token_ids))
+        firsts[index] = times[0] - sent
         gaps.extend(later - earlier for earlier, later in zip(times[:-2], times[1:-1]))  # pieces only (the last item is the Generation)
 
-    threads = [threading.Thread(target=client, args=request) for request in requests]
+    threads = [threading.Thread(target=client, args=(index, *request)) for index, request in enumerate(requests)]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -70,9 +74,12 @@ def continuous(model, tokenizer, name: str, requests: list[tuple[list[int], int,
     total = sum(produced) / seconds
     decode = batcher.step_tokens / batcher.step_s
     gap_median, gap_max = 1000 * statistics.median(gaps), 1000 * max(gaps)
+    first_median, first_max = 1000 * statistics.median(firsts), 1000 * max(firsts)
     batcher.close()
-    print(f"{name}: {total:.1f} tok/s in all, {decode:.1f} in its {batcher.steps} decode steps; between pieces {gap_median:.0f} ms median, {gap_max:.0f} ms longest", flush=True)
-    return {"name": name, "batch": 8, "tok_s": total, "tok_s_per_request": None, "decode_tok_s": decode, "gap_median_ms": gap_median, "gap_max_ms": gap_max, "decode_steps": batcher.steps, "new_tokens": sum(produced), "seconds": seconds}
+    print(f"{name}: {total:.1f} tok/s in all, {decode:.1f} in its {batcher.steps} decode steps; first piece {first_median:.0f} ms median, {first_max:.0f} ms longest;"
+          f" between pieces {gap_median:.0f} ms median, {gap_max:.0f} ms longest", flush=True)
+    return {"name": name, "batch": 8, "tok_s": total, "tok_s_per_request": None, "decode_tok_s": decode, "first_piece_median_ms": first_median, "first_piece_max_ms": first_max,
+            "first_pieces_ms": [1000 * first for first in firsts], "gap_median_ms": gap_median, "gap_max_ms": gap_max, "decode_steps": batcher.steps, "new_tokens": sum(produced), "seconds": seconds}
 
 
 def main() -> None:
@@ -105,6 +112,8 @@ def main() -> None:
     rows.append(continuous(model, tokenizer, "continuous, 1,024-token prompts, 8 rows", [(ids, 64, 0.0) for ids in long_prompts]))
     arriving = [(ids, 128, 0.0) for ids in prompts[:4]] + [(ids, 8, 1.0) for ids in long_prompts[:4]]
     rows.append(continuous(model, tokenizer, "4 answers, then 4 1,024-token prompts arrive", arriving))
+    behind = [(ids, 8, 0.0) for ids in long_prompts[:4]] + [(ids, 8, 1.0) for ids in prompts[:4]]
+    rows.append(continuous(model, tokenizer, "4 1,024-token prompts, then 4 16-token prompts arrive", behind))
     summary = {"new_tokens": options.new_tokens, "threads": options.threads, "seconds": time.perf_counter() - started}
     command = command_line("batching_cpu.py", parser, options)
     machine = machine_info()
@@ -115,11 +124,12 @@ def main() -> None:
         f"- command: `{command}`",
         machine_line(machine, f"{options.threads} threads", summary["seconds"]),
         f"- default model, int4 g64 RTN (head too), bundled decoder, bf16 activations, eager (no compiled step); 16-token prompts; static batches decode {options.new_tokens} new tokens each",
-        "- continuous: 16 requests sent at once, 32 to 128 new tokens each, 8 cache rows: a request takes a row when one frees, prefills, and joins the running batch at the next step; and 8 requests of 1,024-token prompts, 64 new tokens each (the time includes their prefills); and 4 answers of 128 tokens that four 1,024-token prompts (8 new tokens each) join after 1 s",
+        "- continuous: 16 requests sent at once, 32 to 128 new tokens each, 8 cache rows: a request takes a row when one frees, prefills, and joins the running batch at the next step; and 8 requests of 1,024-token prompts, 64 new tokens each (the time includes their prefills); and 4 answers of 128 tokens that four 1,024-token prompts (8 new tokens each) join after 1 s; and four 1,024-token prompts that four 16-token prompts join after 1 s (8 new tokens each)",
         "",
-        "| run | new tokens/s in all | vs batch 1 | per request tokens/s | tokens/s in decode steps (prefills aside) | ms between an answer's pieces: median | longest |",
-        "|---|---:|---:|---:|---:|---:|---:|",
-        *[f"| {r['name']} | {r['tok_s']:.1f} | {r['tok_s'] / single:.2f}x | {per_request(r)} | {r['decode_tok_s']:.1f} | {gap(r, 'gap_median_ms')} | {gap(r, 'gap_max_ms')} |" for r in rows],
+        "| run | new tokens/s in all | vs batch 1 | per request tokens/s | tokens/s in decode steps (prefills aside) | ms to a request's first piece: median | longest | ms between an answer's pieces: median | longest |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        *[f"| {r['name']} | {r['tok_s']:.1f} | {r['tok_s'] / single:.2f}x | {per_request(r)} | {r['decode_tok_s']:.1f} | {ms(r, 'first_piece_median_ms')} | {ms(r, 'first_piece_max_ms')} |"
+          f" {ms(r, 'gap_median_ms')} | {ms(r, 'gap_max_ms')} |" for r in rows],
         "",
     ]
     write_result("batching_cpu", command, {"summary": summary, "rows": rows}, lines)

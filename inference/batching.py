@@ -1,8 +1,8 @@
 """Continuous batching: requests join and leave the running batch between decode steps.
 
 One worker thread owns the decoder's cache, `max_batch` rows of it, one per sequence. Each
-loop: admit waiting requests into free rows, prefill one chunk of the oldest admitted prompt
-into its row, then one decode step for every running sequence together
+loop: admit waiting requests into free rows, prefill one chunk of an admitted prompt into its
+row (the earliest due, see `_admit`), then one decode step for every running sequence together
 (`Transformer.step_rows`: each at its own position), then hand each sequence's new token to its
 reader and free the rows that finished. A long answer never holds a short one back, a new
 request starts once its prompt is in, and a long prompt delays the running answers by one chunk
@@ -40,6 +40,7 @@ class _Sequence:
     seen: Optional[torch.Tensor] = None
     generator: Optional[torch.Generator] = None
     prefilled: int = 0  # prompt tokens in the cache so far
+    due: int = 0  # the prefill chunk count by which its prompt would be in, had it started alone at admission
     finish: Optional[str] = None
     text: Optional[IncrementalText] = None
     cancelled: bool = False  # set by the reader's thread, read by the worker's
@@ -91,11 +92,12 @@ class ContinuousBatcher:
             self.model.setup_cache(max_batch, max_seq, decoder.cache_dtype)
         self.free_rows = list(range(max_batch))
         self.waiting: "queue.Queue[Optional[_Sequence]]" = queue.Queue()
-        self.prefilling: list[_Sequence] = []  # admitted, prompt not yet all in the cache; oldest first
+        self.prefilling: list[_Sequence] = []  # admitted, prompt not yet all in the cache; in order of admission
         self.running: list[_Sequence] = []
         self.steps = 0  # decode steps taken (all running sequences at once)
         self.step_s = 0.0  # seconds in them (prefills aside)
         self.step_tokens = 0  # tokens they decoded
+        self.chunks = 0  # prefill chunks taken
         self.closed = False
         self._submitting = threading.Lock()  # a request is queued before close() or refused after it, never lost between
         self.worker = threading.Thread(target=self._loop, daemon=True, name="slimlm-batcher")
@@ -142,7 +144,7 @@ class ContinuousBatcher:
                 for sequence in [s for s in (*self.prefilling, *self.running) if s.cancelled]:
                     self._fail(sequence, SlimlmError("the request was cancelled"))
                 if self.prefilling:
-                    self._prefill_chunk(self.prefilling[0])
+                    self._prefill_chunk(min(self.prefilling, key=lambda s: s.due))  # ties: the earliest admitted
                 if self.running:
                     self._step()
             except Exception as error:  # the step itself failed: every running reader learns of it; the loop goes on
@@ -167,12 +169,19 @@ class ContinuousBatcher:
         sequence.out.put(error)
 
     def _admit(self, sequence: Optional[_Sequence]) -> None:
-        """Give a waiting request a free row; its prompt goes in a chunk a loop from now on (one
-        cancelled while it waited leaves at the loop's sweep, before its first chunk). None is
-        close()'s wake-up call."""
+        """Give a waiting request a free row; its prompt goes in a chunk at a time from now on
+        (one cancelled while it waited leaves at the loop's sweep, before its first chunk). None
+        is close()'s wake-up call.
+
+        Prompts are prefilled earliest due first, due when their prefill would end had it
+        started alone at admission: a short prompt arriving behind long ones is due soon and
+        gets its first token after about its own chunks rather than after all of theirs, while
+        a long prompt that has waited keeps its place before every later prompt due after it,
+        so none waits indefinitely."""
         if sequence is None:
             return
         try:
+            sequence.due = self.chunks - (-len(sequence.ids) // self.prefill_chunk)  # ceil: its own chunks
             sequence.row = self.free_rows.pop()
             sequence.seen, sequence.generator = sampling_state([sequence.ids], sequence.params, self.model.args.vocab_size, self.decoder.device)
             sequence.text = IncrementalText(self.decoder.tokenizer)
@@ -189,6 +198,7 @@ class ContinuousBatcher:
             chunk = torch.tensor([sequence.ids[start : start + self.prefill_chunk]], device=self.decoder.device)
             logits = self.decoder.prefill(chunk, start, first_row=sequence.row)  # one pass: the chunk is at most the decoder's
             sequence.prefilled += chunk.shape[1]
+            self.chunks += 1
             if sequence.prefilled == len(sequence.ids):
                 self.prefilling.remove(sequence)
                 self.running.append(sequence)

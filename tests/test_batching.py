@@ -3,6 +3,7 @@
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -60,8 +61,6 @@ def test_stop_strings_and_end_of_sequence_free_the_row(tiny_model, tiny_tokenize
 
 
 def test_a_cancelled_request_leaves_at_the_next_step_and_a_failing_one_fails_alone(tiny_model, tiny_tokenizer, monkeypatch):
-    import time
-
     from slimlm.inference import batching
 
     batcher = ContinuousBatcher(Decoder(build_decoder(tiny_model), tiny_tokenizer), max_batch=2, max_seq=512)
@@ -102,6 +101,24 @@ def test_a_long_prompt_goes_in_by_chunks_between_the_running_answers_steps(tiny_
         ContinuousBatcher(alone, max_batch=1, max_seq=16, prefill_chunk=0)
     with pytest.raises(Exception, match="the prompt is empty"):
         batcher.submit([], params)
+
+
+def test_a_short_prompt_arriving_behind_a_long_one_is_prefilled_first(tiny_model, tiny_tokenizer):
+    """A 400-token prompt goes in 4 tokens a chunk (100 chunks); a 5-token prompt arriving after
+    its first chunk is due sooner, so it gets its answer while the long prompt is still going in
+    (prefilled oldest first, it waited for all 100 chunks); both answers are as alone."""
+    alone = Decoder(build_decoder(tiny_model), tiny_tokenizer)
+    batcher = ContinuousBatcher(Decoder(build_decoder(tiny_model), tiny_tokenizer), max_batch=2, max_seq=512, prefill_chunk=4)
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    long_request = batcher.submit(prompt(400, 1), params)
+    while batcher.chunks < 1:
+        time.sleep(0.001)
+    *_, short_answer = batcher.submit(prompt(5, 2), params)
+    assert batcher.prefilling and batcher.chunks < 100  # the long prompt is not all in yet
+    *_, long_answer = long_request
+    for ids, answer in ((prompt(400, 1), long_answer), (prompt(5, 2), short_answer)):
+        assert answer.token_ids == alone.generate_ids([ids], params)[0].token_ids
+    batcher.close()
 
 
 def test_closing_fails_unfinished_requests_and_refuses_new_ones(tiny_model, tiny_tokenizer):
