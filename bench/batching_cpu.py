@@ -92,7 +92,7 @@ def main() -> None:
     cfg, loaded = load_default()
     model = quantized_copy(cfg, dict(bits=4, group_size=64))
     tokenizer = loaded.tokenizer
-    decoder = Decoder(build_decoder(model, dtype=torch.bfloat16), tokenizer)
+    decoder = Decoder(build_decoder(model, dtype=torch.bfloat16), tokenizer, reuse_prefixes=False)  # each repeat prefills its prompts
     text_ids = benchmark_prompt(tokenizer, 16 * 16).tolist()
     prompts = [text_ids[16 * i : 16 * (i + 1)] for i in range(16)]
     params = SamplingParams(max_new_tokens=options.new_tokens, ignore_eos=True)

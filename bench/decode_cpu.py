@@ -106,7 +106,7 @@ class Contender:
 
 
 def slimlm_contender(name: str, model, tokenizer, prompt: list[int], options, dtype: torch.dtype, compiled: bool = False, int8_activations: bool = False, quality=None, cache_dtype=None) -> Contender:
-    decoder = Decoder(build_decoder(model, dtype=dtype, int8_activations=int8_activations), tokenizer, cache_dtype=cache_dtype)
+    decoder = Decoder(build_decoder(model, dtype=dtype, int8_activations=int8_activations), tokenizer, cache_dtype=cache_dtype, reuse_prefixes=False)  # each repeat prefills its prompt
     slots = len(prompt) + options.new_tokens if quality is None else max(len(prompt) + options.new_tokens, quality[0].shape[1])
     decoder.model.setup_cache(1, slots, cache_dtype)  # once: the compiled step is specialized to its size
     if compiled:

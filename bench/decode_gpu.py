@@ -105,7 +105,7 @@ def slimlm_rows(shape: str, kernel: str, device: torch.device, options) -> list[
     build_s = time.perf_counter() - started
     if f"int4-{kernel}" not in describe_kernels(model):
         raise SystemExit(f"the {kernel} kernel took no layer here ({describe_kernels(model)}); it needs a CUDA GPU (and Triton for triton)")
-    decoder = Decoder(model, IdsOnly())
+    decoder = Decoder(model, IdsOnly(), reuse_prefixes=False)  # each repeat prefills its prompt
     slots = options.prompt_tokens + options.new_tokens
     model.setup_cache(1, slots)
     prompt = random_prompt(options.prompt_tokens, config["vocab_size"], device)[0].tolist()

@@ -53,9 +53,9 @@ def main() -> None:
     cfg, loaded = load_default()
     tokenizer = loaded.tokenizer
     if options.weights == "int8":
-        decoder = Decoder(build_decoder(quantized_copy(cfg, dict(bits=8)), dtype=torch.bfloat16), tokenizer)
+        decoder = Decoder(build_decoder(quantized_copy(cfg, dict(bits=8)), dtype=torch.bfloat16), tokenizer, reuse_prefixes=False)  # both ways prefill the whole prompt
     else:
-        decoder = Decoder(build_decoder(loaded.model, dtype=torch.float32), tokenizer)
+        decoder = Decoder(build_decoder(loaded.model, dtype=torch.float32), tokenizer, reuse_prefixes=False)
     params = SamplingParams(max_new_tokens=options.new_tokens)
     rows = []
     for name, text in PROMPTS.items():

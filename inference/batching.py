@@ -7,7 +7,9 @@ row (the earliest due, see `_admit`), then one decode step for every running seq
 reader and free the rows that finished. A long answer never holds a short one back, a new
 request starts once its prompt is in, and a long prompt delays the running answers by one chunk
 a step rather than by its whole prefill (`prefill_chunk`, as Sarathi-Serve and vLLM's chunked
-prefill bound the stall).
+prefill bound the stall). A request takes the free row holding the longest start of its prompt
+(the conversation's previous turn, a shared system prompt: `Decoder.reusable`) and prefills
+only the rest; among rows that hold none of it, the one freed longest ago.
 A request whose reader goes away (`Submission.cancel`) leaves at the next step; one whose
 sampling fails gets the error alone, and the loop goes on serving the others. `close()` (or
 leaving a `with` block, or the interpreter's exit) stops the worker between two steps: a worker
@@ -40,6 +42,7 @@ class _Sequence:
     seen: Optional[torch.Tensor] = None
     generator: Optional[torch.Generator] = None
     prefilled: int = 0  # prompt tokens in the cache so far
+    cached: int = 0  # of them, found in its row at admission (not prefilled again)
     due: int = 0  # the prefill chunk count by which its prompt would be in, had it started alone at admission
     finish: Optional[str] = None
     text: Optional[IncrementalText] = None
@@ -181,8 +184,11 @@ class ContinuousBatcher:
         if sequence is None:
             return
         try:
-            sequence.due = self.chunks - (-len(sequence.ids) // self.prefill_chunk)  # ceil: its own chunks
-            sequence.row = self.free_rows.pop()
+            held = {row: self.decoder.reusable(row, sequence.ids) for row in self.free_rows}
+            sequence.row = max(held, key=held.__getitem__)  # ties: the first, freed longest ago
+            self.free_rows.remove(sequence.row)
+            sequence.prefilled = sequence.cached = held[sequence.row]
+            sequence.due = self.chunks - (sequence.prefilled - len(sequence.ids)) // self.prefill_chunk  # ceil: its own chunks
             sequence.seen, sequence.generator = sampling_state([sequence.ids], sequence.params, self.model.args.vocab_size, self.decoder.device)
             sequence.text = IncrementalText(self.decoder.tokenizer)
             self.prefilling.append(sequence)
@@ -226,9 +232,10 @@ class ContinuousBatcher:
             if rest:
                 sequence.out.put(rest)
             self.running.remove(sequence)
+            self.decoder.remember(sequence.row, sequence.ids, sequence.tokens)
             self.free_rows.append(sequence.row)
             sequence.row = -1
-            generation = self.decoder._finish(sequence.tokens, sequence.params, sequence.finish, len(sequence.ids))
+            generation = self.decoder._finish(sequence.tokens, sequence.params, sequence.finish, len(sequence.ids), sequence.cached)
             sequence.out.put(generation)
 
     @staticmethod

@@ -1,5 +1,7 @@
 """Generation with the bundled decoder: prefill in chunks, then one token per step from a
-static cache, for one prompt or a batch of prompts of different lengths.
+static cache, for one prompt or a batch of prompts of different lengths. A prompt that starts
+with what a cache row already holds (the last conversation turn, a shared system prompt)
+prefills only the rest (`Decoder.reusable`).
 
     decoder = Decoder(build_decoder(model), tokenizer)
     for piece in decoder.stream("Once upon a time", SamplingParams(max_new_tokens=64)): print(piece, end="")
@@ -29,6 +31,7 @@ class Generation:
     text: str
     finish_reason: str  # "stop" (end-of-sequence, stop token or string) or "length"
     prompt_tokens: int
+    cached_tokens: int = 0  # of the prompt's, found in the cache and not prefilled again
 
 
 @dataclass
@@ -63,11 +66,13 @@ def private_method(model: torch.nn.Module, function: Callable) -> Callable:
 
 
 class Decoder:
-    def __init__(self, model: Transformer, tokenizer, prefill_chunk: int = 512, cache_dtype: Optional[torch.dtype] = None):
+    def __init__(self, model: Transformer, tokenizer, prefill_chunk: int = 512, cache_dtype: Optional[torch.dtype] = None, reuse_prefixes: bool = True):
+        """`reuse_prefixes=False`: every prompt prefilled whole (e.g. to time prefills)."""
         self.model = model
         self.tokenizer = tokenizer
         self.prefill_chunk = prefill_chunk
         self.cache_dtype = cache_dtype
+        self.reuse_prefixes = reuse_prefixes
         self.device = model.inv_freq.device
         self.last_stats: Optional[GenerationStats] = None
         self.step = model  # the decode step; compile_decode_step swaps in a compiled one
@@ -117,12 +122,36 @@ class Decoder:
     def ensure_cache(self, batch: int, length: int) -> None:
         """Allocate the static cache when none is big enough; otherwise reuse it as it is."""
         if batch > self.model.max_batch or length > self.model.max_seq:
-            self.model.setup_cache(batch, length, self.cache_dtype)
+            self.model.setup_cache(batch, length, self.cache_dtype, keep=self.reuse_prefixes)
+
+    def reusable(self, row: int, ids: Sequence[int]) -> int:
+        """How many of the prompt `ids`' first tokens cache row `row` holds already, in their
+        slots: their keys and values need not be computed again. At most all but the last
+        token: a prefill of at least one token gives the next token's logits.
+
+        What a row holds (`Transformer.held`) is recorded when a generation ends in it (its
+        prompt and the tokens fed back while decoding) and forgotten when a prefill writes it
+        or the cache is allocated again. Every writer of the cache goes through `prefill` first
+        (decode steps, speculative decoding's verification), so a record is never stale."""
+        if not self.reuse_prefixes:
+            return 0
+        held, limit = self.model.held.get(row, []), len(ids) - 1
+        same = 0
+        while same < min(len(held), limit) and held[same] == ids[same]:
+            same += 1
+        return same
+
+    def remember(self, row: int, prompt: Sequence[int], answer: Sequence[int]) -> None:
+        """Record a finished generation's tokens as row `row`'s contents: the prompt, and the
+        answer but its last token (chosen, never fed back)."""
+        self.model.held[row] = [*prompt, *answer[:-1]]
 
     def prefill(self, tokens: torch.Tensor, start: int = 0, pad: Optional[torch.Tensor] = None, first_row: int = 0) -> torch.Tensor:
         """Write `tokens` [batch, length] into the cache from slot `start` (cache rows from
         `first_row`), `prefill_chunk` tokens at a time to bound activation memory; the logits
         [batch, vocab] after the last token."""
+        for row in range(first_row, first_row + tokens.shape[0]):
+            self.model.held.pop(row, None)  # overwritten from `start` on: known again when its generation ends
         for offset in range(0, tokens.shape[1], self.prefill_chunk):
             logits = self.model(tokens[:, offset : offset + self.prefill_chunk], start + offset, pad, last_only=True, first_row=first_row)[:, -1]
         return logits
@@ -144,6 +173,7 @@ class Decoder:
         self.check_prompts(prompts, params)
         batch, longest = len(prompts), max(len(p) for p in prompts)
         self.ensure_cache(batch, longest + params.max_new_tokens)
+        cached = self.reusable(0, prompts[0]) if batch == 1 else 0
         pads = [longest - len(p) for p in prompts]
         pad = torch.tensor(pads, device=self.device) if any(pads) else None
         tokens = torch.zeros(batch, longest, dtype=torch.long, device=self.device)
@@ -151,7 +181,7 @@ class Decoder:
             tokens[row, longest - len(prompt) :] = torch.tensor(list(prompt), dtype=torch.long)
         seen, generator = sampling_state(prompts, params, self.model.args.vocab_size, self.device)
         started = time.perf_counter()
-        logits = self.prefill(tokens, pad=pad)
+        logits = self.prefill(tokens[:, cached:], cached, pad)
         prefilled = time.perf_counter()
         end_ids = self.end_ids(params)
         outputs: list[list[int]] = [[] for _ in prompts]
@@ -177,19 +207,21 @@ class Decoder:
                 break
             logits = self.step(chosen[:, None], longest + step, pad)[:, -1]
         self.last_stats = GenerationStats(prefill_s=prefilled - started, decode_s=time.perf_counter() - prefilled, decode_steps=steps, batch=batch)
-        return [self._finish(ids, params, finished[row], len(prompts[row])) for row, ids in enumerate(outputs)]
+        if batch == 1:
+            self.remember(0, prompts[0], outputs[0])
+        return [self._finish(ids, params, finished[row], len(prompts[row]), cached) for row, ids in enumerate(outputs)]
 
     def _hits_stop_string(self, ids: list[int], stops: Sequence[str]) -> bool:
         tail = self.tokenizer.decode(ids[-16:], skip_special_tokens=True)
         return any(stop in tail for stop in stops)
 
-    def _finish(self, ids: list[int], params: SamplingParams, reason: Optional[str], prompt_tokens: int) -> Generation:
+    def _finish(self, ids: list[int], params: SamplingParams, reason: Optional[str], prompt_tokens: int, cached_tokens: int = 0) -> Generation:
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
         for stop in params.stop:
             if stop in text:
                 text = text[: text.index(stop)]
                 reason = "stop"
-        return Generation(token_ids=ids, text=text, finish_reason=reason or "length", prompt_tokens=prompt_tokens)
+        return Generation(token_ids=ids, text=text, finish_reason=reason or "length", prompt_tokens=prompt_tokens, cached_tokens=cached_tokens)
 
     def generate(self, prompts: Sequence[str], params: SamplingParams, chat_template: bool = False) -> list[Generation]:
         from slimlm.inference.generate import prompt_ids

@@ -134,6 +134,9 @@ class RMSNorm(nn.Module):
         return self.weight * normed.to(x.dtype)
 
 
+CACHE_NAMES = ("k_cache", "v_cache", "k_cache_scale", "v_cache_scale")  # each Attention's cache buffers
+
+
 class Attention(nn.Module):
     """Grouped-query attention; q, k and v come from one fused projection."""
 
@@ -141,7 +144,7 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
         self.qkv, self.o_proj = qkv, o_proj
-        for name in ("k_cache", "v_cache", "k_cache_scale", "v_cache_scale"):  # scales: int8 caches only
+        for name in CACHE_NAMES:  # scales: int8 caches only
             self.register_buffer(name, None, persistent=False)
         self.attention_dtype = torch.float32  # what cached keys and values are read as
         self.decode_kernel = False  # whether decode steps attend in slimlm's CPU kernel
@@ -250,13 +253,16 @@ class Transformer(nn.Module):
         self.output = output
         self.register_buffer("inv_freq", rope_inverse_frequencies(args), persistent=False)
         self.max_batch = self.max_seq = 0
+        self.held: dict[int, list[int]] = {}  # cache row -> the tokens in its slots from 0, as its users recorded them (Decoder.remember)
         self.streamer = None  # a LayerStreamer when some blocks live in host memory (inference/streaming.py)
 
-    def setup_cache(self, batch: int, max_seq: int, cache_dtype: Optional[torch.dtype] = None) -> None:
+    def setup_cache(self, batch: int, max_seq: int, cache_dtype: Optional[torch.dtype] = None, keep: bool = False) -> None:
         """Allocate the key/value cache once; decoding never allocates it again. Its dtype
         defaults to the activations' on GPUs and to fp32 on CPUs (where bf16 attention is slow);
         torch.int8 stores codes and a float32 scale per head and slot. A CPU's decode steps attend
-        over an fp32 or int8 cache in slimlm's own kernel where it builds (inference/cpu_kernels.py)."""
+        over an fp32 or int8 cache in slimlm's own kernel where it builds (inference/cpu_kernels.py).
+        `keep`: the rows' recorded contents (`held`) are copied into the new cache, as far as
+        it holds them (a conversation's next turn needs a longer cache, not a new prefill)."""
         if max_seq > self.args.max_position_embeddings:
             raise SlimlmError(f"a context of {max_seq} tokens is longer than the model's {self.args.max_position_embeddings}; ask for fewer new tokens or a shorter prompt")
         device = self.inv_freq.device
@@ -265,19 +271,25 @@ class Transformer(nn.Module):
         shape = (batch, self.args.n_kv_heads, max_seq, self.args.head_dim)
         scaled = cache_dtype == torch.int8
         kernel = cache_dtype in (torch.float32, torch.int8) and device.type == "cpu" and self.args.head_dim % 8 == 0 and cpu_kernels.available()
+        same_kind = self.max_seq > 0 and self.layers[0].attention.k_cache.dtype == cache_dtype
+        kept = {row: ids[:max_seq] for row, ids in self.held.items() if row < batch} if keep and same_kind else {}
         for block in self.layers:
             attention = block.attention
+            old = [getattr(attention, name) for name in CACHE_NAMES]
             attention.k_cache = torch.zeros(shape, dtype=cache_dtype, device=device)
             attention.v_cache = torch.zeros(shape, dtype=cache_dtype, device=device)
             attention.k_cache_scale = torch.zeros(*shape[:-1], 1, device=device) if scaled else None
             attention.v_cache_scale = torch.zeros(*shape[:-1], 1, device=device) if scaled else None
             attention.attention_dtype = float_dtype if scaled else cache_dtype
             attention.decode_kernel = kernel
+            for name, before in zip(CACHE_NAMES, old):
+                for row, ids in kept.items() if before is not None else ():  # no scales: not an int8 cache
+                    getattr(attention, name)[row, :, : len(ids)] = before[row, :, : len(ids)]
         self.max_batch, self.max_seq = batch, max_seq
+        self.held = kept
 
     def cache_tensors(self) -> list[torch.Tensor]:
-        names = ("k_cache", "v_cache", "k_cache_scale", "v_cache_scale")
-        return [t for b in self.layers for t in (getattr(b.attention, name) for name in names) if t is not None]
+        return [t for b in self.layers for t in (getattr(b.attention, name) for name in CACHE_NAMES) if t is not None]
 
     def cache_bytes(self) -> int:
         return sum(t.nbytes for t in self.cache_tensors())

@@ -200,7 +200,8 @@ def create_app(decoder, model_name: str, limits: ServerLimits = ServerLimits(), 
                 generation = await completed_unless_gone(request, ids, params)
             finally:
                 release()
-            usage = {"prompt_tokens": len(ids), "completion_tokens": len(generation.token_ids), "total_tokens": len(ids) + len(generation.token_ids)}
+            usage = {"prompt_tokens": len(ids), "completion_tokens": len(generation.token_ids), "total_tokens": len(ids) + len(generation.token_ids),
+                     "prompt_tokens_details": {"cached_tokens": generation.cached_tokens}}  # found in the cache, not prefilled again
             if chat:
                 choice = {"index": 0, "message": {"role": "assistant", "content": generation.text}, "finish_reason": generation.finish_reason}
             else:

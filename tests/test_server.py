@@ -83,6 +83,9 @@ def test_completions_match_the_decoder_and_stream_the_same_text(serve, tiny_toke
     chunks = sse_payloads(text)
     assert status == 200 and "".join(c["choices"][0]["text"] for c in chunks) == expected.text
     assert chunks[-1]["choices"][0]["finish_reason"] == expected.finish_reason == answer["choices"][0]["finish_reason"]
+    assert answer["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    status, text = post(f"{base}/v1/completions", body)  # the same prompt again: all but its last token are in the cache
+    assert json.loads(text)["usage"]["prompt_tokens_details"] == {"cached_tokens": len(ids) - 1}
 
 
 @pytest.mark.parametrize("batched", [False, True], ids=["one-at-a-time", "continuous-batching"])

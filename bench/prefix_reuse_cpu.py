@@ -1,0 +1,203 @@
+"""Prefix reuse on CPU: a chat's next turn prefills only what the cache does not hold yet.
+
+The default model at int4 g64 (RTN, head too; bundled decoder, bf16 activations, eager), with
+its chat template: a system prompt, then turns whose user message is a passage of WikiText-2
+test (about 150 tokens) and a request, each answered with 64 greedy tokens. Each turn's prompt is
+the whole conversation so far, as `slimlm chat` and OpenAI clients send it.
+  one at a time   one conversation through Decoder.generate_ids (`slimlm chat`; `slimlm serve`
+                  without a batcher)
+  batched         four conversations at once through a ContinuousBatcher of 4 rows (`slimlm serve`)
+each with prefix reuse (the default) and without (`reuse_prefixes=False`). Reports per turn the
+prompt's tokens, those found in the cache, the time to the first token, and whether the answer
+is the one decoded without reuse; and how far the second turn's first logits are from those of
+a whole prefill, with fp32 and with bf16 activations. Writes
+bench/results/prefix_reuse_cpu.{md,json,png}.
+
+    python bench/prefix_reuse_cpu.py [--turns 6 --threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import threading
+import time
+
+import torch
+
+from slimlm.eval.plots import plt, save_figure
+from slimlm.inference.batching import ContinuousBatcher
+from slimlm.inference.build import build_decoder
+from slimlm.inference.decoder import Decoder, Generation
+from slimlm.inference.sampling import SamplingParams
+from slimlm.rundir import machine_info
+
+from benchlib import RESULTS, command_line, machine_line, wikitext_ids, write_result
+from decode_cpu import load_default, quantized_copy
+
+SYSTEM = "You are a careful assistant. Answer in plain English, briefly, and say so when a passage does not tell you something."
+PARAMS = SamplingParams(max_new_tokens=64, ignore_eos=True)
+PASSAGE_TOKENS = 150
+CONVERSATIONS = 4  # batched
+
+
+class Chat:
+    """One conversation: the messages so far, and each turn's measurements."""
+
+    def __init__(self, tokenizer, passages: list[str]):
+        self.tokenizer, self.passages = tokenizer, passages
+        self.messages = [{"role": "system", "content": SYSTEM}]
+        self.turns: list[dict] = []
+
+    def next_prompt(self) -> list[int]:
+        passage = self.passages[len(self.turns)]
+        self.messages.append({"role": "user", "content": f"{passage}\n\nWhat is this passage about, and how does it relate to the earlier ones?"})
+        text = self.tokenizer.apply_chat_template(self.messages, tokenize=False, add_generation_prompt=True)
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def answered(self, ids: list[int], generation: Generation, first_s: float) -> None:
+        self.messages.append({"role": "assistant", "content": generation.text})
+        self.turns.append({"prompt_tokens": len(ids), "cached_tokens": generation.cached_tokens, "first_token_ms": 1000 * first_s, "answer": generation.token_ids})
+
+
+def passages(tokenizer, count: int) -> list[str]:
+    ids = wikitext_ids(tokenizer)
+    return [tokenizer.decode(ids[PASSAGE_TOKENS * i : PASSAGE_TOKENS * (i + 1)]).strip() for i in range(count)]
+
+
+def one_at_a_time(model, tokenizer, texts: list[str], reuse: bool) -> list[dict]:
+    decoder = Decoder(build_decoder(model, dtype=torch.bfloat16), tokenizer, reuse_prefixes=reuse)
+    decoder.generate_ids([tokenizer("warm up")["input_ids"]], SamplingParams(max_new_tokens=4))  # shares no start with the chat's prompts
+    chat = Chat(tokenizer, texts)
+    for _ in texts:
+        ids = chat.next_prompt()
+        generation = decoder.generate_ids([ids], PARAMS)[0]
+        chat.answered(ids, generation, decoder.last_stats.prefill_s)
+        print(f"one at a time, reuse {reuse}: turn {len(chat.turns)}: {len(ids)} prompt tokens, {generation.cached_tokens} cached, first token {chat.turns[-1]['first_token_ms']:.0f} ms", flush=True)
+    return chat.turns
+
+
+def batched(model, tokenizer, texts: list[list[str]], reuse: bool) -> list[list[dict]]:
+    batcher = ContinuousBatcher(Decoder(build_decoder(model, dtype=torch.bfloat16), tokenizer, reuse_prefixes=reuse), max_batch=len(texts), max_seq=2048)
+    chats = [Chat(tokenizer, own) for own in texts]
+
+    def converse(chat: Chat) -> None:
+        for _ in chat.passages:
+            ids = chat.next_prompt()
+            sent = time.perf_counter()
+            items = iter(batcher.submit(ids, PARAMS))
+            first = next(items)
+            first_s = time.perf_counter() - sent
+            *_, generation = [first, *items]
+            chat.answered(ids, generation, first_s)
+
+    threads = [threading.Thread(target=converse, args=(chat,)) for chat in chats]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    batcher.close()
+    for turn in range(len(texts[0])):
+        print(f"batched, reuse {reuse}: turn {turn + 1}: first token {statistics.median(c.turns[turn]['first_token_ms'] for c in chats):.0f} ms median", flush=True)
+    return [chat.turns for chat in chats]
+
+
+@torch.inference_mode()
+def logit_gap(model, tokenizer, texts: list[str], dtype: torch.dtype) -> dict:
+    """The second turn's next-token logits with the first turn's tokens taken from the cache, and
+    with the whole prompt prefilled: the largest difference, and the largest logit for scale."""
+    reusing = Decoder(build_decoder(model, dtype=dtype), tokenizer)
+    whole = Decoder(build_decoder(model, dtype=dtype), tokenizer, reuse_prefixes=False)
+    chat = Chat(tokenizer, texts[:2])
+    ids = chat.next_prompt()
+    chat.answered(ids, reusing.generate_ids([ids], PARAMS)[0], 0.0)
+    ids = chat.next_prompt()
+    for decoder in (reusing, whole):
+        decoder.ensure_cache(1, len(ids))
+    cached = reusing.reusable(0, ids)
+    reused = reusing.prefill(torch.tensor([ids[cached:]]), cached).float()
+    prefilled = whole.prefill(torch.tensor([ids])).float()
+    return {"activations": str(dtype).removeprefix("torch."), "cached_tokens": cached, "max_logit_difference": float((reused - prefilled).abs().max()),
+            "max_logit": float(prefilled.abs().max()), "same_argmax": bool(reused.argmax() == prefilled.argmax())}
+
+
+def table_row(name: str, turn: int, reused: list[dict], fresh: list[dict]) -> dict:
+    """Turn `turn` of one or more conversations, with and without reuse (medians over conversations)."""
+
+    def median(turns: list[dict], key: str) -> float:
+        return statistics.median(t[key] for t in turns)
+
+    return {"name": f"{name}, turn {turn}", "prompt_tokens": median(reused, "prompt_tokens"), "cached_tokens": median(reused, "cached_tokens"),
+            "first_token_ms": median(reused, "first_token_ms"), "first_token_ms_without_reuse": median(fresh, "first_token_ms"),
+            "same_answers": sum(r["answer"] == f["answer"] for r, f in zip(reused, fresh)), "conversations": len(reused)}
+
+
+def write_plot(rows: list[dict]) -> None:
+    figure, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharey=True)
+    for axis, name in zip(axes, ("one at a time", "batched")):
+        mine = [row for row in rows if row["name"].startswith(name)]
+        turns = range(1, len(mine) + 1)
+        axis.plot(turns, [row["first_token_ms_without_reuse"] for row in mine], "o-", color="tab:gray", label="whole prompt prefilled")
+        axis.plot(turns, [row["first_token_ms"] for row in mine], "o-", color="tab:blue", label="prefix reused")
+        axis.set_title(f"{name} ({mine[0]['conversations']} conversation{'s' if mine[0]['conversations'] > 1 else ''})")
+        axis.set_xlabel("turn")
+        axis.set_xticks(list(turns))
+    axes[0].set_ylabel("ms to the first token (median)")
+    axes[0].legend()
+    figure.suptitle("A chat's next turn, default model int4 on 2 CPU cores")
+    save_figure(figure, RESULTS / "prefix_reuse_cpu.png")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument("--threads", type=int, default=2)
+    options = parser.parse_args()
+    torch.set_num_threads(options.threads)
+    started = time.perf_counter()
+    cfg, loaded = load_default()
+    model = quantized_copy(cfg, dict(bits=4, group_size=64))
+    tokenizer = loaded.tokenizer
+    texts = passages(tokenizer, options.turns * (CONVERSATIONS + 1))
+    own = [texts[options.turns * i : options.turns * (i + 1)] for i in range(CONVERSATIONS + 1)]
+    gaps = [logit_gap(loaded.model, tokenizer, own[0], torch.float32), logit_gap(model, tokenizer, own[0], torch.bfloat16)]
+    alone = {reuse: one_at_a_time(model, tokenizer, own[0], reuse) for reuse in (False, True)}
+    together = {reuse: batched(model, tokenizer, own[1:], reuse) for reuse in (False, True)}
+    rows = [table_row("one at a time", turn + 1, [alone[True][turn]], [alone[False][turn]]) for turn in range(options.turns)]
+    rows += [table_row("batched", turn + 1, [c[turn] for c in together[True]], [c[turn] for c in together[False]]) for turn in range(options.turns)]
+    summary = {"turns": options.turns, "conversations_batched": CONVERSATIONS, "new_tokens": PARAMS.max_new_tokens, "threads": options.threads, "seconds": time.perf_counter() - started}
+    command = command_line("prefix_reuse_cpu.py", parser, options)
+    machine = machine_info()
+    lines = [
+        "# prefix_reuse_cpu",
+        "",
+        f"- command: `{command}`",
+        machine_line(machine, f"{options.threads} threads", summary["seconds"]),
+        f"- default model, int4 g64 RTN (head too), bundled decoder, bf16 activations, eager; its chat template with a system prompt; each turn adds a user message"
+        f" ({PASSAGE_TOKENS} tokens of WikiText-2 test and a request) and a {PARAMS.max_new_tokens}-token greedy answer; the prompt is the whole conversation so far",
+        f"- one at a time: one conversation through `Decoder.generate_ids` (`slimlm chat`); batched: {CONVERSATIONS} conversations at once through a `ContinuousBatcher` of {CONVERSATIONS} rows"
+        " (`slimlm serve`), medians over the conversations",
+        "- time to the first token: the prefill (one at a time); from submitting to the first text piece (batched: the other conversations' work included)",
+        "",
+        "| run | prompt tokens | found in the cache | ms to the first token: reused | whole prompt | speed-up | same answer as without reuse |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+        *[f"| {r['name']} | {r['prompt_tokens']:.0f} | {r['cached_tokens']:.0f} | {r['first_token_ms']:.0f} | {r['first_token_ms_without_reuse']:.0f} |"
+          f" {r['first_token_ms_without_reuse'] / r['first_token_ms']:.1f}x | {r['same_answers']} of {r['conversations']} |" for r in rows],
+        "",
+        "![prefix_reuse_cpu](prefix_reuse_cpu.png)",
+        "",
+    ]
+    write_plot(rows)
+    lines[-2:-2] = [  # before the plot
+        "The second turn's first next-token logits, the first turn taken from the cache against the whole prompt prefilled (unquantized model in fp32; int4 in bf16):",
+        "",
+        "| activations | tokens from the cache | largest logit difference | largest logit | same top token |",
+        "|---|---:|---:|---:|---|",
+        *[f"| {g['activations']} | {g['cached_tokens']} | {g['max_logit_difference']:.2g} | {g['max_logit']:.1f} | {'yes' if g['same_argmax'] else 'no'} |" for g in gaps],
+        "",
+    ]
+    write_result("prefix_reuse_cpu", command, {"summary": summary, "rows": rows, "logit_gaps": gaps}, lines)
+
+
+if __name__ == "__main__":
+    main()

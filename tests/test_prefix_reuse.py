@@ -1,0 +1,62 @@
+"""A prompt that starts with what a cache row holds (the conversation so far) prefills only the
+rest, and decodes the same tokens as when prefilled whole."""
+
+import pytest
+import torch
+
+from slimlm.inference.batching import ContinuousBatcher
+from slimlm.inference.build import build_decoder
+from slimlm.inference.decoder import Decoder
+from slimlm.inference.sampling import SamplingParams
+from slimlm.inference.speculative import generate_speculative
+
+
+def prompt(length, seed):
+    return torch.randint(4, 300, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+PARAMS = SamplingParams(max_new_tokens=12, ignore_eos=True)
+
+
+@pytest.mark.parametrize("cache_dtype", [None, torch.int8], ids=["float-cache", "int8-cache"])
+def test_a_conversation_prefills_only_its_new_turn(tiny_model, tiny_tokenizer, cache_dtype):
+    reusing = Decoder(build_decoder(tiny_model), tiny_tokenizer, cache_dtype=cache_dtype)
+    fresh = Decoder(build_decoder(tiny_model), tiny_tokenizer, cache_dtype=cache_dtype, reuse_prefixes=False)
+
+    def check(ids, cached):
+        """`ids` decoded by `reusing` with `cached` of its tokens found in the cache, as `fresh` decodes them whole."""
+        answer, whole = reusing.generate_ids([ids], PARAMS)[0], fresh.generate_ids([ids], PARAMS)[0]
+        assert (answer.cached_tokens, whole.cached_tokens) == (cached, 0)
+        assert answer.token_ids == whole.token_ids
+        return answer
+
+    first = prompt(30, 1)
+    answer = check(first, 0)
+    second = first + answer.token_ids + prompt(9, 2)  # the next turn: the conversation so far and a question
+    check(second, len(first) + len(answer.token_ids) - 1)  # all but the answer's last token (chosen, never fed back)
+    check(first[:20] + prompt(5, 3), 20)  # a prompt that leaves the conversation midway reuses what it shares
+    check(first[:20] + prompt(5, 3), 24)  # the same prompt again: all but its last token
+    # a batch, speculative decoding and a new cache write row 0 without recording it: nothing is reused after them
+    reusing.generate_ids([first, second], PARAMS)
+    check(first, 0)
+    generate_speculative(reusing, first, PARAMS)
+    check(first, 0)
+    reusing.model.setup_cache(1, 128, cache_dtype)
+    check(first, 0)
+
+
+def test_the_batcher_gives_a_request_the_row_holding_the_start_of_its_prompt(tiny_model, tiny_tokenizer):
+    fresh = Decoder(build_decoder(tiny_model), tiny_tokenizer, reuse_prefixes=False)
+    batcher = ContinuousBatcher(Decoder(build_decoder(tiny_model), tiny_tokenizer), max_batch=3, max_seq=128, prefill_chunk=8)
+    first, other = prompt(30, 1), prompt(30, 4)
+    *_, answer = batcher.submit(first, PARAMS)  # into row 0
+    *_, unrelated = batcher.submit(other, PARAMS)  # shares nothing with row 0: the row freed longest ago, 1
+    assert (answer.cached_tokens, unrelated.cached_tokens) == (0, 0)
+    second = first + answer.token_ids + prompt(9, 2)
+    chunks = batcher.chunks
+    *_, reply = batcher.submit(second, PARAMS)
+    assert reply.cached_tokens == len(first) + len(answer.token_ids) - 1
+    assert batcher.chunks - chunks == 2  # the 10 tokens not in row 0, 8 a chunk
+    for ids, generation in ((second, reply), (other, unrelated)):
+        assert generation.token_ids == fresh.generate_ids([ids], PARAMS)[0].token_ids
+    batcher.close()
