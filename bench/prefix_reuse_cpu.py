@@ -7,10 +7,13 @@ the whole conversation so far, as `slimlm chat` and OpenAI clients send it.
   one at a time   one conversation through Decoder.generate_ids (`slimlm chat`; `slimlm serve`
                   without a batcher)
   batched         four conversations at once through a ContinuousBatcher of 4 rows (`slimlm serve`)
+  shared system   eight requests sent at once to a ContinuousBatcher of 8 rows, each a question
+                  after the same system prompt of about 500 tokens (a reference passage)
 each with prefix reuse (the default) and without (`reuse_prefixes=False`). Reports per turn the
 prompt's tokens, those found in the cache, the time to the first token, and whether the answer
-is the one decoded without reuse; and how far the second turn's first logits are from those of
-a whole prefill, with fp32 and with bf16 activations. Writes
+is the one decoded without reuse; for the shared system prompt, the times to the first token
+and to the last answer; and how far the second turn's first logits are from those of a whole
+prefill, with fp32 and with bf16 activations. Writes
 bench/results/prefix_reuse_cpu.{md,json,png}.
 
     python bench/prefix_reuse_cpu.py [--turns 6 --threads 2]
@@ -36,6 +39,8 @@ from benchlib import RESULTS, command_line, machine_line, wikitext_ids, write_re
 from decode_cpu import load_default, quantized_copy
 
 SYSTEM = "You are a careful assistant. Answer in plain English, briefly, and say so when a passage does not tell you something."
+SHARED_REQUESTS = 8
+REFERENCE_TOKENS = 450
 PARAMS = SamplingParams(max_new_tokens=64, ignore_eos=True)
 PASSAGE_TOKENS = 150
 CONVERSATIONS = 4  # batched
@@ -121,6 +126,37 @@ def logit_gap(model, tokenizer, texts: list[str], dtype: torch.dtype) -> dict:
             "max_logit": float(prefilled.abs().max()), "same_argmax": bool(reused.argmax() == prefilled.argmax())}
 
 
+def shared_system(model, tokenizer, reference: str, questions: list[str], reuse: bool) -> dict:
+    """`questions` sent at once, each after the same system prompt holding `reference`: ms from
+    sending to each request's first piece, and to the last answer."""
+    system = {"role": "system", "content": f"{SYSTEM}\n\nReference:\n{reference}"}
+    prompts = [tokenizer(tokenizer.apply_chat_template([system, {"role": "user", "content": f"Does the reference say anything about this? {question}"}], tokenize=False,
+                                                       add_generation_prompt=True), add_special_tokens=False)["input_ids"] for question in questions]
+    batcher = ContinuousBatcher(Decoder(build_decoder(model, dtype=torch.bfloat16), tokenizer, reuse_prefixes=reuse), max_batch=len(prompts), max_seq=max(map(len, prompts)) + 32)
+    params = SamplingParams(max_new_tokens=32, ignore_eos=True)
+    firsts, cached = [0.0] * len(prompts), [0] * len(prompts)
+    begin = time.perf_counter()
+
+    def client(index: int) -> None:
+        items = iter(batcher.submit(prompts[index], params))
+        next(items)
+        firsts[index] = 1000 * (time.perf_counter() - begin)
+        *_, generation = items
+        cached[index] = generation.cached_tokens
+
+    threads = [threading.Thread(target=client, args=(index,)) for index in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    seconds = time.perf_counter() - begin
+    batcher.close()
+    row = {"name": f"shared system prompt, {len(prompts)} requests, reuse {'on' if reuse else 'off'}", "prompt_tokens": statistics.median(map(len, prompts)),
+           "cached_tokens": statistics.median(cached), "first_token_ms": statistics.median(firsts), "first_token_max_ms": max(firsts), "seconds": seconds}
+    print(f"{row['name']}: first piece {row['first_token_ms']:.0f} ms median, {row['first_token_max_ms']:.0f} ms longest, all answers in {seconds:.1f} s", flush=True)
+    return row
+
+
 def table_row(name: str, turn: int, reused: list[dict], fresh: list[dict]) -> dict:
     """Turn `turn` of one or more conversations, with and without reuse (medians over conversations)."""
 
@@ -158,14 +194,19 @@ def main() -> None:
     cfg, loaded = load_default()
     model = quantized_copy(cfg, dict(bits=4, group_size=64))
     tokenizer = loaded.tokenizer
-    texts = passages(tokenizer, options.turns * (CONVERSATIONS + 1))
+    texts = passages(tokenizer, options.turns * (CONVERSATIONS + 1) + SHARED_REQUESTS + REFERENCE_TOKENS // PASSAGE_TOKENS + 1)
     own = [texts[options.turns * i : options.turns * (i + 1)] for i in range(CONVERSATIONS + 1)]
     gaps = [logit_gap(loaded.model, tokenizer, own[0], torch.float32), logit_gap(model, tokenizer, own[0], torch.bfloat16)]
     alone = {reuse: one_at_a_time(model, tokenizer, own[0], reuse) for reuse in (False, True)}
     together = {reuse: batched(model, tokenizer, own[1:], reuse) for reuse in (False, True)}
     rows = [table_row("one at a time", turn + 1, [alone[True][turn]], [alone[False][turn]]) for turn in range(options.turns)]
     rows += [table_row("batched", turn + 1, [c[turn] for c in together[True]], [c[turn] for c in together[False]]) for turn in range(options.turns)]
-    summary = {"turns": options.turns, "conversations_batched": CONVERSATIONS, "new_tokens": PARAMS.max_new_tokens, "threads": options.threads, "seconds": time.perf_counter() - started}
+    spare = texts[options.turns * (CONVERSATIONS + 1) :]
+    reference = " ".join(spare[SHARED_REQUESTS:])
+    reference = tokenizer.decode(tokenizer(reference, add_special_tokens=False)["input_ids"][:REFERENCE_TOKENS])
+    questions = [tokenizer.decode(tokenizer(text, add_special_tokens=False)["input_ids"][:24]) for text in spare[:SHARED_REQUESTS]]
+    shared = [shared_system(model, tokenizer, reference, questions, reuse) for reuse in (False, True)]
+    summary = {"turns": options.turns, "conversations_batched": CONVERSATIONS, "shared_system_requests": SHARED_REQUESTS, "new_tokens": PARAMS.max_new_tokens, "threads": options.threads, "seconds": time.perf_counter() - started}
     command = command_line("prefix_reuse_cpu.py", parser, options)
     machine = machine_info()
     lines = [
@@ -189,6 +230,12 @@ def main() -> None:
     ]
     write_plot(rows)
     lines[-2:-2] = [  # before the plot
+        f"{SHARED_REQUESTS} requests sent at once, each a question after the same system prompt (a reference passage of {REFERENCE_TOKENS} tokens), 32 new tokens each, {SHARED_REQUESTS} rows:",
+        "",
+        "| run | prompt tokens | found in the cache or copied | ms to the first piece: median | longest | s to the last answer |",
+        "|---|---:|---:|---:|---:|---:|",
+        *[f"| {r['name']} | {r['prompt_tokens']:.0f} | {r['cached_tokens']:.0f} | {r['first_token_ms']:.0f} | {r['first_token_max_ms']:.0f} | {r['seconds']:.1f} |" for r in shared],
+        "",
         "The second turn's first next-token logits, the first turn taken from the cache against the whole prompt prefilled (unquantized model in fp32; int4 in bf16):",
         "",
         "| activations | tokens from the cache | largest logit difference | largest logit | same top token |",
@@ -196,7 +243,7 @@ def main() -> None:
         *[f"| {g['activations']} | {g['cached_tokens']} | {g['max_logit_difference']:.2g} | {g['max_logit']:.1f} | {'yes' if g['same_argmax'] else 'no'} |" for g in gaps],
         "",
     ]
-    write_result("prefix_reuse_cpu", command, {"summary": summary, "rows": rows, "logit_gaps": gaps}, lines)
+    write_result("prefix_reuse_cpu", command, {"summary": summary, "rows": rows + shared, "logit_gaps": gaps}, lines)
 
 
 if __name__ == "__main__":

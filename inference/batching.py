@@ -7,9 +7,10 @@ row (the earliest due, see `_admit`), then one decode step for every running seq
 reader and free the rows that finished. A long answer never holds a short one back, a new
 request starts once its prompt is in, and a long prompt delays the running answers by one chunk
 a step rather than by its whole prefill (`prefill_chunk`, as Sarathi-Serve and vLLM's chunked
-prefill bound the stall). A request takes the free row holding the longest start of its prompt
-(the conversation's previous turn, a shared system prompt: `Decoder.reusable`) and prefills
-only the rest; among rows that hold none of it, the one freed longest ago.
+prefill bound the stall). A request takes the free row holding its conversation's previous turn
+(`_choose_row`, `Decoder.reusable`); before each chunk it copies from any other row a longer
+start of its prompt that row holds (a system prompt another request has prefilled), and
+prefills only the rest.
 A request whose reader goes away (`Submission.cancel`) leaves at the next step; one whose
 sampling fails gets the error alone, and the loop goes on serving the others. `close()` (or
 leaving a `with` block, or the interpreter's exit) stops the worker between two steps: a worker
@@ -28,7 +29,7 @@ from typing import Optional
 import torch
 
 from slimlm.errors import SlimlmError
-from slimlm.inference.decoder import Decoder, Generation, IncrementalText
+from slimlm.inference.decoder import Decoder, Generation, IncrementalText, shared_start
 from slimlm.inference.sampling import SamplingParams, next_tokens, sampling_state
 
 
@@ -42,7 +43,7 @@ class _Sequence:
     seen: Optional[torch.Tensor] = None
     generator: Optional[torch.Generator] = None
     prefilled: int = 0  # prompt tokens in the cache so far
-    cached: int = 0  # of them, found in its row at admission (not prefilled again)
+    cached: int = 0  # of them, found in its row at admission or copied from another (not prefilled again)
     due: int = 0  # the prefill chunk count by which its prompt would be in, had it started alone at admission
     finish: Optional[str] = None
     text: Optional[IncrementalText] = None
@@ -184,10 +185,9 @@ class ContinuousBatcher:
         if sequence is None:
             return
         try:
-            held = {row: self.decoder.reusable(row, sequence.ids) for row in self.free_rows}
-            sequence.row = max(held, key=held.__getitem__)  # ties: the first, freed longest ago
+            sequence.row = self._choose_row(sequence.ids)
             self.free_rows.remove(sequence.row)
-            sequence.prefilled = sequence.cached = held[sequence.row]
+            sequence.prefilled = sequence.cached = self.decoder.reusable(sequence.row, sequence.ids)
             sequence.due = self.chunks - (sequence.prefilled - len(sequence.ids)) // self.prefill_chunk  # ceil: its own chunks
             sequence.seen, sequence.generator = sampling_state([sequence.ids], sequence.params, self.model.args.vocab_size, self.decoder.device)
             sequence.text = IncrementalText(self.decoder.tokenizer)
@@ -195,11 +195,50 @@ class ContinuousBatcher:
         except Exception as error:
             self._fail(sequence, error)
 
+    def _choose_row(self, ids: list[int]) -> int:
+        """A free row for the prompt `ids`: the one holding the most of it among those whose
+        record it continues (its conversation's previous turn, nothing of theirs overwritten);
+        else an empty row; else the one freed longest ago. A row holding another conversation
+        that merely starts the same way (a system prompt) is kept for that conversation: the
+        shared start is copied from it before the first chunk."""
+
+        def value(row: int) -> tuple[int, bool]:
+            held, same = self.model.held.get(row, []), self.decoder.reusable(row, ids)
+            continued = same >= len(held) - 1  # all of it (but the one token a prefill recomputes)
+            return (same if continued else 0, not held)
+
+        return max(self.free_rows, key=value)  # ties: the first, freed longest ago
+
+    def _known_rows(self) -> dict[int, list[int]]:
+        """Each row's tokens in its slots from 0, as far as known: a free row's record, a
+        prefilling prompt's part so far, a running sequence's prompt and answer but its newest
+        token (not fed back yet)."""
+        known = {row: self.model.held.get(row, []) for row in self.free_rows}
+        known.update({s.row: s.ids[: s.prefilled] for s in self.prefilling})
+        known.update({s.row: [*s.ids, *s.tokens[:-1]] for s in self.running})
+        return known
+
+    def _copy_known_start(self, sequence: _Sequence) -> None:
+        """Copy into the sequence's row the longest start of its prompt that another row holds
+        beyond what it has: copying slots costs a tiny fraction of computing them."""
+        if not self.decoder.reuse_prefixes:
+            return
+        source, end = -1, sequence.prefilled
+        for row, tokens in self._known_rows().items():
+            if row != sequence.row and (same := shared_start(tokens, sequence.ids)) > end:
+                source, end = row, same
+        if source >= 0:
+            self.model.copy_slots(source, sequence.row, sequence.prefilled, end)
+            sequence.cached += end - sequence.prefilled
+            sequence.prefilled = end
+
     @torch.inference_mode()
     def _prefill_chunk(self, sequence: _Sequence) -> None:
-        """The next `prefill_chunk` prompt tokens into the sequence's row; after the last, its
-        first token, and it joins the running batch."""
+        """The next `prefill_chunk` prompt tokens into the sequence's row (after copying what
+        another row holds of them); after the last, its first token, and it joins the running
+        batch."""
         try:
+            self._copy_known_start(sequence)
             start = sequence.prefilled
             chunk = torch.tensor([sequence.ids[start : start + self.prefill_chunk]], device=self.decoder.device)
             logits = self.decoder.prefill(chunk, start, first_row=sequence.row)  # one pass: the chunk is at most the decoder's

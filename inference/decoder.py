@@ -47,6 +47,15 @@ class GenerationStats:
         return self.batch * (self.decode_steps - 1) / self.decode_s if self.decode_s > 0 and self.decode_steps > 1 else float("nan")
 
 
+def shared_start(held: Sequence[int], ids: Sequence[int]) -> int:
+    """How many of the prompt `ids`' first tokens `held` starts with, at most all but the last:
+    a prefill of at least one token gives the next token's logits."""
+    same, limit = 0, min(len(held), len(ids) - 1)
+    while same < limit and held[same] == ids[same]:
+        same += 1
+    return same
+
+
 def cache_and_input_guards(entries: Sequence) -> list[bool]:
     """Which of Dynamo's guards the compiled step checks before each call. By default it checks
     every parameter, buffer and attribute of the model's modules: about a millisecond per step
@@ -126,24 +135,18 @@ class Decoder:
 
     def reusable(self, row: int, ids: Sequence[int]) -> int:
         """How many of the prompt `ids`' first tokens cache row `row` holds already, in their
-        slots: their keys and values need not be computed again. At most all but the last
-        token: a prefill of at least one token gives the next token's logits.
+        slots: their keys and values need not be computed again (`shared_start`).
 
         What a row holds (`Transformer.held`) is recorded when a generation ends in it (its
         prompt and the tokens fed back while decoding) and forgotten when a prefill writes it
-        or the cache is allocated again. Every writer of the cache goes through `prefill` first
+        or a new cache replaces it (one that grows carries the records over). Every writer of the cache goes through `prefill` first
         (decode steps, speculative decoding's verification), so a record is never stale."""
-        if not self.reuse_prefixes:
-            return 0
-        held, limit = self.model.held.get(row, []), len(ids) - 1
-        same = 0
-        while same < min(len(held), limit) and held[same] == ids[same]:
-            same += 1
-        return same
+        return shared_start(self.model.held.get(row, []), ids) if self.reuse_prefixes else 0
 
     def remember(self, row: int, prompt: Sequence[int], answer: Sequence[int]) -> None:
         """Record a finished generation's tokens as row `row`'s contents: the prompt, and the
-        answer but its last token (chosen, never fed back)."""
+        answer but its last token (chosen and never fed back when the answer ran to its length
+        or a stop string; fed back before an end token was chosen, and left out all the same)."""
         self.model.held[row] = [*prompt, *answer[:-1]]
 
     def prefill(self, tokens: torch.Tensor, start: int = 0, pad: Optional[torch.Tensor] = None, first_row: int = 0) -> torch.Tensor:

@@ -288,6 +288,14 @@ class Transformer(nn.Module):
         self.max_batch, self.max_seq = batch, max_seq
         self.held = kept
 
+    def copy_slots(self, source: int, target: int, start: int, end: int) -> None:
+        """Copy cache slots start..end-1 of row `source` into row `target` (every layer's keys,
+        values and int8 scales): the same tokens at the same positions need not be computed
+        again. Drops the target's record in `held`."""
+        for tensor in self.cache_tensors():
+            tensor[target, :, start:end] = tensor[source, :, start:end]
+        self.held.pop(target, None)
+
     def cache_tensors(self) -> list[torch.Tensor]:
         return [t for b in self.layers for t in (getattr(b.attention, name) for name in CACHE_NAMES) if t is not None]
 

@@ -60,3 +60,33 @@ def test_the_batcher_gives_a_request_the_row_holding_the_start_of_its_prompt(tin
     for ids, generation in ((second, reply), (other, unrelated)):
         assert generation.token_ids == fresh.generate_ids([ids], PARAMS)[0].token_ids
     batcher.close()
+
+
+@pytest.mark.parametrize("cache_dtype", [None, torch.int8], ids=["float-cache", "int8-cache"])
+def test_requests_sharing_a_system_prompt_copy_it_from_the_row_that_prefilled_it(tiny_model, tiny_tokenizer, cache_dtype):
+    fresh = Decoder(build_decoder(tiny_model), tiny_tokenizer, cache_dtype=cache_dtype, reuse_prefixes=False)
+    batcher = ContinuousBatcher(Decoder(build_decoder(tiny_model), tiny_tokenizer, cache_dtype=cache_dtype), max_batch=2, max_seq=128, prefill_chunk=8)
+    system = prompt(40, 7)
+    first, second = system + prompt(8, 8), system + prompt(8, 9)
+    submissions = [batcher.submit(first, PARAMS), batcher.submit(second, PARAMS)]  # both at once: the first is due first
+    (*_, one), (*_, other) = submissions
+    assert (one.cached_tokens, other.cached_tokens) == (0, 40)  # the system prompt copied from the first's row
+    assert batcher.chunks == 6 + 1
+    for ids, generation in ((first, one), (second, other)):
+        assert generation.token_ids == fresh.generate_ids([ids], PARAMS)[0].token_ids
+    batcher.close()
+
+
+def test_a_conversation_keeps_its_row_when_another_shares_its_system_prompt(tiny_model, tiny_tokenizer):
+    """Another conversation starting with the same system prompt takes an empty row and copies
+    the shared start, rather than overwriting the row that holds the first conversation."""
+    fresh = Decoder(build_decoder(tiny_model), tiny_tokenizer, reuse_prefixes=False)
+    batcher = ContinuousBatcher(Decoder(build_decoder(tiny_model), tiny_tokenizer), max_batch=3, max_seq=128)
+    system = prompt(10, 7)
+    *_, first = batcher.submit(system + prompt(20, 1), PARAMS)
+    *_, other = batcher.submit(system + prompt(20, 2), PARAMS)
+    following = system + prompt(20, 1) + first.token_ids + prompt(9, 3)
+    *_, reply = batcher.submit(following, PARAMS)
+    assert (first.cached_tokens, other.cached_tokens, reply.cached_tokens) == (0, 10, 30 + len(first.token_ids) - 1)
+    assert reply.token_ids == fresh.generate_ids([following], PARAMS)[0].token_ids
+    batcher.close()
