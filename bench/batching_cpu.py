@@ -34,7 +34,7 @@ from slimlm.inference.sampling import SamplingParams
 from slimlm.rundir import machine_info
 
 from benchlib import command_line, machine_line, write_result
-from decode_cpu import load_default, quantized_copy
+from decode_cpu import default_int4
 
 BATCHES = (1, 2, 4, 8, 16)
 
@@ -87,10 +87,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
     options = parser.parse_args()
-    torch.set_num_threads(options.threads)
     started = time.perf_counter()
-    cfg, loaded = load_default()
-    model = quantized_copy(cfg, dict(bits=4, group_size=64))
+    model, loaded = default_int4(options.threads)
     tokenizer = loaded.tokenizer
     decoder = Decoder(build_decoder(model, dtype=torch.bfloat16), tokenizer, reuse_prefixes=False)  # each repeat prefills its prompts
     text_ids = benchmark_prompt(tokenizer, 16 * 16).tolist()

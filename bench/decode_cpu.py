@@ -70,6 +70,14 @@ def quantized_copy(cfg, bits_params: dict):
     return loaded.model
 
 
+def default_int4(threads: int):
+    """The default model at int4 g64 RTN (head too), what the serving benches decode, with
+    `threads` torch threads; and the loaded original (its tokenizer, its fp32 model)."""
+    torch.set_num_threads(threads)
+    cfg, loaded = load_default()
+    return quantized_copy(cfg, dict(bits=4, group_size=64)), loaded
+
+
 def eval_windows(tokenizer, count: int = 4, window: int = 512) -> torch.Tensor:
     """The first `count` windows of `window` tokens of WikiText-2 test (data=shared)."""
     return wikitext_ids(tokenizer)[: count * window].view(count, window)

@@ -36,7 +36,7 @@ from slimlm.inference.sampling import SamplingParams
 from slimlm.rundir import machine_info
 
 from benchlib import RESULTS, command_line, machine_line, wikitext_ids, write_result
-from decode_cpu import load_default, quantized_copy
+from decode_cpu import default_int4
 
 SYSTEM = "You are a careful assistant. Answer in plain English, briefly, and say so when a passage does not tell you something."
 SHARED_REQUESTS = 8
@@ -189,10 +189,8 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--threads", type=int, default=2)
     options = parser.parse_args()
-    torch.set_num_threads(options.threads)
     started = time.perf_counter()
-    cfg, loaded = load_default()
-    model = quantized_copy(cfg, dict(bits=4, group_size=64))
+    model, loaded = default_int4(options.threads)
     tokenizer = loaded.tokenizer
     texts = passages(tokenizer, options.turns * (CONVERSATIONS + 1) + SHARED_REQUESTS + REFERENCE_TOKENS // PASSAGE_TOKENS + 1)
     own = [texts[options.turns * i : options.turns * (i + 1)] for i in range(CONVERSATIONS + 1)]

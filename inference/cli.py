@@ -113,11 +113,19 @@ def generate_command(args: Sequence[str]) -> None:
     if options.prompt_lookup or options.draft:
         speculative(decoder, prompt, options)
         return
-    for piece in decoder.stream(prompt, sampling_params(options), chat_template=not options.no_chat_template):
+    results: list = []
+    for piece in decoder.stream(prompt, sampling_params(options), chat_template=not options.no_chat_template, results=results):
         print(piece, end="", flush=True)
     print()
+    print_stats(decoder, results)
+
+
+def print_stats(decoder, results: list) -> None:
+    """One line on stderr after an answer: its tokens, decode speed, prefill time, and how much
+    of the prompt was already in the cache."""
     stats = decoder.last_stats
-    print(f"[{stats.decode_steps} tokens, {stats.decode_tok_s:.1f} tokens/s decoding, prefill {1000 * stats.prefill_s:.0f} ms]", file=sys.stderr)
+    cached = f", {results[0].cached_tokens} of {results[0].prompt_tokens} prompt tokens from the cache" if results else ""
+    print(f"[{stats.decode_steps} tokens, {stats.decode_tok_s:.1f} tokens/s decoding, prefill {1000 * stats.prefill_s:.0f} ms{cached}]", file=sys.stderr)
 
 
 def speculative(decoder, prompt: str, options) -> None:
@@ -165,11 +173,12 @@ def chat_command(args: Sequence[str]) -> None:
         history.append({"role": "user", "content": line})
         text = tokenizer.apply_chat_template(system + history, tokenize=False, add_generation_prompt=True)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        answer = ""
-        for piece in decoder.stream_ids(ids, sampling_params(options)):
+        answer, results = "", []
+        for piece in decoder.stream_ids(ids, sampling_params(options), results):
             answer += piece
             print(piece, end="", flush=True)
         print()
+        print_stats(decoder, results)
         history.append({"role": "assistant", "content": answer})
 
 

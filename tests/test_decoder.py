@@ -1,5 +1,6 @@
 """The bundled decoder against transformers, and its kernels against their dequantized reference."""
 
+import re
 from dataclasses import replace
 
 import pytest
@@ -211,6 +212,8 @@ def test_generate_and_chat_commands_stream_from_a_checkpoint(tiny_model_dir, tmp
     chat = run("chat", str(tiny_model_dir), "--max-new-tokens", "4", input="hello\nagain\n/exit\n")
     assert chat.returncode == 0, chat.stderr
     assert chat.stdout.count("> ") >= 3
+    first_turn, second_turn = (int(n) for n in re.findall(r"(\d+) of \d+ prompt tokens from the cache", chat.stderr))
+    assert first_turn == 0 and second_turn > 0  # the second turn's prompt starts with the first turn's
     missing = run("generate", str(tmp_path / "nowhere"), "hi")
     assert missing.returncode == 2 and missing.stderr.startswith("slimlm: error:")
 
