@@ -188,7 +188,7 @@ class ContinuousBatcher:
             sequence.row = self._choose_row(sequence.ids)
             self.free_rows.remove(sequence.row)
             sequence.prefilled = sequence.cached = self.decoder.reusable(sequence.row, sequence.ids)
-            sequence.due = self.chunks - (sequence.prefilled - len(sequence.ids)) // self.prefill_chunk  # ceil: its own chunks
+            sequence.due = self.chunks - (self._known_start(sequence)[1] - len(sequence.ids)) // self.prefill_chunk  # ceil: the chunks it will compute
             sequence.seen, sequence.generator = sampling_state([sequence.ids], sequence.params, self.model.args.vocab_size, self.decoder.device)
             sequence.text = IncrementalText(self.decoder.tokenizer)
             self.prefilling.append(sequence)
@@ -197,15 +197,16 @@ class ContinuousBatcher:
 
     def _choose_row(self, ids: list[int]) -> int:
         """A free row for the prompt `ids`: the one holding the most of it among those whose
-        record it continues (its conversation's previous turn, nothing of theirs overwritten);
-        else an empty row; else the one freed longest ago. A row holding another conversation
-        that merely starts the same way (a system prompt) is kept for that conversation: the
-        shared start is copied from it before the first chunk."""
+        previous prompt it starts with (its conversation's earlier turn, whatever became of the
+        answer's tokens in this prompt); else an empty row; else the one freed longest ago. While
+        there are empty rows, a row holding another conversation that merely starts the same
+        way (a system prompt) is left to it: the shared start is copied from it before the
+        first chunk."""
 
         def value(row: int) -> tuple[int, bool]:
-            held, same = self.model.held.get(row, []), self.decoder.reusable(row, ids)
-            continued = same >= len(held) - 1  # all of it (but the one token a prefill recomputes)
-            return (same if continued else 0, not held)
+            record, same = self.model.held.get(row), self.decoder.reusable(row, ids)
+            continued = record is not None and same >= min(record.prompt, len(ids) - 1)  # the cap: a prompt sent again
+            return (same if continued else 0, record is None)
 
         return max(self.free_rows, key=value)  # ties: the first, freed longest ago
 
@@ -213,20 +214,24 @@ class ContinuousBatcher:
         """Each row's tokens in its slots from 0, as far as known: a free row's record, a
         prefilling prompt's part so far, a running sequence's prompt and answer but its newest
         token (not fed back yet)."""
-        known = {row: self.model.held.get(row, []) for row in self.free_rows}
+        known = {row: self.model.held[row].tokens for row in self.free_rows if row in self.model.held}
         known.update({s.row: s.ids[: s.prefilled] for s in self.prefilling})
         known.update({s.row: [*s.ids, *s.tokens[:-1]] for s in self.running})
         return known
 
+    def _known_start(self, sequence: _Sequence) -> tuple[int, int]:
+        """The other row holding the longest start of the sequence's prompt beyond what its own
+        row has, and that start's length (-1 and what it has when none does)."""
+        source, end = -1, sequence.prefilled
+        for row, tokens in self._known_rows().items() if self.decoder.reuse_prefixes else ():
+            if row != sequence.row and (same := shared_start(tokens, sequence.ids)) > end:
+                source, end = row, same
+        return source, end
+
     def _copy_known_start(self, sequence: _Sequence) -> None:
         """Copy into the sequence's row the longest start of its prompt that another row holds
         beyond what it has: copying slots costs a tiny fraction of computing them."""
-        if not self.decoder.reuse_prefixes:
-            return
-        source, end = -1, sequence.prefilled
-        for row, tokens in self._known_rows().items():
-            if row != sequence.row and (same := shared_start(tokens, sequence.ids)) > end:
-                source, end = row, same
+        source, end = self._known_start(sequence)
         if source >= 0:
             self.model.copy_slots(source, sequence.row, sequence.prefilled, end)
             sequence.cached += end - sequence.prefilled

@@ -19,7 +19,7 @@ from typing import Callable, Iterator, Optional, Sequence
 import torch
 
 from slimlm.errors import SlimlmError
-from slimlm.inference.model import Transformer
+from slimlm.inference.model import RowRecord, Transformer
 from slimlm.inference.sampling import SamplingParams, next_tokens, sampling_state
 
 TokenCallback = Callable[[int, int], None]  # (row, token id), called as each token is chosen
@@ -141,13 +141,14 @@ class Decoder:
         prompt and the tokens fed back while decoding) and forgotten when a prefill writes it
         or a new cache replaces it (one that grows carries the records over). Every writer of the cache goes through `prefill` first
         (decode steps, speculative decoding's verification), so a record is never stale."""
-        return shared_start(self.model.held.get(row, []), ids) if self.reuse_prefixes else 0
+        record = self.model.held.get(row)
+        return shared_start(record.tokens, ids) if self.reuse_prefixes and record is not None else 0
 
     def remember(self, row: int, prompt: Sequence[int], answer: Sequence[int]) -> None:
         """Record a finished generation's tokens as row `row`'s contents: the prompt, and the
         answer but its last token (chosen and never fed back when the answer ran to its length
         or a stop string; fed back before an end token was chosen, and left out all the same)."""
-        self.model.held[row] = [*prompt, *answer[:-1]]
+        self.model.held[row] = RowRecord([*prompt, *answer[:-1]], len(prompt))
 
     def prefill(self, tokens: torch.Tensor, start: int = 0, pad: Optional[torch.Tensor] = None, first_row: int = 0) -> torch.Tensor:
         """Write `tokens` [batch, length] into the cache from slot `start` (cache rows from

@@ -137,6 +137,14 @@ class RMSNorm(nn.Module):
 CACHE_NAMES = ("k_cache", "v_cache", "k_cache_scale", "v_cache_scale")  # each Attention's cache buffers
 
 
+@dataclass(frozen=True)
+class RowRecord:
+    """What a cache row holds, as the generation that ended there recorded it."""
+
+    tokens: list[int]  # in its slots from 0
+    prompt: int  # how many of them were that generation's prompt (the rest, its answer)
+
+
 class Attention(nn.Module):
     """Grouped-query attention; q, k and v come from one fused projection."""
 
@@ -253,7 +261,7 @@ class Transformer(nn.Module):
         self.output = output
         self.register_buffer("inv_freq", rope_inverse_frequencies(args), persistent=False)
         self.max_batch = self.max_seq = 0
-        self.held: dict[int, list[int]] = {}  # cache row -> the tokens in its slots from 0, as its users recorded them (Decoder.remember)
+        self.held: dict[int, RowRecord] = {}  # cache row -> what it holds (Decoder.remember)
         self.streamer = None  # a LayerStreamer when some blocks live in host memory (inference/streaming.py)
 
     def setup_cache(self, batch: int, max_seq: int, cache_dtype: Optional[torch.dtype] = None, keep: bool = False) -> None:
@@ -272,7 +280,7 @@ class Transformer(nn.Module):
         scaled = cache_dtype == torch.int8
         kernel = cache_dtype in (torch.float32, torch.int8) and device.type == "cpu" and self.args.head_dim % 8 == 0 and cpu_kernels.available()
         same_kind = self.max_seq > 0 and self.layers[0].attention.k_cache.dtype == cache_dtype
-        kept = {row: ids[:max_seq] for row, ids in self.held.items() if row < batch} if keep and same_kind else {}
+        kept = {row: RowRecord(r.tokens[:max_seq], min(r.prompt, max_seq)) for row, r in self.held.items() if row < batch} if keep and same_kind else {}
         for block in self.layers:
             attention = block.attention
             old = [getattr(attention, name) for name in CACHE_NAMES]
@@ -283,18 +291,18 @@ class Transformer(nn.Module):
             attention.attention_dtype = float_dtype if scaled else cache_dtype
             attention.decode_kernel = kernel
             for name, before in zip(CACHE_NAMES, old):
-                for row, ids in kept.items() if before is not None else ():  # no scales: not an int8 cache
-                    getattr(attention, name)[row, :, : len(ids)] = before[row, :, : len(ids)]
+                for row, record in kept.items() if before is not None else ():  # no scales: not an int8 cache
+                    getattr(attention, name)[row, :, : len(record.tokens)] = before[row, :, : len(record.tokens)]
         self.max_batch, self.max_seq = batch, max_seq
         self.held = kept
 
     def copy_slots(self, source: int, target: int, start: int, end: int) -> None:
         """Copy cache slots start..end-1 of row `source` into row `target` (every layer's keys,
         values and int8 scales): the same tokens at the same positions need not be computed
-        again. Drops the target's record in `held`."""
+        again. Drops the target's record in `held` (first: a copy that fails leaves none stale)."""
+        self.held.pop(target, None)
         for tensor in self.cache_tensors():
             tensor[target, :, start:end] = tensor[source, :, start:end]
-        self.held.pop(target, None)
 
     def cache_tensors(self) -> list[torch.Tensor]:
         return [t for b in self.layers for t in (getattr(b.attention, name) for name in CACHE_NAMES) if t is not None]

@@ -77,3 +77,11 @@ def tiny_model_dir(tmp_path_factory, tiny_tokenizer) -> Path:
 @pytest.fixture
 def tiny_model(tiny_tokenizer):
     return build_tiny_llama(len(tiny_tokenizer))
+
+
+@pytest.fixture
+def context_model(tiny_tokenizer):
+    """A tiny model whose next token depends on the whole context: at transformers' default
+    initializer_range (0.02) one this small repeats the prompt's last token whatever came
+    before it, so two decoding paths giving "the same tokens" would check almost nothing."""
+    return build_tiny_llama(len(tiny_tokenizer), initializer_range=0.2)

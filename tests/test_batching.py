@@ -20,9 +20,9 @@ def prompt(length, seed):
 
 
 @pytest.mark.parametrize("cache_dtype", [None, torch.int8], ids=["float-cache", "int8-cache"])
-def test_requests_joining_at_different_times_get_their_solo_output(tiny_model, tiny_tokenizer, cache_dtype):
-    alone = Decoder(build_decoder(tiny_model), tiny_tokenizer, cache_dtype=cache_dtype)
-    batcher = ContinuousBatcher(Decoder(build_decoder(tiny_model), tiny_tokenizer, cache_dtype=cache_dtype), max_batch=3, max_seq=96)
+def test_requests_joining_at_different_times_get_their_solo_output(context_model, tiny_tokenizer, cache_dtype):
+    alone = Decoder(build_decoder(context_model), tiny_tokenizer, cache_dtype=cache_dtype)
+    batcher = ContinuousBatcher(Decoder(build_decoder(context_model), tiny_tokenizer, cache_dtype=cache_dtype), max_batch=3, max_seq=96)
     requests = [(prompt(5, 1), 40), (prompt(17, 2), 8), (prompt(9, 3), 24), (prompt(3, 4), 16)]  # four requests, three rows
     results, order = {}, []
     started = threading.Barrier(len(requests))
@@ -48,22 +48,22 @@ def test_requests_joining_at_different_times_get_their_solo_output(tiny_model, t
     assert sorted(batcher.free_rows) == [0, 1, 2]  # every row came back
 
 
-def test_stop_strings_and_end_of_sequence_free_the_row(tiny_model, tiny_tokenizer):
-    decoder = Decoder(build_decoder(tiny_model), tiny_tokenizer)
+def test_stop_strings_and_end_of_sequence_free_the_row(context_model, tiny_tokenizer):
+    decoder = Decoder(build_decoder(context_model), tiny_tokenizer)
     params = SamplingParams(max_new_tokens=30, ignore_eos=True, temperature=1.0, seed=3)
     free = decoder.generate(["the story of"], params)[0]
     stop = free.text[len(free.text) // 2 : len(free.text) // 2 + 3]
-    batcher = ContinuousBatcher(Decoder(build_decoder(tiny_model), tiny_tokenizer), max_batch=1, max_seq=64)
+    batcher = ContinuousBatcher(Decoder(build_decoder(context_model), tiny_tokenizer), max_batch=1, max_seq=64)
     ids = tiny_tokenizer("the story of", add_special_tokens=False)["input_ids"]
     *_, generation = batcher.submit(ids, SamplingParams(max_new_tokens=30, ignore_eos=True, temperature=1.0, seed=3, stop=[stop]))
     assert generation.finish_reason == "stop" and generation.text == free.text[: free.text.index(stop)]
     assert batcher.free_rows == [0]
 
 
-def test_a_cancelled_request_leaves_at_the_next_step_and_a_failing_one_fails_alone(tiny_model, tiny_tokenizer, monkeypatch):
+def test_a_cancelled_request_leaves_at_the_next_step_and_a_failing_one_fails_alone(context_model, tiny_tokenizer, monkeypatch):
     from slimlm.inference import batching
 
-    batcher = ContinuousBatcher(Decoder(build_decoder(tiny_model), tiny_tokenizer), max_batch=2, max_seq=512)
+    batcher = ContinuousBatcher(Decoder(build_decoder(context_model), tiny_tokenizer), max_batch=2, max_seq=512)
     abandoned = batcher.submit(prompt(5, 1), SamplingParams(max_new_tokens=480, ignore_eos=True))
     next(abandoned)  # decoding has started
     abandoned.cancel()
@@ -83,11 +83,11 @@ def test_a_cancelled_request_leaves_at_the_next_step_and_a_failing_one_fails_alo
     assert len(generation.token_ids) == 40 and sorted(batcher.free_rows) == [0, 1]
 
 
-def test_a_long_prompt_goes_in_by_chunks_between_the_running_answers_steps(tiny_model, tiny_tokenizer):
+def test_a_long_prompt_goes_in_by_chunks_between_the_running_answers_steps(context_model, tiny_tokenizer):
     """A 100-token prompt prefilled 8 tokens a loop: the answer already running takes a step
     after each chunk instead of waiting for the whole prefill, and both decode as alone."""
-    alone = Decoder(build_decoder(tiny_model), tiny_tokenizer)
-    batcher = ContinuousBatcher(Decoder(build_decoder(tiny_model), tiny_tokenizer), max_batch=2, max_seq=160, prefill_chunk=8)
+    alone = Decoder(build_decoder(context_model), tiny_tokenizer)
+    batcher = ContinuousBatcher(Decoder(build_decoder(context_model), tiny_tokenizer), max_batch=2, max_seq=160, prefill_chunk=8)
     params = SamplingParams(max_new_tokens=48, ignore_eos=True)
     running = batcher.submit(prompt(5, 1), params)
     next(running)  # it is decoding
@@ -103,12 +103,12 @@ def test_a_long_prompt_goes_in_by_chunks_between_the_running_answers_steps(tiny_
         batcher.submit([], params)
 
 
-def test_a_short_prompt_arriving_behind_a_long_one_is_prefilled_first(tiny_model, tiny_tokenizer):
+def test_a_short_prompt_arriving_behind_a_long_one_is_prefilled_first(context_model, tiny_tokenizer):
     """A 400-token prompt goes in 4 tokens a chunk (100 chunks); a 5-token prompt arriving after
     its first chunk is due sooner, so it gets its answer while the long prompt is still going in
     (prefilled oldest first, it waited for all 100 chunks); both answers are as alone."""
-    alone = Decoder(build_decoder(tiny_model), tiny_tokenizer)
-    batcher = ContinuousBatcher(Decoder(build_decoder(tiny_model), tiny_tokenizer), max_batch=2, max_seq=512, prefill_chunk=4)
+    alone = Decoder(build_decoder(context_model), tiny_tokenizer)
+    batcher = ContinuousBatcher(Decoder(build_decoder(context_model), tiny_tokenizer), max_batch=2, max_seq=512, prefill_chunk=4)
     params = SamplingParams(max_new_tokens=4, ignore_eos=True)
     long_request = batcher.submit(prompt(400, 1), params)
     while batcher.chunks < 1:
@@ -121,8 +121,8 @@ def test_a_short_prompt_arriving_behind_a_long_one_is_prefilled_first(tiny_model
     batcher.close()
 
 
-def test_closing_fails_unfinished_requests_and_refuses_new_ones(tiny_model, tiny_tokenizer):
-    batcher = ContinuousBatcher(Decoder(build_decoder(tiny_model), tiny_tokenizer), max_batch=1, max_seq=512)
+def test_closing_fails_unfinished_requests_and_refuses_new_ones(context_model, tiny_tokenizer):
+    batcher = ContinuousBatcher(Decoder(build_decoder(context_model), tiny_tokenizer), max_batch=1, max_seq=512)
     decoding = batcher.submit(prompt(5, 1), SamplingParams(max_new_tokens=480, ignore_eos=True))
     queued = batcher.submit(prompt(5, 2), SamplingParams(max_new_tokens=8, ignore_eos=True))  # waits for the one row
     next(decoding)

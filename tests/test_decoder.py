@@ -49,9 +49,9 @@ def test_greedy_decoding_is_token_identical_to_transformers(tiny_tokenizer, over
         from transformers import Qwen2Config, Qwen2ForCausalLM
 
         torch.manual_seed(0)
-        model = Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tiny_tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=512)).eval()
+        model = Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tiny_tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=512, initializer_range=0.2)).eval()
     else:
-        model = build_tiny_llama(len(tiny_tokenizer), **overrides)
+        model = build_tiny_llama(len(tiny_tokenizer), initializer_range=0.2, **overrides)
     ids = prompt_ids(12, model.config.vocab_size)
     decoder = Decoder(build_decoder(model), tiny_tokenizer)
     (ours,) = decoder.generate_ids([ids], SamplingParams(max_new_tokens=64, ignore_eos=True))
@@ -103,8 +103,8 @@ def test_an_int8_cache_stays_close_to_the_float_cache(tiny_model, tiny_tokenizer
     assert decoders[torch.int8].layers[0].attention.k_cache.dtype == torch.int8
 
 
-def test_a_batch_of_different_lengths_decodes_like_each_prompt_alone(tiny_model, tiny_tokenizer):
-    decoder = Decoder(build_decoder(tiny_model), tiny_tokenizer)
+def test_a_batch_of_different_lengths_decodes_like_each_prompt_alone(context_model, tiny_tokenizer):
+    decoder = Decoder(build_decoder(context_model), tiny_tokenizer)
     prompts = [prompt_ids(n, 300, seed=n) for n in (3, 17, 9)]
     params = SamplingParams(max_new_tokens=20, ignore_eos=True)
     together = decoder.generate_ids(prompts, params)

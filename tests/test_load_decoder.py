@@ -20,8 +20,8 @@ from tests.test_artifact import export
     ],
     ids=["w8-tied-head", "w4", "fp32-2:4-bitmask", "50%-w4-asym-bitmask"],
 )
-def test_layer_by_layer_loading_equals_building_from_the_loaded_model(tiny_model, tiny_tokenizer, tmp_path, stages):
-    state = RunState(cfg=None, run_dir=tmp_path, model=tiny_model, tokenizer=tiny_tokenizer, source=None, source_sha256=None, device=torch.device("cpu"))
+def test_layer_by_layer_loading_equals_building_from_the_loaded_model(context_model, tiny_tokenizer, tmp_path, stages):
+    state = RunState(cfg=None, run_dir=tmp_path, model=context_model, tokenizer=tiny_tokenizer, source=None, source_sha256=None, device=torch.device("cpu"))
     for stage, params in stages:
         if stage == "quantize":
             quantize(state, QuantizeParams(**params))
@@ -30,7 +30,7 @@ def test_layer_by_layer_loading_equals_building_from_the_loaded_model(tiny_model
     path = export(state, tmp_path / "artifact")
     direct, manifest = load_decoder(path, dtype=torch.float32)
     reference = build_decoder(load_artifact(path).model, dtype=torch.float32)
-    tokens = torch.randint(0, tiny_model.config.vocab_size, (2, 12))
+    tokens = torch.randint(0, context_model.config.vocab_size, (2, 12))
     for decoder in (direct, reference):
         decoder.setup_cache(2, 32)
     with torch.inference_mode():
@@ -39,11 +39,11 @@ def test_layer_by_layer_loading_equals_building_from_the_loaded_model(tiny_model
     assert direct.weight_bytes() == reference.weight_bytes()
 
 
-def test_generate_command_reads_an_artifact_layer_by_layer(tiny_model, tiny_tokenizer, tmp_path):
+def test_generate_command_reads_an_artifact_layer_by_layer(context_model, tiny_tokenizer, tmp_path):
     import subprocess
     import sys
 
-    state = RunState(cfg=None, run_dir=tmp_path, model=tiny_model, tokenizer=tiny_tokenizer, source=None, source_sha256=None, device=torch.device("cpu"))
+    state = RunState(cfg=None, run_dir=tmp_path, model=context_model, tokenizer=tiny_tokenizer, source=None, source_sha256=None, device=torch.device("cpu"))
     quantize(state, QuantizeParams(bits=4, group_size=32))
     path = export(state, tmp_path / "artifact")
     result = subprocess.run([sys.executable, "-m", "slimlm.cli", "generate", str(path), "the story of", "--max-new-tokens", "6", "--dtype", "float32"], capture_output=True, text=True, cwd=tmp_path)

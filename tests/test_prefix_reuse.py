@@ -19,9 +19,9 @@ PARAMS = SamplingParams(max_new_tokens=12, ignore_eos=True)
 
 
 @pytest.mark.parametrize("cache_dtype", [None, torch.int8], ids=["float-cache", "int8-cache"])
-def test_a_conversation_prefills_only_its_new_turn(tiny_model, tiny_tokenizer, cache_dtype):
-    reusing = Decoder(build_decoder(tiny_model), tiny_tokenizer, cache_dtype=cache_dtype)
-    fresh = Decoder(build_decoder(tiny_model), tiny_tokenizer, cache_dtype=cache_dtype, reuse_prefixes=False)
+def test_a_conversation_prefills_only_its_new_turn(context_model, tiny_tokenizer, cache_dtype):
+    reusing = Decoder(build_decoder(context_model), tiny_tokenizer, cache_dtype=cache_dtype)
+    fresh = Decoder(build_decoder(context_model), tiny_tokenizer, cache_dtype=cache_dtype, reuse_prefixes=False)
 
     def check(ids, cached):
         """`ids` decoded by `reusing` with `cached` of its tokens found in the cache, as `fresh` decodes them whole."""
@@ -45,9 +45,9 @@ def test_a_conversation_prefills_only_its_new_turn(tiny_model, tiny_tokenizer, c
     check(first, 0)
 
 
-def test_the_batcher_gives_a_request_the_row_holding_the_start_of_its_prompt(tiny_model, tiny_tokenizer):
-    fresh = Decoder(build_decoder(tiny_model), tiny_tokenizer, reuse_prefixes=False)
-    batcher = ContinuousBatcher(Decoder(build_decoder(tiny_model), tiny_tokenizer), max_batch=3, max_seq=128, prefill_chunk=8)
+def test_the_batcher_gives_a_request_the_row_holding_the_start_of_its_prompt(context_model, tiny_tokenizer):
+    fresh = Decoder(build_decoder(context_model), tiny_tokenizer, reuse_prefixes=False)
+    batcher = ContinuousBatcher(Decoder(build_decoder(context_model), tiny_tokenizer), max_batch=3, max_seq=128, prefill_chunk=8)
     first, other = prompt(30, 1), prompt(30, 4)
     *_, answer = batcher.submit(first, PARAMS)  # into row 0
     *_, unrelated = batcher.submit(other, PARAMS)  # shares nothing with row 0: the row freed longest ago, 1
@@ -63,9 +63,9 @@ def test_the_batcher_gives_a_request_the_row_holding_the_start_of_its_prompt(tin
 
 
 @pytest.mark.parametrize("cache_dtype", [None, torch.int8], ids=["float-cache", "int8-cache"])
-def test_requests_sharing_a_system_prompt_copy_it_from_the_row_that_prefilled_it(tiny_model, tiny_tokenizer, cache_dtype):
-    fresh = Decoder(build_decoder(tiny_model), tiny_tokenizer, cache_dtype=cache_dtype, reuse_prefixes=False)
-    batcher = ContinuousBatcher(Decoder(build_decoder(tiny_model), tiny_tokenizer, cache_dtype=cache_dtype), max_batch=2, max_seq=128, prefill_chunk=8)
+def test_requests_sharing_a_system_prompt_copy_it_from_the_row_that_prefilled_it(context_model, tiny_tokenizer, cache_dtype):
+    fresh = Decoder(build_decoder(context_model), tiny_tokenizer, cache_dtype=cache_dtype, reuse_prefixes=False)
+    batcher = ContinuousBatcher(Decoder(build_decoder(context_model), tiny_tokenizer, cache_dtype=cache_dtype), max_batch=2, max_seq=128, prefill_chunk=8)
     system = prompt(40, 7)
     first, second = system + prompt(8, 8), system + prompt(8, 9)
     submissions = [batcher.submit(first, PARAMS), batcher.submit(second, PARAMS)]  # both at once: the first is due first
@@ -75,13 +75,16 @@ def test_requests_sharing_a_system_prompt_copy_it_from_the_row_that_prefilled_it
     for ids, generation in ((first, one), (second, other)):
         assert generation.token_ids == fresh.generate_ids([ids], PARAMS)[0].token_ids
     batcher.close()
+    with ContinuousBatcher(Decoder(build_decoder(context_model), tiny_tokenizer, cache_dtype=cache_dtype, reuse_prefixes=False), max_batch=2, max_seq=128, prefill_chunk=8) as plain:
+        submissions = [plain.submit(first, PARAMS), plain.submit(second, PARAMS)]
+        assert [list(s)[-1].cached_tokens for s in submissions] == [0, 0] and plain.chunks == 12
 
 
-def test_a_conversation_keeps_its_row_when_another_shares_its_system_prompt(tiny_model, tiny_tokenizer):
+def test_a_conversation_keeps_its_row_when_another_shares_its_system_prompt(context_model, tiny_tokenizer):
     """Another conversation starting with the same system prompt takes an empty row and copies
     the shared start, rather than overwriting the row that holds the first conversation."""
-    fresh = Decoder(build_decoder(tiny_model), tiny_tokenizer, reuse_prefixes=False)
-    batcher = ContinuousBatcher(Decoder(build_decoder(tiny_model), tiny_tokenizer), max_batch=3, max_seq=128)
+    fresh = Decoder(build_decoder(context_model), tiny_tokenizer, reuse_prefixes=False)
+    batcher = ContinuousBatcher(Decoder(build_decoder(context_model), tiny_tokenizer), max_batch=3, max_seq=128)
     system = prompt(10, 7)
     *_, first = batcher.submit(system + prompt(20, 1), PARAMS)
     *_, other = batcher.submit(system + prompt(20, 2), PARAMS)
@@ -89,4 +92,18 @@ def test_a_conversation_keeps_its_row_when_another_shares_its_system_prompt(tiny
     *_, reply = batcher.submit(following, PARAMS)
     assert (first.cached_tokens, other.cached_tokens, reply.cached_tokens) == (0, 10, 30 + len(first.token_ids) - 1)
     assert reply.token_ids == fresh.generate_ids([following], PARAMS)[0].token_ids
+    batcher.close()
+
+
+def test_a_next_turn_that_drops_answer_tokens_still_takes_its_own_row(context_model, tiny_tokenizer):
+    """A next turn whose prompt has the previous answer only in part (a stop string cut it, the
+    template re-tokenized it) still continues its previous prompt: it takes that row, not
+    another conversation's."""
+    batcher = ContinuousBatcher(Decoder(build_decoder(context_model), tiny_tokenizer), max_batch=2, max_seq=128)
+    *_, b_answer = batcher.submit(prompt(20, 1), PARAMS)  # row 0
+    *_, a_answer = batcher.submit(prompt(20, 2), PARAMS)  # row 1
+    *_, a_next = batcher.submit(prompt(20, 2) + a_answer.token_ids[:-3] + prompt(5, 3), PARAMS)
+    *_, b_next = batcher.submit(prompt(20, 1) + b_answer.token_ids + prompt(5, 4), PARAMS)
+    assert a_next.cached_tokens == 20 + len(a_answer.token_ids) - 3
+    assert b_next.cached_tokens == 20 + len(b_answer.token_ids) - 1  # its row was left to it
     batcher.close()

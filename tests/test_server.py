@@ -18,7 +18,7 @@ pytest.importorskip("fastapi")
 
 
 @pytest.fixture
-def serve(tiny_model, tiny_tokenizer):
+def serve(context_model, tiny_tokenizer):
     """Start a server on a free port; yields (base URL, decoder); stops it afterwards."""
     from slimlm.inference.server import ServerLimits, create_app
 
@@ -27,8 +27,8 @@ def serve(tiny_model, tiny_tokenizer):
     def start(limits=ServerLimits(max_prompt_tokens=64, max_new_tokens=32, max_concurrent=4), batched=False):
         from slimlm.inference.batching import ContinuousBatcher
 
-        decoder = Decoder(build_decoder(tiny_model), tiny_tokenizer)
-        batcher = ContinuousBatcher(Decoder(build_decoder(tiny_model), tiny_tokenizer), max(limits.max_concurrent, 1), limits.max_prompt_tokens + limits.max_new_tokens) if batched else None
+        decoder = Decoder(build_decoder(context_model), tiny_tokenizer)
+        batcher = ContinuousBatcher(Decoder(build_decoder(context_model), tiny_tokenizer), max(limits.max_concurrent, 1), limits.max_prompt_tokens + limits.max_new_tokens) if batched else None
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             port = probe.getsockname()[1]

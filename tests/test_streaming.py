@@ -53,14 +53,14 @@ def test_streamed_blocks_give_the_resident_decoders_tokens_and_logits(count):
         Decoder(streamed, Ids()).compile_decode_step()
 
 
-def test_an_artifact_loads_with_its_last_blocks_in_host_memory(tiny_model, tiny_tokenizer, tmp_path):
-    state = RunState(cfg=None, run_dir=tmp_path, model=tiny_model, tokenizer=tiny_tokenizer, source=None, source_sha256=None, device=torch.device("cpu"))
+def test_an_artifact_loads_with_its_last_blocks_in_host_memory(context_model, tiny_tokenizer, tmp_path):
+    state = RunState(cfg=None, run_dir=tmp_path, model=context_model, tokenizer=tiny_tokenizer, source=None, source_sha256=None, device=torch.device("cpu"))
     quantize(state, QuantizeParams(bits=4, group_size=32, targets=[r"model\.layers\.\d+\..*", "lm_head"]))
     path = export(state, tmp_path / "artifact")
     resident, _ = load_decoder(path, dtype=torch.float32)
     streamed, _ = load_decoder(path, dtype=torch.float32, placement=Placement(stream_layers=1))
     assert [host.block for host in streamed.streamer.hosts] == [streamed.layers[i] for i in streamed_layers(len(streamed.layers), 1)]
-    tokens = torch.randint(0, tiny_model.config.vocab_size, (1, 12))
+    tokens = torch.randint(0, context_model.config.vocab_size, (1, 12))
     with torch.inference_mode():
         for model in (resident, streamed):
             model.setup_cache(1, 16)
