@@ -21,7 +21,7 @@ from slimlm.errors import ConfigError
 from slimlm.packing import unpack_codes
 from slimlm.qlinear import QuantLinear, QuantScheme
 
-from tests.test_decoder import prompt_ids, quantized
+from tests.test_decoder import assert_same_decoding, prompt_ids, quantized
 
 needs_kernel = pytest.mark.skipif(not cpu_kernels.available(), reason="the processor lacks AVX2 and FMA (or no compiler): the decoder uses torch's kernels")
 
@@ -306,11 +306,15 @@ def test_decoder_with_int8_activations_runs_every_layer_in_the_kernel(tiny_model
 
 
 @needs_kernel
-def test_compiled_step_matches_eager_also_after_the_cache_changes(tiny_model, tiny_tokenizer, tmp_path):
+def test_compiled_step_matches_eager_also_after_the_cache_changes(context_model, tiny_tokenizer, tmp_path):
     """The compiled step skips Dynamo's guards on the weights but keeps the cache's: a cache
     allocated anew between requests (longer, or of another dtype) must be seen. The first
-    layer's linear layers carry LoRA adapters, which the kernel calls take as optional tensors."""
-    model = quantized(tiny_model, tiny_tokenizer, tmp_path, bits=4, group_size=64, targets=[r"model\.layers\.\d+\..*", "lm_head"])
+    layer's linear layers carry LoRA adapters, which the kernel calls take as optional tensors.
+    bf16 throughout: where eager and compiled tokens part at a near-tie, the logits are compared,
+    within 10% of the largest: with int8 activations a bf16 step in a layer's input can move an
+    activation's code by one, and over 30 steps the two caches drift apart (7% measured). With
+    the cache's guards dropped, the compiled step runs against the old cache and fails here."""
+    model = quantized(context_model, tiny_tokenizer, tmp_path, bits=4, group_size=64, targets=[r"model\.layers\.\d+\..*", "lm_head"])
     torch.manual_seed(0)
     for layer in model.model.layers[0].modules():
         if isinstance(layer, QuantLinear):
@@ -323,8 +327,7 @@ def test_compiled_step_matches_eager_also_after_the_cache_changes(tiny_model, ti
             for decoder in (eager, compiled):
                 decoder.model.setup_cache(1, 80, cache_dtype)
         params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
-        prompt = prompt_ids(length, 300, seed=length)
-        assert compiled.generate_ids([prompt], params)[0].token_ids == eager.generate_ids([prompt], params)[0].token_ids
+        assert_same_decoding(compiled, eager, [prompt_ids(length, 300, seed=length)], params, share=0.1)
     assert compiled.model.layers[0].attention.k_cache.dtype == torch.bfloat16
     assert describe_kernels(compiled.model)["int4-int8act+lora"] == 4
 

@@ -27,6 +27,31 @@ def prompt_ids(length, vocab, seed=0):
     return torch.randint(4, vocab, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+@torch.inference_mode()
+def forced_logits(decoder, prompts, answers):
+    """Next-token logits [steps, batch, vocab] of `decoder` fed its (left-padded) prompts and
+    then the given answer tokens, whatever it would have chosen: two decoders compared on the
+    same inputs, where bf16 rounding would make their greedy choices part at a near-tie."""
+    longest, steps = max(map(len, prompts)), len(answers[0])
+    tokens = torch.tensor([[0] * (longest - len(p)) + list(p) for p in prompts])
+    pad = torch.tensor([longest - len(p) for p in prompts])
+    pad = pad if pad.any() else None
+    decoder.ensure_cache(len(prompts), longest + steps)
+    logits = [decoder.prefill(tokens, pad=pad)]
+    for step in range(steps - 1):
+        logits.append(decoder.step(torch.tensor([[answer[step]] for answer in answers]), longest + step, pad)[:, -1])
+    return torch.stack(logits).float()
+
+
+def assert_same_decoding(decoder, reference, prompts, params, share=0.03):
+    """`decoder` decodes `prompts` as `reference` does: the same tokens, or where they part, the
+    same logits along the reference's tokens within `share` of the largest (a few bf16 steps)."""
+    expected = [g.token_ids for g in reference.generate_ids(prompts, params)]
+    if [g.token_ids for g in decoder.generate_ids(prompts, params)] != expected:
+        wanted = forced_logits(reference, prompts, expected)
+        torch.testing.assert_close(forced_logits(decoder, prompts, expected), wanted, rtol=0, atol=share * float(wanted.abs().max()))
+
+
 def hf_greedy(model, ids, new_tokens):
     out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
     return out[0, len(ids) :].tolist()
@@ -223,21 +248,26 @@ def test_generate_and_chat_commands_stream_from_a_checkpoint(tiny_model_dir, tmp
     [(False, None, True), (True, None, True), (False, torch.int8, True), (False, None, False), (False, torch.int8, False)],
     ids=["cpu-step", "static-step", "cpu-step-int8-cache", "cpu-step-fused-loop", "cpu-step-int8-cache-fused-loop"],
 )
-def test_the_compiled_decode_step_gives_the_same_tokens(tiny_model, tiny_tokenizer, tmp_path, monkeypatch, static, cache_dtype, attention_kernel):
+def test_the_compiled_decode_step_gives_the_same_tokens(context_model, tiny_tokenizer, tmp_path, monkeypatch, static, cache_dtype, attention_kernel):
     """One prompt, then two of different lengths (left padding: the attention mask's path).
     The static step is the one a GPU captures in a CUDA graph; here it is compiled for the CPU.
     On x86 the compiled step calls slimlm's attention kernel; without it (other processors, or
-    no compiler) Inductor fuses attention, and an int8 cache's dequantization, into one loop."""
+    no compiler) Inductor fuses attention, and an int8 cache's dequantization, into one loop.
+    With an int8 cache, Inductor's fused quantization can round a code the other way than
+    eager torch's: where the greedy tokens part at a near-tie, the logits are compared."""
     if not attention_kernel:
         monkeypatch.setattr(cpu_kernels, "available", lambda: False)
-    model = quantized(tiny_model, tiny_tokenizer, tmp_path, bits=4, group_size=32, targets=[r"model\.layers\.\d+\..*", "lm_head"])
+    model = quantized(context_model, tiny_tokenizer, tmp_path, bits=4, group_size=32, targets=[r"model\.layers\.\d+\..*", "lm_head"])
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     eager = Decoder(build_decoder(model, dtype=torch.bfloat16), tiny_tokenizer, cache_dtype=cache_dtype)
     compiled = Decoder(build_decoder(model, dtype=torch.bfloat16), tiny_tokenizer, cache_dtype=cache_dtype)
     compiled.compile_decode_step(static=static)
     for prompts in ([prompt_ids(6, 300)], [prompt_ids(6, 300), prompt_ids(9, 300, seed=1)]):
-        expected = [g.token_ids for g in eager.generate_ids(prompts, params)]
-        assert [g.token_ids for g in compiled.generate_ids(prompts, params)] == expected, len(prompts)
+        if cache_dtype is None:
+            expected = [g.token_ids for g in eager.generate_ids(prompts, params)]
+            assert [g.token_ids for g in compiled.generate_ids(prompts, params)] == expected, len(prompts)
+        else:
+            assert_same_decoding(compiled, eager, prompts, params)
     assert compiled.model.layers[0].attention.decode_kernel == (attention_kernel and cpu_kernels.available())
 
 
@@ -265,9 +295,9 @@ def test_decoders_compiled_in_one_process_keep_their_own_steps(tiny_model, tiny_
     params = SamplingParams(max_new_tokens=10, ignore_eos=True)
     prompt = prompt_ids(6, 300)
     for bits in (8, 4):
-        model = build_tiny_llama(tiny_model.config.vocab_size)
+        model = build_tiny_llama(tiny_model.config.vocab_size, initializer_range=0.2)  # its tokens depend on the context
         model = quantized(model, tiny_tokenizer, tmp_path, bits=bits, group_size=None if bits == 8 else 32, targets=[r"model\.layers\.\d+\..*", "lm_head"])
-        eager = Decoder(build_decoder(model, dtype=torch.bfloat16), tiny_tokenizer).generate_ids([prompt], params)[0]
+        eager = Decoder(build_decoder(model, dtype=torch.bfloat16), tiny_tokenizer)
         compiled = Decoder(build_decoder(model, dtype=torch.bfloat16), tiny_tokenizer)
         compiled.compile_decode_step()
-        assert compiled.generate_ids([prompt], params)[0].token_ids == eager.token_ids, bits
+        assert_same_decoding(compiled, eager, [prompt], params)
