@@ -30,6 +30,7 @@ import torch
 
 from slimlm.errors import SlimlmError
 from slimlm.inference.decoder import Decoder, Generation, IncrementalText, shared_start
+from slimlm.inference.model import RowRecord
 from slimlm.inference.sampling import SamplingParams, next_tokens, sampling_state
 
 
@@ -163,11 +164,15 @@ class ContinuousBatcher:
                 sequence.out.put(closing)
 
     def _fail(self, sequence: _Sequence, error: BaseException) -> None:
-        """End one sequence with `error` for its reader and free its row."""
+        """End one sequence with `error` for its reader and free its row, recording what the
+        row holds (an answer stopped by its client may be continued in the next turn; a failed
+        step or chunk wrote only beyond the record)."""
         for group in (self.prefilling, self.running):
             if sequence in group:
                 group.remove(sequence)
         if sequence.row >= 0:
+            if sequence.row not in self.model.held and sequence.prefilled > 0:  # else its record from before is intact
+                self.model.held[sequence.row] = RowRecord(self._contents(sequence), sequence.prefilled)
             self.free_rows.append(sequence.row)
             sequence.row = -1
         sequence.out.put(error)
@@ -210,13 +215,17 @@ class ContinuousBatcher:
 
         return max(self.free_rows, key=value)  # ties: the first, freed longest ago
 
+    @staticmethod
+    def _contents(sequence: _Sequence) -> list[int]:
+        """The tokens in a sequence's row from slot 0: its prompt so far while prefilling; once
+        running, its prompt and its answer but the newest token (not fed back yet)."""
+        return [*sequence.ids, *sequence.tokens[:-1]] if sequence.prefilled == len(sequence.ids) else sequence.ids[: sequence.prefilled]
+
     def _known_rows(self) -> dict[int, list[int]]:
-        """Each row's tokens in its slots from 0, as far as known: a free row's record, a
-        prefilling prompt's part so far, a running sequence's prompt and answer but its newest
-        token (not fed back yet)."""
+        """Each row's tokens in its slots from 0, as far as known: a free row's record, a busy
+        row's sequence's contents."""
         known = {row: self.model.held[row].tokens for row in self.free_rows if row in self.model.held}
-        known.update({s.row: s.ids[: s.prefilled] for s in self.prefilling})
-        known.update({s.row: [*s.ids, *s.tokens[:-1]] for s in self.running})
+        known.update({s.row: self._contents(s) for s in (*self.prefilling, *self.running)})
         return known
 
     def _known_start(self, sequence: _Sequence) -> tuple[int, int]:

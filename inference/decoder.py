@@ -191,28 +191,30 @@ class Decoder:
         outputs: list[list[int]] = [[] for _ in prompts]
         finished = [None] * batch
         steps = 0
-        for step in range(params.max_new_tokens):
-            chosen = next_tokens(logits, params, seen, generator)
-            if params.repetition_penalty != 1.0:  # the only reader of `seen`
-                seen[torch.arange(batch), chosen] = True
-            for row, token in enumerate(chosen.tolist()):
-                if finished[row] is not None:
-                    continue
-                if token in end_ids:
-                    finished[row] = "stop"
-                    continue
-                outputs[row].append(token)
-                if on_token is not None:
-                    on_token(row, token)
-                if params.stop and self._hits_stop_string(outputs[row], params.stop):
-                    finished[row] = "stop"
-            steps = step + 1
-            if all(f is not None for f in finished) or step + 1 == params.max_new_tokens:
-                break
-            logits = self.step(chosen[:, None], longest + step, pad)[:, -1]
+        try:
+            for step in range(params.max_new_tokens):
+                chosen = next_tokens(logits, params, seen, generator)
+                if params.repetition_penalty != 1.0:  # the only reader of `seen`
+                    seen[torch.arange(batch), chosen] = True
+                for row, token in enumerate(chosen.tolist()):
+                    if finished[row] is not None:
+                        continue
+                    if token in end_ids:
+                        finished[row] = "stop"
+                        continue
+                    outputs[row].append(token)
+                    if on_token is not None:
+                        on_token(row, token)
+                    if params.stop and self._hits_stop_string(outputs[row], params.stop):
+                        finished[row] = "stop"
+                steps = step + 1
+                if all(f is not None for f in finished) or step + 1 == params.max_new_tokens:
+                    break
+                logits = self.step(chosen[:, None], longest + step, pad)[:, -1]
+        finally:  # stopped early too (its client gone): the row keeps what was fed back, for a next turn that continues it
+            if batch == 1:
+                self.remember(0, prompts[0], outputs[0])
         self.last_stats = GenerationStats(prefill_s=prefilled - started, decode_s=time.perf_counter() - prefilled, decode_steps=steps, batch=batch)
-        if batch == 1:
-            self.remember(0, prompts[0], outputs[0])
         return [self._finish(ids, params, finished[row], len(prompts[row]), cached) for row, ids in enumerate(outputs)]
 
     def _hits_stop_string(self, ids: list[int], stops: Sequence[str]) -> bool:

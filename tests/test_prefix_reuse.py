@@ -107,3 +107,31 @@ def test_a_next_turn_that_drops_answer_tokens_still_takes_its_own_row(context_mo
     assert a_next.cached_tokens == 20 + len(a_answer.token_ids) - 3
     assert b_next.cached_tokens == 20 + len(b_answer.token_ids) - 1  # its row was left to it
     batcher.close()
+
+
+def test_an_answer_stopped_by_its_client_can_be_continued(context_model, tiny_tokenizer):
+    """A client that stops an answer and sends the next turn with the part it got finds that
+    part in the cache, one at a time and batched."""
+    fresh = Decoder(build_decoder(context_model), tiny_tokenizer, reuse_prefixes=False)
+    ids = prompt(20, 1)
+    answer = fresh.generate_ids([ids], SamplingParams(max_new_tokens=40, ignore_eos=True))[0].token_ids
+    following = ids + answer[:10] + prompt(5, 9)  # the next turn, after the first 10 tokens of the answer
+
+    def stop_after_11(row, token, count=[0]):
+        count[0] += 1
+        if count[0] == 11:
+            raise KeyboardInterrupt  # as a client going away stops the decoder's loop
+
+    decoder = Decoder(build_decoder(context_model), tiny_tokenizer)
+    with pytest.raises(KeyboardInterrupt):
+        decoder.generate_ids([ids], SamplingParams(max_new_tokens=40, ignore_eos=True), stop_after_11)
+    assert decoder.generate_ids([following], PARAMS)[0].cached_tokens == len(ids) + 10
+
+    with ContinuousBatcher(Decoder(build_decoder(context_model), tiny_tokenizer), max_batch=1, max_seq=128) as batcher:
+        stopped = batcher.submit(ids, SamplingParams(max_new_tokens=100, ignore_eos=True))
+        for _ in range(11):
+            next(stopped)  # at least 11 tokens decoded
+        stopped.cancel()
+        *_, reply = batcher.submit(following, PARAMS)  # waits for the one row
+        assert reply.cached_tokens == len(ids) + 10
+        assert reply.token_ids == fresh.generate_ids([following], PARAMS)[0].token_ids
