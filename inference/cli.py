@@ -123,8 +123,10 @@ def generate_command(args: Sequence[str]) -> None:
 def print_stats(decoder, results: list) -> None:
     """One line on stderr after an answer: its tokens, decode speed, prefill time, and how much
     of the prompt was already in the cache."""
+    if not results:  # ended by a stop string: the decoding was stopped, its statistics never written
+        return
     stats = decoder.last_stats
-    cached = f", {results[0].cached_tokens} of {results[0].prompt_tokens} prompt tokens from the cache" if results else ""
+    cached = f", {results[0].cached_tokens} of {results[0].prompt_tokens} prompt tokens from the cache"
     print(f"[{stats.decode_steps} tokens, {stats.decode_tok_s:.1f} tokens/s decoding, prefill {1000 * stats.prefill_s:.0f} ms{cached}]", file=sys.stderr)
 
 

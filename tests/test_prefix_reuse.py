@@ -4,6 +4,7 @@ rest, and decodes the same tokens as when prefilled whole."""
 import pytest
 import torch
 
+from slimlm.errors import SlimlmError
 from slimlm.inference.batching import ContinuousBatcher
 from slimlm.inference.build import build_decoder
 from slimlm.inference.decoder import Decoder
@@ -115,7 +116,9 @@ def test_an_answer_stopped_by_its_client_can_be_continued(context_model, tiny_to
     fresh = Decoder(build_decoder(context_model), tiny_tokenizer, reuse_prefixes=False)
     ids = prompt(20, 1)
     answer = fresh.generate_ids([ids], SamplingParams(max_new_tokens=40, ignore_eos=True))[0].token_ids
-    following = ids + answer[:10] + prompt(5, 9)  # the next turn, after the first 10 tokens of the answer
+
+    def check(reply, following, cached):
+        assert reply.cached_tokens == cached and reply.token_ids == fresh.generate_ids([following], PARAMS)[0].token_ids
 
     def stop_after_11(row, token, count=[0]):
         count[0] += 1
@@ -125,13 +128,15 @@ def test_an_answer_stopped_by_its_client_can_be_continued(context_model, tiny_to
     decoder = Decoder(build_decoder(context_model), tiny_tokenizer)
     with pytest.raises(KeyboardInterrupt):
         decoder.generate_ids([ids], SamplingParams(max_new_tokens=40, ignore_eos=True), stop_after_11)
-    assert decoder.generate_ids([following], PARAMS)[0].cached_tokens == len(ids) + 10
+    following = ids + answer[:12] + prompt(5, 9)
+    check(decoder.generate_ids([following], PARAMS)[0], following, len(ids) + 10)  # 11 tokens chosen, the first 10 fed back: no more
 
-    with ContinuousBatcher(Decoder(build_decoder(context_model), tiny_tokenizer), max_batch=1, max_seq=128) as batcher:
-        stopped = batcher.submit(ids, SamplingParams(max_new_tokens=100, ignore_eos=True))
+    with ContinuousBatcher(Decoder(build_decoder(context_model), tiny_tokenizer), max_batch=1, max_seq=512) as batcher:
+        stopped = batcher.submit(ids, SamplingParams(max_new_tokens=480, ignore_eos=True))
         for _ in range(11):
             next(stopped)  # at least 11 tokens decoded
         stopped.cancel()
-        *_, reply = batcher.submit(following, PARAMS)  # waits for the one row
-        assert reply.cached_tokens == len(ids) + 10
-        assert reply.token_ids == fresh.generate_ids([following], PARAMS)[0].token_ids
+        with pytest.raises(SlimlmError, match="cancelled"):
+            list(stopped)  # it was stopped, not finished
+        following = ids + answer[:10] + prompt(5, 9)
+        check(list(batcher.submit(following, PARAMS))[-1], following, len(ids) + 10)
