@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import threading
 import time
 
 import torch
@@ -33,7 +32,7 @@ from slimlm.inference.decoder import Decoder
 from slimlm.inference.sampling import SamplingParams
 from slimlm.rundir import machine_info
 
-from benchlib import command_line, machine_line, write_result
+from benchlib import command_line, machine_line, run_together, write_result
 from decode_cpu import default_int4
 
 BATCHES = (1, 2, 4, 8, 16)
@@ -65,11 +64,7 @@ def continuous(model, tokenizer, name: str, requests: list[tuple[list[int], int,
         firsts[index] = times[0] - sent
         gaps.extend(later - earlier for earlier, later in zip(times[:-2], times[1:-1]))  # pieces only (the last item is the Generation)
 
-    threads = [threading.Thread(target=client, args=(index, *request)) for index, request in enumerate(requests)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    run_together(client, [(index, *request) for index, request in enumerate(requests)])
     seconds = time.perf_counter() - begin
     total = sum(produced) / seconds
     decode = batcher.step_tokens / batcher.step_s

@@ -9,6 +9,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Callable, Optional
@@ -77,6 +78,15 @@ def call_us(layer: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, call
             layer(x)
         times.append((time.perf_counter() - start) / calls)
     return 1e6 * statistics.median(times[1:])
+
+
+def run_together(client: Callable[..., None], arguments: list[tuple]) -> None:
+    """`client(*each)` for each of `arguments`, all at once in threads (a server's clients); returns when all have."""
+    threads = [threading.Thread(target=client, args=each) for each in arguments]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
 
 
 def machine_line(machine: dict, threads: str, seconds: float) -> str:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import threading
 import time
 
 import torch
@@ -35,7 +34,7 @@ from slimlm.inference.decoder import Decoder, Generation
 from slimlm.inference.sampling import SamplingParams
 from slimlm.rundir import machine_info
 
-from benchlib import RESULTS, command_line, machine_line, wikitext_ids, write_result
+from benchlib import RESULTS, command_line, machine_line, run_together, wikitext_ids, write_result
 from decode_cpu import default_int4
 
 SYSTEM = "You are a careful assistant. Answer in plain English, briefly, and say so when a passage does not tell you something."
@@ -44,6 +43,11 @@ REFERENCE_TOKENS = 450
 PARAMS = SamplingParams(max_new_tokens=64, ignore_eos=True)
 PASSAGE_TOKENS = 150
 CONVERSATIONS = 4  # batched
+
+
+def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """The prompt's token ids for `messages` under the tokenizer's chat template, as `slimlm chat` and the server make them."""
+    return tokenizer(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), add_special_tokens=False)["input_ids"]
 
 
 class Chat:
@@ -57,8 +61,7 @@ class Chat:
     def next_prompt(self) -> list[int]:
         passage = self.passages[len(self.turns)]
         self.messages.append({"role": "user", "content": f"{passage}\n\nWhat is this passage about, and how does it relate to the earlier ones?"})
-        text = self.tokenizer.apply_chat_template(self.messages, tokenize=False, add_generation_prompt=True)
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return chat_ids(self.tokenizer, self.messages)
 
     def answered(self, ids: list[int], generation: Generation, first_s: float) -> None:
         self.messages.append({"role": "assistant", "content": generation.text})
@@ -96,11 +99,7 @@ def batched(model, tokenizer, texts: list[list[str]], reuse: bool) -> list[list[
             *_, generation = [first, *items]
             chat.answered(ids, generation, first_s)
 
-    threads = [threading.Thread(target=converse, args=(chat,)) for chat in chats]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    run_together(converse, [(chat,) for chat in chats])
     batcher.close()
     for turn in range(len(texts[0])):
         print(f"batched, reuse {reuse}: turn {turn + 1}: first token {statistics.median(c.turns[turn]['first_token_ms'] for c in chats):.0f} ms median", flush=True)
@@ -130,8 +129,7 @@ def shared_system(model, tokenizer, reference: str, questions: list[str], reuse:
     """`questions` sent at once, each after the same system prompt holding `reference`: ms from
     sending to each request's first piece, and to the last answer."""
     system = {"role": "system", "content": f"{SYSTEM}\n\nReference:\n{reference}"}
-    prompts = [tokenizer(tokenizer.apply_chat_template([system, {"role": "user", "content": f"Does the reference say anything about this? {question}"}], tokenize=False,
-                                                       add_generation_prompt=True), add_special_tokens=False)["input_ids"] for question in questions]
+    prompts = [chat_ids(tokenizer, [system, {"role": "user", "content": f"Does the reference say anything about this? {question}"}]) for question in questions]
     batcher = ContinuousBatcher(Decoder(build_decoder(model, dtype=torch.bfloat16), tokenizer, reuse_prefixes=reuse), max_batch=len(prompts), max_seq=max(map(len, prompts)) + 32)
     params = SamplingParams(max_new_tokens=32, ignore_eos=True)
     firsts, cached = [0.0] * len(prompts), [0] * len(prompts)
@@ -144,11 +142,7 @@ def shared_system(model, tokenizer, reference: str, questions: list[str], reuse:
         *_, generation = items
         cached[index] = generation.cached_tokens
 
-    threads = [threading.Thread(target=client, args=(index,)) for index in range(len(prompts))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    run_together(client, [(index,) for index in range(len(prompts))])
     seconds = time.perf_counter() - begin
     batcher.close()
     row = {"name": f"shared system prompt, {len(prompts)} requests, reuse {'on' if reuse else 'off'}", "prompt_tokens": statistics.median(map(len, prompts)),

@@ -30,7 +30,6 @@ import torch
 
 from slimlm.errors import SlimlmError
 from slimlm.inference.decoder import Decoder, Generation, IncrementalText, shared_start
-from slimlm.inference.model import RowRecord
 from slimlm.inference.sampling import SamplingParams, next_tokens, sampling_state
 
 
@@ -172,7 +171,7 @@ class ContinuousBatcher:
                 group.remove(sequence)
         if sequence.row >= 0:
             if sequence.row not in self.model.held and sequence.prefilled > 0:  # else its record from before is intact
-                self.model.held[sequence.row] = RowRecord(self._contents(sequence), sequence.prefilled)
+                self.decoder.remember(sequence.row, sequence.ids[: sequence.prefilled], sequence.tokens)
             self.free_rows.append(sequence.row)
             sequence.row = -1
         sequence.out.put(error)
@@ -217,9 +216,9 @@ class ContinuousBatcher:
 
     @staticmethod
     def _contents(sequence: _Sequence) -> list[int]:
-        """The tokens in a sequence's row from slot 0: its prompt so far while prefilling; once
-        running, its prompt and its answer but the newest token (not fed back yet)."""
-        return [*sequence.ids, *sequence.tokens[:-1]] if sequence.prefilled == len(sequence.ids) else sequence.ids[: sequence.prefilled]
+        """The tokens in a sequence's row from slot 0: its prompt so far, then (once running)
+        its answer but the newest token (not fed back yet); what `Decoder.remember` records."""
+        return [*sequence.ids[: sequence.prefilled], *sequence.tokens[:-1]]
 
     def _known_rows(self) -> dict[int, list[int]]:
         """Each row's tokens in its slots from 0, as far as known: a free row's record, a busy

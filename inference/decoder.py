@@ -139,8 +139,9 @@ class Decoder:
 
         What a row holds (`Transformer.held`) is recorded when a generation ends in it (its
         prompt and the tokens fed back while decoding) and forgotten when a prefill writes it
-        or a new cache replaces it (one that grows carries the records over). Every writer of the cache goes through `prefill` first
-        (decode steps, speculative decoding's verification), so a record is never stale."""
+        or a new cache replaces it (one that grows carries the records over). Every writer of
+        the cache goes through `prefill` first (decode steps, speculative decoding's
+        verification), so a record is never stale."""
         record = self.model.held.get(row)
         return shared_start(record.tokens, ids) if self.reuse_prefixes and record is not None else 0
 

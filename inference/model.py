@@ -283,16 +283,18 @@ class Transformer(nn.Module):
         kept = {row: RowRecord(r.tokens[:max_seq], min(r.prompt, max_seq)) for row, r in self.held.items() if row < batch} if keep and same_kind else {}
         for block in self.layers:
             attention = block.attention
-            old = [getattr(attention, name) for name in CACHE_NAMES]
+            before = [getattr(attention, name) for name in CACHE_NAMES]
             attention.k_cache = torch.zeros(shape, dtype=cache_dtype, device=device)
             attention.v_cache = torch.zeros(shape, dtype=cache_dtype, device=device)
             attention.k_cache_scale = torch.zeros(*shape[:-1], 1, device=device) if scaled else None
             attention.v_cache_scale = torch.zeros(*shape[:-1], 1, device=device) if scaled else None
             attention.attention_dtype = float_dtype if scaled else cache_dtype
             attention.decode_kernel = kernel
-            for name, before in zip(CACHE_NAMES, old):
-                for row, record in kept.items() if before is not None else ():  # no scales: not an int8 cache
-                    getattr(attention, name)[row, :, : len(record.tokens)] = before[row, :, : len(record.tokens)]
+            for old, new in zip(before, (getattr(attention, name) for name in CACHE_NAMES)):
+                if old is None:  # no scales: not an int8 cache
+                    continue
+                for row, record in kept.items():
+                    new[row, :, : len(record.tokens)] = old[row, :, : len(record.tokens)]
         self.max_batch, self.max_seq = batch, max_seq
         self.held = kept
 

@@ -12,7 +12,8 @@ frees its slot, and its decoding stops at its next step (a stream's when its res
 whole completion's when its endpoint, watching the connection, sees it close).
 A malformed request, or one asking for what this server does not do (n > 1, logprobs, echo,
 best_of, presence or frequency penalties), gets HTTP 400 with an OpenAI-style JSON error; one
-that reaches a batcher already closed a 503; any other failure a JSON 500 (or, mid-stream, an error event before `[DONE]`). The server keeps serving.
+that reaches a batcher already closed a 503; any other failure a JSON 500 (or, mid-stream, an
+error event before `[DONE]`). The server keeps serving.
 """
 
 # No `from __future__ import annotations`: FastAPI reads the request models from the endpoint signatures.
