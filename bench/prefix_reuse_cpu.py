@@ -7,6 +7,11 @@ the whole conversation so far, as `slimlm chat` and OpenAI clients send it.
   one at a time   one conversation through Decoder.generate_ids (`slimlm chat`; `slimlm serve`
                   without a batcher)
   batched         four conversations at once through a ContinuousBatcher of 4 rows (`slimlm serve`)
+  more conversations than rows
+                  eight conversations at once through a ContinuousBatcher decoding four at a
+                  time, its cache of four rows (`slimlm serve --max-concurrent 4`) or eight
+                  (`--cache-rows 8`): with four, a row is usually given to another conversation
+                  before its own next turn arrives
   shared system   eight requests sent at once to a ContinuousBatcher of 8 rows, each a question
                   after the same system prompt of about 500 tokens (a reference passage)
 each with prefix reuse (the default) and without (`reuse_prefixes=False`). Reports per turn the
@@ -24,6 +29,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from typing import Optional
 
 import torch
 
@@ -43,6 +49,7 @@ REFERENCE_TOKENS = 450
 PARAMS = SamplingParams(max_new_tokens=64, ignore_eos=True)
 PASSAGE_TOKENS = 150
 CONVERSATIONS = 4  # batched
+CROWD, CROWD_TURNS = 8, 4  # more conversations than rows: conversations, turns each (decoding CONVERSATIONS at a time)
 
 
 def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
@@ -85,8 +92,11 @@ def one_at_a_time(model, tokenizer, texts: list[str], reuse: bool) -> list[dict]
     return chat.turns
 
 
-def batched(model, tokenizer, texts: list[list[str]], reuse: bool) -> list[list[dict]]:
-    batcher = ContinuousBatcher(Decoder(build_decoder(model, dtype=torch.bfloat16), tokenizer, reuse_prefixes=reuse), max_batch=len(texts), max_seq=2048)
+def batched(model, tokenizer, texts: list[list[str]], reuse: bool, max_batch: Optional[int] = None, cache_rows: Optional[int] = None) -> list[list[dict]]:
+    """Each conversation in `texts` sends its turns one after the other, all conversations at
+    once, through a batcher decoding `max_batch` (default: all) at a time."""
+    decoder = Decoder(build_decoder(model, dtype=torch.bfloat16), tokenizer, reuse_prefixes=reuse)
+    batcher = ContinuousBatcher(decoder, max_batch=max_batch or len(texts), max_seq=2048, cache_rows=cache_rows)
     chats = [Chat(tokenizer, own) for own in texts]
 
     def converse(chat: Chat) -> None:
@@ -102,7 +112,7 @@ def batched(model, tokenizer, texts: list[list[str]], reuse: bool) -> list[list[
     run_together(converse, [(chat,) for chat in chats])
     batcher.close()
     for turn in range(len(texts[0])):
-        print(f"batched, reuse {reuse}: turn {turn + 1}: first token {statistics.median(c.turns[turn]['first_token_ms'] for c in chats):.0f} ms median", flush=True)
+        print(f"batched, reuse {reuse}, {batcher.max_batch} at a time, {decoder.model.max_batch} rows: turn {turn + 1}: first token {statistics.median(c.turns[turn]['first_token_ms'] for c in chats):.0f} ms median", flush=True)
     return [chat.turns for chat in chats]
 
 
@@ -162,6 +172,13 @@ def table_row(name: str, turn: int, reused: list[dict], fresh: list[dict]) -> di
             "same_answers": sum(r["answer"] == f["answer"] for r, f in zip(reused, fresh)), "conversations": len(reused)}
 
 
+def crowd_row(turn: int, chats: list[list[dict]], rows: int) -> dict:
+    """Turn `turn` (1-based) of the more-conversations-than-rows run with `rows` cache rows (medians over conversations)."""
+    turns = [chat[turn - 1] for chat in chats]
+    return {"name": f"{len(chats)} conversations, {CONVERSATIONS} at a time, {rows} cache rows, turn {turn}", "cache_rows": rows,
+            **{key: statistics.median(t[key] for t in turns) for key in ("prompt_tokens", "cached_tokens", "first_token_ms")}}
+
+
 def write_plot(rows: list[dict]) -> None:
     figure, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharey=True)
     for axis, name in zip(axes, ("one at a time", "batched")):
@@ -198,7 +215,15 @@ def main() -> None:
     reference = tokenizer.decode(tokenizer(reference, add_special_tokens=False)["input_ids"][:REFERENCE_TOKENS])
     questions = [tokenizer.decode(tokenizer(text, add_special_tokens=False)["input_ids"][:24]) for text in spare[:SHARED_REQUESTS]]
     shared = [shared_system(model, tokenizer, reference, questions, reuse) for reuse in (False, True)]
-    summary = {"turns": options.turns, "conversations_batched": CONVERSATIONS, "shared_system_requests": SHARED_REQUESTS, "new_tokens": PARAMS.max_new_tokens, "threads": options.threads, "seconds": time.perf_counter() - started}
+    crowd_texts = passages(tokenizer, len(texts) + CROWD * CROWD_TURNS)[len(texts) :]
+    crowd_texts = [crowd_texts[CROWD_TURNS * i : CROWD_TURNS * (i + 1)] for i in range(CROWD)]
+    crowd, crowd_s = [], {}
+    for cache_rows in (CONVERSATIONS, CROWD):
+        begin = time.perf_counter()
+        chats = batched(model, tokenizer, crowd_texts, True, max_batch=CONVERSATIONS, cache_rows=cache_rows)
+        crowd_s[cache_rows] = time.perf_counter() - begin
+        crowd += [crowd_row(turn + 1, chats, cache_rows) for turn in range(CROWD_TURNS)]
+    summary = {"crowd_seconds": {f"{count}_rows": seconds for count, seconds in crowd_s.items()}, "turns": options.turns, "conversations_batched": CONVERSATIONS, "shared_system_requests": SHARED_REQUESTS, "new_tokens": PARAMS.max_new_tokens, "threads": options.threads, "seconds": time.perf_counter() - started}
     command = command_line("prefix_reuse_cpu.py", parser, options)
     machine = machine_info()
     lines = [
@@ -228,6 +253,14 @@ def main() -> None:
         "|---|---:|---:|---:|---:|---:|",
         *[f"| {r['name']} | {r['prompt_tokens']:.0f} | {r['cached_tokens']:.0f} | {r['first_token_ms']:.0f} | {r['first_token_max_ms']:.0f} | {r['seconds']:.1f} |" for r in shared],
         "",
+        f"{CROWD} conversations at once, {CROWD_TURNS} turns each (as above), through a batcher decoding {CONVERSATIONS} at a time (`slimlm serve --max-concurrent {CONVERSATIONS}`),"
+        f" its cache of {CONVERSATIONS} rows (the default) or {CROWD} (`--cache-rows {CROWD}`); all {CROWD * CROWD_TURNS} answers took"
+        f" {crowd_s[CONVERSATIONS]:.0f} s and {crowd_s[CROWD]:.0f} s:",
+        "",
+        "| run | prompt tokens | found in the cache or copied | ms from sending to the first piece (waiting for a free row included) |",
+        "|---|---:|---:|---:|",
+        *[f"| {r['name']} | {r['prompt_tokens']:.0f} | {r['cached_tokens']:.0f} | {r['first_token_ms']:.0f} |" for r in crowd],
+        "",
         "The second turn's first next-token logits, the first turn taken from the cache against the whole prompt prefilled (unquantized model in fp32; int4 in bf16):",
         "",
         "| activations | tokens from the cache | largest logit difference | largest logit | same top token |",
@@ -235,7 +268,7 @@ def main() -> None:
         *[f"| {g['activations']} | {g['cached_tokens']} | {g['max_logit_difference']:.2g} | {g['max_logit']:.1f} | {'yes' if g['same_argmax'] else 'no'} |" for g in gaps],
         "",
     ]
-    write_result("prefix_reuse_cpu", command, {"summary": summary, "rows": rows + shared, "logit_gaps": gaps}, lines)
+    write_result("prefix_reuse_cpu", command, {"summary": summary, "rows": rows + shared + crowd, "logit_gaps": gaps}, lines)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Continuous batching: requests join and leave the running batch between decode steps.
 
-One worker thread owns the decoder's cache, `max_batch` rows of it, one per sequence. Each
-loop: admit waiting requests into free rows, prefill one chunk of an admitted prompt into its
+One worker thread owns the decoder's cache, one row per sequence, up to `max_batch` of them
+at once. Each loop: admit waiting requests into free rows, prefill one chunk of an admitted prompt into its
 row (the earliest due, see `_admit`), then one decode step for every running sequence together
 (`Transformer.step_rows`: each at its own position), then hand each sequence's new token to its
 reader and free the rows that finished. A long answer never holds a short one back, a new
@@ -10,7 +10,8 @@ a step rather than by its whole prefill (`prefill_chunk`, as Sarathi-Serve and v
 prefill bound the stall). A request takes the free row holding its conversation's previous turn
 (`_choose_row`, `Decoder.reusable`); before each chunk it copies from any other row a longer
 start of its prompt that row holds (a system prompt another request has prefilled), and
-prefills only the rest.
+prefills only the rest. A cache of more rows than `max_batch` (`cache_rows`) keeps that many
+conversations' turns for their next ones, while no more than `max_batch` decode at once.
 A request whose reader goes away (`Submission.cancel`) leaves at the next step; one whose
 sampling fails gets the error alone, and the loop goes on serving the others. `close()` (or
 leaving a `with` block, or the interpreter's exit) stops the worker between two steps: a worker
@@ -84,17 +85,23 @@ class ContinuousBatcher:
     """`max_batch` sequences of up to `max_seq` tokens at once; `prefill_chunk`: prompt tokens
     prefilled between two decode steps (smaller: steadier answers while prompts arrive, a
     slower prefill; about 0.4 s of the default model on two laptop cores at 128), at most the
-    decoder's own `prefill_chunk`."""
+    decoder's own `prefill_chunk`. `cache_rows` (default `max_batch`): rows of the cache, each
+    `max_seq` slots; the rows no sequence is using keep what their last one left, for a next
+    turn that starts with it (with reuse_prefixes on), the one freed longest ago given up first."""
 
-    def __init__(self, decoder: Decoder, max_batch: int, max_seq: int, prefill_chunk: int = 128):
+    def __init__(self, decoder: Decoder, max_batch: int, max_seq: int, prefill_chunk: int = 128, cache_rows: Optional[int] = None):
+        cache_rows = max_batch if cache_rows is None else cache_rows
         if prefill_chunk < 1:
             raise SlimlmError(f"prefill_chunk={prefill_chunk} must be at least 1")
+        if not 1 <= max_batch <= cache_rows:
+            raise SlimlmError(f"max_batch={max_batch} and cache_rows={cache_rows}: a sequence needs a row of its own, so give 1 <= max_batch <= cache_rows")
         self.decoder = decoder
         self.model = decoder.model
+        self.max_batch = max_batch
         self.max_seq, self.prefill_chunk = max_seq, min(prefill_chunk, decoder.prefill_chunk)  # the decoder's bounds activation memory
         with decoder.lock:
-            self.model.setup_cache(max_batch, max_seq, decoder.cache_dtype)
-        self.free_rows = list(range(max_batch))
+            self.model.setup_cache(cache_rows, max_seq, decoder.cache_dtype)
+        self.free_rows = list(range(cache_rows))  # the one freed longest ago first
         self.waiting: "queue.Queue[Optional[_Sequence]]" = queue.Queue()
         self.prefilling: list[_Sequence] = []  # admitted, prompt not yet all in the cache; in order of admission
         self.running: list[_Sequence] = []
@@ -141,7 +148,7 @@ class ContinuousBatcher:
             try:
                 if not self.running and not self.prefilling:
                     self._admit(self.waiting.get())  # idle: sleep until a request arrives (or close() wakes it)
-                while self.free_rows and not self.waiting.empty():
+                while len(self.prefilling) + len(self.running) < self.max_batch and not self.waiting.empty():
                     self._admit(self.waiting.get_nowait())
                 if self.closed:
                     break

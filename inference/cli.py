@@ -238,11 +238,14 @@ def serve_command(args: Sequence[str]) -> None:
     parser.add_argument("--max-concurrent", type=int, default=8, help="requests admitted at once; more get HTTP 429")
     parser.add_argument("--prefill-chunk", type=int, default=128, help="prompt tokens prefilled between two decode steps: smaller keeps running answers steadier while long prompts arrive, larger prefills faster")
     parser.add_argument("--name", default=None, help="the model id clients see (default: the model's file or directory name)")
+    parser.add_argument("--cache-rows", type=int, default=None, help="rows of the key/value cache (default and least: --max-concurrent); each keeps its last conversation's tokens, so up to this many conversations continue from the cache (each row: --max-prompt-tokens plus --max-tokens-limit slots of memory)")
     parser.add_argument("--no-prefix-reuse", action="store_true", help="prefill every prompt whole: when clients must not learn (from usage.prompt_tokens_details.cached_tokens or timing) how other clients' prompts started")
     decoder_arguments(parser)
     options = parser.parse_args(args)
     if options.prefill_chunk < 1:
         parser.error(f"--prefill-chunk {options.prefill_chunk}: give at least 1 token")
+    if options.cache_rows is not None and options.cache_rows < options.max_concurrent:
+        parser.error(f"--cache-rows {options.cache_rows}: give at least --max-concurrent ({options.max_concurrent}), a row for each request decoding at once")
     try:
         import uvicorn
     except ImportError:
@@ -253,7 +256,9 @@ def serve_command(args: Sequence[str]) -> None:
     decoder = open_decoder(options.model, options)
     decoder.reuse_prefixes = not options.no_prefix_reuse
     limits = ServerLimits(options.max_prompt_tokens, options.max_tokens_limit, options.max_concurrent)
-    batcher = ContinuousBatcher(decoder, max_batch=options.max_concurrent, max_seq=min(options.max_prompt_tokens + options.max_tokens_limit, decoder.model.args.max_position_embeddings), prefill_chunk=options.prefill_chunk)
+    max_seq = min(options.max_prompt_tokens + options.max_tokens_limit, decoder.model.args.max_position_embeddings)
+    batcher = ContinuousBatcher(decoder, max_batch=options.max_concurrent, max_seq=max_seq, prefill_chunk=options.prefill_chunk, cache_rows=options.cache_rows)
+    print(f"slimlm serve: key/value cache of {decoder.model.max_batch} rows x {max_seq} slots, {decoder.model.cache_bytes() / 2**20:.0f} MiB", file=sys.stderr)
     name = options.name or options.model.rstrip("/").rsplit("/", 1)[-1].removesuffix(".gguf")
     with batcher:  # after uvicorn has let the open requests finish: the worker stops between steps
         uvicorn.run(create_app(decoder, name, limits, batcher), host=options.host, port=options.port, log_level="info")

@@ -330,16 +330,20 @@ class IncrementalText:
     is cut off the front). The window keeps what a tokenizer's decoder needs (a SentencePiece
     decoder drops the first token's leading space, a byte-level one needs a character's first
     bytes), and a long answer costs the same per token as a short one (decoding the whole list
-    each time grows with its length: 0.3 ms a token at 1,000 tokens)."""
+    each time grows with its length: 0.3 ms a token at 1,000 tokens). Special tokens, decoded
+    as nothing, never enter the window: a run of them would widen it token by token."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
+        self.skipped = {i for i in tokenizer.all_special_ids if tokenizer.decode([i], skip_special_tokens=True) == ""}
         self.ids: list[int] = []
         self.text = ""  # every piece handed out, joined
         self.start = 0  # the window's first token
         self.shown = 0  # tokens whose text has been handed out
 
     def add(self, token: int) -> str:
+        if token in self.skipped:
+            return ""
         self.ids.append(token)
         return self.piece(final=False)
 

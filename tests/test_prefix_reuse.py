@@ -140,3 +140,37 @@ def test_an_answer_stopped_by_its_client_can_be_continued(context_model, tiny_to
             list(stopped)  # it was stopped, not finished
         following = ids + answer[:10] + prompt(5, 9)
         check(list(batcher.submit(following, PARAMS))[-1], following, len(ids) + 10)
+
+
+@pytest.mark.parametrize("cache_rows", [1, 3])
+def test_cache_rows_beyond_the_batch_keep_more_conversations_for_their_next_turn(context_model, tiny_tokenizer, cache_rows):
+    """Three conversations take turns through a batcher decoding one at a time: with three cache
+    rows each next turn finds its own, with one the others have overwritten it."""
+    fresh = Decoder(build_decoder(context_model), tiny_tokenizer, reuse_prefixes=False)
+    with ContinuousBatcher(Decoder(build_decoder(context_model), tiny_tokenizer), max_batch=1, max_seq=128, prefill_chunk=8, cache_rows=cache_rows) as batcher:
+        firsts = [prompt(20, seed) for seed in (1, 2, 3)]
+        answers = [list(batcher.submit(ids, PARAMS))[-1] for ids in firsts]
+        for seed, (ids, answer) in enumerate(zip(firsts, answers)):
+            following = ids + answer.token_ids + prompt(5, 10 + seed)
+            *_, reply = batcher.submit(following, PARAMS)
+            assert reply.cached_tokens == (20 + len(answer.token_ids) - 1 if cache_rows == 3 else 0)
+            assert reply.token_ids == fresh.generate_ids([following], PARAMS)[0].token_ids
+
+
+def test_no_more_than_max_batch_sequences_decode_however_many_cache_rows(context_model, tiny_tokenizer):
+    batcher = ContinuousBatcher(Decoder(build_decoder(context_model), tiny_tokenizer), max_batch=2, max_seq=128, prefill_chunk=8, cache_rows=5)
+    busy, step_rows = [], batcher.model.step_rows
+
+    def counting(tokens, rows, positions):
+        busy.append(len(batcher.prefilling) + len(batcher.running))
+        return step_rows(tokens, rows, positions)
+
+    batcher.model.step_rows = counting
+    fresh = Decoder(build_decoder(context_model), tiny_tokenizer, reuse_prefixes=False)
+    submissions = [batcher.submit(prompt(20, seed), PARAMS) for seed in range(5)]
+    for seed, submission in enumerate(submissions):
+        assert list(submission)[-1].token_ids == fresh.generate_ids([prompt(20, seed)], PARAMS)[0].token_ids
+    assert max(busy) == 2
+    batcher.close()
+    with pytest.raises(SlimlmError, match="max_batch <= cache_rows"):
+        ContinuousBatcher(Decoder(build_decoder(context_model), tiny_tokenizer), max_batch=3, max_seq=128, cache_rows=2)

@@ -265,3 +265,12 @@ def test_concurrent_streams_are_batched_and_each_gets_its_own_answer(serve, tiny
         ids = tiny_tokenizer(text, add_special_tokens=False)["input_ids"]
         expected = decoder.generate_ids([ids], SamplingParams(max_new_tokens=16))[0].text
         assert answers[text] == (200, expected)
+
+
+def test_serve_refuses_fewer_cache_rows_than_concurrent_requests(tmp_path):
+    """Checked before the model loads: a row per request decoding at once."""
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "slimlm.cli", "serve", str(tmp_path), "--max-concurrent", "4", "--cache-rows", "2"], capture_output=True, text=True, cwd=tmp_path)
+    assert result.returncode == 2 and "--cache-rows 2: give at least --max-concurrent (4)" in result.stderr, result.stderr
