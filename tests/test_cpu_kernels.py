@@ -265,16 +265,16 @@ def test_decode_attention_never_reads_the_keys_of_hidden_slots():
 
 @needs_kernel
 @pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float32], ids=["int8", "fp32"])
-def test_decode_steps_attend_in_the_kernel_as_in_torch(tiny_model, cache_dtype):
+def test_decode_steps_attend_in_the_kernel_as_in_torch(context_model, cache_dtype):
     """The decoder's steps with the kernel against the same steps in torch's attention over the
     (dequantized) cache: left-padded rows (a mask per row) and continuous batching's rows at their own slots."""
-    kernel, dequantized = build_decoder(tiny_model), build_decoder(tiny_model)
+    kernel, dequantized = build_decoder(context_model), build_decoder(context_model)
     for decoder in (kernel, dequantized):
         decoder.setup_cache(2, 48, cache_dtype)
     assert all(block.attention.decode_kernel for block in kernel.layers)
     for block in dequantized.layers:
         block.attention.decode_kernel = False
-    vocab = tiny_model.config.vocab_size
+    vocab = context_model.config.vocab_size
     ids = torch.tensor([prompt_ids(30, vocab), prompt_ids(30, vocab, seed=1)])
     pad = torch.tensor([0, 5])
     with torch.no_grad():
@@ -288,21 +288,24 @@ def test_decode_steps_attend_in_the_kernel_as_in_torch(tiny_model, cache_dtype):
 
 @needs_kernel
 @pytest.mark.parametrize("bits", [4, 8])
-def test_decoder_with_int8_activations_runs_every_layer_in_the_kernel(tiny_model, tiny_tokenizer, tmp_path, bits):
-    model = quantized(tiny_model, tiny_tokenizer, tmp_path, bits=bits, group_size=64 if bits == 4 else None, targets=[r"model\.layers\.\d+\..*", "lm_head"])
+def test_decoder_with_int8_activations_runs_every_layer_in_the_kernel(context_model, tiny_tokenizer, tmp_path, bits):
+    """Every layer in slimlm's kernel, within a small KL of the weight-only decoder: measured
+    0.0016 (int4) and 0.0013 (int8); one layer's MLP output scaled by 0.9 gives 0.0053 and
+    0.0042 (on the default-init tiny model 3.5e-6: its layers barely move its logits)."""
+    model = quantized(context_model, tiny_tokenizer, tmp_path, bits=bits, group_size=64 if bits == 4 else None, targets=[r"model\.layers\.\d+\..*", "lm_head"])
     weight_only, w8a8 = build_decoder(model, dtype=torch.bfloat16), build_decoder(model, dtype=torch.bfloat16, int8_activations=True)
     assert describe_kernels(w8a8) == {f"int{bits}-int8act": 4 * model.config.num_hidden_layers, f"head: int{bits}-int8act": 1}
     assert w8a8.embedding.table is w8a8.output  # the tied head's codes serve the embedding: no second table
     if bits == 4:  # torch's int4 head cannot be read by rows: it keeps a second table
         assert w8a8.weight_bytes() < weight_only.weight_bytes()
     ids = torch.tensor([prompt_ids(24, model.config.vocab_size)])
-    torch.testing.assert_close(w8a8.embedding(ids), weight_only.embedding(ids), rtol=0.02, atol=1e-3)  # bf16 arithmetic in both
+    torch.testing.assert_close(w8a8.embedding(ids), weight_only.embedding(ids), rtol=0.02, atol=4e-3)  # bf16 arithmetic in both: a step is 0.004 at 0.5-1
     for decoder in (weight_only, w8a8):
         decoder.setup_cache(1, 32)
     with torch.no_grad():
         reference, rounded = weight_only(ids, 0).float().log_softmax(-1), w8a8(ids, 0).float().log_softmax(-1)
     kl = (reference.exp() * (reference - rounded)).sum(-1).mean()
-    assert 0 < kl < 1e-2
+    assert 0 < kl < 3e-3
 
 
 @needs_kernel

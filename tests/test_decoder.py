@@ -57,13 +57,13 @@ def hf_greedy(model, ids, new_tokens):
     return out[0, len(ids) :].tolist()
 
 
-def test_logits_match_transformers(tiny_model, tiny_tokenizer):
-    decoder = build_decoder(tiny_model)
+def test_logits_match_transformers(context_model, tiny_tokenizer):
+    decoder = build_decoder(context_model)
     decoder.setup_cache(1, 64)
-    ids = torch.tensor([prompt_ids(40, tiny_model.config.vocab_size)])
+    ids = torch.tensor([prompt_ids(40, context_model.config.vocab_size)])
     with torch.no_grad():
         ours = decoder(ids, 0, torch.zeros(1, dtype=torch.long))
-        torch.testing.assert_close(ours, tiny_model(ids).logits, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(ours, context_model(ids).logits, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("overrides", [{}, {"tie_word_embeddings": False}, {"model_type": "qwen2"}], ids=["llama", "untied", "qwen2-bias"])
@@ -84,8 +84,8 @@ def test_greedy_decoding_is_token_identical_to_transformers(tiny_tokenizer, over
 
 
 @pytest.mark.parametrize("params", [dict(bits=4, group_size=32), dict(bits=4, group_size=64, symmetric=False), dict(bits=8), dict(bits=8, symmetric=False), dict(bits=3, group_size=32)], ids=["int4-g32", "int4-g64-asym", "int8", "int8-asym", "int3-dequant"])
-def test_packed_kernels_match_the_dequantized_reference(tiny_model, tiny_tokenizer, tmp_path, params):
-    model = quantized(tiny_model, tiny_tokenizer, tmp_path, targets=[r"model\.layers\.\d+\..*", "lm_head"], **params)
+def test_packed_kernels_match_the_dequantized_reference(context_model, tiny_tokenizer, tmp_path, params):
+    model = quantized(context_model, tiny_tokenizer, tmp_path, targets=[r"model\.layers\.\d+\..*", "lm_head"], **params)
     fast, reference = build_decoder(model), build_decoder(model, kernels=False)
     kernels = describe_kernels(fast)
     expected = {4: "int4-tinygemm", 8: "int8-pack", 3: "dequant"}[params["bits"]]
@@ -110,11 +110,13 @@ def test_the_cache_is_allocated_once(tiny_model, tiny_tokenizer, cache_dtype, sl
     assert decoder.model.cache_bytes() == 2 * 2 * 1 * 2 * 50 * slot_bytes
 
 
-def test_an_int8_cache_stays_close_to_the_float_cache(tiny_model, tiny_tokenizer):
+def test_an_int8_cache_stays_close_to_the_float_cache(context_model, tiny_tokenizer):
     """Prefill and then decode token by token with each cache: the int8 cache's logits stay
-    within a small KL of the fp32 cache's at every step."""
-    decoders = {dtype: build_decoder(tiny_model) for dtype in (None, torch.int8)}
-    ids = prompt_ids(40, tiny_model.config.vocab_size)
+    within a small KL of the fp32 cache's at every step. Measured: at most 0.00095; codes
+    truncated instead of rounded give 0.0074, a 7-bit cache 0.0070 (on the default-init tiny
+    model even a 4-bit cache stayed under 1e-5: its layers barely move its logits)."""
+    decoders = {dtype: build_decoder(context_model) for dtype in (None, torch.int8)}
+    ids = prompt_ids(40, context_model.config.vocab_size)
     logits = {}
     with torch.no_grad():
         for dtype, decoder in decoders.items():
@@ -124,7 +126,7 @@ def test_an_int8_cache_stays_close_to_the_float_cache(tiny_model, tiny_tokenizer
             logits[dtype] = torch.cat(steps).log_softmax(-1)
     reference, rounded = logits[None], logits[torch.int8]
     kl = (reference.exp() * (reference - rounded)).sum(-1)
-    assert 0 < kl.max() < 1e-3
+    assert 0 < kl.max() < 3e-3
     assert decoders[torch.int8].layers[0].attention.k_cache.dtype == torch.int8
 
 
@@ -272,12 +274,12 @@ def test_the_compiled_decode_step_gives_the_same_tokens(context_model, tiny_toke
 
 
 @pytest.mark.parametrize("cache_dtype", [None, torch.int8], ids=["float-cache", "int8-cache"])
-def test_the_static_step_reads_the_whole_cache_as_the_growing_one_does(tiny_model, cache_dtype):
+def test_the_static_step_reads_the_whole_cache_as_the_growing_one_does(context_model, cache_dtype):
     """step_static (fixed shapes, slot as a tensor, every slot read under a mask) gives the
     logits of the ordinary step, for one row and for left-padded rows."""
-    decoder = build_decoder(tiny_model)
+    decoder = build_decoder(context_model)
     decoder.setup_cache(2, 48, cache_dtype)
-    ids = torch.tensor([prompt_ids(20, tiny_model.config.vocab_size), prompt_ids(20, tiny_model.config.vocab_size, seed=1)])
+    ids = torch.tensor([prompt_ids(20, context_model.config.vocab_size), prompt_ids(20, context_model.config.vocab_size, seed=1)])
     pad = torch.tensor([0, 5])
     with torch.no_grad():
         for rows in (ids[:1], ids):
