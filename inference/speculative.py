@@ -11,6 +11,10 @@ Proposers:
                  from the prompt (summaries, code edits, retrieval)
   draft model    a small model (e.g. a distilled student) decoding greedily from its own cache;
                  it must share the target's tokenizer
+
+Like plain decoding, a prompt that starts with what the target's (and the draft's) cache row
+holds prefills only the rest, and the row's contents are recorded when the generation ends: a
+conversation's next turn, or the same prompt decoded plainly first, is not computed again.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import torch
 
 from slimlm.errors import SlimlmError
 from slimlm.inference.decoder import Decoder, Generation
+from slimlm.inference.model import RowRecord
 from slimlm.inference.sampling import SamplingParams, greedy_tokens
 
 
@@ -64,9 +69,14 @@ class DraftProposer:
         self.draft = draft
         self.consumed = 0  # tokens of the sequence the draft's cache holds correctly
 
-    def start(self, max_seq: int) -> None:
+    def start(self, max_seq: int, prompt: Sequence[int]) -> None:
         self.draft.ensure_cache(1, max_seq)
-        self.consumed = 0
+        self.consumed = self.draft.reusable(0, prompt)
+
+    def remember(self, tokens: Sequence[int], prompt_length: int) -> None:
+        """Record the draft's row: the tokens it has consumed (their slots hold them; its own
+        guesses beyond were never judged)."""
+        self.draft.model.held[0] = RowRecord(list(tokens[: self.consumed]), min(prompt_length, self.consumed))
 
     def propose(self, tokens: Sequence[int], lookahead: int) -> list[int]:
         model = self.draft.model
@@ -108,40 +118,46 @@ def generate_speculative(
     with target.lock:
         target.ensure_cache(1, max_seq)
         if proposer is not None:
-            proposer.start(max_seq)
+            proposer.start(max_seq, prompt)
         started = time.perf_counter()
         tokens = list(prompt)
-        logits = target.prefill(torch.tensor([tokens], device=device))
+        cached = target.reusable(0, prompt)
+        logits = target.prefill(torch.tensor([tokens[cached:]], device=device), cached)
         next_token = int(greedy_tokens(logits))
         end_ids = target.end_ids(params)
         new: list[int] = []
         finished = False
-        while not finished:
-            if next_token in end_ids or len(new) >= params.max_new_tokens:
-                break
-            new.append(next_token)
-            tokens.append(next_token)
-            if len(new) >= params.max_new_tokens:
-                break
-            room = min(lookahead, params.max_new_tokens - len(new))
-            guesses = proposer.propose(tokens, room) if proposer is not None else lookup_proposal(tokens, room, ngram, min_ngram)
-            step = torch.tensor([[tokens[-1], *guesses]], device=device)
-            choices = greedy_tokens(model(step, len(tokens) - 1)[0]).tolist()  # target's choice after each position
-            stats.target_passes += 1
-            stats.proposed += len(guesses)
-            kept = 0
-            while kept < len(guesses) and guesses[kept] == choices[kept]:
-                kept += 1
-            stats.accepted += kept
-            for token in guesses[:kept]:
-                if token in end_ids or len(new) >= params.max_new_tokens:
-                    finished = True
+        try:
+            while not finished:
+                if next_token in end_ids or len(new) >= params.max_new_tokens:
                     break
-                new.append(token)
-                tokens.append(token)
-            next_token = choices[kept]
+                new.append(next_token)
+                tokens.append(next_token)
+                if len(new) >= params.max_new_tokens:
+                    break
+                room = min(lookahead, params.max_new_tokens - len(new))
+                guesses = proposer.propose(tokens, room) if proposer is not None else lookup_proposal(tokens, room, ngram, min_ngram)
+                step = torch.tensor([[tokens[-1], *guesses]], device=device)
+                choices = greedy_tokens(model(step, len(tokens) - 1)[0]).tolist()  # target's choice after each position
+                stats.target_passes += 1
+                stats.proposed += len(guesses)
+                kept = 0
+                while kept < len(guesses) and guesses[kept] == choices[kept]:
+                    kept += 1
+                stats.accepted += kept
+                for token in guesses[:kept]:
+                    if token in end_ids or len(new) >= params.max_new_tokens:
+                        finished = True
+                        break
+                    new.append(token)
+                    tokens.append(token)
+                next_token = choices[kept]
+        finally:  # every token of `new` but the last has been fed to the target (as a checked guess or its own choice)
+            target.remember(0, prompt, new)
+            if proposer is not None:
+                proposer.remember(tokens, len(prompt))
         stats.new_tokens = len(new)
         stats.seconds = time.perf_counter() - started
     text = target.tokenizer.decode(new, skip_special_tokens=True)
     reason = "length" if len(new) >= params.max_new_tokens else "stop"
-    return Generation(token_ids=new, text=text, finish_reason=reason, prompt_tokens=len(prompt)), stats
+    return Generation(token_ids=new, text=text, finish_reason=reason, prompt_tokens=len(prompt), cached_tokens=cached), stats

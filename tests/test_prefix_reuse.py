@@ -37,13 +37,13 @@ def test_a_conversation_prefills_only_its_new_turn(context_model, tiny_tokenizer
     check(second, len(first) + len(answer.token_ids) - 1)  # all but the answer's last token (chosen, never fed back)
     check(first[:20] + prompt(5, 3), 20)  # a prompt that leaves the conversation midway reuses what it shares
     check(first[:20] + prompt(5, 3), 24)  # the same prompt again: all but its last token
-    # a batch, speculative decoding and a new cache write row 0 without recording it: nothing is reused after them
+    # a batch and a new cache write row 0 without recording it: nothing is reused after them
     reusing.generate_ids([first, second], PARAMS)
-    check(first, 0)
-    generate_speculative(reusing, first, PARAMS)
     check(first, 0)
     reusing.model.setup_cache(1, 128, cache_dtype)
     check(first, 0)
+    generate_speculative(reusing, second, PARAMS)  # records what it fed to the row, as plain decoding does
+    check(second, len(second) - 1)
 
 
 def test_the_batcher_gives_a_request_the_row_holding_the_start_of_its_prompt(context_model, tiny_tokenizer):

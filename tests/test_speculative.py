@@ -40,6 +40,32 @@ def test_speculative_output_is_the_plain_greedy_output(context_model, tiny_token
         assert stats.accepted > 0  # a random model repeats itself: the lookup guesses it
 
 
+@pytest.mark.parametrize("draft_seed", [None, 5], ids=["prompt-lookup", "draft"])
+def test_speculative_decoding_prefills_only_what_the_caches_do_not_hold(context_model, tiny_tokenizer, draft_seed):
+    """A conversation's next turn, decoded speculatively, finds the previous turn in the target's
+    cache and in the draft's, and still gives the plain greedy output."""
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    fresh = Decoder(build_decoder(context_model), tiny_tokenizer, reuse_prefixes=False)
+    target = Decoder(build_decoder(context_model), tiny_tokenizer)
+    draft = None if draft_seed is None else Decoder(build_decoder(build_tiny_llama(len(tiny_tokenizer), seed=draft_seed, initializer_range=0.2)), tiny_tokenizer)
+    starts = []  # where each of the draft's prefills began
+    if draft is not None:
+        prefill = draft.prefill
+        draft.prefill = lambda tokens, start=0, *rest, **kw: starts.append(start) or prefill(tokens, start, *rest, **kw)
+    ids = prompt(20, 1)
+    first, _ = generate_speculative(target, ids, params, draft=draft)
+    following = ids + first.token_ids + prompt(6, 2)
+    held = len(draft.model.held[0].tokens) if draft is not None else 0  # what the draft consumed: the prompt and the answer as far as it last guessed
+    starts.clear()
+    reply, _ = generate_speculative(target, following, params, draft=draft)
+    assert (first.cached_tokens, reply.cached_tokens) == (0, len(ids) + len(first.token_ids) - 1)
+    assert reply.token_ids == fresh.generate_ids([following], params)[0].token_ids
+    if draft is not None:
+        assert len(ids) < held and starts[0] == held
+    plain = target.generate_ids([following], params)[0]  # and plain decoding finds what speculative decoding left
+    assert plain.cached_tokens == len(following) - 1 and plain.token_ids == reply.token_ids
+
+
 def test_speculative_bad_input_is_refused(context_model, tiny_tokenizer):
     target = Decoder(build_decoder(context_model), tiny_tokenizer)
     with pytest.raises(SlimlmError, match="temperature 0"):
