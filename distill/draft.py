@@ -22,8 +22,8 @@ from slimlm.inference.speculative import generate_speculative
 
 @torch.inference_mode()
 def draft_report(teacher: nn.Module, student: nn.Module, tokenizer, prompts: list[list[int]], new_tokens: int = 48, lookahead: int = 4) -> dict:
-    target = Decoder(build_decoder(teacher, dtype=torch.float32), tokenizer)
-    draft = Decoder(build_decoder(student, dtype=torch.float32), tokenizer)
+    target = Decoder(build_decoder(teacher, dtype=torch.float32), tokenizer, reuse_prefixes=False)  # both ways prefill each prompt whole
+    draft = Decoder(build_decoder(student, dtype=torch.float32), tokenizer, reuse_prefixes=False)
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     target.generate_ids([prompts[0]], params)  # warm-up: both caches allocated once
     generate_speculative(target, prompts[0], params, draft=draft, lookahead=lookahead)

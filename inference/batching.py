@@ -201,7 +201,7 @@ class ContinuousBatcher:
             sequence.prefilled = sequence.cached = self.decoder.reusable(sequence.row, sequence.ids)
             sequence.due = self.chunks - (self._known_start(sequence)[1] - len(sequence.ids)) // self.prefill_chunk  # ceil: the chunks it will compute
             sequence.seen, sequence.generator = sampling_state([sequence.ids], sequence.params, self.model.args.vocab_size, self.decoder.device)
-            sequence.text = IncrementalText(self.decoder.tokenizer)
+            sequence.text = IncrementalText(self.decoder.tokenizer, self.decoder.silent_ids)
             self.prefilling.append(sequence)
         except Exception as error:
             self._fail(sequence, error)

@@ -9,6 +9,7 @@ prefills only the rest (`Decoder.reusable`).
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 import time
@@ -86,6 +87,11 @@ class Decoder:
         self.last_stats: Optional[GenerationStats] = None
         self.step = model  # the decode step; compile_decode_step swaps in a compiled one
         self.lock = threading.Lock()  # one generation at a time owns the cache
+
+    @functools.cached_property
+    def silent_ids(self) -> frozenset[int]:
+        """What streamed text leaves out (IncrementalText); computed when text is first streamed."""
+        return silent_tokens(self.tokenizer)
 
     def compile_decode_step(self, static: Optional[bool] = None) -> None:
         """torch.compile the one-token decode step: the norms, RoPE and attention of each layer
@@ -252,7 +258,7 @@ class Decoder:
         gets text while later tokens are still being computed; text that could be the start of
         a stop string is held back until it is clear."""
         pieces: "queue.Queue[Optional[object]]" = queue.Queue()
-        detok = IncrementalText(self.tokenizer)
+        detok = IncrementalText(self.tokenizer, self.silent_ids)
         cancel = cancel or threading.Event()
 
         def on_token(row: int, token: int) -> None:
@@ -321,6 +327,16 @@ def _held_back(text: str, stops: Sequence[str]) -> int:
     return max((k for stop in stops for k in range(1, len(stop)) if text.endswith(stop[:k])), default=0)
 
 
+def silent_tokens(tokenizer) -> frozenset[int]:
+    """The special tokens that decoding with skip_special_tokens drops whatever surrounds them:
+    a fast tokenizer drops its added tokens marked special, a slow one its special ids; a
+    special id that is an ordinary piece to the tokenizer (a pad token set to "▁") is kept."""
+    candidates = set(tokenizer.all_special_ids) | {i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
+    plain = next(i for i in range(len(tokenizer)) if i not in candidates)
+    around = tokenizer.decode([plain, plain], skip_special_tokens=True)
+    return frozenset(i for i in candidates if tokenizer.decode([plain, i, plain], skip_special_tokens=True) == around)
+
+
 class IncrementalText:
     """Text of a growing token list, handed out as the new characters only; pieces that end in
     an incomplete UTF-8 character wait for the next token.
@@ -330,19 +346,19 @@ class IncrementalText:
     is cut off the front). The window keeps what a tokenizer's decoder needs (a SentencePiece
     decoder drops the first token's leading space, a byte-level one needs a character's first
     bytes), and a long answer costs the same per token as a short one (decoding the whole list
-    each time grows with its length: 0.3 ms a token at 1,000 tokens). Special tokens, decoded
-    as nothing, never enter the window: a run of them would widen it token by token."""
+    each time grows with its length: 0.3 ms a token at 1,000 tokens). `silent` tokens
+    (`silent_tokens`) never enter the window: a run of them would widen it token by token."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, silent: frozenset[int] = frozenset()):
         self.tokenizer = tokenizer
-        self.skipped = {i for i in tokenizer.all_special_ids if tokenizer.decode([i], skip_special_tokens=True) == ""}
+        self.silent = silent
         self.ids: list[int] = []
         self.text = ""  # every piece handed out, joined
         self.start = 0  # the window's first token
         self.shown = 0  # tokens whose text has been handed out
 
     def add(self, token: int) -> str:
-        if token in self.skipped:
+        if token in self.silent:
             return ""
         self.ids.append(token)
         return self.piece(final=False)

@@ -196,17 +196,24 @@ def metaspace_tokenizer():
 def test_incremental_text_pieces_join_to_the_decoded_text_decoding_a_bounded_window(tiny_tokenizer, kind):
     """Streamed pieces, token by token, are the text the whole list decodes to; a character split
     over several tokens comes out whole; each token decodes a few tokens, not the whole list."""
-    from slimlm.inference.decoder import IncrementalText
+    from slimlm.inference.decoder import IncrementalText, silent_tokens
 
     tokenizer = tiny_tokenizer if kind == "byte-level" else metaspace_tokenizer()
     text = "the story of a café — naïve 猫 and 🐕 dogs, " * 12
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     if kind == "metaspace":  # special tokens, decoded as nothing: one first, a run of them midway
         ids = [tokenizer.bos_token_id, *ids[:150], *[tokenizer.bos_token_id] * 40, *ids[150:]]
+        tokenizer.pad_token = "▁"  # a special id that the tokenizer decodes as an ordinary piece (a space)
+        assert silent_tokens(tokenizer) == {tokenizer.bos_token_id} and tokenizer.pad_token_id in tokenizer.all_special_ids
+        word = next(i for i in range(200, len(ids)) if tokenizer.convert_ids_to_tokens(ids[i]).startswith("▁"))
+        ids[word:word] = [tokenizer.pad_token_id]  # before a word: one more space in the text
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        assert text != tokenizer.decode([i for i in ids if i != tokenizer.pad_token_id], skip_special_tokens=True)
     longest = []
     decode = tokenizer.decode
+    silent = silent_tokens(tokenizer)
     tokenizer.decode = lambda window, **kw: longest.append(len(window)) or decode(window, **kw)
-    incremental = IncrementalText(tokenizer)
+    incremental = IncrementalText(tokenizer, silent)
     pieces = [incremental.add(token) for token in ids] + [incremental.flush()]
     tokenizer.decode = decode
     assert "".join(pieces) == incremental.text == decode(ids, skip_special_tokens=True) == text

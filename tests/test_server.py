@@ -267,10 +267,13 @@ def test_concurrent_streams_are_batched_and_each_gets_its_own_answer(serve, tiny
         assert answers[text] == (200, expected)
 
 
-def test_serve_refuses_fewer_cache_rows_than_concurrent_requests(tmp_path):
-    """Checked before the model loads: a row per request decoding at once."""
+def test_serve_refuses_cache_rows_it_could_not_use(tmp_path):
+    """Checked before the model loads: a row per request decoding at once, and extra rows only with prefix reuse."""
     import subprocess
     import sys
 
-    result = subprocess.run([sys.executable, "-m", "slimlm.cli", "serve", str(tmp_path), "--max-concurrent", "4", "--cache-rows", "2"], capture_output=True, text=True, cwd=tmp_path)
+    serve = lambda *options: subprocess.run([sys.executable, "-m", "slimlm.cli", "serve", str(tmp_path), *options], capture_output=True, text=True, cwd=tmp_path)  # noqa: E731
+    result = serve("--max-concurrent", "4", "--cache-rows", "2")
     assert result.returncode == 2 and "--cache-rows 2: give at least --max-concurrent (4)" in result.stderr, result.stderr
+    result = serve("--max-concurrent", "4", "--cache-rows", "8", "--no-prefix-reuse")
+    assert result.returncode == 2 and "only keeps conversations for prefix reuse" in result.stderr, result.stderr

@@ -26,7 +26,7 @@ def test_prompt_lookup_finds_the_latest_match_of_the_longest_ngram():
 @pytest.mark.parametrize("draft_seed", [None, 0, 5], ids=["prompt-lookup", "draft-is-target", "unrelated-draft"])
 def test_speculative_output_is_the_plain_greedy_output(context_model, tiny_tokenizer, draft_seed):
     params = SamplingParams(max_new_tokens=48, ignore_eos=True)
-    target = Decoder(build_decoder(context_model), tiny_tokenizer)
+    target = Decoder(build_decoder(context_model), tiny_tokenizer, reuse_prefixes=False)  # each prompt prefilled whole, after its plain decoding too
     draft = None if draft_seed is None else Decoder(build_decoder(build_tiny_llama(len(tiny_tokenizer), seed=draft_seed, initializer_range=0.2)), tiny_tokenizer)  # seed 0: the target itself
     for seed in range(3):
         ids = prompt(10, seed)
@@ -48,22 +48,51 @@ def test_speculative_decoding_prefills_only_what_the_caches_do_not_hold(context_
     fresh = Decoder(build_decoder(context_model), tiny_tokenizer, reuse_prefixes=False)
     target = Decoder(build_decoder(context_model), tiny_tokenizer)
     draft = None if draft_seed is None else Decoder(build_decoder(build_tiny_llama(len(tiny_tokenizer), seed=draft_seed, initializer_range=0.2)), tiny_tokenizer)
-    starts = []  # where each of the draft's prefills began
+    prefills = []  # the draft's: (first slot, tokens)
     if draft is not None:
         prefill = draft.prefill
-        draft.prefill = lambda tokens, start=0, *rest, **kw: starts.append(start) or prefill(tokens, start, *rest, **kw)
+        draft.prefill = lambda tokens, start=0, *rest, **kw: prefills.append((start, tokens.shape[1])) or prefill(tokens, start, *rest, **kw)
     ids = prompt(20, 1)
     first, _ = generate_speculative(target, ids, params, draft=draft)
     following = ids + first.token_ids + prompt(6, 2)
-    held = len(draft.model.held[0].tokens) if draft is not None else 0  # what the draft consumed: the prompt and the answer as far as it last guessed
-    starts.clear()
+    if draft is not None:  # the draft's row holds what it prefilled, up to its last prefill's end (its guesses beyond were never judged)
+        held = draft.model.held[0].tokens
+        assert len(ids) < len(held) == sum(prefills[-1]) and held == following[: len(held)]
+        prefills.clear()
     reply, _ = generate_speculative(target, following, params, draft=draft)
     assert (first.cached_tokens, reply.cached_tokens) == (0, len(ids) + len(first.token_ids) - 1)
     assert reply.token_ids == fresh.generate_ids([following], params)[0].token_ids
     if draft is not None:
-        assert len(ids) < held and starts[0] == held
+        assert prefills[0][0] == len(held)
     plain = target.generate_ids([following], params)[0]  # and plain decoding finds what speculative decoding left
     assert plain.cached_tokens == len(following) - 1 and plain.token_ids == reply.token_ids
+
+
+def test_a_speculative_answer_stopped_midway_can_be_continued(context_model, tiny_tokenizer):
+    """An answer interrupted between two passes (a client gone) leaves its row's record: the
+    next turn finds the tokens fed so far and decodes what a whole prefill would."""
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    fresh = Decoder(build_decoder(context_model), tiny_tokenizer, reuse_prefixes=False)
+    target = Decoder(build_decoder(context_model), tiny_tokenizer)
+    ids = prompt(20, 1)
+    answer = fresh.generate_ids([ids], params)[0].token_ids
+    forward, calls = target.model.forward, []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 4:  # the prefill, two passes, then the client goes
+            raise KeyboardInterrupt
+        return forward(*args, **kwargs)
+
+    target.model.forward = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        generate_speculative(target, ids, params)
+    target.model.forward = forward
+    held = target.model.held[0].tokens
+    assert len(ids) < len(held) and held == (ids + answer)[: len(held)]
+    following = ids + answer + prompt(6, 2)
+    reply, _ = generate_speculative(target, following, params)
+    assert reply.cached_tokens == len(held) and reply.token_ids == fresh.generate_ids([following], params)[0].token_ids
 
 
 def test_speculative_bad_input_is_refused(context_model, tiny_tokenizer):
