@@ -96,63 +96,79 @@ def open_decoder(model: str, options):
     return decoder
 
 
-def generate_command(args: Sequence[str]) -> None:
-    parser = argparse.ArgumentParser(prog="slimlm generate", description="Complete a prompt with the bundled decoder, streaming the text.")
-    parser.add_argument("model_or_prompt", nargs="+", help="[MODEL] PROMPT")
-    parser.add_argument("--no-chat-template", action="store_true", help="complete the raw text instead of a chat turn")
+def speculative_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-lookup", action="store_true", help="speculative decoding with guesses from the prompt's n-grams (greedy only)")
     parser.add_argument("--draft", default=None, help="speculative decoding with this draft model (same tokenizer; greedy only)")
     parser.add_argument("--lookahead", type=int, default=4, help="guesses checked per pass in speculative decoding")
+
+
+def check_speculative(parser: argparse.ArgumentParser, options) -> None:
+    """Refused before any model loads: speculative decoding here keeps the greedy output."""
+    if (options.prompt_lookup or options.draft) and options.temperature > 0:
+        parser.error("--prompt-lookup and --draft decode greedily (the output is plain greedy decoding's): drop --temperature")
+
+
+def generate_command(args: Sequence[str]) -> None:
+    from slimlm.inference.generate import prompt_ids
+
+    parser = argparse.ArgumentParser(prog="slimlm generate", description="Complete a prompt with the bundled decoder, streaming the text.")
+    parser.add_argument("model_or_prompt", nargs="+", help="[MODEL] PROMPT")
+    parser.add_argument("--no-chat-template", action="store_true", help="complete the raw text instead of a chat turn")
+    speculative_arguments(parser)
     sampling_arguments(parser)
     compile_argument(parser)
     options = parser.parse_args(args)
     if len(options.model_or_prompt) > 2:
         parser.error("give at most MODEL and PROMPT (quote the prompt)")
+    check_speculative(parser, options)
     model, prompt = (DEFAULT_MODEL, *options.model_or_prompt) if len(options.model_or_prompt) == 1 else options.model_or_prompt
     decoder = open_decoder(model, options)
-    if options.prompt_lookup or options.draft:
-        speculative(decoder, prompt, options)
-        return
-    results: list = []
-    for piece in decoder.stream(prompt, sampling_params(options), chat_template=not options.no_chat_template, results=results):
-        print(piece, end="", flush=True)
-    print()
-    print_stats(decoder, results)
+    draft = open_decoder(options.draft, options) if options.draft else None
+    stream_answer(decoder, prompt_ids(decoder.tokenizer, prompt, not options.no_chat_template)[0].tolist(), options, draft)
 
 
-def print_stats(decoder, results: list) -> None:
-    """One line on stderr after an answer: its tokens, decode speed, prefill time, and how much
-    of the prompt was already in the cache."""
-    if not results:  # ended by a stop string: the decoding was stopped, its statistics never written
-        return
-    stats = decoder.last_stats
-    cached = f", {results[0].cached_tokens} of {results[0].prompt_tokens} prompt tokens from the cache"
-    print(f"[{stats.decode_steps} tokens, {stats.decode_tok_s:.1f} tokens/s decoding, prefill {1000 * stats.prefill_s:.0f} ms{cached}]", file=sys.stderr)
-
-
-def speculative(decoder, prompt: str, options) -> None:
-    from slimlm.inference.generate import prompt_ids
+def stream_answer(decoder, ids: list[int], options, draft=None) -> str:
+    """Print the answer to the prompt `ids` as it is decoded (speculatively with --prompt-lookup
+    or --draft), then a line of statistics on stderr; returns the answer's text."""
     from slimlm.inference.speculative import generate_speculative
 
-    draft = open_decoder(options.draft, options) if options.draft else None
-    ids = prompt_ids(decoder.tokenizer, prompt, not options.no_chat_template)[0].tolist()
-    generation, stats = generate_speculative(decoder, ids, sampling_params(options), draft=draft, lookahead=options.lookahead)
-    print(generation.text)
-    print(
-        f"[{stats.new_tokens} tokens in {stats.target_passes} passes of the model, {stats.new_tokens / stats.seconds:.1f} tokens/s; "
-        f"{stats.accepted} of {stats.proposed} guesses accepted ({100 * stats.acceptance_rate:.0f}%)]",
-        file=sys.stderr,
-    )
+    params = sampling_params(options)
+    results: list = []
+    passes: list = []  # speculative decoding's statistics
+
+    def speculative(on_token):
+        generation, stats = generate_speculative(decoder, ids, params, draft=draft, lookahead=options.lookahead, on_token=on_token)
+        passes.append(stats)
+        return generation
+
+    answer = ""
+    for piece in decoder.stream_ids(ids, params, results, decode=speculative if options.prompt_lookup or draft is not None else None):
+        answer += piece
+        print(piece, end="", flush=True)
+    print()
+    if results:  # none when a stop string ended the answer: the decoding was stopped, its statistics never written
+        cached = f"{results[0].cached_tokens} of {results[0].prompt_tokens} prompt tokens from the cache"
+        if passes:
+            stats = passes[0]
+            print(f"[{stats.new_tokens} tokens in {stats.target_passes} passes of the model, {stats.new_tokens / stats.seconds:.1f} tokens/s; "
+                  f"{stats.accepted} of {stats.proposed} guesses accepted ({100 * stats.acceptance_rate:.0f}%), {cached}]", file=sys.stderr)
+        else:
+            stats = decoder.last_stats
+            print(f"[{stats.decode_steps} tokens, {stats.decode_tok_s:.1f} tokens/s decoding, prefill {1000 * stats.prefill_s:.0f} ms, {cached}]", file=sys.stderr)
+    return answer
 
 
 def chat_command(args: Sequence[str]) -> None:
     parser = argparse.ArgumentParser(prog="slimlm chat", description="A multi-turn chat with the bundled decoder, streaming each answer.")
     parser.add_argument("model", nargs="?", default=DEFAULT_MODEL)
     parser.add_argument("--system", default=None, help="a system message for the conversation")
+    speculative_arguments(parser)
     sampling_arguments(parser)
     compile_argument(parser)
     options = parser.parse_args(args)
+    check_speculative(parser, options)
     decoder = open_decoder(options.model, options)
+    draft = open_decoder(options.draft, options) if options.draft else None
     tokenizer = decoder.tokenizer
     if not getattr(tokenizer, "chat_template", None):
         raise SlimlmError(f"'{options.model}' has no chat template in its tokenizer; use slimlm generate --no-chat-template")
@@ -174,13 +190,7 @@ def chat_command(args: Sequence[str]) -> None:
             continue
         history.append({"role": "user", "content": line})
         text = tokenizer.apply_chat_template(system + history, tokenize=False, add_generation_prompt=True)
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        answer, results = "", []
-        for piece in decoder.stream_ids(ids, sampling_params(options), results):
-            answer += piece
-            print(piece, end="", flush=True)
-        print()
-        print_stats(decoder, results)
+        answer = stream_answer(decoder, tokenizer(text, add_special_tokens=False)["input_ids"], options, draft)
         history.append({"role": "assistant", "content": answer})
 
 

@@ -247,12 +247,20 @@ class Decoder:
 
         return self.stream_ids(prompt_ids(self.tokenizer, prompt, chat_template)[0].tolist(), params, results)
 
-    def stream_ids(self, ids: Sequence[int], params: SamplingParams, results: Optional[list[Generation]] = None, cancel: Optional[threading.Event] = None) -> Iterator[str]:
+    def stream_ids(
+        self,
+        ids: Sequence[int],
+        params: SamplingParams,
+        results: Optional[list[Generation]] = None,
+        cancel: Optional[threading.Event] = None,
+        decode: Optional[Callable[[TokenCallback], Generation]] = None,
+    ) -> Iterator[str]:
         """Text pieces of the completion of prompt `ids`, handed out as they are decoded; its
         Generation (why it ended, its tokens) goes to `results` when given, before the last piece
         is handed out (none when the reader stops early or a stop string ended it). Setting
         `cancel` (from any thread: the reader may be blocked waiting for a piece) stops the
-        decoding at its next token and ends the pieces.
+        decoding at its next token and ends the pieces. `decode`: the generation of `ids` to
+        run, handed the token callback (default: this decoder's own; e.g. speculative decoding).
 
         Runs the decode loop in a worker thread and passes each piece over a queue, so the caller
         gets text while later tokens are still being computed; text that could be the start of
@@ -270,7 +278,7 @@ class Decoder:
 
         def work() -> None:
             try:
-                generations = self.generate_ids([ids], params, on_token)
+                generations = [decode(on_token)] if decode is not None else self.generate_ids([ids], params, on_token)
                 if results is not None:
                     results.extend(generations)
                 rest = detok.flush()

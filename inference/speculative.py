@@ -26,7 +26,7 @@ from typing import Optional, Sequence
 import torch
 
 from slimlm.errors import SlimlmError
-from slimlm.inference.decoder import Decoder, Generation
+from slimlm.inference.decoder import Decoder, Generation, TokenCallback
 from slimlm.inference.model import RowRecord
 from slimlm.inference.sampling import SamplingParams, greedy_tokens
 
@@ -103,8 +103,10 @@ def generate_speculative(
     lookahead: int = 4,
     ngram: int = 3,
     min_ngram: int = 2,
+    on_token: Optional[TokenCallback] = None,
 ) -> tuple[Generation, SpeculativeStats]:
-    """Greedy generation of `prompt` by `target`, with guesses from `draft` or prompt lookup."""
+    """Greedy generation of `prompt` by `target`, with guesses from `draft` or prompt lookup;
+    `on_token` sees each token (row 0) as it is kept, a pass's accepted guesses one by one."""
     if not params.greedy:
         raise SlimlmError("speculative decoding here keeps the output identical to greedy decoding: use temperature 0")
     if lookahead < 1 or not 1 <= min_ngram <= ngram:
@@ -126,13 +128,19 @@ def generate_speculative(
         next_token = int(greedy_tokens(logits))
         end_ids = target.end_ids(params)
         new: list[int] = []
+
+        def keep(token: int) -> None:
+            new.append(token)
+            tokens.append(token)
+            if on_token is not None:
+                on_token(0, token)
+
         finished = False
         try:
             while not finished:
                 if next_token in end_ids or len(new) >= params.max_new_tokens:
                     break
-                new.append(next_token)
-                tokens.append(next_token)
+                keep(next_token)
                 if len(new) >= params.max_new_tokens:
                     break
                 room = min(lookahead, params.max_new_tokens - len(new))
@@ -149,8 +157,7 @@ def generate_speculative(
                     if token in end_ids or len(new) >= params.max_new_tokens:
                         finished = True
                         break
-                    new.append(token)
-                    tokens.append(token)
+                    keep(token)
                 next_token = choices[kept]
         finally:  # every token of `new` but the last has been fed to the target (as a checked guess or its own choice)
             target.remember(0, prompt, new)

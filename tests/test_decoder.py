@@ -252,6 +252,20 @@ def test_generate_and_chat_commands_stream_from_a_checkpoint(tiny_model_dir, tmp
     assert missing.returncode == 2 and missing.stderr.startswith("slimlm: error:")
 
 
+def test_chat_decodes_speculatively_and_refuses_sampling_with_it(tiny_model_dir, tmp_path):
+    import subprocess
+    import sys
+
+    run = lambda *args, **kw: subprocess.run([sys.executable, "-m", "slimlm.cli", *args], capture_output=True, text=True, cwd=tmp_path, **kw)  # noqa: E731
+    chat = run("chat", str(tiny_model_dir), "--max-new-tokens", "12", "--prompt-lookup", input="hello hello hello\nagain\n/exit\n")
+    assert chat.returncode == 0, chat.stderr
+    assert chat.stderr.count("passes of the model") == 2, chat.stderr
+    first_turn, second_turn = (int(n) for n in re.findall(r"(\d+) of \d+ prompt tokens from the cache", chat.stderr))
+    assert first_turn == 0 and second_turn > 0
+    sampling = run("generate", str(tiny_model_dir), "hi", "--prompt-lookup", "--temperature", "0.7")
+    assert sampling.returncode == 2 and "decode greedily" in sampling.stderr, sampling.stderr
+
+
 @pytest.mark.parametrize(
     "static, cache_dtype, attention_kernel",
     [(False, None, True), (True, None, True), (False, torch.int8, True), (False, None, False), (False, torch.int8, False)],

@@ -95,6 +95,21 @@ def test_a_speculative_answer_stopped_midway_can_be_continued(context_model, tin
     assert reply.cached_tokens == len(held) and reply.token_ids == fresh.generate_ids([following], params)[0].token_ids
 
 
+def test_speculative_decoding_streams_the_plain_text(context_model, tiny_tokenizer):
+    """Each kept token reaches `on_token` in order (a pass's accepted guesses one by one), so
+    `Decoder.stream_ids` streams a speculative answer as it streams a plain one."""
+    params = SamplingParams(max_new_tokens=32, ignore_eos=True)
+    target, draft = (Decoder(build_decoder(context_model), tiny_tokenizer) for _ in range(2))  # the target as its own draft: every guess kept
+    ids = prompt(10, 1)
+    seen = []
+    generation, stats = generate_speculative(target, ids, params, draft=draft, on_token=lambda row, token: seen.append(token))
+    assert seen == generation.token_ids and stats.tokens_per_pass > 4
+    plain = list(target.stream_ids(ids, params))
+    results = []
+    pieces = list(target.stream_ids(ids, params, results, decode=lambda on_token: generate_speculative(target, ids, params, draft=draft, on_token=on_token)[0]))
+    assert "".join(pieces) == "".join(plain) and len(pieces) > 1 and results[0].token_ids == generation.token_ids
+
+
 def test_speculative_bad_input_is_refused(context_model, tiny_tokenizer):
     target = Decoder(build_decoder(context_model), tiny_tokenizer)
     with pytest.raises(SlimlmError, match="temperature 0"):
