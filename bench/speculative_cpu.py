@@ -4,9 +4,10 @@ The default model at int8 (bundled decoder, bf16 activations, eager) answers pro
 to repeat or edit text it was given (where lookup guesses well) and an open question (where it
 guesses little). For each: the plain greedy tokens/s, the speculative tokens/s, the acceptance
 rate of the guesses, tokens per target pass, and whether the outputs are identical (they must be).
-Writes bench/results/speculative_cpu.{md,json}.
+With --temperature above 0 both sample (speculative sampling keeps the distribution, not the
+draws): bench/results/speculative_cpu_sampled.{md,json}. Writes bench/results/speculative_cpu.{md,json}.
 
-    python bench/speculative_cpu.py [--new-tokens 96 --lookahead 4 --repeats 3]
+    python bench/speculative_cpu.py [--new-tokens 96 --lookahead 4 --repeats 3 --temperature 0]
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--weights", choices=["int8", "fp32"], default="int8", help="int8 (bf16 activations, fast) or fp32 (fp32 activations, exact arithmetic)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above 0: both sample (seeded)")
     options = parser.parse_args()
     torch.set_num_threads(options.threads)
     started = time.perf_counter()
@@ -56,7 +58,8 @@ def main() -> None:
         decoder = Decoder(build_decoder(quantized_copy(cfg, dict(bits=8)), dtype=torch.bfloat16), tokenizer, reuse_prefixes=False)  # both ways prefill the whole prompt
     else:
         decoder = Decoder(build_decoder(loaded.model, dtype=torch.float32), tokenizer, reuse_prefixes=False)
-    params = SamplingParams(max_new_tokens=options.new_tokens)
+    params = SamplingParams(max_new_tokens=options.new_tokens, temperature=options.temperature, seed=0 if options.temperature > 0 else None)
+    sampled = not params.greedy
     rows = []
     for name, text in PROMPTS.items():
         ids = prompt_ids(tokenizer, text, chat_template=True)[0].tolist()
@@ -69,7 +72,7 @@ def main() -> None:
             start = time.perf_counter()
             fast, stats = generate_speculative(decoder, ids, params, lookahead=options.lookahead)
             fast_s.append(time.perf_counter() - start)
-        plain_tok_s = len(plain.token_ids) / statistics.median(plain_s)
+        plain_tok_s = len(plain.token_ids) / statistics.median(plain_s)  # sampled: each its own draws, so its own length
         fast_tok_s = stats.new_tokens / statistics.median(fast_s)
         rows.append({
             "name": name,
@@ -80,28 +83,29 @@ def main() -> None:
             "speedup": fast_tok_s / plain_tok_s,
             "acceptance_rate": stats.acceptance_rate,
             "tokens_per_pass": stats.tokens_per_pass,
-            "identical": fast.token_ids == plain.token_ids,
+            "identical": None if sampled else fast.token_ids == plain.token_ids,
             "completion": plain.text[:160],
         })
         print(f"{name}: {plain_tok_s:.1f} -> {fast_tok_s:.1f} tok/s, acceptance {stats.acceptance_rate:.2f}, identical {rows[-1]['identical']}", flush=True)
     summary = {"lookahead": options.lookahead, "repeats": options.repeats, "threads": options.threads, "seconds": time.perf_counter() - started}
     command = command_line("speculative_cpu.py", parser, options)
-    name = "speculative_cpu" if options.weights == "int8" else f"speculative_cpu_{options.weights}"
+    name = "speculative_cpu" + ("" if options.weights == "int8" else f"_{options.weights}") + ("_sampled" if sampled else "")
     machine = machine_info()
     lines = [
         f"# {name}",
         "",
         f"- command: `{command}`",
+        "- the same prompts decoded greedily: `speculative_cpu.md`" if sampled else
         f"- the same prompts with the other weights: `{'speculative_cpu_fp32.md' if options.weights == 'int8' else 'speculative_cpu.md'}` (`--weights {'fp32' if options.weights == 'int8' else 'int8'}`)",
         machine_line(machine, f"{options.threads} threads", summary["seconds"]),
-        f"- default model, {WEIGHTS[options.weights]} in the bundled decoder, eager; greedy, up to {options.new_tokens} new tokens, chat template; "
+        f"- default model, {WEIGHTS[options.weights]} in the bundled decoder, eager; {f'sampled at temperature {options.temperature:g} (seed 0)' if sampled else 'greedy'}, up to {options.new_tokens} new tokens, chat template; "
         f"prompt lookup with n-grams of 3 down to 2 tokens and {options.lookahead} guesses per pass; median of {options.repeats} runs",
         "",
         "| prompt | prompt tokens | new tokens | plain tok/s | speculative tok/s | speedup | acceptance | tokens per pass | identical output |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---|",
-        *[f"| {r['name']} | {r['prompt_tokens']} | {r['new_tokens']} | {r['plain_tok_s']:.1f} | {r['speculative_tok_s']:.1f} | {r['speedup']:.2f}x | {100 * r['acceptance_rate']:.0f}% | {r['tokens_per_pass']:.2f} | {'yes' if r['identical'] else 'NO'} |" for r in rows],
+        *[f"| {r['name']} | {r['prompt_tokens']} | {r['new_tokens']} | {r['plain_tok_s']:.1f} | {r['speculative_tok_s']:.1f} | {r['speedup']:.2f}x | {100 * r['acceptance_rate']:.0f}% | {r['tokens_per_pass']:.2f} | {'sampled' if r['identical'] is None else 'yes' if r['identical'] else 'NO'} |" for r in rows],
         "",
-        "Completions (plain greedy, first 160 characters):",
+        f"Completions (plain {'sampling' if sampled else 'greedy'}, first 160 characters):",
         "",
         *[f"- {r['name']}: {r['completion']!r}" for r in rows],
         "",

@@ -97,15 +97,9 @@ def open_decoder(model: str, options):
 
 
 def speculative_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--prompt-lookup", action="store_true", help="speculative decoding with guesses from the prompt's n-grams (greedy only)")
-    parser.add_argument("--draft", default=None, help="speculative decoding with this draft model (same tokenizer; greedy only)")
+    parser.add_argument("--prompt-lookup", action="store_true", help="speculative decoding with guesses from the prompt's n-grams (greedy: the same tokens; sampling: the same distribution)")
+    parser.add_argument("--draft", default=None, help="speculative decoding with this draft model (same tokenizer)")
     parser.add_argument("--lookahead", type=int, default=4, help="guesses checked per pass in speculative decoding")
-
-
-def check_speculative(parser: argparse.ArgumentParser, options) -> None:
-    """Refused before any model loads: speculative decoding here keeps the greedy output."""
-    if (options.prompt_lookup or options.draft) and options.temperature > 0:
-        parser.error("--prompt-lookup and --draft decode greedily (the output is plain greedy decoding's): drop --temperature")
 
 
 def generate_command(args: Sequence[str]) -> None:
@@ -120,7 +114,6 @@ def generate_command(args: Sequence[str]) -> None:
     options = parser.parse_args(args)
     if len(options.model_or_prompt) > 2:
         parser.error("give at most MODEL and PROMPT (quote the prompt)")
-    check_speculative(parser, options)
     model, prompt = (DEFAULT_MODEL, *options.model_or_prompt) if len(options.model_or_prompt) == 1 else options.model_or_prompt
     decoder = open_decoder(model, options)
     draft = open_decoder(options.draft, options) if options.draft else None
@@ -166,7 +159,6 @@ def chat_command(args: Sequence[str]) -> None:
     sampling_arguments(parser)
     compile_argument(parser)
     options = parser.parse_args(args)
-    check_speculative(parser, options)
     decoder = open_decoder(options.model, options)
     draft = open_decoder(options.draft, options) if options.draft else None
     tokenizer = decoder.tokenizer

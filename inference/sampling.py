@@ -88,15 +88,18 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     return logits.float().argmax(-1)
 
 
-def next_tokens(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor, generator: Optional[torch.Generator]) -> torch.Tensor:
-    """One token per row [batch] from the last position's logits [batch, vocab]."""
-    if params.greedy and params.repetition_penalty == 1.0:
-        return greedy_tokens(logits)
-    logits = penalize_repetition(logits.float(), seen, params.repetition_penalty)
-    if params.greedy:
-        return greedy_tokens(logits)
+def sampling_probabilities(logits: torch.Tensor, params: SamplingParams, seen: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The distribution [batch, vocab] (fp32) that sampling draws the next token from at a
+    temperature above 0: repetition penalty, temperature, top-k, top-p, softmax."""
+    logits = logits.float() if seen is None else penalize_repetition(logits.float(), seen, params.repetition_penalty)
     # Shifted so the largest is 0 before dividing: a tiny temperature then sends the others to
     # -inf and never the largest to +inf (whose softmax is NaN). Softmax ignores the shift.
     logits = logits - logits.amax(-1, keepdim=True)
-    logits = filter_top_k_top_p(logits / params.temperature, params.top_k, params.top_p)
-    return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
+    return filter_top_k_top_p(logits / params.temperature, params.top_k, params.top_p).softmax(-1)
+
+
+def next_tokens(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor, generator: Optional[torch.Generator]) -> torch.Tensor:
+    """One token per row [batch] from the last position's logits [batch, vocab]."""
+    if params.greedy:
+        return greedy_tokens(penalize_repetition(logits.float(), seen, params.repetition_penalty) if params.repetition_penalty != 1.0 else logits)
+    return torch.multinomial(sampling_probabilities(logits, params, seen), 1, generator=generator).squeeze(-1)

@@ -1,16 +1,24 @@
 """Speculative decoding: cheap guesses of the next few tokens, checked by the model in one pass.
 
-A proposer guesses up to `lookahead` tokens; the target model scores the last accepted token
-and the guesses together (one forward of length 1 + lookahead), keeps the guesses up to the
-first one its own greedy choice disagrees with, and adds its own token after them. The output
-is the target's greedy output, token for token; what changes is how many forward passes it takes.
+A proposer guesses up to `lookahead` tokens; the target model scores the last kept token and
+the guesses together (one forward of length 1 + lookahead) and keeps a prefix of the guesses,
+then adds one token of its own after them. What changes is how many forward passes the answer
+takes, not the answer:
+  greedy (temperature 0)  a guess is kept while it is the target's own choice there: the output
+                          is plain greedy decoding's, token for token (repetition penalty too)
+  sampling                a guess x is kept with probability min(1, p(x) / q(x)), p the target's
+                          sampling distribution there and q the proposer's; at the first one
+                          refused, the target's token is drawn from max(0, p - q), renormalized
+                          (Leviathan et al. 2023, Chen et al. 2023): every token is distributed
+                          as plain sampling's, though a seed gives other draws than plain sampling
 
 Proposers:
   prompt lookup  the tokens that followed the most recent earlier occurrence of the sequence's
                  last n-gram (n from `ngram` down to 2): free, and strong when the answer copies
-                 from the prompt (summaries, code edits, retrieval)
-  draft model    a small model (e.g. a distilled student) decoding greedily from its own cache;
-                 it must share the target's tokenizer
+                 from the prompt (summaries, code edits, retrieval); q puts all its mass on them
+  draft model    a small model (e.g. a distilled student) decoding from its own cache, greedily
+                 or sampling at the same temperature, top-k and top-p (without the repetition
+                 penalty); it must share the target's tokenizer
 
 Like plain decoding, a prompt that starts with what the target's (and the draft's) cache row
 holds prefills only the rest, and the row's contents are recorded when the generation ends: a
@@ -19,6 +27,7 @@ conversation's next turn, or the same prompt decoded plainly first, is not compu
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -28,7 +37,7 @@ import torch
 from slimlm.errors import SlimlmError
 from slimlm.inference.decoder import Decoder, Generation, TokenCallback
 from slimlm.inference.model import RowRecord
-from slimlm.inference.sampling import SamplingParams, greedy_tokens
+from slimlm.inference.sampling import SamplingParams, greedy_tokens, next_tokens, penalize_repetition, sampling_probabilities, sampling_state
 
 
 @dataclass
@@ -61,7 +70,7 @@ def lookup_proposal(tokens: Sequence[int], lookahead: int, ngram: int, min_ngram
 
 
 class DraftProposer:
-    """Greedy guesses from a draft model; its cache is kept in step with the accepted tokens."""
+    """Guesses from a draft model, greedy or sampled; its cache is kept in step with the kept tokens."""
 
     def __init__(self, draft: Decoder, target_vocab: int):
         if draft.model.args.vocab_size != target_vocab:
@@ -78,20 +87,43 @@ class DraftProposer:
         guesses beyond were never judged)."""
         self.draft.model.held[0] = RowRecord(list(tokens[: self.consumed]), min(prompt_length, self.consumed))
 
-    def propose(self, tokens: Sequence[int], lookahead: int) -> list[int]:
+    def propose(self, tokens: Sequence[int], lookahead: int, params: SamplingParams, generator: Optional[torch.Generator]) -> tuple[list[int], Optional[torch.Tensor]]:
+        """Up to `lookahead` guesses after `tokens`, and when sampling the distributions they
+        were drawn from [guesses, vocab]."""
         model = self.draft.model
         logits = self.draft.prefill(torch.tensor([list(tokens[self.consumed :])], device=self.draft.device), start=self.consumed)
         position = len(tokens)
-        guesses = []
+        guesses, drawn_from = [], []
         for _ in range(min(lookahead, model.max_seq - position)):
-            guess = int(greedy_tokens(logits))
+            if params.greedy:
+                guess = int(greedy_tokens(logits))
+            else:
+                drawn_from.append(sampling_probabilities(logits, params)[0])
+                guess = int(torch.multinomial(drawn_from[-1], 1, generator=generator))
             guesses.append(guess)
             if len(guesses) == lookahead or position + 1 > model.max_seq - 1:
                 break
             logits = model(torch.tensor([[guess]], device=self.draft.device), position)[:, -1]
             position += 1
         self.consumed = len(tokens)  # the guesses' slots are rewritten once the target has judged them
-        return guesses
+        return guesses, torch.stack(drawn_from) if drawn_from else None
+
+
+def judge(target_p: torch.Tensor, guesses: Sequence[int], draft_q: Optional[torch.Tensor], generator: Optional[torch.Generator]) -> tuple[int, int]:
+    """Speculative sampling's test of `guesses` against the target's distributions `target_p`
+    [guesses + 1, vocab] at each of their positions and after the last: how many are kept, and
+    the target's token after them. Guess i is kept with probability min(1, p(x) / q(x)), q the
+    distribution it was drawn from (`draft_q` [guesses, vocab]; None: all mass on the guess, as
+    prompt lookup proposes); at the first refused, the token is drawn from max(0, p - q)
+    renormalized, and after all kept from the last p: every token then follows p exactly."""
+    for i, guess in enumerate(guesses):
+        q = draft_q[i] if draft_q is not None else torch.nn.functional.one_hot(torch.tensor(guess, device=target_p.device), target_p.shape[-1]).to(target_p.dtype)
+        if float(torch.rand((), generator=generator, device=target_p.device)) * float(q[guess]) < float(target_p[i, guess]):
+            continue
+        rest = (target_p[i] - q).clamp(min=0)
+        rest = rest if float(rest.sum()) > 0 else target_p[i]  # p <= q everywhere: a refusal had probability 0 (rounding)
+        return i, int(torch.multinomial(rest, 1, generator=generator))
+    return len(guesses), int(torch.multinomial(target_p[len(guesses)], 1, generator=generator))
 
 
 @torch.inference_mode()
@@ -105,10 +137,9 @@ def generate_speculative(
     min_ngram: int = 2,
     on_token: Optional[TokenCallback] = None,
 ) -> tuple[Generation, SpeculativeStats]:
-    """Greedy generation of `prompt` by `target`, with guesses from `draft` or prompt lookup;
-    `on_token` sees each token (row 0) as it is kept, a pass's accepted guesses one by one."""
-    if not params.greedy:
-        raise SlimlmError("speculative decoding here keeps the output identical to greedy decoding: use temperature 0")
+    """Generation of `prompt` by `target` under `params` (greedy or sampled), with guesses from
+    `draft` or prompt lookup; `on_token` sees each token (row 0) as it is kept, a pass's
+    accepted guesses one by one."""
     if lookahead < 1 or not 1 <= min_ngram <= ngram:
         raise SlimlmError(f"lookahead ({lookahead}) must be at least 1 and 1 <= min_ngram ({min_ngram}) <= ngram ({ngram})")
     model, device = target.model, target.device
@@ -116,6 +147,7 @@ def generate_speculative(
     if max_seq > model.args.max_position_embeddings:
         raise SlimlmError(f"a prompt of {len(prompt)} tokens plus {params.max_new_tokens} new tokens exceeds the model's context of {model.args.max_position_embeddings}")
     proposer = DraftProposer(draft, model.args.vocab_size) if draft is not None else None
+    draft_params = dataclasses.replace(params, repetition_penalty=1.0)  # the draft's guesses need not follow it: the target judges them
     stats = SpeculativeStats()
     with target.lock:
         target.ensure_cache(1, max_seq)
@@ -123,48 +155,57 @@ def generate_speculative(
             proposer.start(max_seq, prompt)
         started = time.perf_counter()
         tokens = list(prompt)
+        seen, generator = sampling_state([prompt], params, model.args.vocab_size, device)
         cached = target.reusable(0, prompt)
         logits = target.prefill(torch.tensor([tokens[cached:]], device=device), cached)
-        next_token = int(greedy_tokens(logits))
+        next_token = int(next_tokens(logits, params, seen, generator))
         end_ids = target.end_ids(params)
         new: list[int] = []
 
-        def keep(token: int) -> None:
+        def keep(token: int) -> bool:
+            """Add a kept token; whether the answer ends with it (a stop string)."""
             new.append(token)
             tokens.append(token)
+            seen[0, token] = True
             if on_token is not None:
                 on_token(0, token)
+            return bool(params.stop) and target._hits_stop_string(new, params.stop)
 
         finished = False
         try:
             while not finished:
-                if next_token in end_ids or len(new) >= params.max_new_tokens:
-                    break
-                keep(next_token)
-                if len(new) >= params.max_new_tokens:
+                if next_token in end_ids or keep(next_token) or len(new) >= params.max_new_tokens:
                     break
                 room = min(lookahead, params.max_new_tokens - len(new))
-                guesses = proposer.propose(tokens, room) if proposer is not None else lookup_proposal(tokens, room, ngram, min_ngram)
+                guesses, draft_q = proposer.propose(tokens, room, draft_params, generator) if proposer is not None else (lookup_proposal(tokens, room, ngram, min_ngram), None)
                 step = torch.tensor([[tokens[-1], *guesses]], device=device)
-                choices = greedy_tokens(model(step, len(tokens) - 1)[0]).tolist()  # target's choice after each position
+                logits = model(step, len(tokens) - 1)[0]  # the target's next-token logits after each position
+                seen_before = None  # what the repetition penalty has seen at each position
+                if params.repetition_penalty != 1.0:
+                    seen_before = seen.repeat(len(guesses) + 1, 1)
+                    for i, guess in enumerate(guesses):
+                        seen_before[i + 1 :, guess] = True
+                    logits = penalize_repetition(logits.float(), seen_before, params.repetition_penalty)
+                if params.greedy:
+                    choices = greedy_tokens(logits).tolist()
+                    kept = 0
+                    while kept < len(guesses) and guesses[kept] == choices[kept]:
+                        kept += 1
+                    next_token = choices[kept]
+                else:
+                    kept, next_token = judge(sampling_probabilities(logits, params), guesses, draft_q, generator)  # penalized above
                 stats.target_passes += 1
                 stats.proposed += len(guesses)
-                kept = 0
-                while kept < len(guesses) and guesses[kept] == choices[kept]:
-                    kept += 1
                 stats.accepted += kept
                 for token in guesses[:kept]:
-                    if token in end_ids or len(new) >= params.max_new_tokens:
+                    if token in end_ids or keep(token) or len(new) >= params.max_new_tokens:
                         finished = True
                         break
-                    keep(token)
-                next_token = choices[kept]
         finally:  # every token of `new` but the last has been fed to the target (as a checked guess or its own choice)
             target.remember(0, prompt, new)
             if proposer is not None:
                 proposer.remember(tokens, len(prompt))
         stats.new_tokens = len(new)
         stats.seconds = time.perf_counter() - started
-    text = target.tokenizer.decode(new, skip_special_tokens=True)
     reason = "length" if len(new) >= params.max_new_tokens else "stop"
-    return Generation(token_ids=new, text=text, finish_reason=reason, prompt_tokens=len(prompt), cached_tokens=cached), stats
+    return target._finish(new, params, reason, len(prompt), cached), stats

@@ -7,7 +7,7 @@ from slimlm.errors import SlimlmError
 from slimlm.inference.build import build_decoder
 from slimlm.inference.decoder import Decoder
 from slimlm.inference.sampling import SamplingParams
-from slimlm.inference.speculative import generate_speculative, lookup_proposal
+from slimlm.inference.speculative import generate_speculative, judge, lookup_proposal
 from tests.conftest import build_tiny_llama
 
 
@@ -110,10 +110,53 @@ def test_speculative_decoding_streams_the_plain_text(context_model, tiny_tokeniz
     assert "".join(pieces) == "".join(plain) and len(pieces) > 1 and results[0].token_ids == generation.token_ids
 
 
+@pytest.mark.parametrize("proposal", ["draft", "lookup"])
+def test_speculative_sampling_draws_each_token_from_the_target_distribution(proposal):
+    """`judge` over many draws: the token it emits first (a kept guess, or its own draw after a
+    refused one) is distributed as the target's p, whatever distribution q proposed the guess."""
+    generator = torch.Generator().manual_seed(0)
+    p = torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05], [0.2, 0.2, 0.2, 0.2, 0.2]])
+    q = torch.tensor([[0.1, 0.1, 0.2, 0.3, 0.3]])
+    counts = torch.zeros(5)
+    draws = 20000
+    for _ in range(draws):
+        guess = int(torch.multinomial(q[0], 1, generator=generator)) if proposal == "draft" else 3
+        kept, token = judge(p, [guess], q if proposal == "draft" else None, generator)
+        counts[guess if kept else token] += 1
+    assert (counts / draws - p[0]).abs().max() < 0.015, counts / draws  # a guess always kept would follow q (0.1 for token 0; 0 with lookup)
+
+
+def test_speculative_greedy_decoding_keeps_the_repetition_penalty_and_stop_strings(context_model, tiny_tokenizer):
+    target = Decoder(build_decoder(context_model), tiny_tokenizer, reuse_prefixes=False)
+    draft = Decoder(build_decoder(build_tiny_llama(len(tiny_tokenizer), seed=5, initializer_range=0.2)), tiny_tokenizer)
+    ids = prompt(10, 3)
+    penalized = SamplingParams(max_new_tokens=40, ignore_eos=True, repetition_penalty=1.5)
+    plain = target.generate_ids([ids], penalized)[0]
+    assert plain.token_ids != target.generate_ids([ids], SamplingParams(max_new_tokens=40, ignore_eos=True))[0].token_ids  # the penalty matters here
+    for proposer in (None, draft):
+        assert generate_speculative(target, ids, penalized, draft=proposer)[0].token_ids == plain.token_ids
+    stop = tiny_tokenizer.decode(plain.token_ids[20:22])
+    stopped = SamplingParams(max_new_tokens=40, ignore_eos=True, repetition_penalty=1.5, stop=[stop])
+    expected = target.generate_ids([ids], stopped)[0]
+    for proposer in (None, draft):
+        generation, stats = generate_speculative(target, ids, stopped, draft=proposer)
+        assert (generation.text, generation.finish_reason) == (expected.text, "stop") and stats.new_tokens < 40
+
+
+def test_speculative_sampling_keeps_a_matching_drafts_guesses_and_repeats_with_a_seed(context_model, tiny_tokenizer):
+    target, draft = (Decoder(build_decoder(context_model), tiny_tokenizer) for _ in range(2))  # the target as its own draft: p = q up to rounding
+    params = SamplingParams(max_new_tokens=32, ignore_eos=True, temperature=0.8, top_k=50, seed=7)
+    ids = prompt(10, 4)
+    first, stats = generate_speculative(target, ids, params, draft=draft)
+    again, _ = generate_speculative(target, ids, params, draft=draft)
+    assert first.token_ids == again.token_ids and len(first.token_ids) == 32
+    assert stats.acceptance_rate > 0.9 and stats.tokens_per_pass > 3
+    other, _ = generate_speculative(target, ids, SamplingParams(max_new_tokens=32, ignore_eos=True, temperature=0.8, top_k=50, seed=8), draft=draft)
+    assert other.token_ids != first.token_ids
+
+
 def test_speculative_bad_input_is_refused(context_model, tiny_tokenizer):
     target = Decoder(build_decoder(context_model), tiny_tokenizer)
-    with pytest.raises(SlimlmError, match="temperature 0"):
-        generate_speculative(target, prompt(5), SamplingParams(temperature=0.8))
     other = Decoder(build_decoder(build_tiny_llama(128)), tiny_tokenizer)
     with pytest.raises(SlimlmError, match="share the target's tokenizer"):
         generate_speculative(target, prompt(5), SamplingParams(), draft=other)
