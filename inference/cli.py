@@ -96,10 +96,18 @@ def open_decoder(model: str, options):
     return decoder
 
 
+def positive(text: str) -> int:
+    """An argparse type: an integer of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: give at least 1")
+    return value
+
+
 def speculative_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-lookup", action="store_true", help="speculative decoding with guesses from the prompt's n-grams (greedy: the same tokens; sampling: the same distribution)")
     parser.add_argument("--draft", default=None, help="speculative decoding with this draft model (same tokenizer)")
-    parser.add_argument("--lookahead", type=int, default=4, help="guesses checked per pass in speculative decoding")
+    parser.add_argument("--lookahead", type=positive, default=4, help="guesses checked per pass in speculative decoding")
 
 
 def generate_command(args: Sequence[str]) -> None:
@@ -139,11 +147,11 @@ def stream_answer(decoder, ids: list[int], options, draft=None) -> str:
         answer += piece
         print(piece, end="", flush=True)
     print()
-    if results:  # none when a stop string ended the answer: the decoding was stopped, its statistics never written
+    if results:  # none when the stream saw a stop string before the decoding did (then stopped, its statistics never written)
         cached = f"{results[0].cached_tokens} of {results[0].prompt_tokens} prompt tokens from the cache"
         if passes:
             stats = passes[0]
-            print(f"[{stats.new_tokens} tokens in {stats.target_passes} passes of the model, {stats.new_tokens / stats.seconds:.1f} tokens/s; "
+            print(f"[{stats.new_tokens} tokens in {stats.target_passes} passes of the model, {stats.new_tokens / stats.seconds:.1f} tokens/s with the prefill; "
                   f"{stats.accepted} of {stats.proposed} guesses accepted ({100 * stats.acceptance_rate:.0f}%), {cached}]", file=sys.stderr)
         else:
             stats = decoder.last_stats
@@ -160,10 +168,10 @@ def chat_command(args: Sequence[str]) -> None:
     compile_argument(parser)
     options = parser.parse_args(args)
     decoder = open_decoder(options.model, options)
-    draft = open_decoder(options.draft, options) if options.draft else None
     tokenizer = decoder.tokenizer
     if not getattr(tokenizer, "chat_template", None):
         raise SlimlmError(f"'{options.model}' has no chat template in its tokenizer; use slimlm generate --no-chat-template")
+    draft = open_decoder(options.draft, options) if options.draft else None
     system = [{"role": "system", "content": options.system}] if options.system else []
     history: list[dict] = []
     print("slimlm chat: /reset clears the conversation, /exit (or Ctrl-D) leaves", file=sys.stderr)

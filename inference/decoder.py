@@ -257,7 +257,8 @@ class Decoder:
     ) -> Iterator[str]:
         """Text pieces of the completion of prompt `ids`, handed out as they are decoded; its
         Generation (why it ended, its tokens) goes to `results` when given, before the last piece
-        is handed out (none when the reader stops early or a stop string ended it). Setting
+        is handed out (none when the reader stops early, or sees a stop string before the
+        decoding does). Setting
         `cancel` (from any thread: the reader may be blocked waiting for a piece) stops the
         decoding at its next token and ends the pieces. `decode`: the generation of `ids` to
         run, handed the token callback (default: this decoder's own; e.g. speculative decoding).

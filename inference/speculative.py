@@ -116,14 +116,21 @@ def judge(target_p: torch.Tensor, guesses: Sequence[int], draft_q: Optional[torc
     distribution it was drawn from (`draft_q` [guesses, vocab]; None: all mass on the guess, as
     prompt lookup proposes); at the first refused, the token is drawn from max(0, p - q)
     renormalized, and after all kept from the last p: every token then follows p exactly."""
-    for i, guess in enumerate(guesses):
-        q = draft_q[i] if draft_q is not None else torch.nn.functional.one_hot(torch.tensor(guess, device=target_p.device), target_p.shape[-1]).to(target_p.dtype)
-        if float(torch.rand((), generator=generator, device=target_p.device)) * float(q[guess]) < float(target_p[i, guess]):
-            continue
-        rest = (target_p[i] - q).clamp(min=0)
-        rest = rest if float(rest.sum()) > 0 else target_p[i]  # p <= q everywhere: a refusal had probability 0 (rounding)
-        return i, int(torch.multinomial(rest, 1, generator=generator))
-    return len(guesses), int(torch.multinomial(target_p[len(guesses)], 1, generator=generator))
+    count, device = len(guesses), target_p.device
+    rows, index = torch.arange(count, device=device), torch.tensor(list(guesses), dtype=torch.long, device=device)
+    p_at = target_p[rows, index]
+    q_at = draft_q[rows, index] if draft_q is not None else torch.ones_like(p_at)
+    kept_each = (torch.rand(count, generator=generator, device=device) * q_at < p_at).tolist()  # one synchronization for all guesses
+    kept = kept_each.index(False) if False in kept_each else count
+    if kept == count:
+        return count, int(torch.multinomial(target_p[count], 1, generator=generator))
+    if draft_q is not None:
+        rest = (target_p[kept] - draft_q[kept]).clamp(min=0)
+    else:  # max(0, p - one-hot): p without the guess
+        rest = target_p[kept].clone()
+        rest[guesses[kept]] = 0
+    rest = rest if float(rest.sum()) > 0 else target_p[kept]  # p <= q everywhere: a refusal had probability 0 (rounding)
+    return kept, int(torch.multinomial(rest, 1, generator=generator))
 
 
 @torch.inference_mode()
@@ -146,6 +153,8 @@ def generate_speculative(
     max_seq = len(prompt) + params.max_new_tokens + lookahead + 1
     if max_seq > model.args.max_position_embeddings:
         raise SlimlmError(f"a prompt of {len(prompt)} tokens plus {params.max_new_tokens} new tokens exceeds the model's context of {model.args.max_position_embeddings}")
+    if draft is not None and not params.greedy and draft.device != device:
+        raise SlimlmError(f"speculative sampling draws the draft's guesses with the target's generator: put the draft on the target's device ({device}, not {draft.device})")
     proposer = DraftProposer(draft, model.args.vocab_size) if draft is not None else None
     draft_params = dataclasses.replace(params, repetition_penalty=1.0)  # the draft's guesses need not follow it: the target judges them
     stats = SpeculativeStats()
@@ -166,7 +175,8 @@ def generate_speculative(
             """Add a kept token; whether the answer ends with it (a stop string)."""
             new.append(token)
             tokens.append(token)
-            seen[0, token] = True
+            if params.repetition_penalty != 1.0:
+                seen[0, token] = True
             if on_token is not None:
                 on_token(0, token)
             return bool(params.stop) and target._hits_stop_string(new, params.stop)

@@ -112,18 +112,23 @@ def test_speculative_decoding_streams_the_plain_text(context_model, tiny_tokeniz
 
 @pytest.mark.parametrize("proposal", ["draft", "lookup"])
 def test_speculative_sampling_draws_each_token_from_the_target_distribution(proposal):
-    """`judge` over many draws: the token it emits first (a kept guess, or its own draw after a
-    refused one) is distributed as the target's p, whatever distribution q proposed the guess."""
+    """`judge` over many draws of two guesses: the first token emitted (a kept guess, or its own
+    draw after a refused one) follows the target's p at its position, and so do the second
+    (when the first guess was kept) and the one after both guesses, whatever q proposed them."""
     generator = torch.Generator().manual_seed(0)
-    p = torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05], [0.2, 0.2, 0.2, 0.2, 0.2]])
-    q = torch.tensor([[0.1, 0.1, 0.2, 0.3, 0.3]])
-    counts = torch.zeros(5)
+    p = torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05], [0.05, 0.1, 0.15, 0.2, 0.5], [0.1, 0.5, 0.1, 0.1, 0.2]])
+    q = torch.tensor([[0.1, 0.1, 0.2, 0.3, 0.3], [0.3, 0.3, 0.2, 0.1, 0.1]])
+    counts = torch.zeros(3, 5)
     draws = 20000
     for _ in range(draws):
-        guess = int(torch.multinomial(q[0], 1, generator=generator)) if proposal == "draft" else 3
-        kept, token = judge(p, [guess], q if proposal == "draft" else None, generator)
-        counts[guess if kept else token] += 1
-    assert (counts / draws - p[0]).abs().max() < 0.015, counts / draws  # a guess always kept would follow q (0.1 for token 0; 0 with lookup)
+        guesses = [int(torch.multinomial(row, 1, generator=generator)) for row in q] if proposal == "draft" else [0, 4]
+        kept, token = judge(p, guesses, q if proposal == "draft" else None, generator)
+        emitted = [*guesses[:kept], token]
+        for position, emitted_token in enumerate(emitted):
+            counts[position, emitted_token] += 1
+    frequencies = counts / counts.sum(-1, keepdim=True)
+    assert (frequencies - p).abs().max() < 0.02, frequencies  # a guess always kept would follow q; a redraw from p, 0.09-0.15 off
+    assert counts[2].sum() > 2000  # both guesses kept often enough to see the third position's distribution
 
 
 def test_speculative_greedy_decoding_keeps_the_repetition_penalty_and_stop_strings(context_model, tiny_tokenizer):
@@ -135,6 +140,13 @@ def test_speculative_greedy_decoding_keeps_the_repetition_penalty_and_stop_strin
     assert plain.token_ids != target.generate_ids([ids], SamplingParams(max_new_tokens=40, ignore_eos=True))[0].token_ids  # the penalty matters here
     for proposer in (None, draft):
         assert generate_speculative(target, ids, penalized, draft=proposer)[0].token_ids == plain.token_ids
+    itself = Decoder(build_decoder(context_model), tiny_tokenizer)  # its guesses are kept until the penalty changes the target's choice within a pass
+    for seed in (0, 1, 3):
+        ids = prompt(10, seed)
+        expected = target.generate_ids([ids], penalized)[0].token_ids
+        generation, stats = generate_speculative(target, ids, penalized, draft=itself)
+        assert generation.token_ids == expected and stats.accepted > 0
+    ids = prompt(10, 3)
     stop = tiny_tokenizer.decode(plain.token_ids[20:22])
     stopped = SamplingParams(max_new_tokens=40, ignore_eos=True, repetition_penalty=1.5, stop=[stop])
     expected = target.generate_ids([ids], stopped)[0]
