@@ -245,17 +245,13 @@ def serve_command(args: Sequence[str]) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--max-prompt-tokens", type=int, default=4096)
     parser.add_argument("--max-tokens-limit", type=int, default=1024, help="the largest max_tokens a request may ask for")
-    parser.add_argument("--max-concurrent", type=int, default=8, help="requests admitted at once; more get HTTP 429")
-    parser.add_argument("--prefill-chunk", type=int, default=128, help="prompt tokens prefilled between two decode steps: smaller keeps running answers steadier while long prompts arrive, larger prefills faster")
+    parser.add_argument("--max-concurrent", type=positive, default=8, help="requests admitted at once; more get HTTP 429")
+    parser.add_argument("--prefill-chunk", type=positive, default=128, help="prompt tokens prefilled between two decode steps: smaller keeps running answers steadier while long prompts arrive, larger prefills faster")
     parser.add_argument("--name", default=None, help="the model id clients see (default: the model's file or directory name)")
     parser.add_argument("--cache-rows", type=int, default=None, help="rows of the key/value cache (default and least: --max-concurrent); each keeps its last conversation's tokens, so up to this many conversations continue from the cache (each row: --max-prompt-tokens plus --max-tokens-limit slots of memory, at most the model's context)")
     parser.add_argument("--no-prefix-reuse", action="store_true", help="prefill every prompt whole: when clients must not learn (from usage.prompt_tokens_details.cached_tokens or timing) how other clients' prompts started")
     decoder_arguments(parser)
     options = parser.parse_args(args)
-    if options.prefill_chunk < 1:
-        parser.error(f"--prefill-chunk {options.prefill_chunk}: give at least 1 token")
-    if options.max_concurrent < 1:
-        parser.error(f"--max-concurrent {options.max_concurrent}: give at least 1")
     if options.cache_rows is not None and options.cache_rows < options.max_concurrent:
         parser.error(f"--cache-rows {options.cache_rows}: give at least --max-concurrent ({options.max_concurrent}), a row for each request decoding at once")
     if options.cache_rows is not None and options.cache_rows > options.max_concurrent and options.no_prefix_reuse:

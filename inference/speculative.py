@@ -190,9 +190,8 @@ def generate_speculative(
                 guesses, draft_q = proposer.propose(tokens, room, draft_params, generator) if proposer is not None else (lookup_proposal(tokens, room, ngram, min_ngram), None)
                 step = torch.tensor([[tokens[-1], *guesses]], device=device)
                 logits = model(step, len(tokens) - 1)[0]  # the target's next-token logits after each position
-                seen_before = None  # what the repetition penalty has seen at each position
                 if params.repetition_penalty != 1.0:
-                    seen_before = seen.repeat(len(guesses) + 1, 1)
+                    seen_before = seen.repeat(len(guesses) + 1, 1)  # what the penalty has seen at each position
                     for i, guess in enumerate(guesses):
                         seen_before[i + 1 :, guess] = True
                     logits = penalize_repetition(logits.float(), seen_before, params.repetition_penalty)
