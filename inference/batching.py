@@ -1,21 +1,27 @@
 """Continuous batching: requests join and leave the running batch between decode steps.
 
 One worker thread owns the decoder's cache, one row per sequence, up to `max_batch` of them
-at once. Each loop: admit waiting requests into free rows, prefill one chunk of an admitted prompt into its
-row (the earliest due, see `_admit`), then one decode step for every running sequence together
-(`Transformer.step_rows`: each at its own position), then hand each sequence's new token to its
-reader and free the rows that finished. A long answer never holds a short one back, a new
-request starts once its prompt is in, and a long prompt delays the running answers by one chunk
-a step rather than by its whole prefill (`prefill_chunk`, as Sarathi-Serve and vLLM's chunked
-prefill bound the stall). A request takes the free row holding its conversation's previous turn
+at once. Each loop: admit waiting requests into free rows, then one forward pass
+(`Transformer.forward_segments`) that takes a decode step of every running sequence (each at
+its own position) together with up to `prefill_chunk` tokens of the admitted prompts (the
+earliest due first, see `_admit`; several short ones share a pass), then hand each sequence's
+new token to its reader and free the rows that finished. The weights are read once for the
+step and the prompts' chunks (Sarathi-Serve's stall-free batching, vLLM's chunked prefill): a
+long answer never holds a short one back, a new request starts once its prompt is in, and a
+long prompt slows the running answers by its chunk's share of a pass rather than stopping them
+for its whole prefill. A request takes the free row holding its conversation's previous turn
 (`_choose_row`, `Decoder.reusable`); before each chunk it copies from any other row a longer
 start of its prompt that row holds (a system prompt another request has prefilled), and
-prefills only the rest. A cache of more rows than `max_batch` (`cache_rows`) keeps that many
-conversations' turns for their next ones, while no more than `max_batch` decode at once.
-A request whose reader goes away (`Submission.cancel`) leaves at the next step; one whose
-sampling fails gets the error alone, and the loop goes on serving the others. `close()` (or
-leaving a `with` block, or the interpreter's exit) stops the worker between two steps: a worker
-still inside a torch op when Python exits aborts the whole process.
+prefills only the rest; a prompt whose next tokens another prompt in the same pass is
+computing waits for them to be copied. A cache of more rows than `max_batch` (`cache_rows`)
+keeps that many conversations' turns for their next ones, while no more than `max_batch`
+decode at once. With a `lookahead`, each running sequence's part of a pass carries prompt
+lookup's guesses of its next tokens after its last one, checked in that pass
+(`speculative.verify`): the same answers, several tokens a pass where an answer copies its
+prompt. A request whose reader goes away (`Submission.cancel`) leaves at the next
+step; one whose sampling fails gets the error alone, and the loop goes on serving the others.
+`close()` (or leaving a `with` block, or the interpreter's exit) stops the worker between two
+steps: a worker still inside a torch op when Python exits aborts the whole process.
 """
 
 from __future__ import annotations
@@ -31,7 +37,9 @@ import torch
 
 from slimlm.errors import SlimlmError
 from slimlm.inference.decoder import Decoder, Generation, IncrementalText, shared_start
+from slimlm.inference.model import Segment
 from slimlm.inference.sampling import SamplingParams, next_tokens, sampling_state
+from slimlm.inference.speculative import lookup_proposal, verify
 
 
 @dataclass
@@ -83,32 +91,42 @@ class Submission:
 
 class ContinuousBatcher:
     """`max_batch` sequences of up to `max_seq` tokens at once; `prefill_chunk`: prompt tokens
-    prefilled between two decode steps (smaller: steadier answers while prompts arrive, a
+    prefilled in a pass beside the running sequences' step (smaller: steadier answers while prompts arrive, a
     slower prefill; about 0.4 s of the default model on two laptop cores at 128), at most the
     decoder's own `prefill_chunk`. `cache_rows` (default `max_batch`): rows of the cache, each
     `max_seq` slots; the rows no sequence is using keep what their last one left, for a next
-    turn that starts with it (with reuse_prefixes on), the one freed longest ago given up first."""
+    turn that starts with it (with reuse_prefixes on), the one freed longest ago given up first.
+    `lookahead` > 0: each running sequence's step also checks up to that many guesses from prompt
+    lookup (`speculative.lookup_proposal`, n-grams of `ngram` tokens down to 2) and keeps those
+    the model agrees with (`speculative.verify`): the same tokens greedy, the same distribution
+    sampled, several tokens a pass where the answer copies its prompt."""
 
-    def __init__(self, decoder: Decoder, max_batch: int, max_seq: int, prefill_chunk: int = 128, cache_rows: Optional[int] = None):
+    def __init__(self, decoder: Decoder, max_batch: int, max_seq: int, prefill_chunk: int = 128, cache_rows: Optional[int] = None, lookahead: int = 0, ngram: int = 3):
         cache_rows = max_batch if cache_rows is None else cache_rows
         if prefill_chunk < 1:
             raise SlimlmError(f"prefill_chunk={prefill_chunk} must be at least 1")
+        if lookahead < 0 or ngram < 2:
+            raise SlimlmError(f"lookahead={lookahead} and ngram={ngram}: give lookahead >= 0 (0: no guesses) and ngram >= 2")
         if not 1 <= max_batch <= cache_rows:
             raise SlimlmError(f"max_batch={max_batch} and cache_rows={cache_rows}: a sequence needs a row of its own, so give 1 <= max_batch <= cache_rows")
         self.decoder = decoder
         self.model = decoder.model
         self.max_batch = max_batch
         self.max_seq, self.prefill_chunk = max_seq, min(prefill_chunk, decoder.prefill_chunk)  # the decoder's bounds activation memory
+        self.lookahead, self.ngram = lookahead, ngram
         with decoder.lock:
             self.model.setup_cache(cache_rows, max_seq, decoder.cache_dtype)
         self.free_rows = list(range(cache_rows))  # the one freed longest ago first
         self.waiting: "queue.Queue[Optional[_Sequence]]" = queue.Queue()
         self.prefilling: list[_Sequence] = []  # admitted, prompt not yet all in the cache; in order of admission
         self.running: list[_Sequence] = []
-        self.steps = 0  # decode steps taken (all running sequences at once)
-        self.step_s = 0.0  # seconds in them (prefills aside)
+        self.passes = 0  # forward passes taken
+        self.decoded = 0  # tokens decoded by them (each sequence's first token aside: its prefill gives it)
+        self.chunks = 0  # passes that prefilled prompt tokens
+        self.steps = 0  # passes that only decoded (all running sequences at once, no prompt beside them)
+        self.step_s = 0.0  # seconds in them
         self.step_tokens = 0  # tokens they decoded
-        self.chunks = 0  # prefill chunks taken
+        self.proposed = self.accepted = 0  # prompt-lookup guesses checked, and kept
         self.closed = False
         self._submitting = threading.Lock()  # a request is queued before close() or refused after it, never lost between
         self.worker = threading.Thread(target=self._loop, daemon=True, name="slimlm-batcher")
@@ -154,12 +172,10 @@ class ContinuousBatcher:
                     break
                 for sequence in [s for s in (*self.prefilling, *self.running) if s.cancelled]:
                     self._fail(sequence, SlimlmError("the request was cancelled"))
-                if self.prefilling:
-                    self._prefill_chunk(min(self.prefilling, key=lambda s: s.due))  # ties: the earliest admitted
-                if self.running:
-                    self._step()
-            except Exception as error:  # the step itself failed: every running reader learns of it; the loop goes on
-                for sequence in list(self.running):
+                if self.prefilling or self.running:
+                    self._pass()
+            except Exception as error:  # the pass itself failed: every reader in it learns of it; the loop goes on
+                for sequence in [*self.running, *self.prefilling]:
                     self._fail(sequence, error)
         closing = BatcherClosed("the batcher was closed before this request finished")
         for sequence in [*self.prefilling, *self.running]:
@@ -252,28 +268,88 @@ class ContinuousBatcher:
             sequence.cached += end - sequence.prefilled
             sequence.prefilled = end
 
+    def _chunks(self) -> list[tuple[_Sequence, list[int]]]:
+        """The prompt tokens this pass prefills: up to `prefill_chunk` of them, from the admitted
+        prompts earliest due first (ties: the earliest admitted), each after copying what another
+        row holds of it; a prompt that does not fit whole goes only first. A prompt waits a pass
+        when another one in it is computing its next tokens (a shared start, then copied rather
+        than computed twice)."""
+        chunks: list[tuple[_Sequence, list[int]]] = []
+        budget = self.prefill_chunk
+        for sequence in sorted(self.prefilling, key=lambda s: s.due):
+            if budget == 0:
+                break
+            try:
+                self._copy_known_start(sequence)
+            except Exception as error:
+                self._fail(sequence, error)
+                continue
+            if any(shared_start(other.ids[: other.prefilled + len(ids)], sequence.ids) > sequence.prefilled for other, ids in chunks):
+                continue
+            if chunks and len(sequence.ids) - sequence.prefilled > budget:  # a part of a prompt only opens a pass:
+                continue  # filling one up with it would make the prompts already in it wait longer for their first tokens
+            ids = sequence.ids[sequence.prefilled : sequence.prefilled + budget]
+            chunks.append((sequence, ids))
+            budget -= len(ids)
+        return chunks
+
     @torch.inference_mode()
-    def _prefill_chunk(self, sequence: _Sequence) -> None:
-        """The next `prefill_chunk` prompt tokens into the sequence's row (after copying what
-        another row holds of them); after the last, its first token, and it joins the running
-        batch."""
+    def _pass(self) -> None:
+        """One forward pass: a decode step of every running sequence and the prompt chunks
+        `_chunks` picks; a prompt all in takes its first token and joins the running batch."""
+        decoding, chunks = list(self.running), self._chunks()
+        guesses = [self._guesses(s) for s in decoding]
+        segments = [Segment(s.row, len(s.ids) + len(s.tokens) - 1, [s.tokens[-1], *g]) for s, g in zip(decoding, guesses)]
+        segments += [Segment(s.row, s.prefilled, ids) for s, ids in chunks]
+        if not segments:  # every prompt waiting for this pass failed its copy
+            return
+        begin = time.perf_counter()
         try:
-            self._copy_known_start(sequence)
-            start = sequence.prefilled
-            chunk = torch.tensor([sequence.ids[start : start + self.prefill_chunk]], device=self.decoder.device)
-            logits = self.decoder.prefill(chunk, start, first_row=sequence.row)  # one pass: the chunk is at most the decoder's
-            sequence.prefilled += chunk.shape[1]
-            self.chunks += 1
-            if sequence.prefilled == len(sequence.ids):
+            logits = self.model.forward_segments(segments, [1 + len(g) for g in guesses] + [1] * len(chunks))
+            if logits[0].is_cuda:
+                torch.cuda.synchronize(logits[0].device)  # the pass's time, not its launches'
+        except Exception as error:  # what it wrote lies beyond every record: the rows' contents stay as recorded
+            for sequence in [*decoding, *(s for s, _ in chunks)]:
+                self._fail(sequence, error)
+            return
+        seconds = time.perf_counter() - begin
+        self.passes, self.decoded, self.chunks = self.passes + 1, self.decoded + len(decoding), self.chunks + bool(chunks)
+        if not chunks:
+            self.steps, self.step_tokens, self.step_s = self.steps + 1, self.step_tokens + len(decoding), self.step_s + seconds
+        for sequence, ids in chunks:
+            sequence.prefilled += len(ids)
+        for sequence, logit, checked in zip([*decoding, *(s for s, _ in chunks)], logits, [*guesses, *([] for _ in chunks)]):
+            if sequence.prefilled < len(sequence.ids):  # a prompt not all in yet
+                continue
+            if sequence in self.prefilling:  # all in now: its first token, and it joins the running batch
                 self.prefilling.remove(sequence)
                 self.running.append(sequence)
-                self._take(sequence, logits)
-        except Exception as error:
-            self._fail(sequence, error)
+            try:
+                self._take(sequence, logit, checked)
+            except Exception as error:  # this request's sampling failed: the others go on
+                self._fail(sequence, error)
 
-    def _take(self, sequence: _Sequence, logits: torch.Tensor) -> None:
-        """Choose the sequence's next token from its logits [1, vocab]; emit it or finish."""
-        token = int(next_tokens(logits, sequence.params, sequence.seen, sequence.generator)[0])
+    def _guesses(self, sequence: _Sequence) -> list[int]:
+        """Prompt lookup's guesses of the sequence's next tokens (none without a lookahead),
+        no more than its answer has room for."""
+        room = min(self.lookahead, sequence.params.max_new_tokens - len(sequence.tokens))
+        return lookup_proposal(sequence.ids + sequence.tokens, room, self.ngram) if room > 0 else []
+
+    def _take(self, sequence: _Sequence, logits: torch.Tensor, guesses: list[int]) -> None:
+        """Choose the sequence's next tokens from its logits [1 + guesses, vocab] (after its last
+        token and after each guess): the guesses kept and the model's own token after them."""
+        if not guesses:
+            self._emit(sequence, int(next_tokens(logits, sequence.params, sequence.seen, sequence.generator)[0]))
+            return
+        kept, token = verify(logits, guesses, sequence.params, sequence.seen, sequence.generator)
+        self.proposed, self.accepted = self.proposed + len(guesses), self.accepted + kept
+        for chosen in [*guesses[:kept], token]:
+            self._emit(sequence, chosen)
+            if sequence.finish is not None:
+                break
+
+    def _emit(self, sequence: _Sequence, token: int) -> None:
+        """Give the sequence's reader its next token's text, or finish it."""
         sequence.seen[0, token] = True
         if token in self.decoder.end_ids(sequence.params):
             sequence.finish = "stop"
@@ -304,21 +380,3 @@ class ContinuousBatcher:
         stops = sequence.params.stop
         tail = sequence.text.text[-(len(piece) + max(map(len, stops), default=1) - 1) :]
         return any(stop in tail for stop in stops)
-
-    @torch.inference_mode()
-    def _step(self) -> None:
-        device = self.decoder.device
-        running = list(self.running)
-        tokens = torch.tensor([s.tokens[-1] for s in running], device=device)
-        rows = torch.tensor([s.row for s in running], device=device)
-        positions = torch.tensor([len(s.ids) + len(s.tokens) - 1 for s in running], device=device)
-        begin = time.perf_counter()
-        logits = self.model.step_rows(tokens, rows, positions)
-        if logits.is_cuda:
-            torch.cuda.synchronize(logits.device)  # the step's time, not its launches'
-        self.steps, self.step_tokens, self.step_s = self.steps + 1, self.step_tokens + len(running), self.step_s + time.perf_counter() - begin
-        for index, sequence in enumerate(running):
-            try:
-                self._take(sequence, logits[index : index + 1])
-            except Exception as error:  # this request's sampling failed: the others go on
-                self._fail(sequence, error)

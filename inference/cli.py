@@ -104,10 +104,14 @@ def positive(text: str) -> int:
     return value
 
 
-def speculative_arguments(parser: argparse.ArgumentParser) -> None:
+def prompt_lookup_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-lookup", action="store_true", help="speculative decoding with guesses from the prompt's n-grams (greedy: the same tokens; sampling: the same distribution)")
-    parser.add_argument("--draft", default=None, help="speculative decoding with this draft model (same tokenizer)")
     parser.add_argument("--lookahead", type=positive, default=4, help="guesses checked per pass in speculative decoding")
+
+
+def speculative_arguments(parser: argparse.ArgumentParser) -> None:
+    prompt_lookup_arguments(parser)
+    parser.add_argument("--draft", default=None, help="speculative decoding with this draft model (same tokenizer)")
 
 
 def generate_command(args: Sequence[str]) -> None:
@@ -246,10 +250,11 @@ def serve_command(args: Sequence[str]) -> None:
     parser.add_argument("--max-prompt-tokens", type=int, default=4096)
     parser.add_argument("--max-tokens-limit", type=int, default=1024, help="the largest max_tokens a request may ask for")
     parser.add_argument("--max-concurrent", type=positive, default=8, help="requests admitted at once; more get HTTP 429")
-    parser.add_argument("--prefill-chunk", type=positive, default=128, help="prompt tokens prefilled between two decode steps: smaller keeps running answers steadier while long prompts arrive, larger prefills faster")
+    parser.add_argument("--prefill-chunk", type=positive, default=128, help="prompt tokens prefilled per pass beside the running answers' step: smaller keeps running answers steadier while long prompts arrive, larger prefills faster")
     parser.add_argument("--name", default=None, help="the model id clients see (default: the model's file or directory name)")
     parser.add_argument("--cache-rows", type=int, default=None, help="rows of the key/value cache (default and least: --max-concurrent); each keeps its last conversation's tokens, so up to this many conversations continue from the cache (each row: --max-prompt-tokens plus --max-tokens-limit slots of memory, at most the model's context)")
     parser.add_argument("--no-prefix-reuse", action="store_true", help="prefill every prompt whole: when clients must not learn (from usage.prompt_tokens_details.cached_tokens or timing) how other clients' prompts started")
+    prompt_lookup_arguments(parser)
     decoder_arguments(parser)
     options = parser.parse_args(args)
     if options.cache_rows is not None and options.cache_rows < options.max_concurrent:
@@ -267,8 +272,10 @@ def serve_command(args: Sequence[str]) -> None:
     decoder.reuse_prefixes = not options.no_prefix_reuse
     limits = ServerLimits(options.max_prompt_tokens, options.max_tokens_limit, options.max_concurrent)
     max_seq = min(options.max_prompt_tokens + options.max_tokens_limit, decoder.model.args.max_position_embeddings)
-    batcher = ContinuousBatcher(decoder, max_batch=options.max_concurrent, max_seq=max_seq, prefill_chunk=options.prefill_chunk, cache_rows=options.cache_rows)
-    print(f"slimlm serve: key/value cache of {decoder.model.max_batch} rows x {max_seq} slots, {decoder.model.cache_bytes() / 2**20:.0f} MiB", file=sys.stderr)
+    lookahead = options.lookahead if options.prompt_lookup else 0
+    batcher = ContinuousBatcher(decoder, max_batch=options.max_concurrent, max_seq=max_seq, prefill_chunk=options.prefill_chunk, cache_rows=options.cache_rows, lookahead=lookahead)
+    guesses = f"; each step checks up to {lookahead} prompt-lookup guesses per request" if lookahead else ""
+    print(f"slimlm serve: key/value cache of {decoder.model.max_batch} rows x {max_seq} slots, {decoder.model.cache_bytes() / 2**20:.0f} MiB{guesses}", file=sys.stderr)
     name = options.name or options.model.rstrip("/").rsplit("/", 1)[-1].removesuffix(".gguf")
     with batcher:  # after uvicorn has let the open requests finish: the worker stops between steps
         uvicorn.run(create_app(decoder, name, limits, batcher), host=options.host, port=options.port, log_level="info")

@@ -12,7 +12,7 @@ only. An int8 cache stores each head's key or value vector as int8 codes with on
 over an fp32 or int8 cache in slimlm's own kernel (the codes read as stored); other steps
 dequantize what they read.
 Sequences of different lengths decoded together are left-padded: row b's tokens start at slot
-`pad[b]`, its RoPE positions count from there, and its queries never see the slots before it. For continuous batching (`step_rows`) every sequence owns a row and advances on its own.
+`pad[b]`, its RoPE positions count from there, and its queries never see the slots before it. For continuous batching (`forward_segments`) every sequence owns a row and advances on its own.
 """
 
 from __future__ import annotations
@@ -145,6 +145,30 @@ class RowRecord:
     prompt: int  # how many of them were that generation's prompt (the rest, its answer)
 
 
+@dataclass(frozen=True)
+class Segment:
+    """One sequence's part of a packed pass: `tokens` written to cache row `row` from slot `start`."""
+
+    row: int
+    start: int
+    tokens: list[int]
+
+
+@dataclass(frozen=True)
+class Segments:
+    """Where each token of a packed pass goes (`Transformer.forward_segments`): the first
+    `singles` are one-token segments (decode steps, attended together), the rest runs of
+    several tokens, each prefilled into its row."""
+
+    singles: int
+    single_rows: torch.Tensor  # [singles]
+    single_slots: torch.Tensor  # [singles]
+    single_mask: torch.Tensor  # [singles, 1, 1, single_end]
+    single_end: int
+    offsets: list[int]  # each run's first token in the pass
+    runs: list[tuple[int, torch.Tensor, torch.Tensor, int]]  # each run's row, slots, mask [1, 1, length, end] and end
+
+
 class Attention(nn.Module):
     """Grouped-query attention; q, k and v come from one fused projection."""
 
@@ -157,31 +181,49 @@ class Attention(nn.Module):
         self.attention_dtype = torch.float32  # what cached keys and values are read as
         self.decode_kernel = False  # whether decode steps attend in slimlm's CPU kernel
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, mask: Optional[torch.Tensor], end: int, rows: Union[torch.Tensor, int] = 0) -> torch.Tensor:
-        """`rows`: an int, the first of `batch` consecutive cache rows, all written at `slots`;
-        or a tensor, each sequence's own row for continuous batching (one token per row, `slots`
-        then holding each row's own slot)."""
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: Union[torch.Tensor, "Segments"], mask: Optional[torch.Tensor] = None, end: int = 0, first_row: int = 0) -> torch.Tensor:
+        """x [batch, length] written at `slots` of cache rows first_row..first_row+batch-1; or,
+        `slots` a `Segments`, x [1, tokens] packing several sequences' tokens, each written to
+        its own row at its own slots (`Transformer.forward_segments`)."""
         batch, length, _ = x.shape
         heads, kv_heads = self.n_heads, self.n_kv_heads
         qkv = self.qkv(x).view(batch, length, heads + 2 * kv_heads, self.head_dim)
         qk = rotate(qkv[:, :, : heads + kv_heads], cos, sin)  # q and k heads rotated in one go
         q, k = qk[:, :, :heads].transpose(1, 2), qk[:, :, heads:].transpose(1, 2)
         v = qkv[:, :, heads + kv_heads :].transpose(1, 2)
+        out = self.attend_segments(q, k, v, slots) if isinstance(slots, Segments) else self.attend(q, k, v, slots, mask, end, first_row)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, length, heads * self.head_dim).to(x.dtype))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, mask: Optional[torch.Tensor], end: int, rows: Union[torch.Tensor, int]) -> torch.Tensor:
+        """Write k and v [batch, kv_heads, length, head_dim] at `slots` of the cache rows and
+        attend q [batch, heads, length, head_dim] over the rows' slots up to `end` under `mask`.
+        `rows`: an int, the first of `batch` consecutive rows, all written at `slots`; or a
+        tensor, each sequence's own row (one token per row, `slots` then each row's own slot)."""
+        length, heads, kv_heads = q.shape[2], self.n_heads, self.n_kv_heads
         # The kernel reads each sequence's own row where it lies; torch's attention a gathered copy of the rows.
         kernel = length == 1 and self.decode_kernel
         every_row = kernel and not isinstance(rows, int)
         k_codes, k_scale = self.cached(self.k_cache, self.k_cache_scale, k, slots, end, rows, every_row)
         v_codes, v_scale = self.cached(self.v_cache, self.v_cache_scale, v, slots, end, rows, every_row)
         if kernel:  # the cache read as it is stored (inference/kernels/)
-            out = cpu_kernels.ops().decode_attention(q, k_codes, k_scale, v_codes, v_scale, mask, self.head_dim**-0.5, None if isinstance(rows, int) else rows)
-        else:
-            keys, values = from_cache(k_codes, k_scale, self.attention_dtype), from_cache(v_codes, v_scale, self.attention_dtype)
-            q = q.to(keys.dtype)  # fp32 on CPU (bf16 matmuls are slow there), the activations' dtype on GPUs
-            if length == 1:
-                out = self.attend_one(q, keys, values, mask)
-            else:
-                out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=heads != kv_heads)
-        return self.o_proj(out.transpose(1, 2).reshape(batch, length, heads * self.head_dim).to(x.dtype))
+            return cpu_kernels.ops().decode_attention(q, k_codes, k_scale, v_codes, v_scale, mask, self.head_dim**-0.5, None if isinstance(rows, int) else rows)
+        keys, values = from_cache(k_codes, k_scale, self.attention_dtype), from_cache(v_codes, v_scale, self.attention_dtype)
+        q = q.to(keys.dtype)  # fp32 on CPU (bf16 matmuls are slow there), the activations' dtype on GPUs
+        if length == 1:
+            return self.attend_one(q, keys, values, mask)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=heads != kv_heads)
+
+    def attend_segments(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: "Segments") -> torch.Tensor:
+        """Attention of a packed pass [1, heads, tokens, head_dim]: the one-token segments (packed
+        first) together as one decode step of their rows, each longer segment as a prefill of its row."""
+        n, parts = segments.singles, []
+        if n:
+            as_batch = [t[0, :, :n].transpose(0, 1)[:, :, None].contiguous() for t in (q, k, v)]  # [n, heads, 1, head_dim]
+            parts.append(self.attend(*as_batch, segments.single_slots, segments.single_mask, segments.single_end, segments.single_rows)[:, :, 0].transpose(0, 1)[None])
+        for offset, (row, slots, mask, end) in zip(segments.offsets, segments.runs):
+            span = slice(offset, offset + len(slots))
+            parts.append(self.attend(q[:, :, span], k[:, :, span], v[:, :, span], slots, mask, end, row))
+        return torch.cat([p.to(parts[0].dtype) for p in parts], dim=2) if len(parts) > 1 else parts[0]
 
     def cached(self, cache: torch.Tensor, scale: Optional[torch.Tensor], new: torch.Tensor, slots: torch.Tensor, end: int, rows: Union[torch.Tensor, int], every_row: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Write `new` [batch, kv_heads, length, head_dim] at `slots` of the cache rows; return
@@ -243,8 +285,8 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = feed_forward
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, mask: Optional[torch.Tensor], end: int, rows: Union[torch.Tensor, int] = 0) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin, slots, mask, end, rows)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: Union[torch.Tensor, "Segments"], mask: Optional[torch.Tensor] = None, end: int = 0, first_row: int = 0) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, slots, mask, end, first_row)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -363,24 +405,59 @@ class Transformer(nn.Module):
             x = x[:, -1:]
         return self.output(self.norm(x))
 
-    def step_rows(self, tokens: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """One decode step of independent sequences (continuous batching): sequence i sits in
-        cache row rows[i], its token tokens[i] goes to slot positions[i] (its own count of
-        tokens so far). Logits [n, vocab]."""
-        end = int(positions.max()) + 1
-        if end > self.max_seq:
-            raise SlimlmError(f"the cache holds {self.max_seq} slots per sequence; this step needs {end}")
-        angles = positions[:, None, None, None].float() * self.inv_freq
-        cos, sin = angles.cos().to(self.dtype), angles.sin().to(self.dtype)  # [n, 1, 1, head_dim/2]
-        keys = torch.arange(end, device=tokens.device)
+    def forward_segments(self, segments: list[Segment], logits_of: list[int]) -> list[torch.Tensor]:
+        """One pass over several sequences' tokens at once, each segment written to its own row at
+        its own slots: decode steps, prompts' prefill chunks and speculative guesses together,
+        so the weights are read once for all (continuous batching's mixed steps). The linear
+        layers see the tokens packed in one row, without padding; attention takes the one-token
+        segments as one batched decode step and each longer one on its own. `logits_of[i]`: how
+        many of segment i's last positions need next-token logits (1 for a prefill chunk or a
+        decode step, 1 + guesses to check guesses); returns them [logits_of[i], vocab] per segment."""
+        for segment, wanted in zip(segments, logits_of, strict=True):
+            if not 0 <= segment.row < self.max_batch or not segment.tokens or segment.start + len(segment.tokens) > self.max_seq:
+                raise SlimlmError(f"the cache holds {self.max_batch} sequences of {self.max_seq} slots; a segment of {len(segment.tokens)} tokens from slot {segment.start} of row {segment.row} does not fit")
+            if not 1 <= wanted <= len(segment.tokens):
+                raise SlimlmError(f"logits of {wanted} positions asked of a segment of {len(segment.tokens)} tokens")
+        for segment in segments:
+            self.held.pop(segment.row, None)  # rewritten from its start: known again when its generation ends (Decoder.remember)
+        order = sorted(range(len(segments)), key=lambda i: len(segments[i].tokens) > 1)  # one-token segments first
+        packed = [segments[i] for i in order]
+        device = self.inv_freq.device
+        singles = [s for s in packed if len(s.tokens) == 1]
+        single_slots = torch.tensor([s.start for s in singles], device=device)
+        single_end = max((s.start + 1 for s in singles), default=0)
+        offsets, runs, offset = [], [], len(singles)
+        for segment in packed[len(singles) :]:
+            slots = torch.arange(segment.start, segment.start + len(segment.tokens), device=device)
+            end = segment.start + len(segment.tokens)
+            offsets.append(offset)
+            runs.append((segment.row, slots, self.attention_mask(slots, None, end), end))
+            offset += len(segment.tokens)
+        where = Segments(len(singles), torch.tensor([s.row for s in singles], device=device), single_slots, self.rows_mask(single_slots, single_end), single_end, offsets, runs)
+        positions = torch.cat([single_slots, *(slots for _, slots, _, _ in runs)])
+        angles = positions[None, :, None, None].float() * self.inv_freq
+        cos, sin = angles.cos().to(self.dtype), angles.sin().to(self.dtype)  # [1, tokens, 1, head_dim/2]
+        x = self.embedding(torch.tensor([[t for s in packed for t in s.tokens]], device=device)).to(self.dtype)
+        for block in self.layers:
+            x = block(x, cos, sin, where)
+        wanted, end = [], 0
+        for i in order:
+            end += len(segments[i].tokens)
+            wanted.extend(range(end - logits_of[i], end))
+        logits = self.output(self.norm(x[0, torch.tensor(wanted, device=device)])).split([logits_of[i] for i in order])
+        by_segment: list[torch.Tensor] = [torch.empty(0)] * len(segments)
+        for i, part in zip(order, logits):
+            by_segment[i] = part
+        return by_segment
+
+    def rows_mask(self, positions: torch.Tensor, end: int) -> torch.Tensor:
+        """[n, 1, 1, end] booleans for one query per row at `positions`: its row's slots up to
+        itself (within the sliding window), broadcast over heads."""
+        keys = torch.arange(end, device=positions.device)
         visible = keys[None, :] <= positions[:, None]
         if self.args.sliding_window is not None:
             visible = visible & (keys[None, :] > positions[:, None] - self.args.sliding_window)
-        mask = visible[:, None, None, :]  # [n, 1, 1, end]: broadcast over heads
-        x = self.embedding(tokens[:, None]).to(self.dtype)
-        for block in self.layers:
-            x = block(x, cos, sin, positions, mask, end, rows)
-        return self.output(self.norm(x))[:, -1]
+        return visible[:, None, None, :]
 
     def attention_mask(self, slots: torch.Tensor, pad: Optional[torch.Tensor], end: int) -> torch.Tensor:
         """[batch or 1, 1, length, end] booleans: a query sees its own row's slots up to itself

@@ -133,6 +133,25 @@ def judge(target_p: torch.Tensor, guesses: Sequence[int], draft_q: Optional[torc
     return kept, int(torch.multinomial(rest, 1, generator=generator))
 
 
+def verify(logits: torch.Tensor, guesses: Sequence[int], params: SamplingParams, seen: Optional[torch.Tensor], generator: Optional[torch.Generator], draft_q: Optional[torch.Tensor] = None) -> tuple[int, int]:
+    """How many of `guesses` the target keeps, and its own token after them, from its next-token
+    `logits` [guesses + 1, vocab] after the last kept token and after each guess: greedy, a
+    guess is kept while it is the target's choice; sampling, by `judge`. The repetition penalty
+    sees at each position the tokens before it (`seen` [1, vocab]: those up to the last kept)."""
+    if params.repetition_penalty != 1.0:
+        seen_before = seen.repeat(len(guesses) + 1, 1)
+        for i, guess in enumerate(guesses):
+            seen_before[i + 1 :, guess] = True
+        logits = penalize_repetition(logits.float(), seen_before, params.repetition_penalty)
+    if not params.greedy:
+        return judge(sampling_probabilities(logits, params), guesses, draft_q, generator)
+    choices = greedy_tokens(logits).tolist()
+    kept = 0
+    while kept < len(guesses) and guesses[kept] == choices[kept]:
+        kept += 1
+    return kept, choices[kept]
+
+
 @torch.inference_mode()
 def generate_speculative(
     target: Decoder,
@@ -189,20 +208,7 @@ def generate_speculative(
                 room = min(lookahead, params.max_new_tokens - len(new))
                 guesses, draft_q = proposer.propose(tokens, room, draft_params, generator) if proposer is not None else (lookup_proposal(tokens, room, ngram, min_ngram), None)
                 step = torch.tensor([[tokens[-1], *guesses]], device=device)
-                logits = model(step, len(tokens) - 1)[0]  # the target's next-token logits after each position
-                if params.repetition_penalty != 1.0:
-                    seen_before = seen.repeat(len(guesses) + 1, 1)  # what the penalty has seen at each position
-                    for i, guess in enumerate(guesses):
-                        seen_before[i + 1 :, guess] = True
-                    logits = penalize_repetition(logits.float(), seen_before, params.repetition_penalty)
-                if params.greedy:
-                    choices = greedy_tokens(logits).tolist()
-                    kept = 0
-                    while kept < len(guesses) and guesses[kept] == choices[kept]:
-                        kept += 1
-                    next_token = choices[kept]
-                else:
-                    kept, next_token = judge(sampling_probabilities(logits, params), guesses, draft_q, generator)  # penalized above
+                kept, next_token = verify(model(step, len(tokens) - 1)[0], guesses, params, seen, generator, draft_q)
                 stats.target_passes += 1
                 stats.proposed += len(guesses)
                 stats.accepted += kept

@@ -12,6 +12,7 @@ import torch
 from slimlm.inference.batching import BatcherClosed, ContinuousBatcher
 from slimlm.inference.build import build_decoder
 from slimlm.inference.decoder import Decoder, Generation
+from slimlm.inference.model import Segment
 from slimlm.inference.sampling import SamplingParams
 
 
@@ -43,9 +44,33 @@ def test_requests_joining_at_different_times_get_their_solo_output(context_model
         expected = alone.generate_ids([ids], SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))[0]
         assert results[index].token_ids == expected.token_ids, index
     assert order.index(1) < order.index(0)  # the short answer left while the long one was still decoding
-    assert batcher.steps < sum(n for _, n in requests) - len(requests)  # steps were shared
-    assert batcher.step_tokens == sum(n for _, n in requests) - len(requests) and batcher.step_s > 0  # each first token comes from its prefill
+    assert batcher.passes < sum(n for _, n in requests) - len(requests)  # passes were shared
+    assert batcher.decoded == sum(n for _, n in requests) - len(requests)  # each first token comes from its prefill
+    assert 0 < batcher.step_tokens < batcher.decoded and batcher.step_s > 0  # some decoded beside prompt chunks, some alone
     assert sorted(batcher.free_rows) == [0, 1, 2]  # every row came back
+
+
+@pytest.mark.parametrize("cache_dtype", [None, torch.int8], ids=["float-cache", "int8-cache"])
+def test_a_packed_pass_matches_each_segment_run_on_its_own(context_model, tiny_tokenizer, cache_dtype):
+    """Decode steps, a prompt's chunk and a run of guesses in one packed pass (given out of
+    order) give the logits and cache contents of the same work done as separate passes."""
+    packed, separate = (build_decoder(context_model) for _ in range(2))
+    for model in (packed, separate):
+        model.setup_cache(4, 64, cache_dtype)
+        for row, length in ((0, 10), (1, 7), (2, 5)):
+            model(torch.tensor([prompt(length, row)]), 0, first_row=row)
+    chunk, run = prompt(12, 7), prompt(4, 8)
+    with torch.inference_mode():
+        got = packed.forward_segments([Segment(0, 10, [9]), Segment(3, 0, chunk), Segment(1, 7, run), Segment(2, 5, [11])], [1, 1, 4, 1])
+        expected = [separate(torch.tensor([[9]]), 10, first_row=0)[0], separate(torch.tensor([chunk]), 0, first_row=3)[0, -1:], separate(torch.tensor([run]), 7, first_row=1)[0], separate(torch.tensor([[11]]), 5, first_row=2)[0]]
+    for part, reference in zip(got, expected):
+        torch.testing.assert_close(part, reference, rtol=1e-4, atol=1e-4)
+    for mine, theirs in zip(packed.cache_tensors(), separate.cache_tensors()):
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=1 if mine.dtype == torch.int8 else 1e-5)  # packing changes the matmuls' summation order
+    with pytest.raises(Exception, match="a segment of 4 tokens from slot 62 of row 1 does not fit"):
+        packed.forward_segments([Segment(1, 62, run)], [1])
+    with pytest.raises(Exception, match="logits of 2 positions asked of a segment of 1 tokens"):
+        packed.forward_segments([Segment(1, 5, [3])], [2])
 
 
 def test_stop_strings_and_end_of_sequence_free_the_row(context_model, tiny_tokenizer):
@@ -83,17 +108,17 @@ def test_a_cancelled_request_leaves_at_the_next_step_and_a_failing_one_fails_alo
     assert len(generation.token_ids) == 40 and sorted(batcher.free_rows) == [0, 1]
 
 
-def test_a_long_prompt_goes_in_by_chunks_between_the_running_answers_steps(context_model, tiny_tokenizer):
-    """A 100-token prompt prefilled 8 tokens a loop: the answer already running takes a step
-    after each chunk instead of waiting for the whole prefill, and both decode as alone."""
+def test_a_long_prompt_goes_in_by_chunks_beside_the_running_answers_steps(context_model, tiny_tokenizer):
+    """A 100-token prompt prefilled 8 tokens a pass: the answer already running takes a step
+    in each pass with a chunk instead of waiting for the whole prefill, and both decode as alone."""
     alone = Decoder(build_decoder(context_model), tiny_tokenizer)
     batcher = ContinuousBatcher(Decoder(build_decoder(context_model), tiny_tokenizer), max_batch=2, max_seq=160, prefill_chunk=8)
     params = SamplingParams(max_new_tokens=48, ignore_eos=True)
     running = batcher.submit(prompt(5, 1), params)
     next(running)  # it is decoding
-    steps = batcher.steps
+    decoded, chunks = batcher.decoded, batcher.chunks
     *_, long_answer = batcher.submit(prompt(100, 2), SamplingParams(max_new_tokens=1, ignore_eos=True))
-    assert batcher.steps - steps >= 100 // 8  # a step of the running answer after each chunk
+    assert batcher.chunks - chunks == 13 and batcher.decoded - decoded >= 13  # a step of the running answer with each chunk
     *_, running_answer = running
     assert running_answer.token_ids == alone.generate_ids([prompt(5, 1)], params)[0].token_ids
     assert long_answer.token_ids == alone.generate_ids([prompt(100, 2)], SamplingParams(max_new_tokens=1, ignore_eos=True))[0].token_ids
@@ -101,6 +126,64 @@ def test_a_long_prompt_goes_in_by_chunks_between_the_running_answers_steps(conte
         ContinuousBatcher(alone, max_batch=1, max_seq=16, prefill_chunk=0)
     with pytest.raises(Exception, match="the prompt is empty"):
         batcher.submit([], params)
+
+
+def test_prompts_arriving_together_share_a_pass_unless_one_computes_anothers_start(context_model, tiny_tokenizer):
+    """Three short prompts admitted together are prefilled in one pass (the weights read once
+    for all) whose room left is not filled with part of a long prompt; of two that start alike,
+    the second waits a pass and copies the start the first computed instead of computing it
+    too. Every answer is as alone."""
+    alone = Decoder(build_decoder(context_model), tiny_tokenizer, reuse_prefixes=False)
+    params = SamplingParams(max_new_tokens=3, ignore_eos=True)
+    with ContinuousBatcher(Decoder(build_decoder(context_model), tiny_tokenizer), max_batch=6, max_seq=128, prefill_chunk=64) as batcher:
+        release, passes, forward_segments = threading.Event(), [], batcher.model.forward_segments
+
+        def held_back(segments, logits_of):  # the first pass waits until every request is queued
+            release.wait(timeout=60)
+            passes.append([(s.row, s.start, len(s.tokens)) for s in segments])
+            return forward_segments(segments, logits_of)
+
+        batcher.model.forward_segments = held_back
+        first = batcher.submit(prompt(6, 0), params)
+        while not batcher.prefilling:
+            time.sleep(0.001)
+        shared = prompt(30, 1)
+        prompts = [prompt(9, 2), prompt(12, 3), shared + prompt(5, 4), shared + prompt(5, 5), prompt(100, 6)]
+        submissions = [batcher.submit(ids, params) for ids in prompts]
+        release.set()
+        answers = [list(submission)[-1] for submission in (first, *submissions)]
+    for ids, answer in zip([prompt(6, 0), *prompts], answers):
+        assert answer.token_ids == alone.generate_ids([ids], params)[0].token_ids
+    assert passes[0] == [(0, 0, 6)]
+    assert passes[1][1:] == [(1, 0, 9), (2, 0, 12), (3, 0, 35)]  # the first prompt's step, then three prompts in one pass, not 8 tokens of the long one
+    assert passes[2][-1][1:] == (30, 5) and answers[4].cached_tokens == 30  # the fourth copied the shared start, prefilled the rest
+
+
+@pytest.mark.parametrize("model_name", ["context_model", "tiny_model"])
+def test_prompt_lookup_guesses_change_no_answer(model_name, request, tiny_tokenizer):
+    """With prompt lookup (`lookahead`), greedy answers decoded together are plain decoding's
+    token for token, repetition penalty and stop strings too: on the context-sensitive model
+    its guesses are refused, on the default-init one (which repeats its context) kept, several
+    tokens a pass."""
+    model = request.getfixturevalue(model_name)
+    repeated = prompt(6, 1) * 4  # n-grams for lookup to find
+    greedy = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    requests = [(repeated, greedy), (prompt(9, 2), greedy), (repeated, SamplingParams(max_new_tokens=40, ignore_eos=True, repetition_penalty=1.3))]
+    alone = Decoder(build_decoder(model), tiny_tokenizer, reuse_prefixes=False)
+    plain = [alone.generate_ids([ids], params)[0] for ids, params in requests]
+    stop = plain[2].text[len(plain[2].text) // 2 :][:3]
+    requests.append((repeated, SamplingParams(max_new_tokens=40, ignore_eos=True, repetition_penalty=1.3, stop=[stop])))
+    with ContinuousBatcher(Decoder(build_decoder(model), tiny_tokenizer), max_batch=4, max_seq=128, lookahead=4) as batcher:
+        submissions = [batcher.submit(ids, params) for ids, params in requests]
+        answers = [list(submission)[-1] for submission in submissions]
+    for answer, expected in zip(answers, plain):
+        assert answer.token_ids == expected.token_ids
+    assert answers[3].finish_reason == "stop" and answers[3].text == plain[2].text[: plain[2].text.index(stop)]
+    assert batcher.proposed > 0
+    if model_name == "tiny_model":
+        assert batcher.accepted > 0 and batcher.passes < 40  # several tokens a pass
+    with pytest.raises(Exception, match="give lookahead >= 0"):
+        ContinuousBatcher(alone, max_batch=1, max_seq=16, lookahead=-1)
 
 
 def test_a_short_prompt_arriving_behind_a_long_one_is_prefilled_first(context_model, tiny_tokenizer):

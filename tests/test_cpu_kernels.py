@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from slimlm.inference import cpu_kernels
 from slimlm.inference.build import build_decoder, describe_kernels
 from slimlm.inference.decoder import Decoder
-from slimlm.inference.model import from_cache, to_cache
+from slimlm.inference.model import Segment, from_cache, to_cache
 from slimlm.inference.linear import Int4Linear, Int8Linear, build_linear, tinygemm_bytes
 from slimlm.inference.sampling import SamplingParams
 from slimlm.errors import ConfigError
@@ -282,8 +282,9 @@ def test_decode_steps_attend_in_the_kernel_as_in_torch(context_model, cache_dtyp
             decoder(ids[:, :16], 0, pad)
         for slot in range(16, 24):
             torch.testing.assert_close(kernel(ids[:, slot : slot + 1], slot, pad), dequantized(ids[:, slot : slot + 1], slot, pad), rtol=1e-4, atol=1e-4)
-        rows, positions = torch.tensor([1, 0]), torch.tensor([24, 20])
-        torch.testing.assert_close(kernel.step_rows(ids[[1, 0], 24], rows, positions), dequantized.step_rows(ids[[1, 0], 24], rows, positions), rtol=1e-4, atol=1e-4)
+        segments = [Segment(1, 24, [int(ids[1, 24])]), Segment(0, 20, [int(ids[0, 24])])]
+        for mine, theirs in zip(kernel.forward_segments(segments, [1, 1]), dequantized.forward_segments(segments, [1, 1])):
+            torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)
 
 
 @needs_kernel

@@ -160,16 +160,16 @@ def test_cache_rows_beyond_the_batch_keep_more_conversations_for_their_next_turn
 def test_no_more_than_max_batch_sequences_decode_however_many_cache_rows(context_model, tiny_tokenizer):
     fresh = Decoder(build_decoder(context_model), tiny_tokenizer, reuse_prefixes=False)
     with ContinuousBatcher(Decoder(build_decoder(context_model), tiny_tokenizer), max_batch=2, max_seq=128, prefill_chunk=8, cache_rows=5) as batcher:
-        busy, step_rows = [], batcher.model.step_rows
+        busy, forward_segments = [], batcher.model.forward_segments
 
-        def counting(tokens, rows, positions):
-            busy.append(len(batcher.prefilling) + len(batcher.running))
-            return step_rows(tokens, rows, positions)
+        def counting(segments, logits_of):
+            busy.append((len(batcher.prefilling) + len(batcher.running), len({s.row for s in segments})))
+            return forward_segments(segments, logits_of)
 
-        batcher.model.step_rows = counting
+        batcher.model.forward_segments = counting
         submissions = [batcher.submit(prompt(20, seed), PARAMS) for seed in range(5)]
         for seed, submission in enumerate(submissions):
             assert list(submission)[-1].token_ids == fresh.generate_ids([prompt(20, seed)], PARAMS)[0].token_ids
-    assert max(busy) == 2
+    assert max(admitted for admitted, _ in busy) == 2 and max(rows for _, rows in busy) == 2
     with pytest.raises(SlimlmError, match="max_batch <= cache_rows"):
         ContinuousBatcher(Decoder(build_decoder(context_model), tiny_tokenizer), max_batch=3, max_seq=128, cache_rows=2)

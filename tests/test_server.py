@@ -277,3 +277,27 @@ def test_serve_refuses_cache_rows_it_could_not_use(tmp_path):
     assert result.returncode == 2 and "--cache-rows 2: give at least --max-concurrent (4)" in result.stderr, result.stderr
     result = serve("--max-concurrent", "4", "--cache-rows", "8", "--no-prefix-reuse")
     assert result.returncode == 2 and "only keeps conversations for prefix reuse" in result.stderr, result.stderr
+
+
+def test_serve_hands_prompt_lookup_to_the_batcher(tiny_model_dir, monkeypatch, capsys):
+    """`slimlm serve --prompt-lookup --lookahead 3` builds a batcher that checks three guesses a step."""
+    import uvicorn
+
+    from slimlm.inference import batching
+    from slimlm.inference.cli import serve_command
+
+    built = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **options: built.append(app))
+    original = batching.ContinuousBatcher.__init__
+
+    def recording(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        built.append(self)
+
+    monkeypatch.setattr(batching.ContinuousBatcher, "__init__", recording)
+    serve_command([str(tiny_model_dir), "--prompt-lookup", "--lookahead", "3", "--max-concurrent", "2", "--max-prompt-tokens", "64", "--max-tokens-limit", "16"])
+    batcher, _app = built
+    assert batcher.lookahead == 3 and batcher.closed  # closed when the server returned
+    assert "each step checks up to 3 prompt-lookup guesses per request" in capsys.readouterr().err
+    serve_command([str(tiny_model_dir), "--max-concurrent", "2", "--max-prompt-tokens", "64", "--max-tokens-limit", "16"])
+    assert built[2].lookahead == 0

@@ -10,6 +10,7 @@ from slimlm.compress.quantize import QuantizeParams, run as quantize
 from slimlm.errors import SlimlmError
 from slimlm.inference.decoder import Decoder
 from slimlm.inference.load import load_decoder
+from slimlm.inference.model import Segment
 from slimlm.inference.sampling import SamplingParams
 from slimlm.inference.streaming import HostEmbedding, Placement, streamed_layers
 from slimlm.inference.synthetic import random_decoder
@@ -37,8 +38,9 @@ def test_streamed_blocks_give_the_resident_decoders_tokens_and_logits(count):
         torch.testing.assert_close(streamed(tokens[:, :16], 0), resident(tokens[:, :16], 0), rtol=0, atol=0)
         for slot in range(16, 24):  # decode steps: every block runs each step, the prefetch chain wraps around
             torch.testing.assert_close(streamed(tokens[:, slot : slot + 1], slot), resident(tokens[:, slot : slot + 1], slot), rtol=0, atol=0)
-        rows, positions = torch.tensor([1, 0]), torch.tensor([24, 24])
-        torch.testing.assert_close(streamed.step_rows(tokens[:, -1], rows, positions), resident.step_rows(tokens[:, -1], rows, positions), rtol=0, atol=0)
+        segments = [Segment(1, 24, [int(tokens[0, -1])]), Segment(0, 24, [int(tokens[1, -1])])]  # continuous batching's rows at their own slots
+        for mine, theirs in zip(streamed.forward_segments(segments, [1, 1]), resident.forward_segments(segments, [1, 1])):
+            torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
     params = SamplingParams(max_new_tokens=8, ignore_eos=True)
     prompt = tokens[0, :10].tolist()
 

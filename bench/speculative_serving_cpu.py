@@ -1,0 +1,107 @@
+"""Prompt lookup in the server's batcher on CPU: what `slimlm serve --prompt-lookup` buys.
+
+The prompts of bench/speculative_cpu.py (repeat a passage, edit it, an open question) through a
+ContinuousBatcher as `slimlm serve` runs it (default model at int8, bf16 activations, eager),
+greedy, without guesses and with prompt lookup (`lookahead` guesses a step): each request alone,
+then all three sent at once, the two batchers alternating. For each: tokens/s of the request
+(from sending to its last token, the prefill included; median of the repeats), the speedup, and
+whether every answer is the one without guesses (it must be); the share of guesses kept. Writes bench/results/speculative_serving_cpu.{md,json}.
+
+    python bench/speculative_serving_cpu.py [--new-tokens 96 --lookahead 4 --repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from slimlm.inference.batching import ContinuousBatcher
+from slimlm.inference.build import build_decoder
+from slimlm.inference.decoder import Decoder
+from slimlm.inference.generate import prompt_ids
+from slimlm.inference.sampling import SamplingParams
+from slimlm.rundir import machine_info
+
+from benchlib import command_line, machine_line, run_together, write_result
+from decode_cpu import load_default, quantized_copy
+from speculative_cpu import PROMPTS
+
+
+def serve(batcher: ContinuousBatcher, requests: list[list[int]], params: SamplingParams, together: bool) -> list[tuple[list[int], float]]:
+    """Each request's answer and seconds from sending to its end: one after another, or all at once."""
+    results: list = [None] * len(requests)
+
+    def client(index: int) -> None:
+        begin = time.perf_counter()
+        *_, generation = batcher.submit(requests[index], params)
+        results[index] = (generation.token_ids, time.perf_counter() - begin)
+
+    if together:
+        run_together(client, [(index,) for index in range(len(requests))])
+    else:
+        for index in range(len(requests)):
+            client(index)
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--new-tokens", type=int, default=96)
+    parser.add_argument("--lookahead", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    options = parser.parse_args()
+    torch.set_num_threads(options.threads)
+    started = time.perf_counter()
+    cfg, loaded = load_default()
+    tokenizer = loaded.tokenizer
+    model = quantized_copy(cfg, dict(bits=8))
+    requests = [prompt_ids(tokenizer, text, chat_template=True)[0].tolist() for text in PROMPTS.values()]
+    params = SamplingParams(max_new_tokens=options.new_tokens)
+    max_seq = max(map(len, requests)) + options.new_tokens
+    batchers = {}
+    for lookahead in (0, options.lookahead):  # each prefills every prompt whole
+        batchers[lookahead] = ContinuousBatcher(Decoder(build_decoder(model, dtype=torch.bfloat16), tokenizer, reuse_prefixes=False), max_batch=len(requests), max_seq=max_seq, lookahead=lookahead)
+        serve(batchers[lookahead], requests[:1], SamplingParams(max_new_tokens=4), together=False)  # warm-up
+    runs: dict = {}  # (together, lookahead) -> each repeat's answers and seconds; repeats alternate the two, the machine's drift shared
+    for _ in range(options.repeats):
+        for together in (False, True):
+            for lookahead, batcher in batchers.items():
+                runs.setdefault((together, lookahead), []).append(serve(batcher, requests, params, together))
+    kept = batchers[options.lookahead].accepted / max(batchers[options.lookahead].proposed, 1)
+    for batcher in batchers.values():
+        batcher.close()
+    rows = []
+    for together in (False, True):
+        for index, name in enumerate(PROMPTS):
+            plain, fast = ([run[index] for run in runs[(together, lookahead)]] for lookahead in (0, options.lookahead))
+            row = {"name": f"{name}, {'all three at once' if together else 'alone'}", "new_tokens": len(plain[0][0]),
+                   "plain_tok_s": statistics.median(len(ids) / seconds for ids, seconds in plain), "lookup_tok_s": statistics.median(len(ids) / seconds for ids, seconds in fast),
+                   "identical": all(ids == plain[0][0] for ids, _ in plain + fast)}
+            row["speedup"] = row["lookup_tok_s"] / row["plain_tok_s"]
+            rows.append(row)
+            print(f"{row['name']}: {row['plain_tok_s']:.1f} -> {row['lookup_tok_s']:.1f} tok/s ({row['speedup']:.2f}x), identical {row['identical']}", flush=True)
+    summary = {"lookahead": options.lookahead, "repeats": options.repeats, "guesses_kept": kept, "threads": options.threads, "seconds": time.perf_counter() - started}
+    command = command_line("speculative_serving_cpu.py", parser, options)
+    lines = [
+        "# speculative_serving_cpu",
+        "",
+        f"- command: `{command}`",
+        machine_line(machine_info(), f"{options.threads} threads", summary["seconds"]),
+        f"- default model, int8 (w8 RTN per-channel, head too) with bf16 activations in the bundled decoder, eager; a ContinuousBatcher of 3 rows as `slimlm serve` runs it, greedy, up to {options.new_tokens} new tokens, chat template;"
+        f" without guesses and with prompt lookup (`--prompt-lookup --lookahead {options.lookahead}`: n-grams of 3 down to 2 tokens); tokens/s of each request from sending to its last token (prefill included), median of {options.repeats} runs alternating the two",
+        f"- guesses kept over all runs: {100 * kept:.0f}%",
+        "",
+        "| request | new tokens | tok/s without guesses | tok/s with prompt lookup | speedup | identical output (every run) |",
+        "|---|---:|---:|---:|---:|---|",
+        *[f"| {r['name']} | {r['new_tokens']} | {r['plain_tok_s']:.1f} | {r['lookup_tok_s']:.1f} | {r['speedup']:.2f}x | {'yes' if r['identical'] else 'NO'} |" for r in rows],
+        "",
+    ]
+    write_result("speculative_serving_cpu", command, {"summary": summary, "rows": rows}, lines)
+
+
+if __name__ == "__main__":
+    main()
