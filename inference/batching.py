@@ -121,7 +121,7 @@ class ContinuousBatcher:
         self.prefilling: list[_Sequence] = []  # admitted, prompt not yet all in the cache; in order of admission
         self.running: list[_Sequence] = []
         self.passes = 0  # forward passes taken
-        self.decoded = 0  # tokens decoded by them (each sequence's first token aside: its prefill gives it)
+        self.decoded = 0  # tokens their decode steps chose (each sequence's first token aside: its prefill gives it)
         self.chunks = 0  # passes that prefilled prompt tokens
         self.steps = 0  # passes that only decoded (all running sequences at once, no prompt beside them)
         self.step_s = 0.0  # seconds in them
@@ -313,21 +313,24 @@ class ContinuousBatcher:
                 self._fail(sequence, error)
             return
         seconds = time.perf_counter() - begin
-        self.passes, self.decoded, self.chunks = self.passes + 1, self.decoded + len(decoding), self.chunks + bool(chunks)
-        if not chunks:
-            self.steps, self.step_tokens, self.step_s = self.steps + 1, self.step_tokens + len(decoding), self.step_s + seconds
         for sequence, ids in chunks:
             sequence.prefilled += len(ids)
+        decoded = 0  # tokens chosen by the running sequences' steps (a prompt's first token aside)
         for sequence, logit, checked in zip([*decoding, *(s for s, _ in chunks)], logits, [*guesses, *([] for _ in chunks)]):
             if sequence.prefilled < len(sequence.ids):  # a prompt not all in yet
                 continue
-            if sequence in self.prefilling:  # all in now: its first token, and it joins the running batch
+            first = sequence in self.prefilling
+            if first:  # all in now: its first token, and it joins the running batch
                 self.prefilling.remove(sequence)
                 self.running.append(sequence)
             try:
-                self._take(sequence, logit, checked)
+                chosen = self._take(sequence, logit, checked)
+                decoded += 0 if first else chosen
             except Exception as error:  # this request's sampling failed: the others go on
                 self._fail(sequence, error)
+        self.passes, self.decoded, self.chunks = self.passes + 1, self.decoded + decoded, self.chunks + bool(chunks)
+        if not chunks:
+            self.steps, self.step_tokens, self.step_s = self.steps + 1, self.step_tokens + decoded, self.step_s + seconds
 
     def _guesses(self, sequence: _Sequence) -> list[int]:
         """Prompt lookup's guesses of the sequence's next tokens (none without a lookahead),
@@ -335,18 +338,20 @@ class ContinuousBatcher:
         room = min(self.lookahead, sequence.params.max_new_tokens - len(sequence.tokens))
         return lookup_proposal(sequence.ids + sequence.tokens, room, self.ngram) if room > 0 else []
 
-    def _take(self, sequence: _Sequence, logits: torch.Tensor, guesses: list[int]) -> None:
+    def _take(self, sequence: _Sequence, logits: torch.Tensor, guesses: list[int]) -> int:
         """Choose the sequence's next tokens from its logits [1 + guesses, vocab] (after its last
-        token and after each guess): the guesses kept and the model's own token after them."""
+        token and after each guess): the guesses kept and the model's own token after them, up to
+        the one that finishes it. Returns how many it chose."""
         if not guesses:
             self._emit(sequence, int(next_tokens(logits, sequence.params, sequence.seen, sequence.generator)[0]))
-            return
+            return 1
         kept, token = verify(logits, guesses, sequence.params, sequence.seen, sequence.generator)
         self.proposed, self.accepted = self.proposed + len(guesses), self.accepted + kept
-        for chosen in [*guesses[:kept], token]:
+        for count, chosen in enumerate([*guesses[:kept], token], 1):
             self._emit(sequence, chosen)
             if sequence.finish is not None:
                 break
+        return count
 
     def _emit(self, sequence: _Sequence, token: int) -> None:
         """Give the sequence's reader its next token's text, or finish it."""

@@ -182,6 +182,7 @@ def test_prompt_lookup_guesses_change_no_answer(model_name, request, tiny_tokeni
     assert batcher.proposed > 0
     if model_name == "tiny_model":
         assert batcher.accepted > 0 and batcher.passes < 40  # several tokens a pass
+    assert batcher.decoded == sum(len(answer.token_ids) for answer in answers) - len(answers)  # every token but the first from a step, several in some
     with pytest.raises(Exception, match="give lookahead >= 0"):
         ContinuousBatcher(alone, max_batch=1, max_seq=16, lookahead=-1)
 
