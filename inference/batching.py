@@ -1,4 +1,4 @@
-"""Continuous batching: requests join and leave the running batch between decode steps.
+"""Continuous batching: requests join and leave the running batch between passes of the model.
 
 One worker thread owns the decoder's cache, one row per sequence, up to `max_batch` of them
 at once. Each loop: admit waiting requests into free rows, then one forward pass
@@ -112,7 +112,7 @@ class ContinuousBatcher:
         self.decoder = decoder
         self.model = decoder.model
         self.max_batch = max_batch
-        self.max_seq, self.prefill_chunk = max_seq, min(prefill_chunk, decoder.prefill_chunk)  # the decoder's bounds activation memory
+        self.max_seq, self.prefill_chunk = max_seq, min(prefill_chunk, decoder.prefill_chunk)  # a pass holds at most the decoder's (activation memory)
         self.lookahead, self.ngram = lookahead, ngram
         with decoder.lock:
             self.model.setup_cache(cache_rows, max_seq, decoder.cache_dtype)
@@ -268,14 +268,13 @@ class ContinuousBatcher:
             sequence.cached += end - sequence.prefilled
             sequence.prefilled = end
 
-    def _chunks(self) -> list[tuple[_Sequence, list[int]]]:
-        """The prompt tokens this pass prefills: up to `prefill_chunk` of them, from the admitted
+    def _chunks(self, budget: int) -> list[tuple[_Sequence, list[int]]]:
+        """The prompt tokens this pass prefills: up to `budget` of them, from the admitted
         prompts earliest due first (ties: the earliest admitted), each after copying what another
         row holds of it; a prompt that does not fit whole goes only first. A prompt waits a pass
         when another one in it is computing its next tokens (a shared start, then copied rather
         than computed twice)."""
         chunks: list[tuple[_Sequence, list[int]]] = []
-        budget = self.prefill_chunk
         for sequence in sorted(self.prefilling, key=lambda s: s.due):
             if budget == 0:
                 break
@@ -297,8 +296,9 @@ class ContinuousBatcher:
     def _pass(self) -> None:
         """One forward pass: a decode step of every running sequence and the prompt chunks
         `_chunks` picks; a prompt all in takes its first token and joins the running batch."""
-        decoding, chunks = list(self.running), self._chunks()
+        decoding = list(self.running)
         guesses = [self._guesses(s) for s in decoding]
+        chunks = self._chunks(min(self.prefill_chunk, max(1, self.decoder.prefill_chunk - sum(1 + len(g) for g in guesses))))
         segments = [Segment(s.row, len(s.ids) + len(s.tokens) - 1, [s.tokens[-1], *g]) for s, g in zip(decoding, guesses)]
         segments += [Segment(s.row, s.prefilled, ids) for s, ids in chunks]
         if not segments:  # every prompt waiting for this pass failed its copy
@@ -351,6 +351,7 @@ class ContinuousBatcher:
             self._emit(sequence, chosen)
             if sequence.finish is not None:
                 break
+        self.accepted -= kept - min(kept, count)  # guesses kept after the token that finished it were never given out
         return count
 
     def _emit(self, sequence: _Sequence, token: int) -> None:

@@ -146,8 +146,9 @@ class Decoder:
         What a row holds (`Transformer.held`) is recorded when a generation ends in it (its
         prompt and the tokens fed back while decoding) and forgotten when a prefill writes it
         or a new cache replaces it (one that grows carries the records over). Every writer of
-        the cache goes through `prefill` first (decode steps, speculative decoding's
-        verification), so a record is never stale."""
+        the cache forgets the rows it writes first (`prefill`, before a generation's decode
+        steps and speculative decoding's verification; the batcher's `forward_segments` and
+        `copy_slots`), so a record is never stale."""
         record = self.model.held.get(row)
         return shared_start(record.tokens, ids) if self.reuse_prefixes and record is not None else 0
 
@@ -157,14 +158,13 @@ class Decoder:
         or a stop string; fed back before an end token was chosen, and left out all the same)."""
         self.model.held[row] = RowRecord([*prompt, *answer[:-1]], len(prompt))
 
-    def prefill(self, tokens: torch.Tensor, start: int = 0, pad: Optional[torch.Tensor] = None, first_row: int = 0) -> torch.Tensor:
-        """Write `tokens` [batch, length] into the cache from slot `start` (cache rows from
-        `first_row`), `prefill_chunk` tokens at a time to bound activation memory; the logits
+    def prefill(self, tokens: torch.Tensor, start: int = 0, pad: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Write `tokens` [batch, length] into the cache rows from 0, from slot `start`, `prefill_chunk` tokens at a time to bound activation memory; the logits
         [batch, vocab] after the last token."""
-        for row in range(first_row, first_row + tokens.shape[0]):
+        for row in range(tokens.shape[0]):
             self.model.held.pop(row, None)  # overwritten from `start` on: known again when its generation ends
         for offset in range(0, tokens.shape[1], self.prefill_chunk):
-            logits = self.model(tokens[:, offset : offset + self.prefill_chunk], start + offset, pad, last_only=True, first_row=first_row)[:, -1]
+            logits = self.model(tokens[:, offset : offset + self.prefill_chunk], start + offset, pad, last_only=True)[:, -1]
         return logits
 
     def generate_ids(self, prompts: Sequence[Sequence[int]], params: SamplingParams, on_token: Optional[TokenCallback] = None) -> list[Generation]:

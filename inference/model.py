@@ -437,14 +437,15 @@ class Transformer(nn.Module):
         positions = torch.cat([single_slots, *(slots for _, slots, _, _ in runs)])
         angles = positions[None, :, None, None].float() * self.inv_freq
         cos, sin = angles.cos().to(self.dtype), angles.sin().to(self.dtype)  # [1, tokens, 1, head_dim/2]
-        x = self.embedding(torch.tensor([[t for s in packed for t in s.tokens]], device=device)).to(self.dtype)
-        for block in self.layers:
-            x = block(x, cos, sin, where)
-        wanted, end = [], 0
+        wanted, end = [], 0  # the positions whose logits are asked for
         for i in order:
             end += len(segments[i].tokens)
             wanted.extend(range(end - logits_of[i], end))
-        logits = self.output(self.norm(x[0, torch.tensor(wanted, device=device)])).split([logits_of[i] for i in order])
+        wanted_at = torch.tensor(wanted, device=device)  # before the layers: a copy to a GPU after them would wait for them all
+        x = self.embedding(torch.tensor([[t for s in packed for t in s.tokens]], device=device)).to(self.dtype)
+        for block in self.layers:
+            x = block(x, cos, sin, where)
+        logits = self.output(self.norm(x[0, wanted_at])).split([logits_of[i] for i in order])
         by_segment: list[torch.Tensor] = [torch.empty(0)] * len(segments)
         for i, part in zip(order, logits):
             by_segment[i] = part
