@@ -396,8 +396,7 @@ class Transformer(nn.Module):
         """Embedding, blocks and head for `tokens` written at cache `slots`; attention reads
         slots up to `end` under `mask`."""
         positions = slots[None, :] if pad is None else (slots[None, :] - pad[:, None]).clamp(min=0)  # [batch or 1, length]
-        angles = positions[..., None, None].float() * self.inv_freq
-        cos, sin = angles.cos().to(self.dtype), angles.sin().to(self.dtype)  # [batch or 1, length, 1, head_dim/2]
+        cos, sin = self.rotary(positions)
         x = self.embedding(tokens).to(self.dtype)
         for block in self.layers:
             x = block(x, cos, sin, slots, mask, end, first_row)
@@ -433,10 +432,10 @@ class Transformer(nn.Module):
             offsets.append(offset)
             runs.append((segment.row, slots, self.attention_mask(slots, None, end), end))
             offset += len(segment.tokens)
-        where = Segments(len(singles), torch.tensor([s.row for s in singles], device=device), single_slots, self.rows_mask(single_slots, single_end), single_end, offsets, runs)
+        single_mask = self.attention_mask(single_slots, None, single_end).transpose(0, 2)  # [singles, 1, 1, end]: each its own row's query
+        where = Segments(len(singles), torch.tensor([s.row for s in singles], device=device), single_slots, single_mask, single_end, offsets, runs)
         positions = torch.cat([single_slots, *(slots for _, slots, _, _ in runs)])
-        angles = positions[None, :, None, None].float() * self.inv_freq
-        cos, sin = angles.cos().to(self.dtype), angles.sin().to(self.dtype)  # [1, tokens, 1, head_dim/2]
+        cos, sin = self.rotary(positions[None, :])
         wanted, end = [], 0  # the positions whose logits are asked for
         for i in order:
             end += len(segments[i].tokens)
@@ -451,14 +450,10 @@ class Transformer(nn.Module):
             by_segment[i] = part
         return by_segment
 
-    def rows_mask(self, positions: torch.Tensor, end: int) -> torch.Tensor:
-        """[n, 1, 1, end] booleans for one query per row at `positions`: its row's slots up to
-        itself (within the sliding window), broadcast over heads."""
-        keys = torch.arange(end, device=positions.device)
-        visible = keys[None, :] <= positions[:, None]
-        if self.args.sliding_window is not None:
-            visible = visible & (keys[None, :] > positions[:, None] - self.args.sliding_window)
-        return visible[:, None, None, :]
+    def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE's cos and sin [batch or 1, length, 1, head_dim/2] for `positions` [batch or 1, length]."""
+        angles = positions[..., None, None].float() * self.inv_freq
+        return angles.cos().to(self.dtype), angles.sin().to(self.dtype)
 
     def attention_mask(self, slots: torch.Tensor, pad: Optional[torch.Tensor], end: int) -> torch.Tensor:
         """[batch or 1, 1, length, end] booleans: a query sees its own row's slots up to itself
