@@ -272,8 +272,8 @@ def test_chat_and_generate_decode_speculatively(tiny_model_dir, tmp_path):
     ids=["cpu-step", "static-step", "cpu-step-int8-cache", "cpu-step-fused-loop", "cpu-step-int8-cache-fused-loop"],
 )
 def test_the_compiled_decode_step_gives_the_same_tokens(context_model, tiny_tokenizer, tmp_path, monkeypatch, static, cache_dtype, attention_kernel):
-    """One prompt, then two of different lengths (left padding: the attention mask's path).
-    The static step is the one a GPU captures in a CUDA graph; here it is compiled for the CPU.
+    """One prompt, then two of different lengths (left padding: the attention mask's path); the
+    first prompt's eleven steps compile once. The static step is the one a GPU captures in a CUDA graph; here it is compiled for the CPU.
     On x86 the compiled step calls slimlm's attention kernel; without it (other processors, or
     no compiler) Inductor fuses attention, and an int8 cache's dequantization, into one loop.
     With an int8 cache, Inductor's fused quantization can round a code the other way than
@@ -285,12 +285,15 @@ def test_the_compiled_decode_step_gives_the_same_tokens(context_model, tiny_toke
     eager = Decoder(build_decoder(model, dtype=torch.bfloat16), tiny_tokenizer, cache_dtype=cache_dtype)
     compiled = Decoder(build_decoder(model, dtype=torch.bfloat16), tiny_tokenizer, cache_dtype=cache_dtype)
     compiled.compile_decode_step(static=static)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     for prompts in ([prompt_ids(6, 300)], [prompt_ids(6, 300), prompt_ids(9, 300, seed=1)]):
         if cache_dtype is None:
             expected = [g.token_ids for g in eager.generate_ids(prompts, params)]
             assert [g.token_ids for g in compiled.generate_ids(prompts, params)] == expected, len(prompts)
         else:
             assert_same_decoding(compiled, eager, prompts, params)
+        if len(prompts) == 1:  # one compile serves every slot
+            assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 1
     assert compiled.model.layers[0].attention.decode_kernel == (attention_kernel and cpu_kernels.available())
 
 
