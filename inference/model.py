@@ -64,7 +64,6 @@ class ModelArgs:
         if c.get("hidden_act", "silu") != "silu":
             raise SlimlmError(f"the decoder's MLP is SwiGLU (silu); this model uses '{c.get('hidden_act')}'")
         heads = c["num_attention_heads"]
-        window = c.get("sliding_window") if c.get("use_sliding_window", architecture == "mistral") else None
         return cls(
             architecture=architecture,
             vocab_size=c["vocab_size"],
@@ -80,8 +79,26 @@ class ModelArgs:
             max_position_embeddings=c.get("max_position_embeddings", 4096),
             tie_embeddings=bool(c.get("tie_word_embeddings", False)),
             qkv_bias=architecture == "qwen2" or bool(c.get("attention_bias", False)),
-            sliding_window=window,
+            sliding_window=sliding_window(c),
         )
+
+
+def sliding_window(config: dict) -> Optional[int]:
+    """The attention window every layer uses, None for full attention. Mistral slides in every
+    layer; qwen2 only where `use_sliding_window` is set, and then only from layer
+    `max_window_layers` on (transformers writes the result as `layer_types`). A model mixing
+    both kinds of layer is refused: the decoder builds one mask for all layers."""
+    window, slides = config.get("sliding_window"), config.get("use_sliding_window")
+    if window is None or not (config.get("model_type") == "mistral" if slides is None else slides):
+        return None
+    kinds = config.get("layer_types")
+    if kinds is None and config.get("model_type") == "qwen2":
+        kinds = ["full_attention" if layer < config.get("max_window_layers", 0) else "sliding_attention" for layer in range(config["num_hidden_layers"])]
+    if kinds is None or set(kinds) == {"sliding_attention"}:
+        return window
+    if "sliding_attention" not in kinds:
+        return None
+    raise SlimlmError(f"this model's layers mix full attention and a {window}-token sliding window ({kinds.count('sliding_attention')} of {len(kinds)} layers slide); the decoder runs one kind for all layers")
 
 
 def rope_inverse_frequencies(args: ModelArgs) -> torch.Tensor:

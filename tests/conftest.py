@@ -59,6 +59,16 @@ def build_tiny_llama(vocab_size: int, seed: int = 0, **overrides):
     return LlamaForCausalLM(LlamaConfig(**settings)).eval()
 
 
+def build_tiny_mistral(vocab_size: int, sliding_window: int = 8):
+    """Mistral's sliding window (each query sees its last `sliding_window` positions), narrow
+    enough that the tests' prompts and answers outgrow it."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    config = MistralConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True, sliding_window=sliding_window, initializer_range=0.2, bos_token_id=0, eos_token_id=3, pad_token_id=0)
+    return MistralForCausalLM(config).eval()
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
     return build_tokenizer()

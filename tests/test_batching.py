@@ -50,11 +50,15 @@ def test_requests_joining_at_different_times_get_their_solo_output(context_model
     assert sorted(batcher.free_rows) == [0, 1, 2]  # every row came back
 
 
-@pytest.mark.parametrize("cache_dtype", [None, torch.int8], ids=["float-cache", "int8-cache"])
-def test_a_packed_pass_matches_each_segment_run_on_its_own(context_model, tiny_tokenizer, cache_dtype):
+@pytest.mark.parametrize("cache_dtype, window", [(None, None), (torch.int8, None), (None, 8)], ids=["float-cache", "int8-cache", "sliding-window-8"])
+def test_a_packed_pass_matches_each_segment_run_on_its_own(context_model, tiny_tokenizer, cache_dtype, window):
     """Decode steps, a prompt's chunk and a run of guesses in one packed pass (given out of
-    order) give the logits and cache contents of the same work done as separate passes."""
-    packed, separate = (build_decoder(context_model) for _ in range(2))
+    order) give the logits and cache contents of the same work done as separate passes; with
+    a sliding window narrower than the rows (mistral), each query sees only its last 8 slots."""
+    from tests.conftest import build_tiny_mistral
+
+    source = context_model if window is None else build_tiny_mistral(len(tiny_tokenizer), window)
+    packed, separate = (build_decoder(source) for _ in range(2))
     for model in (packed, separate):
         model.setup_cache(4, 64, cache_dtype)
         for row, length in ((0, 10), (1, 7), (2, 5)):

@@ -66,11 +66,14 @@ def test_logits_match_transformers(context_model, tiny_tokenizer):
         torch.testing.assert_close(ours, context_model(ids).logits, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("overrides", [{}, {"tie_word_embeddings": False}, {"model_type": "qwen2"}], ids=["llama", "untied", "qwen2-bias"])
+@pytest.mark.parametrize("overrides", [{}, {"tie_word_embeddings": False}, {"model_type": "qwen2"}, {"model_type": "mistral"}], ids=["llama", "untied", "qwen2-bias", "mistral-window-8"])
 def test_greedy_decoding_is_token_identical_to_transformers(tiny_tokenizer, overrides):
-    from tests.conftest import build_tiny_llama
+    """The mistral model's 8-position sliding window is outgrown by its prompt alone."""
+    from tests.conftest import build_tiny_llama, build_tiny_mistral
 
-    if overrides.get("model_type") == "qwen2":
+    if overrides.get("model_type") == "mistral":
+        model = build_tiny_mistral(len(tiny_tokenizer))
+    elif overrides.get("model_type") == "qwen2":
         from transformers import Qwen2Config, Qwen2ForCausalLM
 
         torch.manual_seed(0)
@@ -224,6 +227,14 @@ def test_incremental_text_pieces_join_to_the_decoded_text_decoding_a_bounded_win
 def test_bad_input_is_refused(tiny_model, tiny_tokenizer):
     with pytest.raises(SlimlmError, match="'gpt2'"):
         ModelArgs.from_hf_config({"model_type": "gpt2"})
+    qwen2 = {"model_type": "qwen2", "vocab_size": 300, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4, "sliding_window": 16}
+    assert ModelArgs.from_hf_config(qwen2).sliding_window is None  # use_sliding_window is off by default
+    assert ModelArgs.from_hf_config({**qwen2, "use_sliding_window": True, "max_window_layers": 0}).sliding_window == 16
+    assert ModelArgs.from_hf_config({**qwen2, "use_sliding_window": True, "max_window_layers": 3}).sliding_window is None  # no layer at or past 3
+    with pytest.raises(SlimlmError, match="mix full attention and a 16-token sliding window \\(2 of 3 layers slide\\)"):
+        ModelArgs.from_hf_config({**qwen2, "use_sliding_window": True, "max_window_layers": 1})
+    with pytest.raises(SlimlmError, match="1 of 2 layers slide"):
+        ModelArgs.from_hf_config({**qwen2, "use_sliding_window": True, "layer_types": ["full_attention", "sliding_attention"]})
     decoder = Decoder(build_decoder(tiny_model), tiny_tokenizer)
     with pytest.raises(SlimlmError, match="exceeds the model's context of 512"):
         decoder.generate_ids([prompt_ids(500, 300)], SamplingParams(max_new_tokens=20))
