@@ -39,7 +39,7 @@ from slimlm.errors import SlimlmError
 from slimlm.inference.decoder import Decoder, Generation, IncrementalText, shared_start
 from slimlm.inference.model import Segment
 from slimlm.inference.sampling import SamplingParams, next_tokens, sampling_state
-from slimlm.inference.speculative import lookup_proposal, verify
+from slimlm.inference.speculative import PromptLookup, verify
 
 
 @dataclass
@@ -57,6 +57,7 @@ class _Sequence:
     finish: Optional[str] = None
     text: Optional[IncrementalText] = None
     cancelled: bool = False  # set by the reader's thread, read by the worker's
+    lookup: Optional[PromptLookup] = None  # its prompt and answer so far, for guesses (with a lookahead)
 
 
 class BatcherClosed(RuntimeError):
@@ -97,7 +98,7 @@ class ContinuousBatcher:
     `max_seq` slots; the rows no sequence is using keep what their last one left, for a next
     turn that starts with it (with reuse_prefixes on), the one freed longest ago given up first.
     `lookahead` > 0: each running sequence's step also checks up to that many guesses from prompt
-    lookup (`speculative.lookup_proposal`, n-grams of `ngram` tokens down to 2) and keeps those
+    lookup (`speculative.PromptLookup`, n-grams of `ngram` tokens down to 2) and keeps those
     the model agrees with (`speculative.verify`): the same tokens greedy, the same distribution
     sampled, several tokens a pass where the answer copies its prompt."""
 
@@ -154,7 +155,7 @@ class ContinuousBatcher:
             raise SlimlmError("the prompt is empty: a request needs at least one token")
         if len(ids) + params.max_new_tokens > self.max_seq:
             raise SlimlmError(f"a prompt of {len(ids)} tokens plus {params.max_new_tokens} new tokens exceeds the {self.max_seq} slots a sequence has here")
-        sequence = _Sequence(list(ids), params, queue.Queue())
+        sequence = _Sequence(list(ids), params, queue.Queue(), lookup=PromptLookup(ids, self.ngram) if self.lookahead else None)
         with self._submitting:
             if self.closed:
                 raise BatcherClosed("the batcher is closed: it takes no more requests")
@@ -303,20 +304,21 @@ class ContinuousBatcher:
         segments += [Segment(s.row, s.prefilled, ids) for s, ids in chunks]
         if not segments:  # every prompt waiting for this pass failed its copy
             return
+        members, checks = [*decoding, *(s for s, _ in chunks)], [*guesses, *([] for _ in chunks)]  # in the segments' order
         begin = time.perf_counter()
         try:
-            logits = self.model.forward_segments(segments, [1 + len(g) for g in guesses] + [1] * len(chunks))
+            logits = self.model.forward_segments(segments, [1 + len(g) for g in checks])
             if logits[0].is_cuda:
                 torch.cuda.synchronize(logits[0].device)  # the pass's time, not its launches'
         except Exception as error:  # what it wrote lies beyond every record: the rows' contents stay as recorded
-            for sequence in [*decoding, *(s for s, _ in chunks)]:
+            for sequence in members:
                 self._fail(sequence, error)
             return
         seconds = time.perf_counter() - begin
         for sequence, ids in chunks:
             sequence.prefilled += len(ids)
         decoded = 0  # tokens chosen by the running sequences' steps (a prompt's first token aside)
-        for sequence, logit, checked in zip([*decoding, *(s for s, _ in chunks)], logits, [*guesses, *([] for _ in chunks)]):
+        for sequence, logit, checked in zip(members, logits, checks):
             if sequence.prefilled < len(sequence.ids):  # a prompt not all in yet
                 continue
             first = sequence in self.prefilling
@@ -336,7 +338,7 @@ class ContinuousBatcher:
         """Prompt lookup's guesses of the sequence's next tokens (none without a lookahead),
         no more than its answer has room for."""
         room = min(self.lookahead, sequence.params.max_new_tokens - len(sequence.tokens))
-        return lookup_proposal(sequence.ids + sequence.tokens, room, self.ngram) if room > 0 else []
+        return sequence.lookup.propose(room) if room > 0 and sequence.lookup is not None else []
 
     def _take(self, sequence: _Sequence, logits: torch.Tensor, guesses: list[int]) -> int:
         """Choose the sequence's next tokens from its logits [1 + guesses, vocab] (after its last
@@ -361,6 +363,8 @@ class ContinuousBatcher:
             sequence.finish = "stop"
         else:
             sequence.tokens.append(token)
+            if sequence.lookup is not None:
+                sequence.lookup.extend((token,))
             piece = sequence.text.add(token)
             if piece:
                 sequence.out.put(piece)

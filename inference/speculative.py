@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 import torch
 
@@ -57,16 +57,33 @@ class SpeculativeStats:
         return self.new_tokens / self.target_passes if self.target_passes else 0.0
 
 
-def lookup_proposal(tokens: Sequence[int], lookahead: int, ngram: int, min_ngram: int = 2) -> list[int]:
-    """The tokens after the latest earlier match of the last n-gram (n from `ngram` down to
-    `min_ngram`), or [] (then the step checks no guess and costs what a plain step costs).
-    Single tokens recur everywhere, so by default a guess needs two matching tokens."""
-    for n in range(min(ngram, len(tokens) - 1), min_ngram - 1, -1):
-        tail = list(tokens[-n:])
-        for start in range(len(tokens) - n - 1, -1, -1):
-            if list(tokens[start : start + n]) == tail:
-                return list(tokens[start + n : start + n + lookahead])
-    return []
+class PromptLookup:
+    """Prompt lookup's guesses for a growing sequence: the tokens after the latest earlier match
+    of its last n-gram (n from `ngram` down to `min_ngram`), or [] (then the step checks no guess
+    and costs what a plain step costs). Single tokens recur everywhere, so by default a guess
+    needs two matching tokens. Each n-gram's latest start is indexed as tokens arrive, so a
+    guess costs a few dictionary reads, not a scan of the whole context (about 2 ms in Python
+    at 4k tokens, each pass, for each sequence)."""
+
+    def __init__(self, tokens: Sequence[int], ngram: int = 3, min_ngram: int = 2):
+        self.ngram, self.min_ngram = ngram, min_ngram
+        self.tokens: list[int] = []
+        self.latest: dict[tuple[int, ...], int] = {}  # an n-gram's latest start with a token after it
+        self.extend(tokens)
+
+    def extend(self, tokens: Iterable[int]) -> None:
+        for token in tokens:
+            end = len(self.tokens)  # the n-grams ending before this token now have one after them
+            self.tokens.append(token)
+            for n in range(self.min_ngram, min(self.ngram, end) + 1):
+                self.latest[tuple(self.tokens[end - n : end])] = end - n
+
+    def propose(self, lookahead: int) -> list[int]:
+        for n in range(min(self.ngram, len(self.tokens) - 1), self.min_ngram - 1, -1):
+            start = self.latest.get(tuple(self.tokens[-n:]))
+            if start is not None:
+                return self.tokens[start + n : start + n + lookahead]
+        return []
 
 
 class DraftProposer:
@@ -175,6 +192,7 @@ def generate_speculative(
     if draft is not None and not params.greedy and draft.device != device:
         raise SlimlmError(f"speculative sampling draws the draft's guesses with the target's generator: put the draft on the target's device ({device}, not {draft.device})")
     proposer = DraftProposer(draft, model.args.vocab_size) if draft is not None else None
+    lookup = PromptLookup(prompt, ngram, min_ngram) if draft is None else None
     draft_params = dataclasses.replace(params, repetition_penalty=1.0)  # the draft's guesses need not follow it: the target judges them
     stats = SpeculativeStats()
     with target.lock:
@@ -194,6 +212,8 @@ def generate_speculative(
             """Add a kept token; whether the answer ends with it (a stop string)."""
             new.append(token)
             tokens.append(token)
+            if lookup is not None:
+                lookup.extend((token,))
             if params.repetition_penalty != 1.0:
                 seen[0, token] = True
             if on_token is not None:
@@ -206,7 +226,7 @@ def generate_speculative(
                 if next_token in end_ids or keep(next_token) or len(new) >= params.max_new_tokens:
                     break
                 room = min(lookahead, params.max_new_tokens - len(new))
-                guesses, draft_q = proposer.propose(tokens, room, draft_params, generator) if proposer is not None else (lookup_proposal(tokens, room, ngram, min_ngram), None)
+                guesses, draft_q = proposer.propose(tokens, room, draft_params, generator) if proposer is not None else (lookup.propose(room), None)
                 step = torch.tensor([[tokens[-1], *guesses]], device=device)
                 kept, next_token = verify(model(step, len(tokens) - 1)[0], guesses, params, seen, generator, draft_q)
                 stats.target_passes += 1

@@ -7,7 +7,7 @@ from slimlm.errors import SlimlmError
 from slimlm.inference.build import build_decoder
 from slimlm.inference.decoder import Decoder
 from slimlm.inference.sampling import SamplingParams
-from slimlm.inference.speculative import generate_speculative, judge, lookup_proposal
+from slimlm.inference.speculative import PromptLookup, generate_speculative, judge
 from tests.conftest import build_tiny_llama
 
 
@@ -15,12 +15,29 @@ def prompt(length, seed=0):
     return torch.randint(4, 300, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+def scanned_proposal(tokens, lookahead, ngram, min_ngram):
+    """Prompt lookup by its definition: a scan back from the end for each n-gram length."""
+    for n in range(min(ngram, len(tokens) - 1), min_ngram - 1, -1):
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start : start + n] == tokens[-n:]:
+                return tokens[start + n : start + n + lookahead]
+    return []
+
+
 def test_prompt_lookup_finds_the_latest_match_of_the_longest_ngram():
-    assert lookup_proposal([1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3], 2, 3) == [7, 8]
-    assert lookup_proposal([5, 6, 7, 5, 6], 3, 3) == [7, 5, 6]
-    assert lookup_proposal([1, 2, 3], 2, 3) == []
-    assert lookup_proposal([4, 1, 9, 1], 2, 3) == []  # a single matching token is not enough by default
-    assert lookup_proposal([4, 1, 9, 1], 2, 3, min_ngram=1) == [9, 1]
+    guess = lambda tokens, lookahead, ngram, min_ngram=2: PromptLookup(tokens, ngram, min_ngram).propose(lookahead)  # noqa: E731
+    assert guess([1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3], 2, 3) == [7, 8]
+    assert guess([5, 6, 7, 5, 6], 3, 3) == [7, 5, 6]
+    assert guess([1, 2, 3], 2, 3) == []
+    assert guess([4, 1, 9, 1], 2, 3) == []  # a single matching token is not enough by default
+    assert guess([4, 1, 9, 1], 2, 3, min_ngram=1) == [9, 1]
+    generator = torch.Generator().manual_seed(0)
+    for ngram, min_ngram in ((3, 2), (4, 1), (2, 2)):  # grown a token at a time, its index gives what a scan finds
+        tokens = torch.randint(0, 4, (300,), generator=generator).tolist()
+        lookup = PromptLookup(tokens[:5], ngram, min_ngram)
+        for length in range(5, len(tokens)):
+            assert lookup.propose(3) == scanned_proposal(tokens[:length], 3, ngram, min_ngram), (length, ngram)
+            lookup.extend(tokens[length : length + 1])
 
 
 @pytest.mark.parametrize("draft_seed", [None, 0, 5], ids=["prompt-lookup", "draft-is-target", "unrelated-draft"])
