@@ -40,7 +40,6 @@ from slimlm.load import LOAD
 from slimlm.inference.stage import GENERATE
 from slimlm.models import ModelSource, load_model, resolve_model
 from slimlm.pipeline import PlannedStage, RunState, Stage, plan_stages
-from slimlm.eval.report import write_report
 from slimlm.rundir import write_status
 
 STAGES: dict[str, Stage] = {stage.name: stage for stage in (LOAD, PRUNE, SPARSIFY, QUANTIZE, DISTILL, EVALUATE, EXPORT, GENERATE)}
@@ -115,6 +114,8 @@ def execute(cfg: DictConfig, plan: Plan, run_dir: Path) -> str:
         "run_dir": display_path(run_dir),
         "stage_seconds": timings,
     }
+    from slimlm.eval.report import write_report  # here, not at the top: its matplotlib adds half a second to every command's start
+
     return write_report(run_dir, header, state.evaluations, state.sections)
 
 
