@@ -114,6 +114,13 @@ def speculative_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft", default=None, help="speculative decoding with this draft model (same tokenizer)")
 
 
+def refuse_compiling_speculation(parser: argparse.ArgumentParser, options) -> None:
+    """--compile compiles the one-token decode step, which speculative decoding never runs (each
+    of its passes checks several tokens): refused, rather than minutes of compiling for nothing."""
+    if options.compile and (options.prompt_lookup or options.draft):
+        parser.error("--compile speeds up one-token decode steps, which speculative decoding (--prompt-lookup, --draft) does not take: give one or the other")
+
+
 def generate_command(args: Sequence[str]) -> None:
     from slimlm.inference.generate import prompt_ids
 
@@ -124,6 +131,7 @@ def generate_command(args: Sequence[str]) -> None:
     sampling_arguments(parser)
     compile_argument(parser)
     options = parser.parse_args(args)
+    refuse_compiling_speculation(parser, options)
     if len(options.model_or_prompt) > 2:
         parser.error("give at most MODEL and PROMPT (quote the prompt)")
     model, prompt = (DEFAULT_MODEL, *options.model_or_prompt) if len(options.model_or_prompt) == 1 else options.model_or_prompt
@@ -170,9 +178,13 @@ def chat_command(args: Sequence[str]) -> None:
     speculative_arguments(parser)
     sampling_arguments(parser)
     compile_argument(parser)
+    parser.add_argument("--context", type=positive, default=4096, help="with --compile: cache slots set aside for the whole conversation (at most the model's context); a longer conversation compiles the step again")
     options = parser.parse_args(args)
+    refuse_compiling_speculation(parser, options)
     decoder = open_decoder(options.model, options)
     tokenizer = decoder.tokenizer
+    if options.compile:  # one cache for every turn: a longer one is a new shape, and the step would compile again (minutes)
+        decoder.ensure_cache(1, min(options.context, decoder.model.args.max_position_embeddings))
     if not getattr(tokenizer, "chat_template", None):
         raise SlimlmError(f"'{options.model}' has no chat template in its tokenizer; use slimlm generate --no-chat-template")
     draft = open_decoder(options.draft, options) if options.draft else None
@@ -194,7 +206,10 @@ def chat_command(args: Sequence[str]) -> None:
             continue
         history.append({"role": "user", "content": line})
         text = tokenizer.apply_chat_template(system + history, tokenize=False, add_generation_prompt=True)
-        answer = stream_answer(decoder, tokenizer(text, add_special_tokens=False)["input_ids"], options, draft)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if options.compile and len(ids) + options.max_new_tokens > decoder.model.max_seq:
+            print(f"[this turn needs {len(ids) + options.max_new_tokens} cache slots, more than the {decoder.model.max_seq} set aside (--context): the step compiles again]", file=sys.stderr)
+        answer = stream_answer(decoder, ids, options, draft)
         history.append({"role": "assistant", "content": answer})
 
 

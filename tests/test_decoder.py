@@ -1,5 +1,6 @@
 """The bundled decoder against transformers, and its kernels against their dequantized reference."""
 
+import os
 import re
 from dataclasses import replace
 
@@ -254,9 +255,12 @@ def test_generate_and_chat_commands_stream_from_a_checkpoint(tiny_model_dir, tmp
     assert streamed.returncode == 0 and "8 tokens" in streamed.stderr, streamed.stderr
     uncompilable = run("generate", str(tiny_model_dir), "hi", "--stream-layers", "1", "--compile")
     assert uncompilable.returncode == 2 and "streams layers" in uncompilable.stderr, uncompilable.stderr
-    chat = run("chat", str(tiny_model_dir), "--max-new-tokens", "4", input="hello\nagain\n/exit\n")
+    chat = run("chat", str(tiny_model_dir), "--max-new-tokens", "4", "--compile", input="hello\nagain\n/exit\n", env={**os.environ, "TORCH_LOGS": "recompiles"})
     assert chat.returncode == 0, chat.stderr
     assert chat.stdout.count("> ") >= 3
+    assert "Recompiling" not in chat.stderr  # the conversation's cache was set aside once: the second turn reuses the compiled step
+    speculating = run("generate", str(tiny_model_dir), "hi", "--prompt-lookup", "--compile")
+    assert speculating.returncode == 2 and "--compile speeds up one-token decode steps" in speculating.stderr, speculating.stderr
     first_turn, second_turn = (int(n) for n in re.findall(r"(\d+) of \d+ prompt tokens from the cache", chat.stderr))
     assert first_turn == 0 and second_turn > 0  # the second turn's prompt starts with the first turn's
     missing = run("generate", str(tmp_path / "nowhere"), "hi")
