@@ -171,6 +171,29 @@ def stream_answer(decoder, ids: list[int], options, draft=None) -> str:
     return answer
 
 
+CHAT_CONTEXT = 4096
+
+
+def conversation_cache(decoder, needed: int, context: int) -> None:
+    """Size the cache of a compiled chat for a turn that needs `needed` slots. The step is
+    compiled for its cache's size, and a new size compiles it again (minutes): the cache is
+    sized once ahead and, when a turn outgrows it, doubled (a few compiles in a long
+    conversation, not one a turn). On a CPU the step reads only the slots up to its own, so
+    `context` slots are set aside at the first turn; on a GPU the static step reads every slot,
+    so the cache starts at the first turn's size."""
+    model = decoder.model
+    limit = model.args.max_position_embeddings
+    if needed <= model.max_seq or needed > limit:  # it fits; or generation refuses it, naming the model's context
+        return
+    if model.max_seq == 0:
+        decoder.ensure_cache(1, max(needed, min(context, limit)) if decoder.device.type == "cpu" else needed)
+        print(f"[{model.max_seq} cache slots for the conversation, {model.cache_bytes() / 2**20:.0f} MiB]", file=sys.stderr)
+        return
+    size = min(max(needed, 2 * model.max_seq), limit)
+    print(f"[this turn needs {needed} cache slots, more than the {model.max_seq} set aside: {size} now, and the step compiles again for them]", file=sys.stderr)
+    decoder.ensure_cache(1, size)
+
+
 def chat_command(args: Sequence[str]) -> None:
     parser = argparse.ArgumentParser(prog="slimlm chat", description="A multi-turn chat with the bundled decoder, streaming each answer.")
     parser.add_argument("model", nargs="?", default=DEFAULT_MODEL)
@@ -178,13 +201,13 @@ def chat_command(args: Sequence[str]) -> None:
     speculative_arguments(parser)
     sampling_arguments(parser)
     compile_argument(parser)
-    parser.add_argument("--context", type=positive, default=4096, help="with --compile: cache slots set aside for the whole conversation (at most the model's context); a longer conversation compiles the step again")
+    parser.add_argument("--context", type=positive, default=None, help=f"with --compile on a CPU: cache slots set aside for the whole conversation (default {CHAT_CONTEXT}, at most the model's context)")
     options = parser.parse_args(args)
     refuse_compiling_speculation(parser, options)
+    if options.context is not None and not options.compile:
+        parser.error("--context sets aside cache slots for a compiled step: add --compile, or leave --context out")
     decoder = open_decoder(options.model, options)
     tokenizer = decoder.tokenizer
-    if options.compile:  # one cache for every turn: a longer one is a new shape, and the step would compile again (minutes)
-        decoder.ensure_cache(1, min(options.context, decoder.model.args.max_position_embeddings))
     if not getattr(tokenizer, "chat_template", None):
         raise SlimlmError(f"'{options.model}' has no chat template in its tokenizer; use slimlm generate --no-chat-template")
     draft = open_decoder(options.draft, options) if options.draft else None
@@ -207,8 +230,8 @@ def chat_command(args: Sequence[str]) -> None:
         history.append({"role": "user", "content": line})
         text = tokenizer.apply_chat_template(system + history, tokenize=False, add_generation_prompt=True)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        if options.compile and len(ids) + options.max_new_tokens > decoder.model.max_seq:
-            print(f"[this turn needs {len(ids) + options.max_new_tokens} cache slots, more than the {decoder.model.max_seq} set aside (--context): the step compiles again]", file=sys.stderr)
+        if options.compile:
+            conversation_cache(decoder, len(ids) + options.max_new_tokens, options.context or CHAT_CONTEXT)
         answer = stream_answer(decoder, ids, options, draft)
         history.append({"role": "assistant", "content": answer})
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import queue
+import re
 import threading
 import time
 import types
@@ -76,13 +77,16 @@ def private_method(model: torch.nn.Module, function: Callable) -> Callable:
     return types.MethodType(private, model)
 
 
+SLOT_SOURCE = re.escape("L['start']")  # entries are matched as regular expressions too
+
+
 @contextlib.contextmanager
 def slot_is_dynamic() -> Iterator[None]:
     """Dynamo traces `Transformer.forward`'s `start` as a symbolic int. Set around each call,
     not for the process: the setting names a local variable, which other compiled code may share."""
     config = torch.compiler.config
     before = config.dynamic_sources
-    config.dynamic_sources = "L['start']"  # a plain attribute set: a fifth of config.patch's cost a step
+    config.dynamic_sources = ",".join(filter(None, (before, SLOT_SOURCE)))  # a plain attribute set: a fifth of config.patch's cost a step
     try:
         yield
     finally:

@@ -1,7 +1,7 @@
 """The bundled decoder's model: a Llama-family transformer in plain PyTorch, top to bottom.
 
 One module covers llama, mistral and qwen2 (what differs is read from the HF config: grouped
-query heads, bias on q/k/v for qwen2, a sliding window for mistral, llama3 RoPE scaling). Its
+query heads, bias on q/k/v for qwen2, sliding windows for mistral and qwen2, llama3 RoPE scaling). Its
 linear layers are whatever `inference.linear` built for each weight's scheme; this file only
 decides the order of operations.
 
@@ -93,12 +93,16 @@ def sliding_window(config: dict) -> Optional[int]:
         return None
     kinds = config.get("layer_types")
     if kinds is None and config.get("model_type") == "qwen2":
-        kinds = ["full_attention" if layer < config.get("max_window_layers", 0) else "sliding_attention" for layer in range(config["num_hidden_layers"])]
+        first = config.get("max_window_layers", 28)  # transformers' Qwen2Config default
+        kinds = ["full_attention" if layer < first else "sliding_attention" for layer in range(config["num_hidden_layers"])]
     if kinds is None or set(kinds) == {"sliding_attention"}:
         return window
     if "sliding_attention" not in kinds:
         return None
-    raise SlimlmError(f"this model's layers mix full attention and a {window}-token sliding window ({kinds.count('sliding_attention')} of {len(kinds)} layers slide); the decoder runs one kind for all layers")
+    raise SlimlmError(
+        f"this model's layers mix full attention and a {window}-token sliding window ({kinds.count('sliding_attention')} of {len(kinds)} layers slide); the decoder runs one kind for all layers:"
+        f" run it with transformers, or set use_sliding_window to false in its config.json (the same answers while prompt and answer stay within {window} tokens)"
+    )
 
 
 def rope_inverse_frequencies(args: ModelArgs) -> torch.Tensor:

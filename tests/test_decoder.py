@@ -231,10 +231,11 @@ def test_bad_input_is_refused(tiny_model, tiny_tokenizer):
     qwen2 = {"model_type": "qwen2", "vocab_size": 300, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4, "sliding_window": 16}
     assert ModelArgs.from_hf_config(qwen2).sliding_window is None  # use_sliding_window is off by default
     assert ModelArgs.from_hf_config({**qwen2, "use_sliding_window": True, "max_window_layers": 0}).sliding_window == 16
+    assert ModelArgs.from_hf_config({**qwen2, "use_sliding_window": True}).sliding_window is None  # transformers' default max_window_layers: 28
     assert ModelArgs.from_hf_config({**qwen2, "use_sliding_window": True, "max_window_layers": 3}).sliding_window is None  # no layer at or past 3
     with pytest.raises(SlimlmError, match="mix full attention and a 16-token sliding window \\(2 of 3 layers slide\\)"):
         ModelArgs.from_hf_config({**qwen2, "use_sliding_window": True, "max_window_layers": 1})
-    with pytest.raises(SlimlmError, match="1 of 2 layers slide"):
+    with pytest.raises(SlimlmError, match="1 of 2 layers slide.*set use_sliding_window to false"):
         ModelArgs.from_hf_config({**qwen2, "use_sliding_window": True, "layer_types": ["full_attention", "sliding_attention"]})
     decoder = Decoder(build_decoder(tiny_model), tiny_tokenizer)
     with pytest.raises(SlimlmError, match="exceeds the model's context of 512"):
@@ -265,6 +266,28 @@ def test_generate_and_chat_commands_stream_from_a_checkpoint(tiny_model_dir, tmp
     assert first_turn == 0 and second_turn > 0  # the second turn's prompt starts with the first turn's
     missing = run("generate", str(tmp_path / "nowhere"), "hi")
     assert missing.returncode == 2 and missing.stderr.startswith("slimlm: error:")
+
+
+def test_a_compiled_chat_sizes_its_cache_ahead_and_doubles_it(tiny_model, tiny_tokenizer, capsys):
+    """A compiled step compiles again for each new cache size: a CPU chat sets --context slots
+    aside at its first turn, a GPU one (whose static step reads every slot) its first turn's;
+    a turn that outgrows them doubles the cache, up to the model's 512 positions."""
+    from slimlm.inference.cli import chat_command, conversation_cache
+
+    decoder = Decoder(build_decoder(tiny_model), tiny_tokenizer)
+    sizes = []
+    for needed in (20, 60, 70, 300, 301, 600):
+        conversation_cache(decoder, needed, 64)
+        sizes.append(decoder.model.max_seq)
+    assert sizes == [64, 64, 128, 300, 512, 512]  # 600: beyond the model, left to generation's refusal
+    assert "this turn needs 70 cache slots, more than the 64 set aside: 128 now" in capsys.readouterr().err
+    on_gpu = Decoder(build_decoder(tiny_model), tiny_tokenizer)
+    on_gpu.device = torch.device("cuda")  # only the sizing policy looks at it here
+    conversation_cache(on_gpu, 20, 64)
+    assert on_gpu.model.max_seq == 20
+    with pytest.raises(SystemExit) as refused:
+        chat_command(["nowhere", "--context", "64"])
+    assert refused.value.code == 2 and "--context sets aside cache slots for a compiled step: add --compile" in capsys.readouterr().err
 
 
 def test_chat_and_generate_decode_speculatively(tiny_model_dir, tmp_path):
