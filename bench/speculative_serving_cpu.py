@@ -5,7 +5,10 @@ ContinuousBatcher as `slimlm serve` runs it (default model at int8, bf16 activat
 greedy, without guesses and with prompt lookup (`lookahead` guesses a step): each request alone,
 then all three sent at once, the two batchers alternating. For each: tokens/s of the request
 (from sending to its last token, the prefill included; median of the repeats), the speedup, and
-whether every answer is the one without guesses (it must be); the share of guesses kept. Writes bench/results/speculative_serving_cpu.{md,json}.
+whether every answer is the one without guesses (it must be); the share of guesses kept. Then
+the cost of one pass of three answers checking their guesses, the guesses attended as queries of
+the batched decode step (slimlm's CPU kernel) against an attention call per answer. Writes
+bench/results/speculative_serving_cpu.{md,json}.
 
     python bench/speculative_serving_cpu.py [--new-tokens 96 --lookahead 4 --repeats 3]
 """
@@ -18,10 +21,12 @@ import time
 
 import torch
 
+from slimlm.inference import model as model_module
 from slimlm.inference.batching import ContinuousBatcher
 from slimlm.inference.build import build_decoder
 from slimlm.inference.decoder import Decoder
 from slimlm.inference.generate import prompt_ids
+from slimlm.inference.model import Segment, Transformer
 from slimlm.inference.sampling import SamplingParams
 from slimlm.rundir import machine_info
 
@@ -45,6 +50,35 @@ def serve(batcher: ContinuousBatcher, requests: list[list[int]], params: Samplin
         for index in range(len(requests)):
             client(index)
     return results
+
+
+def guess_pass_costs(model: Transformer, lookahead: int, repeats: int = 7) -> list[dict]:
+    """Milliseconds of one packed pass of three answers, each its last token and `lookahead`
+    guesses, after 150 and 1,500 cached tokens: the guesses as one-token queries of the batched
+    decode step (slimlm's CPU kernel reads each query's cache row in place) against an attention
+    call per answer (what runs without the kernel; forced here with SHORT_RUN = 1); median of
+    `repeats` passes, the two alternating."""
+    generator, rows, default = torch.Generator().manual_seed(0), [], model_module.SHORT_RUN
+    for context in (150, 1500):
+        model.setup_cache(3, context + 1 + lookahead)
+        with torch.inference_mode():
+            for row in range(3):
+                model(torch.randint(100, 5000, (1, context), generator=generator), 0, first_row=row)
+            segments = [Segment(row, context, torch.randint(100, 5000, (1 + lookahead,), generator=generator).tolist()) for row in range(3)]
+            times: dict[int, list[float]] = {default: [], 1: []}
+            try:
+                for _ in range(repeats):
+                    for short, spent in times.items():
+                        model_module.SHORT_RUN = short
+                        begin = time.perf_counter()
+                        model.forward_segments(segments, [1 + lookahead] * 3)
+                        spent.append(1000 * (time.perf_counter() - begin))
+            finally:
+                model_module.SHORT_RUN = default
+        for short, how in ((default, "guesses as queries of the batched step"), (1, "an attention call per answer")):
+            rows.append({"name": f"3 answers x {1 + lookahead} tokens after {context} cached, {how}", "pass_ms": statistics.median(times[short])})
+            print(f"{rows[-1]['name']}: {rows[-1]['pass_ms']:.0f} ms", flush=True)
+    return rows
 
 
 def main() -> None:
@@ -85,6 +119,8 @@ def main() -> None:
             rows.append(row)
             print(f"{row['name']}: {row['plain_tok_s']:.1f} -> {row['lookup_tok_s']:.1f} tok/s ({row['speedup']:.2f}x), identical {row['identical']}", flush=True)
     summary = {"lookahead": options.lookahead, "repeats": options.repeats, "guesses_kept": kept, "threads": options.threads, "seconds": time.perf_counter() - started}
+    costs = guess_pass_costs(build_decoder(model, dtype=torch.bfloat16), options.lookahead)
+    summary["seconds"] = time.perf_counter() - started
     command = command_line("speculative_serving_cpu.py", parser, options)
     lines = [
         "# speculative_serving_cpu",
@@ -99,8 +135,14 @@ def main() -> None:
         "|---|---:|---:|---:|---:|---|",
         *[f"| {r['name']} | {r['new_tokens']} | {r['plain_tok_s']:.1f} | {r['lookup_tok_s']:.1f} | {r['speedup']:.2f}x | {'yes' if r['identical'] else 'NO'} |" for r in rows],
         "",
+        "One packed pass checking guesses (`Transformer.forward_segments`), median of 7 alternating:",
+        "",
+        "| pass | ms |",
+        "|---|---:|",
+        *[f"| {r['name']} | {r['pass_ms']:.0f} |" for r in costs],
+        "",
     ]
-    write_result("speculative_serving_cpu", command, {"summary": summary, "rows": rows}, lines)
+    write_result("speculative_serving_cpu", command, {"summary": summary, "rows": rows + costs}, lines)
 
 
 if __name__ == "__main__":

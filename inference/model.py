@@ -175,11 +175,15 @@ class Segment:
     tokens: list[int]
 
 
+SHORT_RUN = 8  # segments up to this long attend as one-token queries where the CPU kernel runs
+
+
 @dataclass(frozen=True)
 class Segments:
     """Where each token of a packed pass goes (`Transformer.forward_segments`): the first
-    `singles` are one-token segments (decode steps, attended together), the rest runs of
-    several tokens, each prefilled into its row."""
+    `singles` are one query each at its own row and slot (decode steps, and where slimlm's CPU
+    kernel runs, the tokens of short segments: guesses), attended together as one decode step;
+    the rest runs of several tokens, each prefilled into its row."""
 
     singles: int
     single_rows: torch.Tensor  # [singles]
@@ -235,7 +239,7 @@ class Attention(nn.Module):
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=heads != kv_heads)
 
     def attend_segments(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: "Segments") -> torch.Tensor:
-        """Attention of a packed pass [1, heads, tokens, head_dim]: the one-token segments (packed
+        """Attention of a packed pass [1, heads, tokens, head_dim]: the single queries (packed
         first) together as one decode step of their rows, each longer segment as a prefill of its row."""
         n, parts = segments.singles, []
         if n:
@@ -430,9 +434,10 @@ class Transformer(nn.Module):
         its own slots: decode steps, prompts' prefill chunks and speculative guesses together,
         so the weights are read once for all (continuous batching's mixed steps). The linear
         layers see the tokens packed in one row, without padding; attention takes the one-token
-        segments as one batched decode step and each longer one on its own. `logits_of[i]`: how
-        many of segment i's last positions need next-token logits (1 for a prefill chunk or a
-        decode step, 1 + guesses to check guesses); returns them [logits_of[i], vocab] per segment."""
+        segments (and short ones, `Segments`) as one batched decode step and each longer one on
+        its own. `logits_of[i]`: how many of segment i's last positions need next-token logits
+        (1 for a prefill chunk or a decode step, 1 + guesses to check guesses); returns them
+        [logits_of[i], vocab] per segment."""
         for segment, wanted in zip(segments, logits_of, strict=True):
             if not 0 <= segment.row < self.max_batch or not segment.tokens or segment.start + len(segment.tokens) > self.max_seq:
                 raise SlimlmError(f"the cache holds {self.max_batch} sequences of {self.max_seq} slots; a segment of {len(segment.tokens)} tokens from slot {segment.start} of row {segment.row} does not fit")
@@ -440,21 +445,26 @@ class Transformer(nn.Module):
                 raise SlimlmError(f"logits of {wanted} positions asked of a segment of {len(segment.tokens)} tokens")
         for segment in segments:
             self.held.pop(segment.row, None)  # rewritten from its start: known again when its generation ends (Decoder.remember)
-        order = sorted(range(len(segments)), key=lambda i: len(segments[i].tokens) > 1)  # one-token segments first
+        # slimlm's CPU kernel reads each query's row in place: a short run (a decode step's guesses)
+        # is cheaper as one-token queries of the batched step than as an attention call of its
+        # own; torch's attention would gather a copy of the row for each of them.
+        longest_single = SHORT_RUN if self.layers[0].attention.decode_kernel else 1
+        order = sorted(range(len(segments)), key=lambda i: len(segments[i].tokens) > longest_single)  # the single queries first
         packed = [segments[i] for i in order]
         device = self.inv_freq.device
-        singles = [s for s in packed if len(s.tokens) == 1]
-        single_slots = torch.tensor([s.start for s in singles], device=device)
-        single_end = max((s.start + 1 for s in singles), default=0)
-        offsets, runs, offset = [], [], len(singles)
-        for segment in packed[len(singles) :]:
+        short = [s for s in packed if len(s.tokens) <= longest_single]
+        single_rows = [s.row for s in short for _ in s.tokens]
+        single_slots = torch.tensor([s.start + j for s in short for j in range(len(s.tokens))], device=device)
+        single_end = max((s.start + len(s.tokens) for s in short), default=0)
+        offsets, runs, offset = [], [], len(single_rows)
+        for segment in packed[len(short) :]:
             slots = torch.arange(segment.start, segment.start + len(segment.tokens), device=device)
             end = segment.start + len(segment.tokens)
             offsets.append(offset)
             runs.append((segment.row, slots, self.attention_mask(slots, None, end), end))
             offset += len(segment.tokens)
         single_mask = self.attention_mask(single_slots, None, single_end).transpose(0, 2)  # [singles, 1, 1, end]: each its own row's query
-        where = Segments(len(singles), torch.tensor([s.row for s in singles], device=device), single_slots, single_mask, single_end, offsets, runs)
+        where = Segments(len(single_rows), torch.tensor(single_rows, device=device), single_slots, single_mask, single_end, offsets, runs)
         positions = torch.cat([single_slots, *(slots for _, slots, _, _ in runs)])
         cos, sin = self.rotary(positions[None, :])
         wanted, end = [], 0  # the positions whose logits are asked for

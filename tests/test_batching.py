@@ -50,13 +50,18 @@ def test_requests_joining_at_different_times_get_their_solo_output(context_model
     assert sorted(batcher.free_rows) == [0, 1, 2]  # every row came back
 
 
-@pytest.mark.parametrize("cache_dtype, window", [(None, None), (torch.int8, None), (None, 8)], ids=["float-cache", "int8-cache", "sliding-window-8"])
-def test_a_packed_pass_matches_each_segment_run_on_its_own(context_model, tiny_tokenizer, cache_dtype, window):
+@pytest.mark.parametrize("cache_dtype, window, kernel", [(None, None, True), (torch.int8, None, True), (None, 8, True), (None, None, False)], ids=["float-cache", "int8-cache", "sliding-window-8", "torch-attention"])
+def test_a_packed_pass_matches_each_segment_run_on_its_own(context_model, tiny_tokenizer, monkeypatch, cache_dtype, window, kernel):
     """Decode steps, a prompt's chunk and a run of guesses in one packed pass (given out of
     order) give the logits and cache contents of the same work done as separate passes; with
-    a sliding window narrower than the rows (mistral), each query sees only its last 8 slots."""
+    a sliding window narrower than the rows (mistral), each query sees only its last 8 slots.
+    Where slimlm's attention kernel runs, the guesses are queries of the batched decode step;
+    with torch's attention, a call of their own."""
+    from slimlm.inference import cpu_kernels
     from tests.conftest import build_tiny_mistral
 
+    if not kernel:
+        monkeypatch.setattr(cpu_kernels, "available", lambda: False)
     source = context_model if window is None else build_tiny_mistral(len(tiny_tokenizer), window)
     packed, separate = (build_decoder(source) for _ in range(2))
     for model in (packed, separate):
@@ -71,6 +76,7 @@ def test_a_packed_pass_matches_each_segment_run_on_its_own(context_model, tiny_t
         torch.testing.assert_close(part, reference, rtol=1e-4, atol=1e-4)
     for mine, theirs in zip(packed.cache_tensors(), separate.cache_tensors()):
         torch.testing.assert_close(mine, theirs, rtol=0, atol=1 if mine.dtype == torch.int8 else 1e-5)  # packing changes the matmuls' summation order
+    assert packed.layers[0].attention.decode_kernel == (kernel and cpu_kernels.available())
     with pytest.raises(Exception, match="a segment of 4 tokens from slot 62 of row 1 does not fit"):
         packed.forward_segments([Segment(1, 62, run)], [1])
     with pytest.raises(Exception, match="logits of 2 positions asked of a segment of 1 tokens"):
