@@ -406,8 +406,9 @@ class Transformer(nn.Module):
             raise SlimlmError(f"the cache holds {self.max_batch} sequences of {self.max_seq} slots; this step needs {batch} of {start + length}")
         end = start + length
         slots = torch.arange(start, end, device=tokens.device)
-        window = self.args.sliding_window
-        sees_all = length == 1 and pad is None and (window is None or end <= window)  # a plain decode step needs no mask
+        # A plain decode step needs no mask; with a sliding window it always takes one, so the
+        # compiled step (whose slot is symbolic) has no branch at the window's edge to compile again for.
+        sees_all = length == 1 and pad is None and self.args.sliding_window is None
         return self.run_layers(tokens, slots, pad, None if sees_all else self.attention_mask(slots, pad, end), end, first_row, last_only)
 
     def step_static(self, tokens: torch.Tensor, slot: torch.Tensor, pad: Optional[torch.Tensor] = None) -> torch.Tensor:
