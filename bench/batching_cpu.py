@@ -37,7 +37,7 @@ from slimlm.inference.model import Segment
 from slimlm.inference.sampling import SamplingParams
 from slimlm.rundir import machine_info
 
-from benchlib import command_line, machine_line, run_together, write_result
+from benchlib import command_line, machine_line, pass_table, run_together, write_result
 from decode_cpu import default_int4
 
 BATCHES = (1, 2, 4, 8, 16)
@@ -156,12 +156,7 @@ def main() -> None:
         *[f"| {r['name']} | {r['tok_s']:.1f} | {r['tok_s'] / single:.2f}x | {per_request(r)} | {r['decode_tok_s']:.1f} | {ms(r, 'first_piece_median_ms')} | {ms(r, 'first_piece_max_ms')} |"
           f" {ms(r, 'gap_median_ms')} | {ms(r, 'gap_max_ms')} |" for r in rows],
         "",
-        "One forward pass of the batcher (`Transformer.forward_segments`), best of 3:",
-        "",
-        "| pass | ms |",
-        "|---|---:|",
-        *[f"| {r['name']} | {r['pass_ms']:.0f} |" for r in costs],
-        "",
+        *pass_table("One forward pass of the batcher (`Transformer.forward_segments`), best of 3:", costs),
     ]
     write_result("batching_cpu", command, {"summary": summary, "rows": rows + costs}, lines)
 

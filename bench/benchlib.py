@@ -89,6 +89,11 @@ def run_together(client: Callable[..., None], arguments: list[tuple]) -> None:
         thread.join()
 
 
+def pass_table(heading: str, costs: list[dict]) -> list[str]:
+    """Markdown lines of a table of one-pass costs (rows with a name and pass_ms)."""
+    return [heading, "", "| pass | ms |", "|---|---:|", *[f"| {r['name']} | {r['pass_ms']:.0f} |" for r in costs], ""]
+
+
 def machine_line(machine: dict, threads: str, seconds: float) -> str:
     """The `- machine:` line of a CPU benchmark's markdown: processor, CPUs, `threads` as the
     benchmark words them, torch, and how long the run took."""

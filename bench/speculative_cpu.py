@@ -41,12 +41,17 @@ PROMPTS = {
 }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def speculation_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options this bench shares with speculative_serving_cpu.py."""
     parser.add_argument("--new-tokens", type=int, default=96)
     parser.add_argument("--lookahead", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    speculation_arguments(parser)
     parser.add_argument("--weights", choices=["int8", "fp32"], default="int8", help="int8 (bf16 activations, fast) or fp32 (fp32 activations, exact arithmetic)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above 0: both sample (seeded)")
     options = parser.parse_args()

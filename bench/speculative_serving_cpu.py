@@ -30,9 +30,9 @@ from slimlm.inference.model import Segment, Transformer
 from slimlm.inference.sampling import SamplingParams
 from slimlm.rundir import machine_info
 
-from benchlib import command_line, machine_line, run_together, write_result
+from benchlib import command_line, machine_line, pass_table, run_together, write_result
 from decode_cpu import load_default, quantized_copy
-from speculative_cpu import PROMPTS
+from speculative_cpu import PROMPTS, speculation_arguments
 
 
 def serve(batcher: ContinuousBatcher, requests: list[list[int]], params: SamplingParams, together: bool) -> list[tuple[list[int], float]]:
@@ -83,10 +83,7 @@ def guess_pass_costs(model: Transformer, lookahead: int, repeats: int = 7) -> li
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--new-tokens", type=int, default=96)
-    parser.add_argument("--lookahead", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
+    speculation_arguments(parser)
     options = parser.parse_args()
     torch.set_num_threads(options.threads)
     started = time.perf_counter()
@@ -135,12 +132,7 @@ def main() -> None:
         "|---|---:|---:|---:|---:|---|",
         *[f"| {r['name']} | {r['new_tokens']} | {r['plain_tok_s']:.1f} | {r['lookup_tok_s']:.1f} | {r['speedup']:.2f}x | {'yes' if r['identical'] else 'NO'} |" for r in rows],
         "",
-        "One packed pass checking guesses (`Transformer.forward_segments`), median of 7 alternating:",
-        "",
-        "| pass | ms |",
-        "|---|---:|",
-        *[f"| {r['name']} | {r['pass_ms']:.0f} |" for r in costs],
-        "",
+        *pass_table("One packed pass checking guesses (`Transformer.forward_segments`), median of 7 alternating:", costs),
     ]
     write_result("speculative_serving_cpu", command, {"summary": summary, "rows": rows + costs}, lines)
 
