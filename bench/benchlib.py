@@ -89,6 +89,25 @@ def run_together(client: Callable[..., None], arguments: list[tuple]) -> None:
         thread.join()
 
 
+def kernel_and_torch_ms(run: Callable[[], object], repeats: int) -> tuple[float, float]:
+    """Median milliseconds of `run` with short runs of a row (guesses being checked) attending in
+    slimlm's CPU kernel (`SHORT_RUN` as it is), and in torch's attention (`SHORT_RUN` = 1);
+    the two alternate, so the machine's drift is shared."""
+    from slimlm.inference import model as model_module
+
+    default, times = model_module.SHORT_RUN, {True: [], False: []}
+    try:
+        for _ in range(repeats):
+            for kernel, spent in times.items():
+                model_module.SHORT_RUN = default if kernel else 1
+                begin = time.perf_counter()
+                run()
+                spent.append(1000 * (time.perf_counter() - begin))
+    finally:
+        model_module.SHORT_RUN = default
+    return statistics.median(times[True]), statistics.median(times[False])
+
+
 def pass_table(heading: str, costs: list[dict]) -> list[str]:
     """Markdown lines of a table of one-pass costs (rows with a name and pass_ms)."""
     return [heading, "", "| pass | ms |", "|---|---:|", *[f"| {r['name']} | {r['pass_ms']:.0f} |" for r in costs], ""]

@@ -21,7 +21,6 @@ import time
 
 import torch
 
-from slimlm.inference import model as model_module
 from slimlm.inference.batching import ContinuousBatcher
 from slimlm.inference.build import build_decoder
 from slimlm.inference.decoder import Decoder
@@ -30,7 +29,7 @@ from slimlm.inference.model import Segment, Transformer
 from slimlm.inference.sampling import SamplingParams
 from slimlm.rundir import machine_info
 
-from benchlib import command_line, machine_line, pass_table, run_together, write_result
+from benchlib import command_line, kernel_and_torch_ms, machine_line, pass_table, run_together, write_result
 from decode_cpu import load_default, quantized_copy
 from speculative_cpu import PROMPTS, speculation_arguments
 
@@ -56,28 +55,18 @@ def guess_pass_costs(model: Transformer, lookahead: int, repeats: int = 7) -> li
     """Milliseconds of one packed pass of three answers, each its last token and `lookahead`
     guesses, after 150 and 1,500 cached tokens: the guesses as one-token queries of the batched
     decode step (slimlm's CPU kernel reads each query's cache row in place) against an attention
-    call per answer (what runs without the kernel; forced here with SHORT_RUN = 1); median of
-    `repeats` passes, the two alternating."""
-    generator, rows, default = torch.Generator().manual_seed(0), [], model_module.SHORT_RUN
+    call per answer (what runs without the kernel); median of `repeats` passes, the two alternating."""
+    generator, rows = torch.Generator().manual_seed(0), []
     for context in (150, 1500):
         model.setup_cache(3, context + 1 + lookahead)
         with torch.inference_mode():
             for row in range(3):
                 model(torch.randint(100, 5000, (1, context), generator=generator), 0, first_row=row)
             segments = [Segment(row, context, torch.randint(100, 5000, (1 + lookahead,), generator=generator).tolist()) for row in range(3)]
-            times: dict[int, list[float]] = {default: [], 1: []}
-            try:
-                for _ in range(repeats):
-                    for short, spent in times.items():
-                        model_module.SHORT_RUN = short
-                        begin = time.perf_counter()
-                        model.forward_segments(segments, [1 + lookahead] * 3)
-                        spent.append(1000 * (time.perf_counter() - begin))
-            finally:
-                model_module.SHORT_RUN = default
-        for short, how in ((default, "guesses as queries of the batched step"), (1, "an attention call per answer")):
-            rows.append({"name": f"3 answers x {1 + lookahead} tokens after {context} cached, {how}", "pass_ms": statistics.median(times[short])})
-            print(f"{rows[-1]['name']}: {rows[-1]['pass_ms']:.0f} ms", flush=True)
+            costs = kernel_and_torch_ms(lambda: model.forward_segments(segments, [1 + lookahead] * 3), repeats)
+        for pass_ms, how in zip(costs, ("guesses as queries of the batched step", "an attention call per answer")):
+            rows.append({"name": f"3 answers x {1 + lookahead} tokens after {context} cached, {how}", "pass_ms": pass_ms})
+            print(f"{rows[-1]['name']}: {pass_ms:.0f} ms", flush=True)
     return rows
 
 

@@ -224,12 +224,22 @@ class Attention(nn.Module):
         attend q [batch, heads, length, head_dim] over the rows' slots up to `end` under `mask`.
         `rows`: an int, the first of `batch` consecutive rows, all written at `slots`; or a
         tensor, each sequence's own row (one token per row, `slots` then each row's own slot)."""
-        length, heads, kv_heads = q.shape[2], self.n_heads, self.n_kv_heads
-        # The kernel reads each sequence's own row where it lies; torch's attention a gathered copy of the rows.
-        kernel = length == 1 and self.decode_kernel
+        batch, length, heads, kv_heads = q.shape[0], q.shape[2], self.n_heads, self.n_kv_heads
+        # The kernel reads each sequence's own row where it lies, an int8 one as stored; torch's
+        # attention a gathered (dequantized) copy of the rows. A short run of a row (speculative
+        # guesses being checked, a prompt's last few tokens) goes to the kernel as one query per
+        # token, each a sequence of that row with its own row of the mask.
+        short = 1 < length <= SHORT_RUN and isinstance(rows, int) and mask is not None
+        kernel = self.decode_kernel and (length == 1 or short)
         every_row = kernel and not isinstance(rows, int)
         k_codes, k_scale = self.cached(self.k_cache, self.k_cache_scale, k, slots, end, rows, every_row)
         v_codes, v_scale = self.cached(self.v_cache, self.v_cache_scale, v, slots, end, rows, every_row)
+        if kernel and short:  # query j of row b: sequence b * length + j of the kernel, with its own row of the mask
+            queries = q.transpose(1, 2).reshape(batch * length, heads, 1, self.head_dim)
+            masks = mask.expand(batch, 1, length, end).reshape(batch * length, 1, 1, end)
+            readers = torch.arange(batch, device=q.device).repeat_interleave(length)
+            out = cpu_kernels.ops().decode_attention(queries, k_codes, k_scale, v_codes, v_scale, masks, self.head_dim**-0.5, readers)
+            return out.view(batch, length, heads, self.head_dim).transpose(1, 2)
         if kernel:  # the cache read as it is stored (inference/kernels/)
             return cpu_kernels.ops().decode_attention(q, k_codes, k_scale, v_codes, v_scale, mask, self.head_dim**-0.5, None if isinstance(rows, int) else rows)
         keys, values = from_cache(k_codes, k_scale, self.attention_dtype), from_cache(v_codes, v_scale, self.attention_dtype)

@@ -248,6 +248,30 @@ def test_decode_attention_reads_each_sequence_from_its_own_cache_row(cache_dtype
 
 
 @needs_kernel
+@pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float32], ids=["int8", "fp32"])
+def test_sequences_sharing_a_row_each_attend_under_their_own_mask(cache_dtype):
+    """A decode step's guesses: several sequences given one cache row, each with its own mask
+    (here 5 on row 2 and 2 on row 0, interleaved), against softmax attention over the gathered
+    rows. A NaN key that some of a row's sequences see and the others do not changes only theirs."""
+    (k_codes, k_scales), (v_codes, v_scales) = cached(3, 3, 100, 64, 1, cache_dtype), cached(3, 3, 100, 64, 2, cache_dtype)
+    rows = torch.tensor([2, 0, 2, 2, 0, 2, 2])
+    q = torch.randn(len(rows), 9, 1, 64, generator=torch.Generator().manual_seed(3))
+    ends = torch.tensor([90, 40, 91, 92, 41, 93, 94])  # each query sees the slots up to its own
+    visible = (torch.arange(100) <= ends[:, None])[:, None, None]
+    visible[3, ..., :70] = False  # one of row 2's queries with a sliding window
+    gathered = lambda t: None if t is None else t[rows]  # noqa: E731
+    keys, values = from_cache(gathered(k_codes), gathered(k_scales), torch.float32), from_cache(gathered(v_codes), gathered(v_scales), torch.float32)
+    expected = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, enable_gqa=True)
+    got = cpu_kernels.ops().decode_attention(q, k_codes, k_scales, v_codes, v_scales, visible, 64**-0.5, rows)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    poisoned, poisoned_scales = (k_codes.clone(), None) if k_scales is None else (k_codes, k_scales.clone())
+    (poisoned if k_scales is None else poisoned_scales)[2, :, 93] = float("nan")  # seen by the queries of ends 93 and 94 only
+    got = cpu_kernels.ops().decode_attention(q, poisoned, poisoned_scales, v_codes, v_scales, visible, 64**-0.5, rows)
+    torch.testing.assert_close(got[:5], expected[:5], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(got[5:], expected[5:], rtol=1e-3, atol=1e-3)
+
+
+@needs_kernel
 def test_decode_attention_never_reads_the_keys_of_hidden_slots():
     """Garbage (NaN) in a hidden slot's key, here the cache's tail beyond the current position,
     leaves the output as if the slot were not there."""
@@ -265,9 +289,10 @@ def test_decode_attention_never_reads_the_keys_of_hidden_slots():
 
 @needs_kernel
 @pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float32], ids=["int8", "fp32"])
-def test_decode_steps_attend_in_the_kernel_as_in_torch(context_model, cache_dtype):
+def test_decode_steps_attend_in_the_kernel_as_in_torch(context_model, cache_dtype, monkeypatch):
     """The decoder's steps with the kernel against the same steps in torch's attention over the
-    (dequantized) cache: left-padded rows (a mask per row) and continuous batching's rows at their own slots."""
+    (dequantized) cache: left-padded rows (a mask per row), continuous batching's rows at their
+    own slots, and runs of up to 8 tokens (guesses being checked) as queries of the kernel."""
     kernel, dequantized = build_decoder(context_model), build_decoder(context_model)
     for decoder in (kernel, dequantized):
         decoder.setup_cache(2, 48, cache_dtype)
@@ -275,7 +300,7 @@ def test_decode_steps_attend_in_the_kernel_as_in_torch(context_model, cache_dtyp
     for block in dequantized.layers:
         block.attention.decode_kernel = False
     vocab = context_model.config.vocab_size
-    ids = torch.tensor([prompt_ids(30, vocab), prompt_ids(30, vocab, seed=1)])
+    ids = torch.tensor([prompt_ids(34, vocab), prompt_ids(34, vocab, seed=1)])
     pad = torch.tensor([0, 5])
     with torch.no_grad():
         for decoder in (kernel, dequantized):
@@ -285,6 +310,13 @@ def test_decode_steps_attend_in_the_kernel_as_in_torch(context_model, cache_dtyp
         segments = [Segment(1, 24, [int(ids[1, 24])]), Segment(0, 20, [int(ids[0, 24])])]
         for mine, theirs in zip(kernel.forward_segments(segments, [1, 1]), dequantized.forward_segments(segments, [1, 1])):
             torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)
+        ops, queries = cpu_kernels.ops(), []  # the kernel's calls: the queries each took
+        counting = type("Counting", (), {"decode_attention": staticmethod(lambda q, *rest: queries.append(q.shape[0]) or ops.decode_attention(q, *rest))})
+        monkeypatch.setattr(cpu_kernels, "ops", counting)
+        for length in (2, 8):  # short runs (speculative guesses): one query per token, each row read once for them
+            queries.clear()
+            torch.testing.assert_close(kernel(ids[:, 25 : 25 + length], 25, pad), dequantized(ids[:, 25 : 25 + length], 25, pad), rtol=1e-4, atol=1e-4)
+            assert queries == [2 * length] * len(kernel.layers)
 
 
 @needs_kernel
