@@ -199,6 +199,24 @@ def test_prompt_lookup_guesses_change_no_answer(model_name, request, tiny_tokeni
         ContinuousBatcher(alone, max_batch=1, max_seq=16, lookahead=-1)
 
 
+def test_sampled_answers_with_guesses_are_what_generate_speculative_draws(tiny_model, tiny_tokenizer):
+    """Sampled answers with prompt lookup's guesses, three decoded together: each is, token for
+    token, the answer `generate_speculative` draws alone from the same seed. Both check guesses by
+    speculative sampling with the request's own generator (`judge`, whose tokens follow the
+    model's distribution: tests/test_speculative.py)."""
+    from slimlm.inference.speculative import generate_speculative
+
+    repeated = prompt(6, 1) * 4  # n-grams for lookup to find; top-k 3 keeps the answers repeating too
+    requests = [SamplingParams(max_new_tokens=30, temperature=1.0, top_k=3, seed=seed, ignore_eos=True) for seed in range(6)]
+    alone = Decoder(build_decoder(tiny_model), tiny_tokenizer, reuse_prefixes=False)
+    expected = [generate_speculative(alone, repeated, params, lookahead=4)[0].token_ids for params in requests]
+    with ContinuousBatcher(Decoder(build_decoder(tiny_model), tiny_tokenizer), max_batch=3, max_seq=64, lookahead=4) as batcher:
+        submissions = [batcher.submit(repeated, params) for params in requests]
+        answers = [list(submission)[-1].token_ids for submission in submissions]
+    assert answers == expected
+    assert 0 < batcher.accepted < batcher.proposed  # guesses were made, and sampling refused some
+
+
 def test_a_short_prompt_arriving_behind_a_long_one_is_prefilled_first(context_model, tiny_tokenizer):
     """A 400-token prompt goes in 4 tokens a chunk (100 chunks); a 5-token prompt arriving after
     its first chunk is due sooner, so it gets its answer while the long prompt is still going in
