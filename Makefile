@@ -23,7 +23,7 @@ demo: setup
 	$(BIN)/slimlm recipe=demo
 
 test: setup
-	$(BIN)/python -m pytest -q -n 2
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 clean:
 	rm -rf $(VENV) runs multirun outputs .pytest_cache
