@@ -175,7 +175,7 @@ class Segment:
     tokens: list[int]
 
 
-SHORT_RUN = 8  # segments up to this long attend as one-token queries where the CPU kernel runs
+SHORT_RUN = 8  # runs of a row up to this long (guesses being checked) attend as one-token queries where the CPU kernel runs
 
 
 @dataclass(frozen=True)
@@ -204,7 +204,7 @@ class Attention(nn.Module):
         for name in CACHE_NAMES:  # scales: int8 caches only
             self.register_buffer(name, None, persistent=False)
         self.attention_dtype = torch.float32  # what cached keys and values are read as
-        self.decode_kernel = False  # whether decode steps attend in slimlm's CPU kernel
+        self.decode_kernel = False  # whether decode steps and short runs attend in slimlm's CPU kernel
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: Union[torch.Tensor, "Segments"], mask: Optional[torch.Tensor] = None, end: int = 0, first_row: int = 0) -> torch.Tensor:
         """x [batch, length] written at `slots` of cache rows first_row..first_row+batch-1; or,
@@ -226,7 +226,8 @@ class Attention(nn.Module):
         tensor, each sequence's own row (one token per row, `slots` then each row's own slot)."""
         batch, length, heads, kv_heads = q.shape[0], q.shape[2], self.n_heads, self.n_kv_heads
         # The kernel reads each sequence's own row where it lies, an int8 one as stored; torch's
-        # attention a gathered (dequantized) copy of the rows. A short run of a row (speculative
+        # attention reads a float view of consecutive rows, or a gathered copy of scattered ones,
+        # and for an int8 cache a dequantized copy of either. A short run of a row (speculative
         # guesses being checked, a prompt's last few tokens) goes to the kernel as one query per
         # token, each a sequence of that row with its own row of the mask.
         short = 1 < length <= SHORT_RUN and isinstance(rows, int) and mask is not None
@@ -457,8 +458,8 @@ class Transformer(nn.Module):
         for segment in segments:
             self.held.pop(segment.row, None)  # rewritten from its start: known again when its generation ends (Decoder.remember)
         # slimlm's CPU kernel reads each query's row in place: a short run (a decode step's guesses)
-        # is cheaper as one-token queries of the batched step than as an attention call of its
-        # own; torch's attention would gather a copy of the row for each of them.
+        # joins the batched step's one-token queries, one kernel call in all instead of one per
+        # run; torch's attention would gather a copy of the row for each run.
         longest_single = SHORT_RUN if self.layers[0].attention.decode_kernel else 1
         order = sorted(range(len(segments)), key=lambda i: len(segments[i].tokens) > longest_single)  # the single queries first
         packed = [segments[i] for i in order]

@@ -55,16 +55,19 @@ def test_a_packed_pass_matches_each_segment_run_on_its_own(context_model, tiny_t
     """Decode steps, a prompt's chunk and a run of guesses in one packed pass (given out of
     order) give the logits and cache contents of the same work done as separate passes; with
     a sliding window narrower than the rows (mistral), each query sees only its last 8 slots.
-    Where slimlm's attention kernel runs, the guesses are queries of the batched decode step;
-    with torch's attention, a call of their own."""
+    Where slimlm's attention kernel runs, the guesses are queries of the batched decode step
+    (and, run on their own, the kernel's queries still); with torch's attention, a call of their
+    own. The separate passes attend in torch."""
     from slimlm.inference import cpu_kernels
     from tests.conftest import build_tiny_mistral
 
     if not kernel:
         monkeypatch.setattr(cpu_kernels, "available", lambda: False)
     source = context_model if window is None else build_tiny_mistral(len(tiny_tokenizer), window)
-    packed, separate = (build_decoder(source) for _ in range(2))
-    for model in (packed, separate):
+    packed, separate, alone = (build_decoder(source) for _ in range(3))
+    for block in separate.layers:  # the reference attends in torch
+        block.attention.decode_kernel = False
+    for model in (packed, separate, alone):
         model.setup_cache(4, 64, cache_dtype)
         for row, length in ((0, 10), (1, 7), (2, 5)):
             model(torch.tensor([prompt(length, row)]), 0, first_row=row)
@@ -72,7 +75,8 @@ def test_a_packed_pass_matches_each_segment_run_on_its_own(context_model, tiny_t
     with torch.inference_mode():
         got = packed.forward_segments([Segment(0, 10, [9]), Segment(3, 0, chunk), Segment(1, 7, run), Segment(2, 5, [11])], [1, 1, 4, 1])
         expected = [separate(torch.tensor([[9]]), 10, first_row=0)[0], separate(torch.tensor([chunk]), 0, first_row=3)[0, -1:], separate(torch.tensor([run]), 7, first_row=1)[0], separate(torch.tensor([[11]]), 5, first_row=2)[0]]
-    for part, reference in zip(got, expected):
+        run_alone = alone(torch.tensor([run]), 7, first_row=1)[0]  # with the kernel, a short run of its own: one query per token
+    for part, reference in zip([*got, run_alone], [*expected, expected[2]]):
         torch.testing.assert_close(part, reference, rtol=1e-4, atol=1e-4)
     for mine, theirs in zip(packed.cache_tensors(), separate.cache_tensors()):
         torch.testing.assert_close(mine, theirs, rtol=0, atol=1 if mine.dtype == torch.int8 else 1e-5)  # packing changes the matmuls' summation order
@@ -203,7 +207,8 @@ def test_sampled_answers_with_guesses_are_what_generate_speculative_draws(tiny_m
     """Sampled answers with prompt lookup's guesses, three decoded together: each is, token for
     token, the answer `generate_speculative` draws alone from the same seed. Both check guesses by
     speculative sampling with the request's own generator (`judge`, whose tokens follow the
-    model's distribution: tests/test_speculative.py)."""
+    model's distribution: tests/test_speculative.py). Equal draws need equal logits: both paths
+    attend in the same kernel (or both in torch), one query per token."""
     from slimlm.inference.speculative import generate_speculative
 
     repeated = prompt(6, 1) * 4  # n-grams for lookup to find; top-k 3 keeps the answers repeating too

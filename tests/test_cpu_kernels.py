@@ -402,7 +402,7 @@ def test_the_laptop_instruction_sets_pass_the_kernel_tests(isa):
     that also has them, in a process of their own: one process loads one build of the op."""
     if isa == cpu_kernels.kernel_isa() or cpu_kernels.missing_flags(isa):
         pytest.skip(f"{isa} is this run's own instruction set, or the processor lacks it")
-    pytest_command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "emulation or lora or refuses or every_layer or decode_attention", __file__]
+    pytest_command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", "-k", "emulation or lora or refuses or every_layer or decode_attention or attend", __file__]
     run = lambda *extra: subprocess.run([*pytest_command, *extra], cwd=Path(__file__).parent.parent, env={**os.environ, cpu_kernels.ISA_ENV: isa}, capture_output=True, text=True, timeout=900)  # noqa: E731
     selected = int(re.match(r"\d+", run("--collect-only").stdout.strip().splitlines()[-1]).group())  # "N/M tests collected"
     result = run()
