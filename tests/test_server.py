@@ -29,24 +29,25 @@ def serve(context_model, tiny_tokenizer):
 
         decoder = Decoder(build_decoder(context_model), tiny_tokenizer)
         batcher = ContinuousBatcher(Decoder(build_decoder(context_model), tiny_tokenizer), max(limits.max_concurrent, 1), limits.max_prompt_tokens + limits.max_new_tokens) if batched else None
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
+        listening = socket.socket()  # bound here and handed to the server: no other process can take the port in between
+        listening.bind(("127.0.0.1", 0))
+        port = listening.getsockname()[1]
         server = uvicorn.Server(uvicorn.Config(create_app(batcher.decoder if batched else decoder, "tiny", limits, batcher), host="127.0.0.1", port=port, log_level="warning"))
-        thread = threading.Thread(target=server.run, daemon=True)
+        thread = threading.Thread(target=server.run, kwargs={"sockets": [listening]}, daemon=True)
         thread.start()
         deadline = time.time() + 20
         while not server.started and time.time() < deadline:
             time.sleep(0.05)
-        servers.append((server, thread))
+        servers.append((server, thread, listening))
         start.batchers.append(batcher)
         return f"http://127.0.0.1:{port}", decoder  # batched: a decoder of its own, the reference for the served answers
 
     start.batchers = []  # each server's batcher (None: one at a time)
     yield start
-    for server, thread in servers:
+    for server, thread, listening in servers:
         server.should_exit = True
         thread.join(timeout=10)
+        listening.close()
     for batcher in filter(None, start.batchers):
         batcher.close()
 
