@@ -54,7 +54,7 @@ def verification_pass_costs(model: Transformer, lookahead: int, repeats: int = 9
     """Milliseconds of one verification pass (the last token and `lookahead` guesses) of one
     sequence after 150, 1,500 and 4,000 cached tokens, with a float and an int8 cache: attending
     in slimlm's CPU kernel (a query per token, each reading the row as stored) against torch's
-    attention (over a copy of the row, dequantized for int8); median of `repeats`, alternating."""
+    attention (over a view of the row; for int8, a dequantized copy); median of `repeats`, alternating."""
     generator, rows = torch.Generator().manual_seed(0), []
     for cache_dtype in (None, torch.int8):
         for context in (150, 1500, 4000):

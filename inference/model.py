@@ -458,8 +458,7 @@ class Transformer(nn.Module):
         for segment in segments:
             self.held.pop(segment.row, None)  # rewritten from its start: known again when its generation ends (Decoder.remember)
         # slimlm's CPU kernel reads each query's row in place: a short run (a decode step's guesses)
-        # joins the batched step's one-token queries, one kernel call in all instead of one per
-        # run; torch's attention would gather a copy of the row for each run.
+        # joins the batched step's one-token queries: one kernel call in all instead of one per run.
         longest_single = SHORT_RUN if self.layers[0].attention.decode_kernel else 1
         order = sorted(range(len(segments)), key=lambda i: len(segments[i].tokens) > longest_single)  # the single queries first
         packed = [segments[i] for i in order]

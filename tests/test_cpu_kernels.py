@@ -6,6 +6,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -311,9 +312,13 @@ def test_decode_steps_attend_in_the_kernel_as_in_torch(context_model, cache_dtyp
         for mine, theirs in zip(kernel.forward_segments(segments, [1, 1]), dequantized.forward_segments(segments, [1, 1])):
             torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)
         ops, queries = cpu_kernels.ops(), []  # the kernel's calls: the queries each took
-        counting = type("Counting", (), {"decode_attention": staticmethod(lambda q, *rest: queries.append(q.shape[0]) or ops.decode_attention(q, *rest))})
-        monkeypatch.setattr(cpu_kernels, "ops", counting)
-        for length in (2, 8):  # short runs (speculative guesses): one query per token, each row read once for them
+
+        def counted(q, *rest):
+            queries.append(q.shape[0])
+            return ops.decode_attention(q, *rest)
+
+        monkeypatch.setattr(cpu_kernels, "ops", lambda: SimpleNamespace(decode_attention=counted))
+        for length in (2, 8):  # short runs (speculative guesses): one call a layer, one query per token
             queries.clear()
             torch.testing.assert_close(kernel(ids[:, 25 : 25 + length], 25, pad), dequantized(ids[:, 25 : 25 + length], 25, pad), rtol=1e-4, atol=1e-4)
             assert queries == [2 * length] * len(kernel.layers)

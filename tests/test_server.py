@@ -223,7 +223,12 @@ def test_a_whole_completion_stops_decoding_when_its_client_goes_away(serve, tiny
     batcher = serve.batchers[-1]
     if batched:  # paced as counted_tokens paces the one-at-a-time decoder
         forward_segments = batcher.model.forward_segments
-        batcher.model.forward_segments = lambda *args: (time.sleep(PACE_S), forward_segments(*args))[1]
+
+        def paced(*args):
+            time.sleep(PACE_S)
+            return forward_segments(*args)
+
+        batcher.model.forward_segments = paced
     body = json.dumps({"prompt": "the story of", "max_tokens": 480, "temperature": 1.0, "seed": seed}).encode()
     with socket.create_connection(("127.0.0.1", int(base.rsplit(":", 1)[1]))) as client:
         client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
