@@ -222,6 +222,28 @@ def test_the_ops_namespace_names_the_build():
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_kernels_fake_versions_agree_with_them(dtype):
+    """torch.compile traces each op through its fake version (cpu_kernels.register_fake), and the
+    compiled step does not check the real outputs' shapes and strides at run time
+    (decoder.CPU_STEP_OPTIONS): opcheck compares them, with and without the optional tensors."""
+    codes, scales, offsets = random_weights(128, 256, 64, bits=4)
+    x = torch.randn(3, 256).to(dtype)
+    down, up = block_diagonal_adapter(256)
+    for bits in (4, 8):
+        weights = (cpu_kernels.pack(codes, bits), cpu_kernels.tile_groups(scales), cpu_kernels.tile_groups(offsets), 64)
+        op = getattr(cpu_kernels.ops(), cpu_kernels.OPS[bits])
+        torch.library.opcheck(op, (x, *weights))
+        torch.library.opcheck(op, (x, *weights, *cpu_kernels.pack_adapter(down, up)))
+    for cache_dtype in (torch.int8, torch.float32):
+        (k_codes, k_scales), (v_codes, v_scales) = cached(3, 2, 40, 16, 1, cache_dtype), cached(3, 2, 40, 16, 2, cache_dtype)
+        q, visible = torch.randn(2, 4, 1, 16), torch.ones(2, 1, 1, 33, dtype=torch.bool)
+        for rows, reader in ((slice(0, 2), None), (slice(None), torch.tensor([2, 0]))):  # the first rows, or rows by index
+            view = lambda t: None if t is None else t[rows, :, :33]  # noqa: E731
+            torch.library.opcheck(cpu_kernels.ops().decode_attention, (q, view(k_codes), view(k_scales), view(v_codes), view(v_scales), visible if reader is not None else None, 0.25, reader))
+
+
+@needs_kernel
 @pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float32], ids=["int8", "fp32"])
 def test_decode_attention_reads_each_sequence_from_its_own_cache_row(cache_dtype):
     """Continuous batching: each sequence's row of the whole cache, given by index, attends
