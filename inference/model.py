@@ -359,22 +359,34 @@ class Transformer(nn.Module):
         kernel = cache_dtype in (torch.float32, torch.int8) and device.type == "cpu" and self.args.head_dim % 8 == 0 and cpu_kernels.available()
         same_kind = self.max_seq > 0 and self.layers[0].attention.k_cache.dtype == cache_dtype
         kept = {row: RowRecord(r.tokens[:max_seq], min(r.prompt, max_seq)) for row, r in self.held.items() if row < batch} if keep and same_kind else {}
-        for block in self.layers:
-            attention = block.attention
-            before = [getattr(attention, name) for name in CACHE_NAMES]
-            attention.k_cache = torch.zeros(shape, dtype=cache_dtype, device=device)
-            attention.v_cache = torch.zeros(shape, dtype=cache_dtype, device=device)
-            attention.k_cache_scale = torch.zeros(*shape[:-1], 1, device=device) if scaled else None
-            attention.v_cache_scale = torch.zeros(*shape[:-1], 1, device=device) if scaled else None
-            attention.attention_dtype = float_dtype if scaled else cache_dtype
-            attention.decode_kernel = kernel
-            for old, new in zip(before, (getattr(attention, name) for name in CACHE_NAMES)):
-                if old is None:  # no scales: not an int8 cache
-                    continue
-                for row, record in kept.items():
-                    new[row, :, : len(record.tokens)] = old[row, :, : len(record.tokens)]
+        try:
+            for block in self.layers:  # layer by layer: the old cache's layers are freed as the new one grows
+                attention = block.attention
+                before = [getattr(attention, name) for name in CACHE_NAMES]
+                attention.k_cache = torch.zeros(shape, dtype=cache_dtype, device=device)
+                attention.v_cache = torch.zeros(shape, dtype=cache_dtype, device=device)
+                attention.k_cache_scale = torch.zeros(*shape[:-1], 1, device=device) if scaled else None
+                attention.v_cache_scale = torch.zeros(*shape[:-1], 1, device=device) if scaled else None
+                attention.attention_dtype = float_dtype if scaled else cache_dtype
+                attention.decode_kernel = kernel
+                for old, new in zip(before, (getattr(attention, name) for name in CACHE_NAMES)):
+                    if old is None:  # no scales: not an int8 cache
+                        continue
+                    for row, record in kept.items():
+                        new[row, :, : len(record.tokens)] = old[row, :, : len(record.tokens)]
+        except BaseException:
+            self.drop_cache()  # never layers of two shapes: a compiled step checks only the first layer's
+            raise
         self.max_batch, self.max_seq = batch, max_seq
         self.held = kept
+
+    def drop_cache(self) -> None:
+        """No cache at all (freed): the next generation allocates a whole new one."""
+        for block in self.layers:
+            for name in CACHE_NAMES:
+                setattr(block.attention, name, None)
+        self.max_batch = self.max_seq = 0
+        self.held = {}
 
     def copy_slots(self, source: int, target: int, start: int, end: int) -> None:
         """Copy cache slots start..end-1 of row `source` into row `target` (every layer's keys,

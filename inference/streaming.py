@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-CACHE_NAMES = ("k_cache", "v_cache", "k_cache_scale", "v_cache_scale")  # per-block state that stays on the device
+from slimlm.inference.model import CACHE_NAMES  # per-block state that stays on the device
 ALIGN = 64  # bytes: every tensor's view starts at a multiple of this in the flat buffers
 
 

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._dynamo.utils import counters
 
 from slimlm.inference import cpu_kernels
 from slimlm.inference.build import build_decoder, describe_kernels
@@ -237,10 +238,12 @@ def test_the_kernels_fake_versions_agree_with_them(dtype):
         torch.library.opcheck(op, (x, *weights, *cpu_kernels.pack_adapter(down, up)))
     for cache_dtype in (torch.int8, torch.float32):
         (k_codes, k_scales), (v_codes, v_scales) = cached(3, 2, 40, 16, 1, cache_dtype), cached(3, 2, 40, 16, 2, cache_dtype)
-        q, visible = torch.randn(2, 4, 1, 16), torch.ones(2, 1, 1, 33, dtype=torch.bool)
+        q = torch.randn(2, 4, 1, 16).to(dtype)
+        masks = (None, torch.rand(2, 1, 1, 33) > 0.3, torch.ones(1, 1, 1, 33, dtype=torch.bool))  # none, one per sequence, one for all
         for rows, reader in ((slice(0, 2), None), (slice(None), torch.tensor([2, 0]))):  # the first rows, or rows by index
             view = lambda t: None if t is None else t[rows, :, :33]  # noqa: E731
-            torch.library.opcheck(cpu_kernels.ops().decode_attention, (q, view(k_codes), view(k_scales), view(v_codes), view(v_scales), visible if reader is not None else None, 0.25, reader))
+            for visible in masks:
+                torch.library.opcheck(cpu_kernels.ops().decode_attention, (q, view(k_codes), view(k_scales), view(v_codes), view(v_scales), visible, 0.25, reader))
 
 
 @needs_kernel
@@ -376,7 +379,8 @@ def test_compiled_step_matches_eager_also_after_the_cache_changes(context_model,
     bf16 throughout: where eager and compiled tokens part at a near-tie, the logits are compared,
     within 10% of the largest: with int8 activations a bf16 step in a layer's input can move an
     activation's code by one, and over 30 steps the two caches drift apart (7% measured). With
-    the cache's guards dropped, the compiled step runs against the old cache and fails here."""
+    the cache's guards dropped, the compiled step would read the new tensors with the old
+    cache's shapes and dtype baked in, and fail here; each change of the cache compiles anew."""
     model = quantized(context_model, tiny_tokenizer, tmp_path, bits=4, group_size=64, targets=[r"model\.layers\.\d+\..*", "lm_head"])
     torch.manual_seed(0)
     for layer in model.model.layers[0].modules():
@@ -385,12 +389,15 @@ def test_compiled_step_matches_eager_also_after_the_cache_changes(context_model,
     eager = Decoder(build_decoder(model, dtype=torch.bfloat16, int8_activations=True), tiny_tokenizer)
     compiled = Decoder(build_decoder(model, dtype=torch.bfloat16, int8_activations=True), tiny_tokenizer)
     compiled.compile_decode_step()
+    graphs, before = [], counters["stats"]["unique_graphs"]
     for length, new_tokens, cache_dtype in ((6, 8, None), (40, 30, None), (40, 30, torch.bfloat16)):
         if cache_dtype is not None:
             for decoder in (eager, compiled):
                 decoder.model.setup_cache(1, 80, cache_dtype)
         params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
         assert_same_decoding(compiled, eager, [prompt_ids(length, 300, seed=length)], params, share=0.1)
+        graphs.append(counters["stats"]["unique_graphs"] - before)
+    assert graphs == [1, 2, 3]  # one graph for each cache: the first, the longer one, the bf16 one
     assert compiled.model.layers[0].attention.k_cache.dtype == torch.bfloat16
     assert describe_kernels(compiled.model)["int4-int8act+lora"] == 4
 

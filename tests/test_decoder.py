@@ -114,6 +114,32 @@ def test_the_cache_is_allocated_once(tiny_model, tiny_tokenizer, cache_dtype, sl
     assert decoder.model.cache_bytes() == 2 * 2 * 1 * 2 * 50 * slot_bytes
 
 
+def test_a_cache_that_fails_to_grow_leaves_none_behind(tiny_model, tiny_tokenizer, monkeypatch):
+    """An allocation that fails halfway (out of memory) must not leave layers of two shapes:
+    a compiled step checks only the first layer's. The whole cache goes; the next generation
+    allocates a new one and decodes as a fresh decoder does."""
+    decoder = Decoder(build_decoder(tiny_model), tiny_tokenizer)
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    decoder.generate_ids([prompt_ids(6, 300)], params)
+    decoder.remember(0, prompt_ids(6, 300), [1, 2])
+    zeros, calls = torch.zeros, []
+
+    def out_of_memory_at_the_third(*args, **kwargs):
+        calls.append(args)
+        if len(calls) == 3:  # the second layer's keys
+            raise RuntimeError("out of memory")
+        return zeros(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "zeros", out_of_memory_at_the_third)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        decoder.model.setup_cache(1, 64, keep=True)
+    monkeypatch.undo()
+    assert decoder.model.cache_tensors() == [] and (decoder.model.max_batch, decoder.model.max_seq, decoder.model.held) == (0, 0, {})
+    prompt = prompt_ids(30, 300, seed=2)
+    fresh = Decoder(build_decoder(tiny_model), tiny_tokenizer).generate_ids([prompt], params)
+    assert decoder.generate_ids([prompt], params) == fresh
+
+
 def test_an_int8_cache_stays_close_to_the_float_cache(context_model, tiny_tokenizer):
     """Prefill and then decode token by token with each cache: the int8 cache's logits stay
     within a small KL of the fp32 cache's at every step. Measured: at most 0.00095; codes
