@@ -7,6 +7,7 @@ kernel its scheme allows (inference.linear); q/k/v and gate/up are fused.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Optional
 
 import torch
@@ -58,23 +59,25 @@ class DecoderParts:
         self.streamed = set(streamed_layers(self.args.n_layers, placement.stream_layers))
         self.hosts: list[HostBlock] = []  # the streamed blocks' weights, in host memory
 
-    def linear(self, layer: nn.Module) -> nn.Module:
-        return build_linear(layer, self.dtype, self.device, self.kernels, self.int8_activations, self.gpu_int4)
+    def linear(self, layer: nn.Module, streamed: bool = False) -> nn.Module:
+        return build_linear(layer, self.dtype, self.device, self.kernels, self.int8_activations, self.gpu_int4, semi_sparse=not streamed)
 
     def norm_weight(self, norm: nn.Module) -> torch.Tensor:
         return norm.weight.detach().to(device=self.device, dtype=self.dtype)
 
     def block(self, index: int, layer: nn.Module) -> Block:
         """Decoder block `index` from its HF layer; a streamed one's weights go to host memory."""
-        block = self._block(layer)
-        if index in self.streamed:
+        streamed = index in self.streamed
+        block = self._block(layer, streamed)
+        if streamed:
             self.hosts.append(to_host(block, self.device))
         return block
 
-    def _block(self, layer: nn.Module) -> Block:
+    def _block(self, layer: nn.Module, streamed: bool) -> Block:
         attn, mlp = layer.self_attn, layer.mlp
-        attention = Attention(self.args, self.linear(fuse([attn.q_proj, attn.k_proj, attn.v_proj])), self.linear(attn.o_proj))
-        feed_forward = FeedForward(self.linear(fuse([mlp.gate_proj, mlp.up_proj])), self.linear(mlp.down_proj))
+        linear = partial(self.linear, streamed=streamed)
+        attention = Attention(self.args, linear(fuse([attn.q_proj, attn.k_proj, attn.v_proj])), linear(attn.o_proj))
+        feed_forward = FeedForward(linear(fuse([mlp.gate_proj, mlp.up_proj])), linear(mlp.down_proj))
         block = Block(self.args, attention, feed_forward)
         block.attention_norm.weight.data = self.norm_weight(layer.input_layernorm)
         block.ffn_norm.weight.data = self.norm_weight(layer.post_attention_layernorm)

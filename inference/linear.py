@@ -322,18 +322,20 @@ class Concat(nn.Module):
 GPU_INT4_KERNELS = ("tinygemm", "triton")
 
 
-def build_linear(layer: nn.Module, dtype: torch.dtype, device: torch.device, kernels: bool = True, int8_activations: bool = False, gpu_int4: str = "tinygemm") -> nn.Module:
+def build_linear(layer: nn.Module, dtype: torch.dtype, device: torch.device, kernels: bool = True, int8_activations: bool = False, gpu_int4: str = "tinygemm", semi_sparse: bool = True) -> nn.Module:
     """The fastest decoder layer for a transformers Linear, QuantLinear or a `Concat` of them;
     `kernels=False` forces the dequantizing path (the reference the kernels are tested against);
-    `gpu_int4` picks the int4 kernel on a GPU (GPU_INT4_KERNELS)."""
+    `gpu_int4` picks the int4 kernel on a GPU (GPU_INT4_KERNELS); `semi_sparse=False` keeps a
+    2:4-sparse float weight dense (a layer streamed from host memory is copied as plain bytes,
+    which torch's compressed sparse tensor is not)."""
     if isinstance(layer, Concat):
-        return Concat([build_linear(part, dtype, device, kernels, int8_activations, gpu_int4) for part in layer.parts])
+        return Concat([build_linear(part, dtype, device, kernels, int8_activations, gpu_int4, semi_sparse) for part in layer.parts])
     if isinstance(layer, QuantLinear):
         base = quantized_kernel(layer, dtype, device, kernels, int8_activations, gpu_int4)
         if not layer.adapter_rank or isinstance(base, Int8ActivationLinear):  # that kernel runs the adapter itself
             return base
         return LowRankAdapter(base, layer.lora_a, layer.lora_b, dtype, device)
-    if kernels and semi_sparse_fits(layer.weight, dtype, device):
+    if kernels and semi_sparse and semi_sparse_fits(layer.weight, dtype, device):
         return SemiSparseLinear(layer.weight, layer.bias, dtype, device)
     return DenseLinear(layer.weight, layer.bias, dtype, device)
 

@@ -393,6 +393,7 @@ class Transformer(nn.Module):
         values and int8 scales): the same tokens at the same positions need not be computed
         again. Drops the target's record in `held` (first: a copy that fails leaves none stale)."""
         self.held.pop(target, None)
+        self.check_cache(max(source, target) + 1, end)
         for tensor in self.cache_tensors():
             tensor[target, :, start:end] = tensor[source, :, start:end]
 
@@ -425,8 +426,7 @@ class Transformer(nn.Module):
         (a prefill needs no more, and a chunk's logits over a large vocabulary are big).
         `first_row`: the cache rows used are first_row..first_row+batch-1."""
         batch, length = tokens.shape
-        if start + length > self.max_seq or first_row + batch > self.max_batch:
-            raise SlimlmError(f"the cache holds {self.max_batch} sequences of {self.max_seq} slots; this step needs {batch} of {start + length}")
+        self.check_cache(first_row + batch, start + length)
         end = start + length
         slots = torch.arange(start, end, device=tokens.device)
         # A plain decode step needs no mask; with a sliding window it always takes one, so the
@@ -438,8 +438,14 @@ class Transformer(nn.Module):
         """A decode step whose shapes never change, what a CUDA graph replays at every position:
         `tokens` [batch, 1] go to cache slot `slot` (a one-element tensor, not a Python int), and
         attention reads the whole cache with the slots after `slot` masked. Logits [batch, 1, vocab]."""
+        self.check_cache(tokens.shape[0], 1)  # the slot is a tensor: the graph's caller keeps it in the cache
         slots = slot.reshape(1)
         return self.run_layers(tokens, slots, pad, self.attention_mask(slots, pad, self.max_seq), self.max_seq, 0, False)
+
+    def check_cache(self, rows: int, slots: int) -> None:
+        """Refuse a step whose rows or slots the cache does not have (none when none was allocated)."""
+        if slots > self.max_seq or rows > self.max_batch:
+            raise SlimlmError(f"the cache holds {self.max_batch} sequences of {self.max_seq} slots; this step needs {rows} of {slots}")
 
     def run_layers(self, tokens: torch.Tensor, slots: torch.Tensor, pad: Optional[torch.Tensor], mask: Optional[torch.Tensor], end: int, first_row: int, last_only: bool) -> torch.Tensor:
         """Embedding, blocks and head for `tokens` written at cache `slots`; attention reads

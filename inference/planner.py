@@ -26,7 +26,7 @@ from slimlm.errors import SlimlmError
 from slimlm.inference import cpu_kernels, gpu_kernels
 from slimlm.inference.linear import int8pack_fits, tinygemm_fits
 from slimlm.inference.model import ModelArgs
-from slimlm.inference.streaming import Placement
+from slimlm.inference.streaming import Placement, streamed_layers
 from slimlm.qlinear import QuantScheme
 
 GiB = 2**30
@@ -105,7 +105,6 @@ class Budget:
     reserve_bytes: int
     transit_bytes: int = 0  # CPU loading: the largest layer held in its stored and its kernel layout at once
 
-
     @property
     def weight_bytes(self) -> int:
         return sum(self.layer_bytes) + self.head_bytes + self.table_bytes + self.norm_bytes
@@ -132,20 +131,23 @@ class Plan:
         """What this plan keeps in host memory, for build_decoder / load_decoder."""
         return Placement(self.streamed_layers if self.kind == "stream" else 0, self.table_on_host)
 
+    def streamed_bytes(self) -> list[int]:
+        """The bytes of each block kept in host memory: the ones the decoder streams (streaming.streamed_layers)."""
+        layers = self.budget.layer_bytes
+        return [layers[i] for i in streamed_layers(len(layers), self.streamed_layers)] if self.kind == "stream" else []
+
     def device_bytes(self) -> int:
-        """Peak bytes on the device (or in RAM for CPU plans)."""
-        b = self.budget
+        """Peak bytes on the device (or in RAM for CPU plans): the streamed blocks pass through
+        two buffers (one with one streamed block), each the size of the largest of them."""
+        b, streamed = self.budget, self.streamed_bytes()
         total = b.total_bytes - (b.table_bytes if self.table_on_host else 0)
-        if self.kind != "stream":
-            return total
-        streamed = sum(sorted(b.layer_bytes)[-self.streamed_layers :])
-        return total - streamed + 2 * max(b.layer_bytes)
+        return total - sum(streamed) + min(2, len(streamed)) * max(streamed, default=0)
 
     def decode_tok_s_bound(self) -> float:
         """Tokens per second per sequence at batch 1 if every byte moved at full bandwidth."""
         b, hw = self.budget, self.hardware
         per_token_kv = b.kv_bytes / self.batch / 2  # the cache is half full on average
-        streamed = sum(sorted(b.layer_bytes)[-self.streamed_layers :]) if self.streamed_layers else 0
+        streamed = sum(self.streamed_bytes())
         device_read = b.weight_bytes - b.table_bytes - streamed + per_token_kv
         seconds = device_read / hw.bandwidth_bytes_s + (streamed / hw.host_link_bytes_s if streamed else 0)
         return 1 / seconds
@@ -263,24 +265,29 @@ def make_plan(args: ModelArgs, schemes: dict[str, QuantScheme], hardware: Hardwa
         return plan
     host_table = hardware.device == "cuda" and not args.tie_embeddings
     table_note = ["the embedding table stays in host memory (one row per token is copied over): run with --embedding-on-host"] if host_table else []
-    plan = Plan(hardware, context, batch, full, "device", table_on_host=host_table, notes=list(table_note))
-    if plan.device_bytes() <= hardware.memory_bytes:
-        return plan
+    if host_table:
+        plan = Plan(hardware, context, batch, full, "device", table_on_host=True, notes=list(table_note))
+        if plan.device_bytes() <= hardware.memory_bytes:
+            return plan
+    tried = [f"everything on the device, {plan.device_bytes() / GiB:.2f} GiB"]
     if hardware.host_link_bytes_s is not None:
         for streamed in range(1, args.n_layers + 1):
             plan = Plan(hardware, context, batch, full, "stream", streamed_layers=streamed, table_on_host=host_table, notes=list(table_note))
             if plan.device_bytes() <= hardware.memory_bytes:
                 plan.notes.append(f"{streamed} of {args.n_layers} decoder layers stay in pinned host memory and stream in one layer ahead of use: run with --stream-layers {streamed}")
                 return plan
+        tried.append(f"all {args.n_layers} layers streamed from host memory, {plan.device_bytes() / GiB:.2f} GiB")
     shorter = context
-    while shorter > 256:
+    while shorter > 256:  # halving, not below 256 tokens: a shorter context is of little use
         shorter //= 2
         candidate = budget(args, schemes, hardware, shorter, batch, int8_activations=int8_activations, kv_int8=kv_int8, gpu_int4=gpu_int4, adapter_ranks=adapter_ranks)
         plan = Plan(hardware, shorter, batch, candidate, "shorter-context", table_on_host=host_table, notes=list(table_note))
         if plan.device_bytes() <= hardware.memory_bytes:
             plan.notes.append(f"the context is capped at {shorter} tokens (of {context} asked)")
             return plan
-    raise SlimlmError(f"nothing fits {hardware.name} ({hardware.memory_bytes / GiB:.1f} GiB):\n" + format_budget(full, hardware))
+    if shorter < context:
+        tried.append(f"a context of {shorter} tokens, {plan.device_bytes() / GiB:.2f} GiB")
+    raise SlimlmError(f"nothing fits {hardware.name} ({hardware.memory_bytes / GiB:.1f} GiB); tried {'; '.join(tried)}. At {context} tokens:\n" + format_budget(full, hardware))
 
 
 def format_budget(b: Budget, hardware: Hardware) -> str:

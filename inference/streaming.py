@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from slimlm.inference.model import CACHE_NAMES  # per-block state that stays on the device
+from slimlm.inference.model import CACHE_NAMES
 ALIGN = 64  # bytes: every tensor's view starts at a multiple of this in the flat buffers
 
 
@@ -43,7 +43,7 @@ class HostEmbedding(nn.Module):
     def __init__(self, weight: torch.Tensor, dtype: torch.dtype, device: torch.device):
         super().__init__()
         self.host_table = weight.detach().to("cpu", dtype).contiguous()
-        self.device, self.dtype = device, dtype
+        self.device = device
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.host_table[tokens.reshape(-1).cpu()].to(self.device).view(*tokens.shape, -1)
@@ -59,8 +59,8 @@ class HostBlock:
 
 
 def streamed_layers(n_layers: int, count: int) -> list[int]:
-    """Which blocks to stream when `count` must be: the last ones (every block of a uniform
-    model is the same size; any `count` of them frees the same memory)."""
+    """Which blocks to stream when `count` must be: the last ones (the planner counts these;
+    with mixed schemes the blocks differ in size)."""
     return list(range(n_layers - count, n_layers))
 
 
@@ -109,6 +109,7 @@ class LayerStreamer:
             self.copy_stream.wait_stream(torch.cuda.current_stream(device))
         self.copied: list[Optional[torch.cuda.Event]] = [None] * len(hosts)
         self.released: list[Optional[torch.cuda.Event]] = [None] * len(self.buffers)  # the last use of each buffer ended
+        self.holds: list[Optional[int]] = [None] * len(self.buffers)  # the block whose bytes each buffer holds (or is being copied)
         self.deferred: Optional[int] = None
         self._prefetch(0)
 
@@ -126,6 +127,7 @@ class LayerStreamer:
     def _prefetch(self, index: int) -> None:
         """Copy block `index`'s bytes into its buffer once that buffer's last user is done."""
         host, target = self.hosts[index].host, self.buffers[self._buffer(index)]
+        self.holds[self._buffer(index)] = index
         if not self.on_gpu:
             target[: host.numel()].copy_(host)
             return
@@ -138,6 +140,9 @@ class LayerStreamer:
             self.copied[index].record(self.copy_stream)
 
     def _before(self, index: int, module: nn.Module, args) -> None:
+        if self.holds[self._buffer(index)] != index:  # a pass that raised (out of memory, say) left another block there
+            self.deferred = None
+            self._prefetch(index)
         if self.on_gpu:
             torch.cuda.current_stream(self.device).wait_event(self.copied[index])
         following = (index + 1) % len(self.hosts)

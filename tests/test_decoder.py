@@ -125,7 +125,8 @@ def test_a_cache_that_fails_to_grow_leaves_none_behind(tiny_model, tiny_tokenize
     zeros, calls = torch.zeros, []
 
     def out_of_memory_at_the_third(*args, **kwargs):
-        calls.append(args)
+        if args[0][2:3] == (64,):  # the new cache's tensors: keys, then values, per layer
+            calls.append(args)
         if len(calls) == 3:  # the second layer's keys
             raise RuntimeError("out of memory")
         return zeros(*args, **kwargs)
@@ -135,6 +136,9 @@ def test_a_cache_that_fails_to_grow_leaves_none_behind(tiny_model, tiny_tokenize
         decoder.model.setup_cache(1, 64, keep=True)
     monkeypatch.undo()
     assert decoder.model.cache_tensors() == [] and (decoder.model.max_batch, decoder.model.max_seq, decoder.model.held) == (0, 0, {})
+    for step in (lambda: decoder.model.step_static(torch.tensor([[1]]), torch.tensor(0)), lambda: decoder.model.copy_slots(0, 0, 0, 4)):
+        with pytest.raises(SlimlmError, match="the cache holds 0 sequences of 0 slots"):
+            step()
     prompt = prompt_ids(30, 300, seed=2)
     fresh = Decoder(build_decoder(tiny_model), tiny_tokenizer).generate_ids([prompt], params)
     assert decoder.generate_ids([prompt], params) == fresh

@@ -11,7 +11,7 @@ from slimlm.inference import cpu_kernels
 from slimlm.inference.build import build_decoder, describe_kernels
 from slimlm.inference.model import ModelArgs
 from slimlm.inference.streaming import Placement
-from slimlm.inference.planner import GiB, HARDWARE, budget, format_plan, make_plan, preset_config, uniform_schemes
+from slimlm.inference.planner import GiB, HARDWARE, Plan, budget, format_plan, make_plan, preset_config, uniform_schemes
 from slimlm.pipeline import RunState
 from slimlm.qlinear import QuantScheme
 
@@ -66,9 +66,23 @@ def test_plans_fit_stream_shorten_or_refuse_with_numbers():
     no_link = dataclasses.replace(laptop, host_link_bytes_s=None)
     capped = make_plan(args, int4, dataclasses.replace(no_link, memory_bytes=6 * GiB), context=8192)
     assert capped.kind == "shorter-context" and capped.context < 8192
-    with pytest.raises(SlimlmError, match=r"nothing fits .*\n.*decoder layers"):
+    with pytest.raises(SlimlmError, match=r"nothing fits .*; tried everything on the device, [\d.]+ GiB; a context of 256 tokens, [\d.]+ GiB\. At 8192 tokens:\n.*decoder layers"):
         make_plan(args, {}, dataclasses.replace(no_link, memory_bytes=2 * GiB), context=8192)
+    with pytest.raises(SlimlmError, match=r"tried everything on the device, [\d.]+ GiB; all 32 layers streamed from host memory, [\d.]+ GiB; a context of 256"):
+        make_plan(args, {}, dataclasses.replace(laptop, memory_bytes=2 * GiB), context=8192)
     assert "fits in the GPU" in format_plan(fits, "llama-3-8b")
+
+
+def test_a_stream_plan_counts_the_blocks_the_decoder_streams():
+    """The decoder streams the last blocks (streaming.streamed_layers) through two buffers the
+    size of the largest of them, one buffer for one block: with mixed schemes the blocks differ."""
+    layers = [400, 400, 100, 60]  # say, the first two blocks kept at 8 bits, the last two at 4
+    plain = budget(args_of("llama-3-8b"), {}, HARDWARE["laptop-8gb"], 64, 1)
+    mixed = dataclasses.replace(plain, layer_bytes=layers)
+    total = mixed.total_bytes
+    for count, device in ((1, total - 60 + 60), (2, total - 160 + 2 * 100), (3, total - 560 + 2 * 400)):
+        assert Plan(HARDWARE["laptop-8gb"], 64, 1, mixed, "stream", streamed_layers=count).device_bytes() == device
+    assert Plan(HARDWARE["laptop-8gb"], 64, 1, mixed, "device").device_bytes() == total
 
 
 def test_plan_command_reads_presets_and_artifacts(tiny_model, tiny_tokenizer, tmp_path):

@@ -55,6 +55,45 @@ def test_streamed_blocks_give_the_resident_decoders_tokens_and_logits(count):
         Decoder(streamed, Ids()).compile_decode_step()
 
 
+def test_a_pass_that_raises_does_not_leave_a_block_with_anothers_weights():
+    """A streamed block that raises midway (out of memory in a prefill chunk, say) leaves the
+    next block's weights in a buffer the next pass's first block reads: that block copies its
+    own again, and the next pass computes what the resident decoder does."""
+    scheme = QuantScheme(bits=4, group_size=32)
+    resident = random_decoder(CONFIG, scheme, scheme, dtype=torch.float32)
+    streamed = random_decoder(CONFIG, scheme, scheme, dtype=torch.float32, placement=Placement(3))
+    failing = streamed.streamer.hosts[1].block  # its pre-hook has copied the third streamed block over the first's buffer
+
+    def out_of_memory(module, args):
+        raise RuntimeError("out of memory")
+
+    hook = failing.register_forward_pre_hook(out_of_memory)
+    tokens = torch.randint(0, CONFIG["vocab_size"], (1, 12), generator=torch.Generator().manual_seed(7))
+    with torch.inference_mode():
+        for model in (resident, streamed):
+            model.setup_cache(1, 16)
+        with pytest.raises(RuntimeError, match="out of memory"):
+            streamed(tokens, 0)
+        hook.remove()
+        torch.testing.assert_close(streamed(tokens, 0), resident(tokens, 0), rtol=0, atol=0)
+
+
+def test_a_streamed_block_keeps_a_2_4_sparse_weight_dense(monkeypatch):
+    """torch's compressed 2:4 weight is no plain bytes to copy from host memory: where the GPU's
+    sparse kernel would serve a layer, a streamed block keeps the dense weight. (Stood in for
+    on the CPU: every float layer passes as 2:4, and a dense layer stands for the sparse one.)"""
+    from slimlm.inference import linear
+
+    class Sparse(linear.DenseLinear):
+        pass
+
+    monkeypatch.setattr(linear, "semi_sparse_fits", lambda weight, dtype, device: True)
+    monkeypatch.setattr(linear, "SemiSparseLinear", Sparse)
+    decoder = random_decoder(CONFIG, None, None, dtype=torch.float32, placement=Placement(2))
+    kinds = [{type(layer) for layer in (b.attention.qkv, b.attention.o_proj, b.feed_forward.gate_up, b.feed_forward.down)} for b in decoder.layers]
+    assert kinds == [{Sparse}] * 3 + [{linear.DenseLinear}] * 2
+
+
 def test_an_artifact_loads_with_its_last_blocks_in_host_memory(context_model, tiny_tokenizer, tmp_path):
     state = RunState(cfg=None, run_dir=tmp_path, model=context_model, tokenizer=tiny_tokenizer, source=None, source_sha256=None, device=torch.device("cpu"))
     quantize(state, QuantizeParams(bits=4, group_size=32, targets=[r"model\.layers\.\d+\..*", "lm_head"]))
