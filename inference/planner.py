@@ -8,8 +8,9 @@ the last position's logits, and the runtime's reserve. Then a plan, the first th
   1. everything on the device;
   2. the decoder layers that do not fit stay in pinned host memory and are streamed to the
      device one layer ahead of use (two layer buffers on the device);
-  3. a shorter context, everything on the device;
-  4. nothing fits: a refusal that gives the numbers.
+  3. a shorter context (halved, down to 256 tokens), everything on the device or, failing that,
+     with streamed layers;
+  4. nothing fits: a refusal that gives the numbers and what was tried.
 
 Decode speed is bounded by bandwidth: each token reads every weight once (the embedding table
 one row) and the cache so far; streamed layers cross the host link instead of device memory.
@@ -259,35 +260,39 @@ def make_plan(args: ModelArgs, schemes: dict[str, QuantScheme], hardware: Hardwa
         raise SlimlmError(f"context ({context}) and batch ({batch}) must be at least 1")
     if context > args.max_position_embeddings:
         raise SlimlmError(f"a context of {context} is longer than the model's {args.max_position_embeddings}")
-    full = budget(args, schemes, hardware, context, batch, int8_activations=int8_activations, kv_int8=kv_int8, gpu_int4=gpu_int4, adapter_ranks=adapter_ranks)
-    plan = Plan(hardware, context, batch, full, "device")
-    if plan.device_bytes() <= hardware.memory_bytes:
-        return plan
     host_table = hardware.device == "cuda" and not args.tie_embeddings
     table_note = ["the embedding table stays in host memory (one row per token is copied over): run with --embedding-on-host"] if host_table else []
-    if host_table:
-        plan = Plan(hardware, context, batch, full, "device", table_on_host=True, notes=list(table_note))
-        if plan.device_bytes() <= hardware.memory_bytes:
-            return plan
-    tried = [f"everything on the device, {plan.device_bytes() / GiB:.2f} GiB"]
-    if hardware.host_link_bytes_s is not None:
-        for streamed in range(1, args.n_layers + 1):
-            plan = Plan(hardware, context, batch, full, "stream", streamed_layers=streamed, table_on_host=host_table, notes=list(table_note))
-            if plan.device_bytes() <= hardware.memory_bytes:
-                plan.notes.append(f"{streamed} of {args.n_layers} decoder layers stay in pinned host memory and stream in one layer ahead of use: run with --stream-layers {streamed}")
-                return plan
-        tried.append(f"all {args.n_layers} layers streamed from host memory, {plan.device_bytes() / GiB:.2f} GiB")
-    shorter = context
-    while shorter > 256:  # halving, not below 256 tokens: a shorter context is of little use
-        shorter //= 2
-        candidate = budget(args, schemes, hardware, shorter, batch, int8_activations=int8_activations, kv_int8=kv_int8, gpu_int4=gpu_int4, adapter_ranks=adapter_ranks)
-        plan = Plan(hardware, shorter, batch, candidate, "shorter-context", table_on_host=host_table, notes=list(table_note))
-        if plan.device_bytes() <= hardware.memory_bytes:
-            plan.notes.append(f"the context is capped at {shorter} tokens (of {context} asked)")
-            return plan
-    if shorter < context:
-        tried.append(f"a context of {shorter} tokens, {plan.device_bytes() / GiB:.2f} GiB")
-    raise SlimlmError(f"nothing fits {hardware.name} ({hardware.memory_bytes / GiB:.1f} GiB); tried {'; '.join(tried)}. At {context} tokens:\n" + format_budget(full, hardware))
+
+    def plans_at(length: int) -> list[Plan]:
+        """What can be tried at a context of `length` tokens, in order of preference."""
+        b = budget(args, schemes, hardware, length, batch, int8_activations=int8_activations, kv_int8=kv_int8, gpu_int4=gpu_int4, adapter_ranks=adapter_ranks)
+        on_device = "device" if length == context else "shorter-context"
+        plans = [Plan(hardware, length, batch, b, on_device)]
+        if host_table:
+            plans.append(Plan(hardware, length, batch, b, on_device, table_on_host=True, notes=list(table_note)))
+        if hardware.host_link_bytes_s is not None:
+            plans += [Plan(hardware, length, batch, b, "stream", streamed_layers=n, table_on_host=host_table, notes=list(table_note)) for n in range(1, args.n_layers + 1)]
+        return plans
+
+    contexts = [context]
+    while contexts[-1] > 256:  # halving, not below 256 tokens: a shorter context is of little use
+        contexts.append(contexts[-1] // 2)
+    for length in contexts:
+        fits = next((plan for plan in plans_at(length) if plan.device_bytes() <= hardware.memory_bytes), None)
+        if fits is None:
+            continue
+        if fits.kind == "stream":
+            fits.notes.append(f"{fits.streamed_layers} of {args.n_layers} decoder layers stay in pinned host memory and stream in one layer ahead of use: run with --stream-layers {fits.streamed_layers}")
+        if length < context:
+            fits.notes.append(f"the context is capped at {length} tokens (of {context} asked)")
+        return fits
+    first, last = plans_at(context), plans_at(contexts[-1])
+    tried = [f"everything on the device, {[plan for plan in first if plan.kind == 'device'][-1].device_bytes() / GiB:.2f} GiB"]
+    if first[-1].kind == "stream":
+        tried.append(f"all {args.n_layers} layers streamed from host memory, {first[-1].device_bytes() / GiB:.2f} GiB")
+    if len(contexts) > 1:
+        tried.append(f"a context of {contexts[-1]} tokens, at least {last[-1].device_bytes() / GiB:.2f} GiB")
+    raise SlimlmError(f"nothing fits {hardware.name} ({hardware.memory_bytes / GiB:.1f} GiB); tried {'; '.join(tried)}. At {context} tokens:\n" + format_budget(first[0].budget, hardware))
 
 
 def format_budget(b: Budget, hardware: Hardware) -> str:
@@ -302,7 +307,11 @@ def format_budget(b: Budget, hardware: Hardware) -> str:
         ("total", b.total_bytes),
         (f"{hardware.name} memory", hardware.memory_bytes),
     ]
-    return "\n".join(f"  {name:<24} {value / GiB:9.2f} GiB" for name, value in rows)
+    return "\n".join(budget_line(name, value) for name, value in rows)
+
+
+def budget_line(name: str, value: int) -> str:
+    return f"  {name:<32} {value / GiB:9.2f} GiB"
 
 
 def format_plan(plan: Plan, model_name: str) -> str:
@@ -313,8 +322,8 @@ def format_plan(plan: Plan, model_name: str) -> str:
     lines = [
         f"{model_name} on {hw.name}: {where}; context {plan.context}, batch {plan.batch}",
         format_budget(b, hw),
-        f"  peak on the device       {plan.device_bytes() / GiB:9.2f} GiB",
-        f"  decode bound (batch 1)   {bound:9.1f} tokens/s at {hw.bandwidth_bytes_s / 1e9:.0f} GB/s"
+        budget_line("peak on the device", plan.device_bytes()),
+        f"  {'decode bound (batch 1)':<32} {bound:9.1f} tokens/s at {hw.bandwidth_bytes_s / 1e9:.0f} GB/s"
         + (f" and {hw.host_link_bytes_s / 1e9:.0f} GB/s host link" if plan.kind == "stream" else ""),
         *[f"  note: {note}" for note in plan.notes],
     ]

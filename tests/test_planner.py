@@ -66,11 +66,23 @@ def test_plans_fit_stream_shorten_or_refuse_with_numbers():
     no_link = dataclasses.replace(laptop, host_link_bytes_s=None)
     capped = make_plan(args, int4, dataclasses.replace(no_link, memory_bytes=6 * GiB), context=8192)
     assert capped.kind == "shorter-context" and capped.context < 8192
-    with pytest.raises(SlimlmError, match=r"nothing fits .*; tried everything on the device, [\d.]+ GiB; a context of 256 tokens, [\d.]+ GiB\. At 8192 tokens:\n.*decoder layers"):
+    with pytest.raises(SlimlmError, match=r"nothing fits .*; tried everything on the device, [\d.]+ GiB; a context of 256 tokens, at least [\d.]+ GiB\. At 8192 tokens:\n.*decoder layers"):
         make_plan(args, {}, dataclasses.replace(no_link, memory_bytes=2 * GiB), context=8192)
     with pytest.raises(SlimlmError, match=r"tried everything on the device, [\d.]+ GiB; all 32 layers streamed from host memory, [\d.]+ GiB; a context of 256"):
         make_plan(args, {}, dataclasses.replace(laptop, memory_bytes=2 * GiB), context=8192)
     assert "fits in the GPU" in format_plan(fits, "llama-3-8b")
+
+
+def test_a_shorter_context_may_need_streamed_layers_too():
+    """Where even every layer streamed leaves no room for the cache at the asked context, a
+    shorter one is tried with streaming too, not only with everything on the device."""
+    args = args_of("llama-3-8b")
+    laptop = HARDWARE["laptop-8gb"]
+    all_streamed = {length: Plan(laptop, length, 1, budget(args, {}, laptop, length, 1), "stream", streamed_layers=args.n_layers, table_on_host=True).device_bytes() for length in (8192, 4096)}
+    between = dataclasses.replace(laptop, memory_bytes=(all_streamed[8192] + all_streamed[4096]) // 2)
+    plan = make_plan(args, {}, between, context=8192)
+    assert (plan.kind, plan.context) == ("stream", 4096) and 0 < plan.streamed_layers <= args.n_layers
+    assert plan.device_bytes() <= between.memory_bytes and "the context is capped at 4096 tokens (of 8192 asked)" in plan.notes
 
 
 def test_a_stream_plan_counts_the_blocks_the_decoder_streams():
