@@ -277,8 +277,10 @@ def make_plan(args: ModelArgs, schemes: dict[str, QuantScheme], hardware: Hardwa
     contexts = [context]
     while contexts[-1] > 256:  # halving, not below 256 tokens: a shorter context is of little use
         contexts.append(contexts[-1] // 2)
+    attempts = []  # the plans tried at each context, for the refusal
     for length in contexts:
-        fits = next((plan for plan in plans_at(length) if plan.device_bytes() <= hardware.memory_bytes), None)
+        attempts.append(plans_at(length))
+        fits = next((plan for plan in attempts[-1] if plan.device_bytes() <= hardware.memory_bytes), None)
         if fits is None:
             continue
         if fits.kind == "stream":
@@ -286,7 +288,7 @@ def make_plan(args: ModelArgs, schemes: dict[str, QuantScheme], hardware: Hardwa
         if length < context:
             fits.notes.append(f"the context is capped at {length} tokens (of {context} asked)")
         return fits
-    first, last = plans_at(context), plans_at(contexts[-1])
+    first, last = attempts[0], attempts[-1]
     tried = [f"everything on the device, {[plan for plan in first if plan.kind == 'device'][-1].device_bytes() / GiB:.2f} GiB"]
     if first[-1].kind == "stream":
         tried.append(f"all {args.n_layers} layers streamed from host memory, {first[-1].device_bytes() / GiB:.2f} GiB")
@@ -310,8 +312,11 @@ def format_budget(b: Budget, hardware: Hardware) -> str:
     return "\n".join(budget_line(name, value) for name, value in rows)
 
 
+LABEL_WIDTH = 32  # the budget table's first column: its longest label fits
+
+
 def budget_line(name: str, value: int) -> str:
-    return f"  {name:<32} {value / GiB:9.2f} GiB"
+    return f"  {name:<{LABEL_WIDTH}} {value / GiB:9.2f} GiB"
 
 
 def format_plan(plan: Plan, model_name: str) -> str:
@@ -323,7 +328,7 @@ def format_plan(plan: Plan, model_name: str) -> str:
         f"{model_name} on {hw.name}: {where}; context {plan.context}, batch {plan.batch}",
         format_budget(b, hw),
         budget_line("peak on the device", plan.device_bytes()),
-        f"  {'decode bound (batch 1)':<32} {bound:9.1f} tokens/s at {hw.bandwidth_bytes_s / 1e9:.0f} GB/s"
+        f"  {'decode bound (batch 1)':<{LABEL_WIDTH}} {bound:9.1f} tokens/s at {hw.bandwidth_bytes_s / 1e9:.0f} GB/s"
         + (f" and {hw.host_link_bytes_s / 1e9:.0f} GB/s host link" if plan.kind == "stream" else ""),
         *[f"  note: {note}" for note in plan.notes],
     ]

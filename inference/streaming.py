@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from slimlm.inference.model import CACHE_NAMES
+
 ALIGN = 64  # bytes: every tensor's view starts at a multiple of this in the flat buffers
 
 
