@@ -2,6 +2,7 @@
 
 import os
 import re
+import time
 from dataclasses import replace
 
 import pytest
@@ -12,7 +13,7 @@ from slimlm.errors import SlimlmError
 from slimlm.inference import cpu_kernels
 from slimlm.inference.build import build_decoder, describe_kernels
 from slimlm.inference.decoder import Decoder
-from slimlm.inference.model import ModelArgs
+from slimlm.inference.model import ModelArgs, Transformer
 from slimlm.inference.sampling import SamplingParams, filter_top_k_top_p, penalize_repetition
 from slimlm.pipeline import RunState
 from tests.conftest import build_tiny_llama
@@ -395,3 +396,20 @@ def test_decoders_compiled_in_one_process_keep_their_own_steps(tiny_model, tiny_
         compiled = Decoder(build_decoder(model, dtype=torch.bfloat16), tiny_tokenizer)
         compiled.compile_decode_step()
         assert_same_decoding(compiled, eager, [prompt], params)
+
+
+def test_the_generate_stage_times_decoding_not_the_decoders_setup(tiny_model, tiny_tokenizer, monkeypatch):
+    """The report's tokens/s for its completion: allocating the cache (and, on a new machine,
+    compiling the CPU kernels) happens once and is not decoding."""
+    from slimlm.inference.generate import greedy_complete
+
+    allocate = Transformer.setup_cache
+
+    def slow_setup(self, *args, **kwargs):
+        time.sleep(1.0)
+        return allocate(self, *args, **kwargs)
+
+    monkeypatch.setattr(Transformer, "setup_cache", slow_setup)
+    completion = greedy_complete(tiny_model, tiny_tokenizer, "hello", max_new_tokens=4, chat_template=False)
+    assert completion.engine.startswith("slimlm decoder") and completion.new_tokens >= 1
+    assert completion.seconds < 1.0
