@@ -17,7 +17,7 @@ from slimlm.errors import SlimlmError
 from slimlm.inference.linear import GPU_INT4_KERNELS, DequantLinear, DenseLinear, build_linear, fuse
 from slimlm.inference.model import Attention, Block, FeedForward, ModelArgs, Transformer
 from slimlm.inference.streaming import HostBlock, HostEmbedding, LayerStreamer, Placement, streamed_layers, to_host
-from slimlm.qlinear import QuantEmbedding
+from slimlm.qlinear import QuantEmbedding, QuantLinear
 
 
 class RowEmbedding(nn.Module):
@@ -32,11 +32,20 @@ class RowEmbedding(nn.Module):
         return self.table.rows(tokens.reshape(-1), self.dtype).view(*tokens.shape, -1)
 
 
-def build_decoder(model: nn.Module, dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None, kernels: bool = True, int8_activations: bool = False, gpu_int4: str = "tinygemm", placement: Placement = Placement()) -> Transformer:
+def default_dtype(model: nn.Module, device: torch.device) -> torch.dtype:
+    """The activations' dtype when none is asked for: bf16 on a GPU (what its int4 kernels
+    read), and on a CPU for a model with quantized layers (torch's packed CPU kernels decode
+    several times faster with bf16 activations than with fp32); a float model on a CPU keeps fp32."""
+    if device.type == "cuda" or any(isinstance(module, QuantLinear) for module in model.modules()):
+        return torch.bfloat16
+    return torch.float32
+
+
+def build_decoder(model: nn.Module, dtype: Optional[torch.dtype] = torch.float32, device: Optional[torch.device] = None, kernels: bool = True, int8_activations: bool = False, gpu_int4: str = "tinygemm", placement: Placement = Placement()) -> Transformer:
     """A decoder Transformer holding `model`'s weights (HF Llama-family layout). With
     `int8_activations`, int4 and int8 layers also round their inputs to int8 (CPU; see
     Int8ActivationLinear); `gpu_int4` picks the GPU's int4 kernel (inference/linear.py);
-    `placement` keeps some of it in host memory (inference/streaming.py)."""
+    `placement` keeps some of it in host memory (inference/streaming.py); dtype None: default_dtype."""
     parts = DecoderParts(model, dtype, device, kernels, int8_activations, gpu_int4, placement)
     return parts.assemble([parts.block(index, layer) for index, layer in enumerate(model.model.layers)])
 
@@ -45,10 +54,11 @@ class DecoderParts:
     """Turns an HF model's modules into decoder modules one at a time, so a loader can hand
     them over layer by layer (inference/load.py) instead of holding two copies of the model."""
 
-    def __init__(self, model: nn.Module, dtype: torch.dtype, device: Optional[torch.device], kernels: bool, int8_activations: bool, gpu_int4: str = "tinygemm", placement: Placement = Placement()):
+    def __init__(self, model: nn.Module, dtype: Optional[torch.dtype], device: Optional[torch.device], kernels: bool, int8_activations: bool, gpu_int4: str = "tinygemm", placement: Placement = Placement()):
         if gpu_int4 not in GPU_INT4_KERNELS:
             raise SlimlmError(f"unknown GPU int4 kernel '{gpu_int4}'; choose one of {', '.join(GPU_INT4_KERNELS)}")
-        self.model, self.dtype, self.device = model, dtype, torch.device(device or "cpu")
+        self.model, self.device = model, torch.device(device or "cpu")
+        self.dtype = dtype or default_dtype(model, self.device)
         self.kernels, self.int8_activations, self.gpu_int4 = kernels, int8_activations, gpu_int4
         self.args = ModelArgs.from_hf_config(model.config)
         if not 0 <= placement.stream_layers <= self.args.n_layers:

@@ -57,16 +57,13 @@ def greedy_complete(model, tokenizer, prompt: str, max_new_tokens: int, chat_tem
     device = next(model.parameters()).device
     obstacle = decoder_obstacle(model)
     if obstacle is None:
-        # Packed CPU kernels are fast with bf16 activations and slow with fp32 (see bench/results/decode_cpu.md).
-        quantized = any(isinstance(m, QuantLinear) for m in model.modules())
-        dtype = torch.bfloat16 if quantized and device.type == "cpu" else next(p.dtype for p in model.parameters() if p.is_floating_point())
-        decoder = Decoder(build_decoder(model, dtype=dtype, device=device), tokenizer)
+        decoder = Decoder(build_decoder(model, dtype=None, device=device), tokenizer)
         (generation,) = decoder.generate_ids([input_ids[0].tolist()], SamplingParams(max_new_tokens=max_new_tokens))
         # Prefill and decoding only: the first generation also allocates the cache and, on a new
         # machine, compiles the CPU kernels (seconds that would read as a slow decoder).
         seconds = decoder.last_stats.prefill_s + decoder.last_stats.decode_s
         kernels = ", ".join(f"{kind} x{count}" for kind, count in describe_kernels(decoder.model).items())
-        activations = str(dtype).removeprefix("torch.")
+        activations = str(decoder.model.dtype).removeprefix("torch.")
         return Completion(prompt, generation.text.strip(), len(generation.token_ids), seconds, f"slimlm decoder ({kernels}; {activations} activations)")
     input_ids = input_ids.to(device)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

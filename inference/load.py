@@ -57,9 +57,9 @@ class WeightsFile:
         return tensors
 
 
-def load_decoder(path: Path, dtype: torch.dtype = torch.bfloat16, device: Optional[torch.device] = None, kernels: bool = True, int8_activations: bool = False, gpu_int4: str = "tinygemm", placement: Placement = Placement()) -> tuple[Transformer, dict]:
+def load_decoder(path: Path, dtype: Optional[torch.dtype] = torch.bfloat16, device: Optional[torch.device] = None, kernels: bool = True, int8_activations: bool = False, gpu_int4: str = "tinygemm", placement: Placement = Placement()) -> tuple[Transformer, dict]:
     """The decoder for an artifact and its manifest (checksums verified first); `placement`
-    keeps some of it in host memory (inference/streaming.py)."""
+    keeps some of it in host memory (inference/streaming.py); dtype None: build.default_dtype."""
     path = Path(path)
     manifest = read_manifest(path)
     skeleton = model_skeleton(path, manifest, meta=True)
