@@ -92,10 +92,13 @@ def available() -> bool:
         log.info("slimlm's CPU kernels not used: the processor has none of %s", ", ".join(ISAS))
         return False
     try:
-        from torch.utils.cpp_extension import load
+        from torch.utils.cpp_extension import _get_build_directory, load
 
+        name = f"slimlm_cpu_kernels_{isa}"
+        if not (Path(_get_build_directory(name, verbose=False)) / f"{name}.so").exists():
+            log.warning("compiling slimlm's CPU kernels for %s (once per machine, about 15-30 s)", isa)  # else a silent pause
         cflags = ["-O3", "-mtune=native", "-fopenmp", f"-DSLIMLM_OPS={NAMESPACE}", *ISAS[isa][1]]
-        load(name=f"slimlm_cpu_kernels_{isa}", sources=[str(source) for source in SOURCES], extra_cflags=cflags, extra_ldflags=["-fopenmp"], is_python_module=False)
+        load(name=name, sources=[str(source) for source in SOURCES], extra_cflags=cflags, extra_ldflags=["-fopenmp"], is_python_module=False)
     except Exception as error:  # no compiler, no ninja, a failed build: torch's kernels still work
         log.warning("slimlm's CPU kernels not built (%s); int4 and int8 layers use torch's kernels, attention torch.compile's loop", str(error).splitlines()[0] if str(error) else type(error).__name__)
         return False
