@@ -9,6 +9,7 @@ from typing import Sequence
 from slimlm.errors import SlimlmError
 from slimlm.eval.plots import plot_size_quality
 from slimlm.eval.report import markdown_tables
+from slimlm.resources import read_json_object
 from slimlm.rundir import write_atomic
 
 
@@ -24,7 +25,7 @@ def find_reports(paths: Sequence[Path]) -> list[Path]:
                 raise SlimlmError(f"'{path}' holds no finished run (no report.json below it); give run directories or a sweep directory")
             found.extend(below)
         else:
-            raise SlimlmError(f"'{path}' does not exist; give run directories (runs/<recipe>/<time>) or a sweep directory (multirun/<time>)")
+            raise SlimlmError(f"'{path}' {'is not a directory' if path.exists() else 'does not exist'}; give run directories (runs/<recipe>/<time>) or a sweep directory (multirun/<time>)")
     return found
 
 
@@ -32,7 +33,9 @@ def compare(paths: Sequence[Path], out_dir: Path) -> str:
     """Write comparison.md/.json/.png into out_dir; returns the Markdown."""
     rows = []
     for report_file in find_reports(paths):
-        report = json.loads(report_file.read_text())
+        report = read_json_object(report_file, "rerun that run, or leave its directory out")
+        if not isinstance(report.get("rows"), list) or not isinstance(report.get("recipe"), str):
+            raise SlimlmError(f"'{report_file}' is not a slimlm report (no recipe and rows); rerun that run, or leave its directory out")
         for row in report["rows"]:
             rows.append({**row, "run": report["recipe"], "name": f"{report['recipe']}: {row['name']}", "run_dir": str(report_file.parent)})
     if not rows:

@@ -10,6 +10,7 @@ without it, the default model.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -38,9 +39,9 @@ def decoder_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=DTYPES, default=None, help="activation dtype; default bfloat16 on a GPU (what its int4 kernels read) and on a CPU for a quantized model (torch's packed kernels run several times faster with it), float32 for a float model on a CPU")
     parser.add_argument("--int8-activations", action="store_true", help="int4 and int8 layers also round their inputs to int8 (CPU: integer dot products, faster, slightly less exact)")
     parser.add_argument("--kv-cache", choices=("float", "int8"), default="float", help="int8: the key/value cache as int8 codes with a scale per head and slot (about a quarter of the fp32 CPU cache, half of an fp16 one)")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--device", type=device_name, default="cpu", help="cpu or cuda (cuda:N for another GPU)")
     parser.add_argument("--gpu-int4", choices=("tinygemm", "triton"), default="tinygemm", help="int4 kernel on a GPU: torch's tinygemm, or slimlm's Triton kernel (reads the artifact's packing as stored; experimental)")
-    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--threads", type=thread_count, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--stream-layers", type=int, default=0, help="keep the last N decoder layers in host memory and stream them to the GPU as they run (a model larger than the GPU; `slimlm plan` says how many)")
     parser.add_argument("--embedding-on-host", action="store_true", help="keep an untied embedding table in host memory; each step copies its tokens' rows (`slimlm plan` says when)")
 
@@ -67,7 +68,7 @@ def open_decoder(model: str, options):
     """Load MODEL and build the bundled decoder on the requested device."""
     from slimlm.config import ModelConfig
     from slimlm.inference.build import build_decoder
-    from slimlm.artifact import MANIFEST
+    from slimlm.artifact import MANIFEST, artifact_tokenizer
     from slimlm.inference.decoder import Decoder
     from slimlm.inference.load import load_decoder
     from slimlm.inference.streaming import Placement
@@ -82,10 +83,8 @@ def open_decoder(model: str, options):
     cache_dtype = torch.int8 if options.kv_cache == "int8" else None
     placement = Placement(options.stream_layers, options.embedding_on_host)
     if (Path(model) / MANIFEST).is_file():  # a slimlm artifact: straight into the decoder, layer by layer
-        from transformers import AutoTokenizer
-
         transformer, _ = load_decoder(Path(model), dtype=dtype, device=device, int8_activations=options.int8_activations, gpu_int4=options.gpu_int4, placement=placement)
-        decoder = Decoder(transformer, AutoTokenizer.from_pretrained(model), cache_dtype=cache_dtype)
+        decoder = Decoder(transformer, artifact_tokenizer(Path(model)), cache_dtype=cache_dtype)
     else:
         loaded = load_model(ModelConfig(name="cli", path=model), torch.device("cpu"))
         transformer = build_decoder(loaded.model, dtype=dtype, device=device, int8_activations=options.int8_activations, gpu_int4=options.gpu_int4, placement=placement)
@@ -94,6 +93,32 @@ def open_decoder(model: str, options):
     if getattr(options, "compile", False):
         decoder.compile_decode_step()
     return decoder
+
+
+def device_name(text: str) -> str:
+    """An argparse type: cpu, cuda or cuda:N."""
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"{text!r}: give cpu, cuda or cuda:N")
+    return text
+
+
+def thread_count(text: str) -> int:
+    """An argparse type: from 1 to this machine's CPU count (torch crashes on absurd counts)."""
+    value, cpus = positive(text), os.cpu_count() or 1
+    if value > cpus:
+        raise argparse.ArgumentTypeError(f"{value}: this machine has {cpus} CPUs")
+    return value
+
+
+def port_number(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value}: a port is 0-65535")
+    return value
 
 
 def positive(text: str) -> int:
@@ -134,6 +159,8 @@ def generate_command(args: Sequence[str]) -> None:
     refuse_compiling_speculation(parser, options)
     if len(options.model_or_prompt) > 2:
         parser.error("give at most MODEL and PROMPT (quote the prompt)")
+    if len(options.model_or_prompt) == 1 and Path(options.model_or_prompt[0]).is_dir():
+        parser.error(f"'{options.model_or_prompt[0]}' is a directory, taken as the model: give the PROMPT after it")
     model, prompt = (DEFAULT_MODEL, *options.model_or_prompt) if len(options.model_or_prompt) == 1 else options.model_or_prompt
     decoder = open_decoder(model, options)
     draft = open_decoder(options.draft, options) if options.draft else None
@@ -237,10 +264,12 @@ def chat_command(args: Sequence[str]) -> None:
 
 
 def plan_command(args: Sequence[str]) -> None:
-    import json
     from pathlib import Path
 
+    from slimlm.artifact import MANIFEST, parse_manifest
     from slimlm.inference.model import ModelArgs
+    from slimlm.packing import PACKABLE_BITS
+    from slimlm.resources import read_json_object
     from slimlm.inference.planner import HARDWARE, format_plan, make_plan, preset_config, preset_names, uniform_schemes
     from slimlm.qlinear import QuantScheme
 
@@ -250,9 +279,9 @@ def plan_command(args: Sequence[str]) -> None:
     parser.add_argument("--hardware", choices=sorted(HARDWARE), default="laptop-8gb")
     parser.add_argument("--context", type=int, default=8192)
     parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--bits", type=int, default=None, help="quantize every decoder Linear to this width (a preset or HF checkpoint; an artifact has its own)")
-    parser.add_argument("--group-size", type=int, default=64)
-    parser.add_argument("--head-bits", type=int, default=None, help="quantize the LM head too")
+    parser.add_argument("--bits", type=int, choices=PACKABLE_BITS, default=None, help="quantize every decoder Linear to this width (a preset or HF checkpoint; an artifact has its own)")
+    parser.add_argument("--group-size", type=positive, default=64)
+    parser.add_argument("--head-bits", type=int, choices=PACKABLE_BITS, default=None, help="quantize the LM head too")
     parser.add_argument("--int8-activations", action="store_true", help="plan for `generate --int8-activations` (CPU: int4 and int8 layers in slimlm's kernels; a tied int4 head needs no second embedding table)")
     parser.add_argument("--kv-cache", choices=("float", "int8"), default="float", help="plan for `generate --kv-cache int8`")
     parser.add_argument("--gpu-int4", choices=("tinygemm", "triton"), default="tinygemm", help="plan for `generate --gpu-int4 triton` (the stored packing, a little smaller)")
@@ -262,11 +291,14 @@ def plan_command(args: Sequence[str]) -> None:
         config = preset_config(options.model)
         manifest = None
     elif (path / "config.json").is_file():
-        config = json.loads((path / "config.json").read_text())
-        manifest = json.loads((path / "manifest.json").read_text()) if (path / "manifest.json").is_file() else None
+        config = read_json_object(path / "config.json", "fix or replace the model's config.json")
+        manifest = parse_manifest(path) if (path / MANIFEST).is_file() else None
     else:
         raise SlimlmError(f"'{options.model}' is neither a preset ({', '.join(presets)}) nor a directory with a config.json")
-    model_args = ModelArgs.from_hf_config(config)
+    try:
+        model_args = ModelArgs.from_hf_config(config)
+    except (KeyError, TypeError, ValueError) as error:
+        raise SlimlmError(f"'{path / 'config.json'}' is not a complete model config ({type(error).__name__}: {error}); fix or replace it") from None
     if manifest is not None:
         from slimlm.artifact import planner_inputs
 
@@ -275,6 +307,10 @@ def plan_command(args: Sequence[str]) -> None:
         adapter_ranks = None
         scheme = None if options.bits is None else QuantScheme(bits=options.bits, group_size=options.group_size)
         head = None if options.head_bits is None else QuantScheme(bits=options.head_bits, group_size=options.group_size if options.head_bits < 8 else None)
+        for layers, chosen, inputs in (("--bits", scheme, (model_args.dim, model_args.intermediate_size)), ("--head-bits", head, (model_args.dim,))):
+            problem = chosen and next(filter(None, map(chosen.shape_problem, inputs)), None)
+            if problem:
+                parser.error(f"{layers} {chosen.bits} --group-size {chosen.group_size}: {problem}")
         schemes = uniform_schemes(model_args, scheme, head)
     plan = make_plan(model_args, schemes, HARDWARE[options.hardware], options.context, options.batch, int8_activations=options.int8_activations, kv_int8=options.kv_cache == "int8", gpu_int4=options.gpu_int4, adapter_ranks=adapter_ranks)
     print(format_plan(plan, options.model))
@@ -284,9 +320,9 @@ def serve_command(args: Sequence[str]) -> None:
     parser = argparse.ArgumentParser(prog="slimlm serve", description="An OpenAI-compatible server (/v1/completions, /v1/chat/completions, /v1/models) over the bundled decoder.")
     parser.add_argument("model", nargs="?", default=DEFAULT_MODEL)
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: this machine only)")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--max-prompt-tokens", type=int, default=4096)
-    parser.add_argument("--max-tokens-limit", type=int, default=1024, help="the largest max_tokens a request may ask for")
+    parser.add_argument("--port", type=port_number, default=8000)
+    parser.add_argument("--max-prompt-tokens", type=positive, default=4096)
+    parser.add_argument("--max-tokens-limit", type=positive, default=1024, help="the largest max_tokens a request may ask for")
     parser.add_argument("--max-concurrent", type=positive, default=8, help="requests admitted at once; more get HTTP 429")
     parser.add_argument("--prefill-chunk", type=positive, default=128, help="prompt tokens prefilled per pass beside the running answers' step: smaller keeps running answers steadier while long prompts arrive, larger prefills faster")
     parser.add_argument("--name", default=None, help="the model id clients see (default: the model's file or directory name)")

@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from slimlm.artifact import WEIGHTS, dense_tensors, model_skeleton, read_manifest
+from slimlm.artifact import WEIGHTS, dense_tensors, load_tensors, model_skeleton, read_manifest
 from slimlm.errors import SlimlmError
 from slimlm.inference.build import DecoderParts
 from slimlm.inference.model import Transformer
@@ -73,7 +73,7 @@ def load_decoder(path: Path, dtype: Optional[torch.dtype] = torch.bfloat16, devi
         unread.difference_update(part)
         tensors = dense_tensors(skeleton, weights.read(part), manifest, path)
         # assign: the tensors just read become the module's own, no second copy
-        result = module.load_state_dict({key[len(prefix):]: tensor for key, tensor in tensors.items()}, strict=False, assign=True)
+        result = load_tensors(module, {key[len(prefix):]: tensor for key, tensor in tensors.items()}, path, assign=True)
         if result.missing_keys or result.unexpected_keys:
             raise SlimlmError(f"artifact '{path}' does not match its config.json under {prefix}: missing {result.missing_keys[:3]}, unexpected {result.unexpected_keys[:3]}")
 

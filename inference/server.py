@@ -36,6 +36,7 @@ class ServerLimits:
     max_concurrent: int = 8  # admitted requests (decoding or waiting); more get 429
     max_stop_strings: int = 4  # as OpenAI's API: each is checked against the text at every token
     max_stop_chars: int = 256
+    default_max_tokens: int = 128  # for a request that names none (at most max_new_tokens)
 
 
 def create_app(decoder, model_name: str, limits: ServerLimits = ServerLimits(), batcher=None):
@@ -51,9 +52,10 @@ def create_app(decoder, model_name: str, limits: ServerLimits = ServerLimits(), 
     from slimlm.inference.sampling import SamplingParams
 
     class Sampling(BaseModel):
-        model_config = ConfigDict(extra="ignore")
+        model_config = ConfigDict(extra="ignore", strict=True)  # "3" is not a number, nor "yes" a boolean
         model: Optional[str] = None
-        max_tokens: int = Field(default=128, ge=1)
+        max_tokens: Optional[int] = Field(default=None, ge=1)
+        max_completion_tokens: Optional[int] = Field(default=None, ge=1)  # the chat API's newer name for it
         temperature: float = Field(default=1.0, ge=0)
         top_p: Optional[float] = Field(default=None, gt=0, le=1)
         top_k: Optional[int] = Field(default=None, ge=1)
@@ -74,6 +76,7 @@ def create_app(decoder, model_name: str, limits: ServerLimits = ServerLimits(), 
         prompt: str
 
     class Message(BaseModel):
+        model_config = ConfigDict(strict=True)
         role: Literal["system", "user", "assistant"]
         content: str
 
@@ -114,13 +117,14 @@ def create_app(decoder, model_name: str, limits: ServerLimits = ServerLimits(), 
         asked = [name for name, used in unsupported.items() if used]
         if asked:
             raise SlimlmError(f"this server does not support {', '.join(asked)}: it returns one choice, without log probabilities or the prompt (penalties: use repetition_penalty)")
-        if body.max_tokens > limits.max_new_tokens:
-            raise SlimlmError(f"max_tokens={body.max_tokens} exceeds this server's limit of {limits.max_new_tokens}")
+        max_tokens = body.max_completion_tokens or body.max_tokens or min(limits.default_max_tokens, limits.max_new_tokens)
+        if max_tokens > limits.max_new_tokens:
+            raise SlimlmError(f"max_tokens={max_tokens} exceeds this server's limit of {limits.max_new_tokens}")
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         if len(stops) > limits.max_stop_strings or not all(0 < len(stop) <= limits.max_stop_chars for stop in stops):
             raise SlimlmError(f"stop must be at most {limits.max_stop_strings} non-empty strings of at most {limits.max_stop_chars} characters each")
         return SamplingParams(
-            max_new_tokens=body.max_tokens, temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
+            max_new_tokens=max_tokens, temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
             repetition_penalty=body.repetition_penalty, seed=body.seed, stop=[checked_text(stop, "a stop string") for stop in stops],
         )
 
@@ -130,6 +134,16 @@ def create_app(decoder, model_name: str, limits: ServerLimits = ServerLimits(), 
         except UnicodeEncodeError as exc:
             raise SlimlmError(f"{what} is not valid Unicode text ({exc.reason} at character {exc.start})") from None
         return text
+
+    # A token spells at most this many characters, so a text longer than the prompt limit times
+    # it (twice, for normalizations that shorten text) is refused before tokenizing: tokenizing
+    # megabytes would hold up every other request.
+    longest_token = max(map(len, decoder.tokenizer.get_vocab()), default=1)
+
+    def tokenized(text: str) -> list[int]:
+        if len(text) > 2 * limits.max_prompt_tokens * longest_token:
+            raise SlimlmError(f"the prompt has {len(text)} characters, more than this server's limit of {limits.max_prompt_tokens} tokens can spell")
+        return checked_ids(decoder.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def checked_ids(ids: list[int]) -> list[int]:
         if not ids:
@@ -273,7 +287,7 @@ def create_app(decoder, model_name: str, limits: ServerLimits = ServerLimits(), 
     # one thread.
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        ids = checked_ids(decoder.tokenizer(checked_text(body.prompt, "the prompt"), add_special_tokens=False)["input_ids"])
+        ids = tokenized(checked_text(body.prompt, "the prompt"))
         return await respond(request, ids, params_of(body), body.stream, chat=False)
 
     @app.post("/v1/chat/completions")
@@ -283,7 +297,7 @@ def create_app(decoder, model_name: str, limits: ServerLimits = ServerLimits(), 
             raise SlimlmError(f"model '{model_name}' has no chat template; use /v1/completions")
         messages = [{"role": m.role, "content": checked_text(m.content, f"message {i}'s content")} for i, m in enumerate(body.messages)]
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        ids = checked_ids(tokenizer(text, add_special_tokens=False)["input_ids"])
+        ids = tokenized(text)
         return await respond(request, ids, params_of(body), body.stream, chat=True)
 
     return app

@@ -30,8 +30,9 @@ import torch
 
 from slimlm import __version__
 from slimlm.errors import SlimlmError
+from slimlm.packing import PACKABLE_BITS
 from slimlm.qlinear import QuantLinear, QuantScheme, set_submodule, tie_quantized_head
-from slimlm.resources import sha256_file
+from slimlm.resources import read_json_object, sha256_file
 from slimlm.rundir import staged_directory
 from slimlm.sparse_storage import decode_bitmask, encode_bitmask, sparse_candidates, zero_codes
 
@@ -182,30 +183,82 @@ def _describe_files(directory: Path) -> dict[str, dict]:
     }
 
 
-def read_manifest(path: Path) -> dict:
-    """The manifest, after checking the format, the version and every file's checksum."""
+def parse_manifest(path: Path) -> dict:
+    """The manifest, after checking its format, version and layout, but no file's checksum (the
+    memory planner reads only this, and hashing a large model's weights would take minutes)."""
     path = Path(path)
     manifest_file = path / MANIFEST
     if not manifest_file.is_file():
         raise SlimlmError(f"'{path}' is not a slimlm artifact (no {MANIFEST}); export one with a recipe's export stage")
-    try:
-        manifest = json.loads(manifest_file.read_text())
-    except json.JSONDecodeError as error:
-        raise SlimlmError(f"'{manifest_file}' is damaged ({error}); re-export the artifact") from None
+    manifest = read_json_object(manifest_file, "re-export the artifact")
     if manifest.get("format") != FORMAT:
-        raise SlimlmError(f"'{path}' is not a slimlm artifact (format '{manifest.get('format')}')")
+        raise SlimlmError(f"'{path}' is not a slimlm artifact (its {MANIFEST} names no format '{FORMAT}')")
     version = manifest.get("format_version")
-    if not isinstance(version, int) or version > FORMAT_VERSION:
+    if type(version) is not int:
+        raise SlimlmError(f"'{manifest_file}' is damaged (format_version {version!r} is not a whole number); re-export the artifact")
+    if version > FORMAT_VERSION:
         raise SlimlmError(f"'{path}' uses artifact format version {version}, newer than this slimlm reads ({FORMAT_VERSION}); upgrade slimlm")
     if version < OLDEST_READABLE:
         raise SlimlmError(f"'{path}' uses artifact format version {version}, older than this slimlm reads ({OLDEST_READABLE}); re-export it from its run")
-    for name, expected in manifest.get("files", {}).items():
+    problem = _layout_problem(manifest)
+    if problem:
+        raise SlimlmError(f"'{manifest_file}' is damaged ({problem}); re-export the artifact")
+    return manifest
+
+
+def _layout_problem(manifest: dict) -> Optional[str]:
+    """What is wrong with the parts of a manifest that loading reads, or None."""
+    files, modules = manifest.get("files"), manifest.get("modules")
+    if not isinstance(files, dict) or not all(isinstance(entry, dict) and isinstance(entry.get("sha256"), str) and type(entry.get("bytes")) is int for entry in files.values()):
+        return "'files' must map each file to its sha256 and bytes"
+    outside = [name for name in files if Path(name).name != name or name in ("", ".", "..")]
+    if outside:
+        return f"'files' names '{outside[0]}', which is not a file of the artifact's directory"
+    if not isinstance(modules, dict) or not all(isinstance(record, dict) for record in modules.values()):
+        return "'modules' must map each quantized module to its scheme"
+    for name, record in modules.items():
+        scheme, shape = scheme_of(record), record.get("shape")  # format 2 recorded no shapes
+        if shape is not None and not (isinstance(shape, list) and len(shape) == 2 and all(type(n) is int and n > 0 for n in shape)):
+            return f"module {name} has the shape {shape!r}"
+        typed = type(scheme.bits) is int and (scheme.group_size is None or type(scheme.group_size) is int)
+        if not typed or scheme.bits not in PACKABLE_BITS or (shape is not None and scheme.shape_problem(shape[1])):
+            return f"module {name} has the scheme {scheme}, which slimlm does not write for its shape"
+    if not isinstance(getattr(torch, str(manifest.get("dtype", "float32")), None), torch.dtype):
+        return f"dtype {manifest.get('dtype')!r} is not a torch dtype"
+    return None
+
+
+def read_manifest(path: Path) -> dict:
+    """The manifest, after checking the format, the version and every file's checksum: each file
+    of the artifact's directory must be listed, so none is read unchecked."""
+    path = Path(path)
+    manifest = parse_manifest(path)
+    files = manifest["files"]
+    unlisted = sorted(file.name for file in path.iterdir() if file.is_file() and file.name != MANIFEST and file.name not in files)
+    if unlisted:
+        raise SlimlmError(f"artifact '{path}' holds '{unlisted[0]}', for which its manifest has no checksum; remove the file or re-export the artifact")
+    for name, expected in files.items():
         file = path / name
         if not file.is_file():
             raise SlimlmError(f"artifact '{path}' is missing '{name}'; re-export it")
         if file.stat().st_size != expected["bytes"] or sha256_file(file) != expected["sha256"]:
             raise SlimlmError(f"artifact file '{file}' is damaged (checksum mismatch); re-export the artifact")
     return manifest
+
+
+def hf_file(reader, path: Path, what: str):
+    """`reader(path)` (a transformers from_pretrained) with a file it cannot parse refused as a
+    damaged artifact: the checksums tell that a file changed, not that it was written well."""
+    try:
+        return reader(path)
+    except (OSError, ValueError) as error:  # json.JSONDecodeError is a ValueError
+        raise SlimlmError(f"artifact '{path}': its {what} cannot be read ({str(error).splitlines()[0]}); re-export the artifact") from None
+
+
+def artifact_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    return hf_file(AutoTokenizer.from_pretrained, path, "tokenizer files")
 
 
 def model_skeleton(path: Path, manifest: dict, meta: bool = False):
@@ -215,7 +268,7 @@ def model_skeleton(path: Path, manifest: dict, meta: bool = False):
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.initialization import no_init_weights
 
-    config = AutoConfig.from_pretrained(path)
+    config = hf_file(AutoConfig.from_pretrained, path, "config.json")
     dtype = getattr(torch, manifest.get("dtype", "float32"))
     with no_init_weights(), torch.device("meta" if meta else "cpu"):  # every weight is overwritten: random init would be wasted
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -243,17 +296,26 @@ def dense_tensors(model, tensors: dict[str, torch.Tensor], manifest: dict, path:
     return tensors
 
 
+def load_tensors(module: torch.nn.Module, tensors: dict[str, torch.Tensor], path: Path, assign: bool = False):
+    """module.load_state_dict (not strict: the caller judges missing and unexpected keys), with
+    a tensor of another shape than the manifest and config.json give refused as a damaged artifact."""
+    try:
+        return module.load_state_dict(tensors, strict=False, assign=assign)
+    except RuntimeError as error:
+        detail = next((line.strip() for line in str(error).splitlines() if "size mismatch" in line), str(error).splitlines()[0])
+        raise SlimlmError(f"artifact '{path}': its weights do not match its manifest ({detail}); re-export the artifact") from None
+
+
 def load_artifact(path: Path, device: torch.device = torch.device("cpu")) -> Artifact:
     """Rebuild the model an artifact holds, quantized layers included, ready for evaluation."""
     from safetensors.torch import load_file
-    from transformers import AutoTokenizer
 
     path = Path(path)
     manifest = read_manifest(path)
     model = model_skeleton(path, manifest)
     tied = bool(manifest.get("tied_word_embeddings"))
     tensors = dense_tensors(model, load_file(path / WEIGHTS), manifest, path)
-    result = model.load_state_dict(tensors, strict=False)
+    result = load_tensors(model, tensors, path)
     missing = set(result.missing_keys) - ({"lm_head.weight"} if tied else set())
     if missing or result.unexpected_keys:
         raise SlimlmError(
@@ -261,5 +323,5 @@ def load_artifact(path: Path, device: torch.device = torch.device("cpu")) -> Art
         )
     if tied and not isinstance(model.get_output_embeddings(), QuantLinear):
         model.tie_weights()
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = artifact_tokenizer(path)
     return Artifact(model=model.to(device).eval(), tokenizer=tokenizer, manifest=manifest, path=path)

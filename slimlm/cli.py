@@ -14,6 +14,7 @@ import logging
 import os
 import shutil
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from importlib import resources
@@ -168,7 +169,7 @@ def exit_with(error: BaseException) -> NoReturn:
     raise SystemExit(2)
 
 
-def prevalidate(overrides: list[str]) -> None:
+def prevalidate(overrides: list[str], multirun: bool = False) -> None:
     """Compose and validate each configuration a command would run, before Hydra starts.
 
     Hydra would otherwise create a run directory first and report composition errors over
@@ -193,6 +194,19 @@ def prevalidate(overrides: list[str]) -> None:
     with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
         for combination in sorted(combinations):
             validate(compose_or_explain(compose, list(combination)))
+        hydra_cfg = compose(config_name="config", overrides=[c[0] for c in choices], return_hydra_config=True).hydra
+        check_writable(Path(hydra_cfg.sweep.dir if multirun else hydra_cfg.run.dir))
+
+
+def check_writable(directory: Path) -> None:
+    """Refuse a run directory that cannot be created, before Hydra tries (with a traceback)."""
+    existing = next(p for p in (directory.absolute(), *directory.absolute().parents) if p.exists())
+    if not existing.is_dir():
+        raise SlimlmError(f"cannot create the run directory '{directory}': '{existing}' is a file; set hydra.run.dir (hydra.sweep.dir with -m) elsewhere")
+    try:  # a real attempt: permissions alone do not tell (a root user, a read-only mount)
+        os.rmdir(tempfile.mkdtemp(prefix=".slimlm-probe-", dir=existing))
+    except OSError as error:
+        raise SlimlmError(f"cannot create the run directory '{directory}': '{existing}' is not writable ({error.strerror}); run from a writable directory or set hydra.run.dir (hydra.sweep.dir with -m)") from None
 
 
 def compose_or_explain(compose, overrides: list[str]) -> DictConfig:
@@ -241,6 +255,8 @@ def compare_command(args: Sequence[str]) -> None:
         print(compare(options.runs, out))
     except SlimlmError as error:
         exit_with(error)
+    except OSError as error:  # --out unwritable, or a file
+        exit_with(SlimlmError(f"cannot write the comparison to '{out}' ({error}); choose another --out"))
     print(f"\ncomparison: {display_path(out / 'comparison.md')}")
 
 
@@ -273,7 +289,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     overrides = plain_overrides(args)
     if overrides is not None:
         try:
-            prevalidate(overrides)
+            prevalidate(overrides, multirun=any(a in ("-m", "--multirun") for a in args))
         except SlimlmError as error:
             exit_with(error)
     sys.argv = [sys.argv[0], *args]

@@ -19,7 +19,7 @@ import torch
 from slimlm.artifact import MANIFEST, load_artifact
 from slimlm.config import ModelConfig
 from slimlm.errors import SlimlmError
-from slimlm.resources import cache_dir, resolve_path, sha256_file
+from slimlm.resources import cache_dir, read_json_object, resolve_path, sha256_file
 
 # The decoder and the compression stages are written for Llama-family blocks.
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
@@ -47,7 +47,7 @@ def resolve_model(cfg: ModelConfig) -> ModelSource:
         config_file = path / "config.json"
         if not config_file.is_file():
             raise SlimlmError(f"model.path '{cfg.path}' is a directory without config.json: point it at a Hugging Face checkpoint directory, a slimlm artifact or a .gguf file")
-        config = json.loads(config_file.read_text())
+        config = read_json_object(config_file, "fix or replace the checkpoint's config.json")
         kind = "artifact" if (path / MANIFEST).is_file() else "hf-dir"
         source = ModelSource(cfg.path, kind, path, config.get("model_type"), config.get("max_position_embeddings"))
     elif path.exists():

@@ -1,9 +1,10 @@
-"""Locating files: package-relative paths (`pkg://`), the on-disk cache, and file hashes."""
+"""Locating files: package-relative paths (`pkg://`), the on-disk cache, file hashes, and JSON objects read from disk."""
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import os
 from pathlib import Path
 
@@ -53,3 +54,14 @@ def sha256_file(path: Path, chunk_bytes: int = 1 << 22) -> str:
         while block := handle.read(chunk_bytes):
             digest.update(block)
     return digest.hexdigest()
+
+
+def read_json_object(path: Path, remedy: str) -> dict:
+    """The JSON object in `path`; a file that is not one is refused with `remedy` (what to do)."""
+    try:
+        value = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise SlimlmError(f"'{path}' is not valid JSON ({error}); {remedy}") from None
+    if not isinstance(value, dict):
+        raise SlimlmError(f"'{path}' holds a JSON {type(value).__name__}, not an object; {remedy}")
+    return value

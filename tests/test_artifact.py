@@ -158,3 +158,36 @@ def test_a_missing_tensor_is_refused(tiny_model, tiny_tokenizer, tmp_path):
     edit_manifest(path, lambda m: m["files"][WEIGHTS].update(sha256=sha256_file(path / WEIGHTS), bytes=(path / WEIGHTS).stat().st_size))
     with pytest.raises(SlimlmError, match=r"missing \['model.layers.1.self_attn.o_proj.scales'\]"):
         load_artifact(path)
+
+
+def unlist_weights(path):
+    """The weights file's checksum dropped from the manifest, and a byte of it flipped."""
+    edit_manifest(path, lambda m: m["files"].pop(WEIGHTS))
+    data = bytearray((path / WEIGHTS).read_bytes())
+    data[-10] ^= 0xFF
+    (path / WEIGHTS).write_bytes(bytes(data))
+
+
+DAMAGES = {
+    "unlisted weights": (unlist_weights, "has no checksum"),
+    "no files": (lambda path: edit_manifest(path, lambda m: m.pop("files")), "'files' must map"),
+    "a path outside": (lambda path: edit_manifest(path, lambda m: m["files"].update({"../elsewhere.txt": {"sha256": "0" * 64, "bytes": 1}})), "not a file of the artifact"),
+    "a list": (lambda path: (path / "manifest.json").write_text("[1, 2]"), "JSON list, not an object"),
+    "no modules": (lambda path: edit_manifest(path, lambda m: m.update(modules=None)), "'modules' must map"),
+    "5-bit codes": (lambda path: edit_manifest(path, lambda m: m["modules"]["model.layers.0.mlp.up_proj"].update(bits=5)), "does not write"),
+    "version as text": (lambda path: edit_manifest(path, lambda m: m.update(format_version=str(FORMAT_VERSION))), "not a whole number"),
+    "an unknown dtype": (lambda path: edit_manifest(path, lambda m: m.update(dtype="float64x")), "not a torch dtype"),
+    "codes of another width": (lambda path: edit_manifest(path, lambda m: m["modules"]["model.layers.0.mlp.up_proj"].update(bits=4, group_size=32)), "weights do not match its manifest"),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGES, ids=str)
+def test_a_damaged_or_incomplete_manifest_is_refused_in_one_line(tiny_model, tiny_tokenizer, tmp_path, damage):
+    from slimlm.inference.load import load_decoder
+
+    path = export(quantized_state(tiny_model, tiny_tokenizer, tmp_path, bits=8), tmp_path / "artifact")
+    make, message = DAMAGES[damage]
+    make(path)
+    for load in (load_artifact, load_decoder):
+        with pytest.raises(SlimlmError, match=message):
+            load(path)

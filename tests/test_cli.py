@@ -340,3 +340,45 @@ def test_owl_recipe_gives_each_layer_its_own_ratio_averaging_the_target(tiny_mod
     assert len(ratios) == 2 and sum(ratios) / 2 == pytest.approx(0.5) and max(ratios) - min(ratios) == pytest.approx(0.2, abs=1e-3)
     assert set(section["owl_outlier_ratios"]) == set(section["owl_layer_ratios"])
     assert section["achieved_sparsity"] == pytest.approx(0.5, abs=0.01)  # each row drops floor(ratio x 64 or 128) weights
+
+
+def test_unwritable_places_and_unreadable_files_are_refused_in_one_line(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a_file").write_text("x")
+    (tmp_path / "bad_config").mkdir()
+    (tmp_path / "bad_config" / "config.json").write_text("{not json")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "report.json").write_text("[1, 2]")
+    cases = [
+        (["hydra.run.dir=a_file/run"], "a_file' is a file"),
+        (["-m", "recipe=demo", "hydra.sweep.dir=a_file/sweep"], "a_file' is a file"),
+        (["model=custom", "model.path=bad_config"], "config.json' is not valid JSON"),
+        (["compare", "run"], "holds a JSON list, not an object"),
+        (["compare", "a_file"], "'a_file' is not a directory"),
+    ]
+    for args, expected in cases:
+        with pytest.raises(SystemExit) as exited:
+            main(args)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert exited.value.code == 2 and len(err) == 1 and expected in err[0], (args, err)
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "multirun").exists()
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["generate", "PLACEHOLDER"], "give the PROMPT after it"),
+        (["generate", "hi", "--device", "tpu"], "give cpu, cuda or cuda:N"),
+        (["generate", "hi", "--threads", "0"], "give at least 1"),
+        (["generate", "hi", "--threads", "100000"], "CPUs"),
+        (["serve", "--port", "70000"], "a port is 0-65535"),
+        (["serve", "--max-tokens-limit", "0"], "give at least 1"),
+        (["plan", "llama-3-8b", "--bits", "5"], "invalid choice: 5"),
+        (["plan", "llama-3-8b", "--bits", "4", "--group-size", "7"], "group size 7 does not divide"),
+    ],
+)
+def test_decoder_commands_refuse_bad_flags_before_loading(args, expected, capsys, tmp_path):
+    args = [str(tmp_path) if arg == "PLACEHOLDER" else arg for arg in args]
+    with pytest.raises(SystemExit) as exited:
+        main(args)
+    assert exited.value.code == 2 and expected in capsys.readouterr().err

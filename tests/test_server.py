@@ -121,6 +121,8 @@ def test_malformed_requests_get_400_and_the_server_keeps_serving(serve, batched)
         ({"prompt": "hi", "stop": ""}, None),
         ({"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, None),
         ({"prompt": "hi", "stop": ["x" * 300]}, None),
+        ({"prompt": "hi", "max_tokens": "3"}, None),  # strings are not numbers
+        ({"prompt": "hi", "echo": "no"}, None),
     ]
     for stream in (False, True):
         for body, raw in cases:
@@ -314,3 +316,18 @@ def test_serve_hands_prompt_lookup_to_the_batcher(tiny_model_dir, monkeypatch, c
     assert "each step checks up to 3 prompt-lookup guesses per request" in capsys.readouterr().err
     serve_command([str(tiny_model_dir), "--max-concurrent", "2", "--max-prompt-tokens", "64", "--max-tokens-limit", "16"])
     assert built[2].lookahead == 0
+
+
+def test_max_tokens_defaults_within_the_limit_and_a_huge_prompt_is_refused_before_tokenizing(serve):
+    from slimlm.inference.server import ServerLimits
+
+    base, decoder = serve(ServerLimits(max_prompt_tokens=64, max_new_tokens=8, max_concurrent=2))
+    status, text = post(f"{base}/v1/completions", {"prompt": "the story of"})  # no max_tokens: the default, capped to 8
+    assert status == 200 and json.loads(text)["usage"]["completion_tokens"] <= 8, text
+    status, text = post(f"{base}/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 3})
+    assert status == 200 and json.loads(text)["usage"]["completion_tokens"] <= 3, text
+    status, text = post(f"{base}/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 9})
+    assert status == 400 and "limit of 8" in text
+    longest = max(map(len, decoder.tokenizer.get_vocab()))
+    status, text = post(f"{base}/v1/completions", {"prompt": "a" * (2 * 64 * longest + 1)})
+    assert status == 400 and "characters" in json.loads(text)["error"]["message"]
