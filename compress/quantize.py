@@ -22,7 +22,7 @@ from slimlm.compress.calibration import CalibrationParams, calibrate_sequentiall
 from slimlm.compress.gptq import GPTQOptions, LayerInputStatistics, gptq_quantize
 from slimlm.compress.mixed import bits_per_weight, choose_bits, fisher_diagonal, predicted_loss
 from slimlm.compress.rtn import QuantizedWeight, quantize_rtn
-from slimlm.compress.targets import select_linear_modules
+from slimlm.compress.targets import compile_patterns, select_linear_modules
 from slimlm.data import check_text_source, load_text, tokenize_text
 from slimlm.errors import ConfigError, SlimlmError
 from slimlm.memory import peak_memory
@@ -82,6 +82,7 @@ class QuantizeParams(CalibrationParams):
             raise ConfigError("quantize: block_size and awq_grid must be at least 1, awq_clip_grid at least 2")
         if not self.targets:
             raise ConfigError("quantize.targets is empty: give at least one regex over module names, e.g. 'model\\.layers\\.\\d+\\..*'")
+        compile_patterns([*self.targets, *self.ignore])
 
     def scheme_for(self, bits: int) -> QuantScheme:
         return QuantScheme(bits=bits, group_size=self.group_size, symmetric=self.symmetric, method=self.method)
@@ -97,7 +98,7 @@ def check_shapes(model, names: list[str], scheme: QuantScheme) -> None:
     for name in names:
         problem = scheme.shape_problem(model.get_submodule(name).in_features)
         if problem:
-            raise SlimlmError(f"cannot quantize {name}: {problem}; change quantize.group_size or exclude it with quantize.ignore")
+            raise SlimlmError(f"cannot quantize {name}: {problem}; change the stage's group_size or exclude the layer with its ignore list (+recipe.stages.N.ignore=[...] on the command line)")
 
 
 @torch.no_grad()

@@ -25,7 +25,7 @@ from slimlm.compress.calibration import CalibrationParams, calibrate_sequentiall
 from slimlm.compress.gptq import LayerInputStatistics
 from slimlm.compress.quantize import calibration_windows, decoder_layer_name
 from slimlm.compress.sparsity import SparsityPattern, magnitude_mask, outlier_ratio, owl_ratios, sparsegpt_prune, wanda_mask, wanda_scores
-from slimlm.compress.targets import select_linear_modules
+from slimlm.compress.targets import compile_patterns, select_linear_modules
 from slimlm.data import check_text_source
 from slimlm.errors import ConfigError, SlimlmError
 from slimlm.pipeline import RunState, Stage
@@ -67,6 +67,7 @@ class SparsifyParams(CalibrationParams):
             raise ConfigError("sparsify: damp must lie between 0 and 1 and block_size be at least 1")
         if not self.targets:
             raise ConfigError("sparsify.targets is empty: give at least one regex over module names")
+        compile_patterns([*self.targets, *self.ignore])
 
     @property
     def parsed_pattern(self) -> SparsityPattern:

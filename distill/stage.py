@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import importlib.util
+import math
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -91,8 +92,8 @@ class DistillParams:
             raise ConfigError("distill: seq_len (at least 2), batch_size, accumulation, eval_windows and checkpoint_every must be positive")
         if self.tokens < self.seq_len * self.batch_size * self.accumulation:
             raise ConfigError(f"distill.tokens={self.tokens} is less than one optimizer step ({self.seq_len * self.batch_size * self.accumulation} tokens)")
-        if self.lr <= 0 or not 0 <= self.warmup_fraction < 1:
-            raise ConfigError("distill: lr must be positive and warmup_fraction within [0, 1)")
+        if not 0 < self.lr < math.inf or not 0 <= self.warmup_fraction < 1:
+            raise ConfigError(f"distill: lr={self.lr} must be a positive number and warmup_fraction={self.warmup_fraction} within [0, 1)")
         if not 0 <= self.draft_prompts <= self.eval_windows or self.draft_new_tokens < 1 or (self.draft_prompts and self.seq_len < 33):
             raise ConfigError(f"distill.draft_prompts={self.draft_prompts} must lie within [0, eval_windows={self.eval_windows}] (prompts come from the held-out windows, which need seq_len above 32) and draft_new_tokens be at least 1")
         if self.lora_rank is not None and (self.lora_rank < 1 or not self.lora_targets):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Optional
 
@@ -15,7 +16,8 @@ FORMATS = ("text", "jsonl", "hub")
 
 
 def check_text_source(src: TextSourceConfig, role: str) -> Optional[Path]:
-    """Fail early, naming the file and where it comes from, if a data file is missing."""
+    """Fail early, naming the file and where it comes from, if a data file is missing or is not
+    UTF-8 text (jsonl: one JSON object per line); reading it takes milliseconds beside a run."""
     if src.format not in FORMATS:
         raise SlimlmError(f"data.{role}.format='{src.format}' is unknown; use one of {', '.join(FORMATS)}")
     if src.format == "hub":
@@ -26,6 +28,18 @@ def check_text_source(src: TextSourceConfig, role: str) -> Optional[Path]:
             f"data file for data.{role} not found: '{src.path}'. The bundled demo data needs no setup "
             "(data=demo); other data sets are read from the folder in $SLIMLM_DATA_DIR (data=shared)"
         )
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise SlimlmError(f"data.{role}: '{src.path}' is not UTF-8 text (byte {error.start}); convert it to UTF-8") from None
+    if src.format == "jsonl":
+        for number, line in enumerate(text.splitlines(), 1):
+            try:
+                record = json.loads(line) if line.strip() else {}
+            except json.JSONDecodeError as error:
+                record = error
+            if not isinstance(record, dict):
+                raise SlimlmError(f"data.{role}: line {number} of '{src.path}' is not a JSON object; a jsonl file holds one object per line")
     return path
 
 

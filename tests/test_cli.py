@@ -45,6 +45,7 @@ def tiny_run_args(model_dir):
         ("recipe.stages.0.labl=x", "Key 'labl' is not in struct"),
         ("+recipe.stages.1.bitz=8", "unknown key(s) ['bitz']"),
         ("recipe.stages.1.bits=5", "5-bit weights are not supported"),
+        ("recipe.stages.1.targets=['(']", "'(' is not a valid regular expression"),
         ("hardware.device=tpu", "hardware.device='tpu' is unknown"),
     ],
 )
@@ -349,7 +350,11 @@ def test_unwritable_places_and_unreadable_files_are_refused_in_one_line(capsys, 
     (tmp_path / "bad_config" / "config.json").write_text("{not json")
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "report.json").write_text("[1, 2]")
+    (tmp_path / "binary.txt").write_bytes(bytes(range(128, 256)))
+    (tmp_path / "broken.jsonl").write_text('{"text": "fine"}\n{broken\n')
     cases = [
+        (["data.eval_text.path=binary.txt"], "is not UTF-8 text"),
+        (["data.calibration.path=broken.jsonl", "data.calibration.format=jsonl", "recipe.stages.1.method=gptq"], "line 2 of 'broken.jsonl' is not a JSON object"),
         (["hydra.run.dir=a_file/run"], "a_file' is a file"),
         (["-m", "recipe=demo", "hydra.sweep.dir=a_file/sweep"], "a_file' is a file"),
         (["model=custom", "model.path=bad_config"], "config.json' is not valid JSON"),

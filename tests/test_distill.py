@@ -152,7 +152,7 @@ def test_distill_settings_that_would_train_nothing_are_refused():
     from slimlm.distill.stage import DistillParams, loss_beta
     from slimlm.errors import ConfigError
 
-    for bad in (dict(loss="jsd", beta=0.0), dict(loss="jsd", beta=1.0), dict(loss="skew_kl", beta=1.0), dict(loss="ce", ce_weight=0.5), dict(top_k=8, on_policy_fraction=0.5), dict(tokens=100)):
+    for bad in (dict(loss="jsd", beta=0.0), dict(loss="jsd", beta=1.0), dict(loss="skew_kl", beta=1.0), dict(loss="ce", ce_weight=0.5), dict(top_k=8, on_policy_fraction=0.5), dict(tokens=100), dict(lr=float("nan")), dict(lr=float("inf"))):
         with pytest.raises(ConfigError):
             DistillParams(**bad)
     assert loss_beta(DistillParams(loss="skew_kl")) == 0.1 and loss_beta(DistillParams(loss="jsd")) == 0.5
