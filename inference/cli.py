@@ -114,6 +114,15 @@ def thread_count(text: str) -> int:
     return value
 
 
+def lookahead_count(text: str) -> int:
+    """An argparse type: 1 to 64 guesses a pass (each pass reads them all; llama.cpp's and
+    vLLM's defaults are under 10)."""
+    value = positive(text)
+    if value > 64:
+        raise argparse.ArgumentTypeError(f"{value}: give at most 64")
+    return value
+
+
 def port_number(text: str) -> int:
     value = int(text)
     if not 0 <= value <= 65535:
@@ -131,7 +140,7 @@ def positive(text: str) -> int:
 
 def prompt_lookup_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-lookup", action="store_true", help="speculative decoding with guesses from the prompt's n-grams (greedy: the same tokens; sampling: the same distribution)")
-    parser.add_argument("--lookahead", type=positive, default=4, help="guesses checked per pass in speculative decoding")
+    parser.add_argument("--lookahead", type=lookahead_count, default=4, help="guesses checked per pass in speculative decoding (at most 64)")
 
 
 def speculative_arguments(parser: argparse.ArgumentParser) -> None:

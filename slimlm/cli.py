@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -272,6 +273,9 @@ def decoder_command(name: str):
             exit_with(error)
         except KeyboardInterrupt:
             raise SystemExit(130) from None
+        except BrokenPipeError:  # the reader went away (`slimlm generate ... | head`): stop quietly
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            raise SystemExit(1) from None
 
     return command
 
@@ -293,7 +297,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         except SlimlmError as error:
             exit_with(error)
     sys.argv = [sys.argv[0], *args]
-    run_recipe()
+    signal.signal(signal.SIGTERM, stop_on_signal)  # a killed run's status.json then says failed, not running
+    try:
+        run_recipe()
+    except KeyboardInterrupt:  # status.json already says failed
+        print("slimlm: interrupted", file=sys.stderr)
+        raise SystemExit(130) from None
+
+
+def stop_on_signal(signum: int, frame) -> None:
+    raise SystemExit(128 + signum)
 
 
 if __name__ == "__main__":
