@@ -28,7 +28,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from slimlm.compress.quantize import QUANTIZE
 from slimlm.compress.prune import PRUNE
@@ -71,6 +71,8 @@ def validate(cfg: DictConfig) -> Plan:
     """Every check that needs no weights: schemas, stage parameters, paths, devices."""
     try:
         OmegaConf.to_object(cfg)  # runs each group dataclass's value checks
+    except MissingMandatoryValue as error:
+        raise SlimlmError(f"config error: {error.full_key} has no value; set it ({error.full_key}=...)") from None
     except OmegaConfBaseException as error:
         raise SlimlmError(f"config error: {str(error).splitlines()[0]}") from None
     stages = plan_stages(cfg.recipe.stages, STAGES)
@@ -219,6 +221,10 @@ def compose_or_explain(compose, overrides: list[str]) -> DictConfig:
     except MissingConfigException as error:
         missing = str(getattr(error, "missing_cfg_file", "") or "")
         group, _, name = missing.rpartition("/")
+        if "/" in group:  # recipe=/some/file.yaml: a path where a name belongs
+            group = group.split("/", 1)[0]
+            options = GlobalHydra.instance().config_loader().get_group_options(group)
+            raise SlimlmError(f"{group}= takes a name ({', '.join(options)}), not the path '{missing[len(group) + 1:]}'; a {group} of your own goes in {'recipes' if group == 'recipe' else 'conf/' + group}/<name>.yaml") from None
         if group:
             options = GlobalHydra.instance().config_loader().get_group_options(group)
             where = "recipes/" if group == "recipe" else f"conf/{group}/"
@@ -231,6 +237,8 @@ def compose_or_explain(compose, overrides: list[str]) -> DictConfig:
             detail.append(str(cause).splitlines()[0])
         message = ": ".join(dict.fromkeys(line.strip().rstrip(".") for line in detail[:1] + detail[-1:]))
         raise SlimlmError(f"config error: {message}. `slimlm --cfg job` prints every key and its current value") from None
+    except ValueError as error:  # Hydra's own check of an override's value (`=5`)
+        raise SlimlmError(f"config error: {str(error).splitlines()[0]}") from None
 
 
 def plain_overrides(args: Sequence[str]) -> list[str] | None:

@@ -46,6 +46,9 @@ def tiny_run_args(model_dir):
         ("+recipe.stages.1.bitz=8", "unknown key(s) ['bitz']"),
         ("recipe.stages.1.bits=5", "5-bit weights are not supported"),
         ("recipe.stages.1.targets=['(']", "'(' is not a valid regular expression"),
+        ("=5", "Config group override must be a string"),
+        ("model=custom", "model.path has no value; set it (model.path=...)"),
+        ("recipe=/x/mine.yaml", "not the path '/x/mine.yaml'; a recipe of your own goes in recipes/<name>.yaml"),
         ("hardware.device=tpu", "hardware.device='tpu' is unknown"),
     ],
 )
