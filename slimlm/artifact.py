@@ -230,11 +230,12 @@ def _layout_problem(manifest: dict) -> Optional[str]:
 
 def read_manifest(path: Path) -> dict:
     """The manifest, after checking the format, the version and every file's checksum: each file
-    of the artifact's directory must be listed, so none is read unchecked."""
+    of the artifact's directory must be listed, so none is read unchecked (hidden files, which
+    no loader reads, such as a file manager's .DS_Store, excepted)."""
     path = Path(path)
     manifest = parse_manifest(path)
     files = manifest["files"]
-    unlisted = sorted(file.name for file in path.iterdir() if file.is_file() and file.name != MANIFEST and file.name not in files)
+    unlisted = sorted(file.name for file in path.iterdir() if file.is_file() and file.name != MANIFEST and file.name not in files and not file.name.startswith("."))
     if unlisted:
         raise SlimlmError(f"artifact '{path}' holds '{unlisted[0]}', for which its manifest has no checksum; remove the file or re-export the artifact")
     for name, expected in files.items():

@@ -39,8 +39,9 @@ def test_round_trip_gives_identical_tensors_and_logits(tiny_model, tiny_tokenize
 
 def test_manifest_records_every_file(tiny_model, tiny_tokenizer, tmp_path):
     path = export(quantized_state(tiny_model, tiny_tokenizer, tmp_path), tmp_path / "artifact")
+    (path / ".DS_Store").write_bytes(b"a file manager's, read by no loader")
     manifest = read_manifest(path)
-    on_disk = {p.name for p in path.iterdir()} - {"manifest.json"}
+    on_disk = {p.name for p in path.iterdir()} - {"manifest.json", ".DS_Store"}
     assert set(manifest["files"]) == on_disk
     assert manifest["format_version"] == FORMAT_VERSION
 
