@@ -34,7 +34,8 @@ def compare(paths: Sequence[Path], out_dir: Path) -> str:
     rows = []
     for report_file in find_reports(paths):
         report = read_json_object(report_file, "rerun that run, or leave its directory out")
-        if not isinstance(report.get("rows"), list) or not isinstance(report.get("recipe"), str):
+        rows_ok = isinstance(report.get("rows"), list) and all(isinstance(row, dict) and isinstance(row.get("name"), str) for row in report["rows"])
+        if not rows_ok or not isinstance(report.get("recipe"), str):
             raise SlimlmError(f"'{report_file}' is not a slimlm report (no recipe and rows); rerun that run, or leave its directory out")
         for row in report["rows"]:
             rows.append({**row, "run": report["recipe"], "name": f"{report['recipe']}: {row['name']}", "run_dir": str(report_file.parent)})

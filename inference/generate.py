@@ -57,7 +57,10 @@ def greedy_complete(model, tokenizer, prompt: str, max_new_tokens: int, chat_tem
     device = next(model.parameters()).device
     obstacle = decoder_obstacle(model)
     if obstacle is None:
-        decoder = Decoder(build_decoder(model, dtype=None, device=device), tokenizer)
+        # A quantized model in its kernels' activations (build.default_dtype); a float one in its own dtype.
+        quantized = any(isinstance(m, QuantLinear) for m in model.modules())
+        dtype = None if quantized else next(p.dtype for p in model.parameters() if p.is_floating_point())
+        decoder = Decoder(build_decoder(model, dtype=dtype, device=device), tokenizer)
         (generation,) = decoder.generate_ids([input_ids[0].tolist()], SamplingParams(max_new_tokens=max_new_tokens))
         # Prefill and decoding only: the first generation also allocates the cache and, on a new
         # machine, compiles the CPU kernels (seconds that would read as a slow decoder).

@@ -198,7 +198,11 @@ def prevalidate(overrides: list[str], multirun: bool = False) -> None:
         for combination in sorted(combinations):
             validate(compose_or_explain(compose, list(combination)))
         hydra_cfg = compose(config_name="config", overrides=[c[0] for c in choices], return_hydra_config=True).hydra
-        check_writable(Path(hydra_cfg.sweep.dir if multirun else hydra_cfg.run.dir))
+        try:
+            directory = Path(hydra_cfg.sweep.dir if multirun else hydra_cfg.run.dir)
+        except OmegaConfBaseException:  # it names values only a started run has (${hydra:runtime.cwd}): Hydra resolves it
+            return
+        check_writable(directory)
 
 
 def check_writable(directory: Path) -> None:

@@ -353,6 +353,8 @@ def test_unwritable_places_and_unreadable_files_are_refused_in_one_line(capsys, 
     (tmp_path / "bad_config" / "config.json").write_text("{not json")
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "report.json").write_text("[1, 2]")
+    (tmp_path / "rows").mkdir()
+    (tmp_path / "rows" / "report.json").write_text('{"recipe": "x", "rows": [1]}')
     (tmp_path / "binary.txt").write_bytes(bytes(range(128, 256)))
     (tmp_path / "broken.jsonl").write_text('{"text": "fine"}\n{broken\n')
     cases = [
@@ -362,6 +364,7 @@ def test_unwritable_places_and_unreadable_files_are_refused_in_one_line(capsys, 
         (["-m", "recipe=demo", "hydra.sweep.dir=a_file/sweep"], "a_file' is a file"),
         (["model=custom", "model.path=bad_config"], "config.json' is not valid JSON"),
         (["compare", "run"], "holds a JSON list, not an object"),
+        (["compare", "rows"], "is not a slimlm report"),
         (["compare", "a_file"], "'a_file' is not a directory"),
     ]
     for args, expected in cases:
@@ -390,3 +393,14 @@ def test_decoder_commands_refuse_bad_flags_before_loading(args, expected, capsys
     with pytest.raises(SystemExit) as exited:
         main(args)
     assert exited.value.code == 2 and expected in capsys.readouterr().err
+
+
+def test_a_run_directory_named_by_hydra_runtime_values_is_left_to_hydra(tmp_path, monkeypatch):
+    """${hydra:runtime.cwd} resolves only in a started run: the check before it must not trip on it."""
+    from slimlm.cli import prevalidate, register_recipes, register_schemas
+
+    monkeypatch.chdir(tmp_path)
+    register_schemas()
+    register_recipes()
+    prevalidate(["hydra.run.dir=${hydra:runtime.cwd}/out"])
+    prevalidate(["hydra.run.dir=out/${hydra.job.id}"])

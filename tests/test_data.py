@@ -19,6 +19,13 @@ def test_jsonl_records_are_joined(tmp_path):
     assert load_text(TextSourceConfig(path=str(path), format="jsonl"), "calibration") == "first\n\nsecond"
 
 
+def test_jsonl_strings_may_hold_unicode_line_separators(tmp_path):
+    """JSON writes U+2028 inside strings unescaped (ensure_ascii=False): only \\n ends a record."""
+    path = tmp_path / "d.jsonl"
+    path.write_text("\n".join(json.dumps({"text": t}, ensure_ascii=False) for t in ["a\u2028b", "c\x85d"]), encoding="utf-8")
+    assert load_text(TextSourceConfig(path=str(path), format="jsonl"), "calibration") == "a\u2028b\n\nc\x85d"
+
+
 def test_jsonl_without_the_field_is_refused(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text(json.dumps({"body": "x"}))

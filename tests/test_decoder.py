@@ -413,3 +413,10 @@ def test_the_generate_stage_times_decoding_not_the_decoders_setup(tiny_model, ti
     completion = greedy_complete(tiny_model, tiny_tokenizer, "hello", max_new_tokens=4, chat_template=False)
     assert completion.engine.startswith("slimlm decoder") and completion.new_tokens >= 1
     assert completion.seconds < 1.0
+
+
+def test_the_generate_stage_decodes_a_float_model_in_its_own_dtype(tiny_model, tiny_tokenizer):
+    from slimlm.inference.generate import greedy_complete
+
+    completion = greedy_complete(tiny_model.to(torch.bfloat16), tiny_tokenizer, "hello", max_new_tokens=2, chat_template=False)
+    assert completion.engine.endswith("bfloat16 activations)")
