@@ -13,7 +13,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -106,21 +106,22 @@ def device_name(text: str) -> str:
     return text
 
 
-def thread_count(text: str) -> int:
-    """An argparse type: from 1 to this machine's CPU count (torch crashes on absurd counts)."""
-    value, cpus = positive(text), os.cpu_count() or 1
-    if value > cpus:
-        raise argparse.ArgumentTypeError(f"{value}: this machine has {cpus} CPUs")
-    return value
+def positive_at_most(limit: int, reason: str) -> Callable[[str], int]:
+    """An argparse type: an integer from 1 to `limit` (`reason` says why no more)."""
+
+    def parse(text: str) -> int:
+        value = positive(text)
+        if value > limit:
+            raise argparse.ArgumentTypeError(f"{value}: {reason}")
+        return value
+
+    return parse
 
 
-def lookahead_count(text: str) -> int:
-    """An argparse type: 1 to 64 guesses a pass (each pass reads them all; llama.cpp's and
-    vLLM's defaults are under 10)."""
-    value = positive(text)
-    if value > 64:
-        raise argparse.ArgumentTypeError(f"{value}: give at most 64")
-    return value
+# torch crashes on absurd thread counts; each speculative pass reads all its guesses (llama.cpp's
+# and vLLM's defaults are under 10).
+thread_count = positive_at_most(os.cpu_count() or 1, f"this machine has {os.cpu_count() or 1} CPUs")
+lookahead_count = positive_at_most(64, "give at most 64")
 
 
 def port_number(text: str) -> int:
@@ -275,12 +276,12 @@ def chat_command(args: Sequence[str]) -> None:
 def plan_command(args: Sequence[str]) -> None:
     from pathlib import Path
 
-    from slimlm.artifact import MANIFEST, parse_manifest
+    from slimlm.artifact import MANIFEST, parse_manifest, planner_inputs
     from slimlm.inference.model import ModelArgs
-    from slimlm.packing import PACKABLE_BITS
-    from slimlm.resources import read_json_object
     from slimlm.inference.planner import HARDWARE, format_plan, make_plan, preset_config, preset_names, uniform_schemes
+    from slimlm.packing import PACKABLE_BITS
     from slimlm.qlinear import QuantScheme
+    from slimlm.resources import read_json_object
 
     presets = preset_names()
     parser = argparse.ArgumentParser(prog="slimlm plan", description="Memory and speed plan for a model on a device; reads no weights.")
@@ -309,8 +310,6 @@ def plan_command(args: Sequence[str]) -> None:
     except (KeyError, TypeError, ValueError) as error:
         raise SlimlmError(f"'{path / 'config.json'}' is not a complete model config ({type(error).__name__}: {error}); fix or replace it") from None
     if manifest is not None:
-        from slimlm.artifact import planner_inputs
-
         schemes, adapter_ranks = planner_inputs(manifest)
     else:
         adapter_ranks = None

@@ -225,13 +225,12 @@ def compose_or_explain(compose, overrides: list[str]) -> DictConfig:
     except MissingConfigException as error:
         missing = str(getattr(error, "missing_cfg_file", "") or "")
         group, _, name = missing.rpartition("/")
-        if "/" in group:  # recipe=/some/file.yaml: a path where a name belongs
-            group = group.split("/", 1)[0]
-            options = GlobalHydra.instance().config_loader().get_group_options(group)
-            raise SlimlmError(f"{group}= takes a name ({', '.join(options)}), not the path '{missing[len(group) + 1:]}'; a {group} of your own goes in {'recipes' if group == 'recipe' else 'conf/' + group}/<name>.yaml") from None
         if group:
-            options = GlobalHydra.instance().config_loader().get_group_options(group)
-            where = "recipes/" if group == "recipe" else f"conf/{group}/"
+            top = group.split("/", 1)[0]  # recipe=/some/file.yaml makes the group recipe//some
+            options = GlobalHydra.instance().config_loader().get_group_options(top)
+            where = "recipes/" if top == "recipe" else f"conf/{top}/"
+            if top != group:
+                raise SlimlmError(f"{top}= takes a name ({', '.join(options)}), not the path '{missing[len(top) + 1:]}'; a {top} of your own goes in {where}<name>.yaml") from None
             raise SlimlmError(f"unknown {group} '{name}': choose one of {', '.join(options)} (or add {where}{name}.yaml)") from None
         raise SlimlmError(str(error).splitlines()[0]) from None
     except (HydraException, OmegaConfBaseException) as error:
