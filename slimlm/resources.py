@@ -11,6 +11,7 @@ from pathlib import Path
 from slimlm.errors import SlimlmError
 
 PKG_SCHEME = "pkg://"
+CACHE_SCHEME = "cache://"
 
 
 def resolve_path(spec: str) -> Path:
@@ -18,8 +19,15 @@ def resolve_path(spec: str) -> Path:
 
     `pkg://dist_module/relative/file` points inside an installed Python package (found without
     importing it: the default model's package imports heavy dependencies we do not install).
+    `cache://relative/file` is inside slimlm's cache (`cache_dir()`): where files fetched on
+    first use (model_packages.py) live, wherever the user's cache is.
     Anything else is an ordinary path, `~` expanded, relative to the working directory.
     """
+    if spec.startswith(CACHE_SCHEME):
+        relative = Path(spec[len(CACHE_SCHEME) :])
+        if relative.is_absolute() or ".." in relative.parts or not relative.parts:
+            raise SlimlmError(f"'{spec}' must name a file inside slimlm's cache (cache://folder/file), without '..'")
+        return cache_dir() / relative
     if not spec.startswith(PKG_SCHEME):
         return Path(spec).expanduser()
     module, _, relative = spec[len(PKG_SCHEME) :].partition("/")
