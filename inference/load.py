@@ -1,60 +1,26 @@
 """Load a slimlm artifact straight into the decoder, one decoder layer at a time.
 
 The model is laid out on the meta device (no memory); each layer's tensors are then read from
-the weights file, turned into the decoder's kernel layouts and the layer's source copy dropped
-before the next is read. Memory then holds the decoder's weights plus one layer in transit,
-which is what the memory planner predicts (inference/planner.py), instead of the artifact's
-model and the decoder side by side.
+the weights file or its shards (slimlm/checkpoint.py, one tensor at a time), turned into the
+decoder's kernel layouts and the layer's source copy dropped before the next is read. Memory
+then holds the decoder's weights plus one layer in transit, which is what the memory planner
+predicts (inference/planner.py), instead of the artifact's model and the decoder side by side.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Optional
 
 import torch
 from torch import nn
 
-from slimlm.artifact import WEIGHTS, dense_tensors, load_tensors, model_skeleton, read_manifest
+from slimlm.artifact import dense_tensors, load_tensors, model_skeleton, read_manifest
+from slimlm.checkpoint import Checkpoint
 from slimlm.errors import SlimlmError
 from slimlm.inference.build import DecoderParts
 from slimlm.inference.model import Transformer
 from slimlm.inference.streaming import Placement
-
-
-class WeightsFile:
-    """Reads chosen tensors of a safetensors file with plain file reads. safetensors' own loader
-    maps the file into memory, and every page it touches stays resident until the file is
-    closed, which would double the peak of a layer-by-layer load."""
-
-    DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool, "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64}
-
-    def __init__(self, path: Path):
-        self.path = path
-        with open(path, "rb") as handle:
-            length = int.from_bytes(handle.read(8), "little")
-            header = json.loads(handle.read(length))
-        header.pop("__metadata__", None)
-        self.start = 8 + length
-        self.entries = header
-
-    def keys(self) -> list[str]:
-        return list(self.entries)
-
-    def read(self, keys: list[str]) -> dict[str, torch.Tensor]:
-        tensors = {}
-        with open(self.path, "rb") as handle:
-            for key in keys:
-                entry = self.entries[key]
-                begin, end = entry["data_offsets"]
-                handle.seek(self.start + begin)
-                data = bytearray(handle.read(end - begin))
-                if entry["dtype"] not in self.DTYPES:
-                    raise SlimlmError(f"'{self.path}': tensor {key} has dtype {entry['dtype']}, which slimlm does not read")
-                tensor = torch.frombuffer(data, dtype=self.DTYPES[entry["dtype"]]) if data else torch.empty(0, dtype=self.DTYPES[entry["dtype"]])
-                tensors[key] = tensor.reshape(entry["shape"])
-        return tensors
 
 
 def load_decoder(path: Path, dtype: Optional[torch.dtype] = torch.bfloat16, device: Optional[torch.device] = None, kernels: bool = True, int8_activations: bool = False, gpu_int4: str = "tinygemm", placement: Placement = Placement()) -> tuple[Transformer, dict]:
@@ -64,14 +30,14 @@ def load_decoder(path: Path, dtype: Optional[torch.dtype] = torch.bfloat16, devi
     manifest = read_manifest(path)
     skeleton = model_skeleton(path, manifest, meta=True)
     parts = DecoderParts(skeleton, dtype, device, kernels, int8_activations, gpu_int4, placement)
-    weights = WeightsFile(path / WEIGHTS)
-    keys = weights.keys()
+    weights = Checkpoint(path)
+    keys = weights.names()
     unread = set(keys)
 
     def fill(module: nn.Module, prefix: str) -> None:
         part = [key for key in keys if key.startswith(prefix)]
         unread.difference_update(part)
-        tensors = dense_tensors(skeleton, weights.read(part), manifest, path)
+        tensors = dense_tensors(skeleton, {key: weights.tensor(key) for key in part}, manifest, path)
         # assign: the tensors just read become the module's own, no second copy
         result = load_tensors(module, {key[len(prefix):]: tensor for key, tensor in tensors.items()}, path, assign=True)
         if result.missing_keys or result.unexpected_keys:

@@ -3,7 +3,9 @@
     manifest.json      format name and version, source model, recipe, per-module schemes (bits,
                        group size, symmetry, method, shape, packing, sparsity), evaluation
                        results, a size account, and the sha256 and size of every other file
-    model.safetensors  quantized layers as `<module>.qweight` (b-bit codes packed 8 per b bytes,
+    model.safetensors  (or, above max_shard_bytes, model-0000N-of-0000M.safetensors and
+                       model.safetensors.index.json, the HF layout; slimlm/shards.py)
+                       quantized layers as `<module>.qweight` (b-bit codes packed 8 per b bytes,
                        see slimlm.packing), `<module>.scales` (fp16, one per group) and, for
                        asymmetric schemes, `<module>.zeros` (uint8 zero points) and, where
                        LoRA trained an adapter on the frozen codes, `<module>.lora_a` [rank, in]
@@ -15,7 +17,9 @@
 
 Writing is atomic (a hidden staging directory renamed into place), an existing artifact is
 never overwritten, and loading verifies the format version and every checksum before any
-tensor is used. Tensors are read with safetensors only: nothing is unpickled.
+tensor is used. Tensors are read with safetensors only: nothing is unpickled. Weights are
+written one tensor at a time, so a model streamed from a checkpoint larger than memory
+(compress/stream_rtn.py) is written by the same code as one held in memory.
 """
 
 from __future__ import annotations
@@ -29,20 +33,23 @@ from typing import Any, Optional
 import torch
 
 from slimlm import __version__
+from slimlm.checkpoint import Checkpoint
 from slimlm.errors import SlimlmError
 from slimlm.packing import PACKABLE_BITS
 from slimlm.qlinear import QuantLinear, QuantScheme, set_submodule, tie_quantized_head
 from slimlm.resources import read_json_object, sha256_file
 from slimlm.rundir import staged_directory
+from slimlm.shards import DEFAULT_SHARD_BYTES, SINGLE, TensorSpec, write_weights
 from slimlm.sparse_storage import decode_bitmask, encode_bitmask, sparse_candidates, zero_codes
 
 FORMAT = "slimlm"
-FORMAT_VERSION = 5  # 5: low-rank adapters beside quantized layers; 4: bitmask storage of sparse weights; 3: module shapes, packing, sparsity and a size account; 2: packed codes with group scales
+FORMAT_VERSION = 6  # 6: weights may be sharded (model-0000N-of-0000M.safetensors and model.safetensors.index.json); 5: low-rank adapters beside quantized layers; 4: bitmask storage of sparse weights; 3: module shapes, packing, sparsity and a size account; 2: packed codes with group scales
 OLDEST_READABLE = 2
 PACKING = "lsb-8"  # slimlm.packing: 8 codes fill `bits` bytes, code i at bits [i*b, (i+1)*b)
 SCHEME_FIELDS = tuple(QuantScheme.__dataclass_fields__)
 MANIFEST = "manifest.json"
-WEIGHTS = "model.safetensors"
+WEIGHTS = SINGLE  # the weights file of an artifact that fits in one shard
+WEIGHTS_METADATA = {"format": FORMAT, "format_version": str(FORMAT_VERSION)}  # in each weights file's header
 
 
 @dataclass
@@ -61,49 +68,78 @@ def save_artifact(
     source: dict,
     recipe: Optional[dict] = None,
     results: Optional[dict] = None,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
 ) -> Path:
     """Write `model` (with its QuantLinear layers) as an artifact directory at `out_dir`."""
-    from safetensors.torch import save_file
-
     with staged_directory(out_dir, "artifacts") as staging:
         tensors = _unique_state_dict(model)
         sparse = _store_sparse_compactly(model, tensors)
-        save_file(tensors, staging / WEIGHTS, metadata={"format": FORMAT, "format_version": str(FORMAT_VERSION)})
-        model.config.save_pretrained(staging)
-        if getattr(model, "generation_config", None) is not None:
-            model.generation_config.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-        float_dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in tensors.values() if t.is_floating_point()})
-        manifest = {
-            "format": FORMAT,
-            "format_version": FORMAT_VERSION,
-            "slimlm_version": __version__,
-            "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "source": source,
-            "recipe": recipe,
-            "dtype": _model_dtype(model),
-            "tensor_dtypes": float_dtypes,
-            "modules": {name: _module_record(name, model.get_submodule(name), scheme, sparse) for name, scheme in schemes.items()},
-            "sparse_tensors": sparse,
-            "size": _size_account(model, tensors, staging),
-            "tied_word_embeddings": bool(getattr(model.config, "tie_word_embeddings", False)),
-            "results": results or {},
-            "files": _describe_files(staging),
-        }
-        (staging / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=False))
+        specs = [TensorSpec.of(name, tensor) for name, tensor in tensors.items()]
+        write_weights(staging, specs, lambda spec: tensors[spec.name], max_shard_bytes, WEIGHTS_METADATA)
+        save_model_files(staging, model.config, getattr(model, "generation_config", None), tokenizer)
+        modules = {name: _module_record(name, model.get_submodule(name), scheme, sparse) for name, scheme in schemes.items()}
+        write_manifest(staging, model, specs, ManifestFacts(source, recipe, results, modules, sparse))
     return Path(out_dir)
 
 
+@dataclass
+class ManifestFacts:
+    """What the manifest says that the weights alone do not: where the model came from, how,
+    how it scored, each quantized module's record and the bitmask-stored tensors."""
+
+    source: dict
+    recipe: Optional[dict]
+    results: Optional[dict]
+    modules: dict[str, dict]
+    sparse: dict[str, dict]
+
+
+def save_model_files(staging: Path, config, generation_config, tokenizer) -> None:
+    """config.json, generation_config.json (when there is one) and the tokenizer's files."""
+    config.save_pretrained(staging)
+    if generation_config is not None:
+        generation_config.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+
+
+def write_manifest(staging: Path, model, specs: list[TensorSpec], facts: ManifestFacts) -> None:
+    """The manifest of the files in `staging`, last: it holds every other file's checksum.
+    `model` may be a meta skeleton with QuantLinear layers (only shapes and schemes are read)."""
+    manifest = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "slimlm_version": __version__,
+        "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "source": facts.source,
+        "recipe": facts.recipe,
+        "dtype": _model_dtype(model),
+        "tensor_dtypes": sorted({str(spec.dtype).removeprefix("torch.") for spec in specs if spec.dtype.is_floating_point}),
+        "modules": facts.modules,
+        "sparse_tensors": facts.sparse,
+        "size": _size_account(model, specs, staging),
+        "tied_word_embeddings": bool(getattr(model.config, "tie_word_embeddings", False)),
+        "results": facts.results or {},
+        "files": _describe_files(staging),
+    }
+    (staging / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=False))
+
+
 def _unique_state_dict(model) -> dict[str, torch.Tensor]:
-    """The state dict with each shared tensor once (safetensors refuses aliases)."""
+    """The state dict with each shared tensor once, on the CPU (safetensors refuses aliases)."""
+    return {name: tensor.detach().cpu().contiguous() for name, tensor in unique_state(model).items()}
+
+
+def unique_state(model) -> dict[str, torch.Tensor]:
+    """The state dict's tensors (not detached) with each shared one once, under its first name;
+    a meta skeleton's too (its tensors have no storage, so they are told apart by identity)."""
     tensors: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
-    for name, tensor in model.state_dict().items():
-        pointer = tensor.data_ptr()
-        if pointer in seen:
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        key = id(tensor) if tensor.is_meta else tensor.data_ptr()
+        if key in seen:
             continue
-        seen.add(pointer)
-        tensors[name] = tensor.detach().cpu().contiguous()
+        seen.add(key)
+        tensors[name] = tensor
     return tensors
 
 
@@ -147,27 +183,31 @@ def planner_inputs(manifest: dict) -> tuple[dict[str, QuantScheme], dict[str, in
 
 
 def _module_record(name: str, layer: QuantLinear, scheme: dict, sparse: dict[str, dict]) -> dict:
+    """A quantized module's entry, its sparsity counted from its codes."""
+    sparsity = (layer.codes() == zero_codes(layer)).float().mean().item()
+    return module_record(layer, scheme, sparsity, "bitmask" if f"{name}.qweight" in sparse else "dense")
+
+
+def module_record(layer: QuantLinear, scheme: dict, sparsity: float, storage: str) -> dict:
     """A quantized module's entry: its scheme, its shape (checked against config.json on load),
     how its codes are packed and stored, and its sparsity (the fraction of weights exactly zero)."""
-    sparsity = (layer.codes() == zero_codes(layer)).float().mean().item()
-    storage = "bitmask" if f"{name}.qweight" in sparse else "dense"
     adapter = {"adapter_rank": layer.adapter_rank} if layer.adapter_rank else {}
     return {**scheme, "shape": [layer.out_features, layer.in_features], "packing": PACKING, "storage": storage, "sparsity": round(sparsity, 6), **adapter}
 
 
-def _size_account(model, tensors: dict[str, torch.Tensor], staging: Path) -> dict:
-    """What the weights file should weigh from the bits, scales and zero points alone, next to
-    what it weighs: the difference is safetensors' header, so a bloated file shows here."""
+def _size_account(model, specs: list[TensorSpec], staging: Path) -> dict:
+    """What the weights files should weigh from the bits, scales and zero points alone, next to
+    what they weigh: the difference is safetensors' headers, so a bloated file shows here."""
     quantized = {name: module for name, module in model.named_modules() if isinstance(module, QuantLinear)}
     accounted = 0
-    for key, tensor in tensors.items():
-        module_name, _, field = key.rpartition(".")
+    for spec in specs:
+        module_name, _, field = spec.name.rpartition(".")
         layer = quantized.get(module_name)
         if layer is not None and field == "qweight":
             accounted += layer.out_features * layer.in_features * layer.scheme.bits // 8
         else:
-            accounted += tensor.numel() * tensor.element_size()
-    weights_bytes = (staging / WEIGHTS).stat().st_size
+            accounted += spec.nbytes
+    weights_bytes = sum(file.stat().st_size for file in staging.glob("*.safetensors"))
     return {"weights_accounted_bytes": accounted, "weights_file_bytes": weights_bytes, "weights_overhead": round(weights_bytes / accounted - 1, 6)}
 
 
@@ -273,21 +313,27 @@ def model_skeleton(path: Path, manifest: dict, meta: bool = False):
     dtype = getattr(torch, manifest.get("dtype", "float32"))
     with no_init_weights(), torch.device("meta" if meta else "cpu"):  # every weight is overwritten: random init would be wasted
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-        for name, record in manifest["modules"].items():
-            try:
-                linear = model.get_submodule(name)
-            except AttributeError:
-                raise SlimlmError(f"artifact '{path}' names module '{name}', which its config.json does not have") from None
-            shape = record.get("shape", [linear.out_features, linear.in_features])  # format 2 did not record shapes
-            if list(shape) != [linear.out_features, linear.in_features]:
-                raise SlimlmError(f"artifact '{path}': manifest gives {name} the shape {list(shape)}, config.json gives {[linear.out_features, linear.in_features]}; re-export the artifact")
-            if record.get("packing", PACKING) != PACKING:
-                raise SlimlmError(f"artifact '{path}': {name} is packed as '{record['packing']}', which this slimlm does not read (it reads '{PACKING}')")
-            layer = QuantLinear(linear.in_features, linear.out_features, scheme_of(record), bias=linear.bias is not None, adapter_rank=record.get("adapter_rank", 0))
-            set_submodule(model, name, layer)
-        if manifest.get("tied_word_embeddings") and isinstance(model.get_output_embeddings(), QuantLinear):
-            tie_quantized_head(model)  # the embedding reads the head's codes; nothing of its own to load
+        install_quantized_layers(model, manifest["modules"], bool(manifest.get("tied_word_embeddings")), path)
     return model
+
+
+def install_quantized_layers(model, modules: dict[str, dict], tied: bool, path: Path) -> None:
+    """Replace each Linear that `modules` (manifest records) names by an empty QuantLinear of its
+    scheme, on the current default device; a tied quantized head lends the embedding its codes."""
+    for name, record in modules.items():
+        try:
+            linear = model.get_submodule(name)
+        except AttributeError:
+            raise SlimlmError(f"artifact '{path}' names module '{name}', which its config.json does not have") from None
+        shape = record.get("shape", [linear.out_features, linear.in_features])  # format 2 did not record shapes
+        if list(shape) != [linear.out_features, linear.in_features]:
+            raise SlimlmError(f"artifact '{path}': manifest gives {name} the shape {list(shape)}, config.json gives {[linear.out_features, linear.in_features]}; re-export the artifact")
+        if record.get("packing", PACKING) != PACKING:
+            raise SlimlmError(f"artifact '{path}': {name} is packed as '{record['packing']}', which this slimlm does not read (it reads '{PACKING}')")
+        layer = QuantLinear(linear.in_features, linear.out_features, scheme_of(record), bias=linear.bias is not None, adapter_rank=record.get("adapter_rank", 0))
+        set_submodule(model, name, layer)
+    if tied and isinstance(model.get_output_embeddings(), QuantLinear):
+        tie_quantized_head(model)  # the embedding reads the head's codes; nothing of its own to load
 
 
 def dense_tensors(model, tensors: dict[str, torch.Tensor], manifest: dict, path: Path) -> dict[str, torch.Tensor]:
@@ -309,13 +355,12 @@ def load_tensors(module: torch.nn.Module, tensors: dict[str, torch.Tensor], path
 
 def load_artifact(path: Path, device: torch.device = torch.device("cpu")) -> Artifact:
     """Rebuild the model an artifact holds, quantized layers included, ready for evaluation."""
-    from safetensors.torch import load_file
-
     path = Path(path)
     manifest = read_manifest(path)
     model = model_skeleton(path, manifest)
     tied = bool(manifest.get("tied_word_embeddings"))
-    tensors = dense_tensors(model, load_file(path / WEIGHTS), manifest, path)
+    weights = Checkpoint(path)
+    tensors = dense_tensors(model, {name: weights.tensor(name) for name in weights.names()}, manifest, path)
     result = load_tensors(model, tensors, path)
     missing = set(result.missing_keys) - ({"lm_head.weight"} if tied else set())
     if missing or result.unexpected_keys:

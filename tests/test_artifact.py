@@ -192,3 +192,70 @@ def test_a_damaged_or_incomplete_manifest_is_refused_in_one_line(tiny_model, tin
     for load in (load_artifact, load_decoder):
         with pytest.raises(SlimlmError, match=message):
             load(path)
+
+
+def sharded_export(state, path, max_shard_bytes=20_000):
+    return save_artifact(state.model, state.tokenizer, path, state.schemes, source={"id": "tiny"}, max_shard_bytes=max_shard_bytes)
+
+
+def test_a_sharded_artifact_loads_as_the_single_file_one(tiny_model, tiny_tokenizer, tmp_path):
+    from safetensors import safe_open
+
+    from slimlm.inference.load import load_decoder
+
+    state = quantized_state(tiny_model, tiny_tokenizer, tmp_path, bits=4, group_size=32, targets=[r"model\.layers\.\d+\..*", "lm_head"])
+    single, sharded = export(state, tmp_path / "single"), sharded_export(state, tmp_path / "sharded")
+    manifest = read_manifest(sharded)
+    shards = sorted(name for name in manifest["files"] if name.startswith("model-"))
+    assert len(shards) > 2 and "model.safetensors.index.json" in manifest["files"] and not (sharded / WEIGHTS).exists()
+    for shard in shards:
+        with safe_open(sharded / shard, "pt") as handle:
+            assert sum(handle.get_tensor(key).nbytes for key in handle.keys()) <= 20_000 or len(handle.keys()) == 1
+    assert manifest["size"]["weights_file_bytes"] == sum(manifest["files"][shard]["bytes"] for shard in shards)
+    assert manifest["size"]["weights_accounted_bytes"] == read_manifest(single)["size"]["weights_accounted_bytes"]
+    a, b = load_artifact(single).model.state_dict(), load_artifact(sharded).model.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    tokens = torch.randint(0, tiny_model.config.vocab_size, (1, 8))
+    decoders = [load_decoder(path, dtype=torch.float32)[0] for path in (single, sharded)]
+    for decoder in decoders:
+        decoder.setup_cache(1, 16)
+    with torch.inference_mode():
+        assert torch.equal(decoders[0](tokens, 0), decoders[1](tokens, 0))
+
+
+def rewrite_index(path, edit) -> None:
+    """The index edited and its checksum updated, so that only the index checks can find it."""
+    from slimlm.resources import sha256_file
+
+    index_file = path / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    edit(index["weight_map"])
+    index_file.write_text(json.dumps(index))
+    edit_manifest(path, lambda m: m["files"]["model.safetensors.index.json"].update(sha256=sha256_file(index_file), bytes=index_file.stat().st_size))
+
+
+INDEX_DAMAGES = {
+    "a file outside": (lambda m: m.update({"model.norm.weight": "../x.safetensors"}), "not a safetensors file of its directory"),
+    "a tensor moved": (lambda m: m.update({"model.norm.weight": m["lm_head.qweight"]}), "the index puts"),
+    "a tensor dropped": (lambda m: m.pop("model.norm.weight"), "the index puts there|holds model.norm.weight"),
+}
+
+
+@pytest.mark.parametrize("damage", INDEX_DAMAGES, ids=str)
+def test_a_damaged_shard_index_is_refused_in_one_line(tiny_model, tiny_tokenizer, tmp_path, damage):
+    from slimlm.inference.load import load_decoder
+
+    state = quantized_state(tiny_model, tiny_tokenizer, tmp_path, bits=8, targets=[r"model\.layers\.\d+\..*", "lm_head"])
+    path = sharded_export(state, tmp_path / "artifact")
+    rewrite_index(path, INDEX_DAMAGES[damage][0])
+    for load in (load_artifact, load_decoder):
+        with pytest.raises(SlimlmError, match=INDEX_DAMAGES[damage][1]):
+            load(path)
+
+
+def test_a_format_5_artifact_still_loads(tiny_model, tiny_tokenizer, tmp_path):
+    state = quantized_state(tiny_model, tiny_tokenizer, tmp_path, bits=4, group_size=32)
+    path = export(state, tmp_path / "artifact")
+    edit_manifest(path, lambda m: m.update(format_version=5))
+    reloaded = load_artifact(path).model.state_dict()
+    assert all(torch.equal(tensor, reloaded[name]) for name, tensor in state.model.state_dict().items())
