@@ -1,0 +1,128 @@
+"""Round-to-nearest quantization of a checkpoint larger than memory, straight into an artifact.
+
+RTN needs no calibration, so no layer ever needs the model around it: each target Linear's
+weight is read from the checkpoint's safetensors (slimlm/checkpoint.py), rounded a bounded run
+of rows at a time (compress/rtn.py), packed as QuantLinear stores it, and written into the
+artifact's shards as it comes (slimlm/shards.py); every other tensor is copied in its dtype.
+Memory holds one tensor and its codes, never the model or a whole shard: an 8B checkpoint in
+bf16 (16 GB) quantizes to w4 g128 within about 3 GB (bench/scale.py).
+
+The artifact is the one save_artifact writes for the same model (the same names, records,
+size account and checksums): the layout is planned on the model's meta skeleton with
+QuantLinear layers in place, from the same code that loading uses (install_quantized_layers).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+from tqdm import tqdm
+
+from slimlm.artifact import WEIGHTS_METADATA, ManifestFacts, install_quantized_layers, module_record, save_model_files, unique_state, write_manifest
+from slimlm.checkpoint import Checkpoint, open_checkpoint
+from slimlm.compress.rtn import quantize_rtn
+from slimlm.compress.targets import select_linear_modules
+from slimlm.errors import SlimlmError
+from slimlm.qlinear import QuantLinear, QuantScheme
+from slimlm.rundir import staged_directory
+from slimlm.shards import DEFAULT_SHARD_BYTES, TensorSpec, write_weights
+from slimlm.sparse_storage import zero_codes
+
+ROUND_CHUNK_BYTES = 32 * 2**20  # float32 rows rounded at once: packing's int64 temporaries are 4x this
+
+
+def stream_rtn(checkpoint_dir: Path, out_dir: Path, scheme: QuantScheme, targets: Sequence[str], ignore: Sequence[str] = (), max_shard_bytes: int = DEFAULT_SHARD_BYTES, source: Optional[dict] = None, recipe: Optional[dict] = None) -> Path:
+    """Quantize the Linear layers of the checkpoint at `checkpoint_dir` that match `targets` and
+    no `ignore` pattern (regexes over module names) with RTN in `scheme`, and write the artifact
+    to `out_dir` (atomically; an existing one is refused)."""
+    checkpoint_dir = Path(checkpoint_dir)
+    checkpoint, skeleton = open_checkpoint(checkpoint_dir)
+    scheme = QuantScheme(**{**scheme.to_dict(), "method": "rtn"})
+    names = select_linear_modules(skeleton, targets, ignore)
+    for name in names:
+        problem = scheme.shape_problem(skeleton.get_submodule(name).in_features)
+        if problem:
+            raise SlimlmError(f"cannot quantize {name}: {problem}; change the group size or add the layer to the ignore patterns")
+    records = {name: {**scheme.to_dict(), "shape": [skeleton.get_submodule(name).out_features, skeleton.get_submodule(name).in_features]} for name in names}
+    with torch.device("meta"):
+        install_quantized_layers(skeleton, records, bool(getattr(skeleton.config, "tie_word_embeddings", False)), checkpoint_dir)
+    tokenizer, generation_config = _tokenizer_and_generation_config(checkpoint_dir)
+    specs = artifact_specs(skeleton, checkpoint)
+    rounding = StreamedRounding(checkpoint, {name: skeleton.get_submodule(name) for name in names})
+    with staged_directory(out_dir, "artifacts") as staging, tqdm(total=sum(spec.nbytes for spec in specs), unit="B", unit_scale=True, desc="stream rtn") as bar:
+        write_weights(staging, specs, rounding, max_shard_bytes, WEIGHTS_METADATA, bar.update)
+        save_model_files(staging, skeleton.config, generation_config, tokenizer)
+        modules = {name: module_record(skeleton.get_submodule(name), scheme.to_dict(), rounding.sparsity[name], "dense") for name in names}
+        write_manifest(staging, skeleton, specs, ManifestFacts(source or {"path": str(checkpoint_dir)}, recipe, None, modules, {}))
+    return Path(out_dir)
+
+
+def artifact_specs(skeleton: torch.nn.Module, checkpoint: Checkpoint) -> list[TensorSpec]:
+    """The artifact's tensors, in the skeleton's order: QuantLinear buffers as the layer holds
+    them, everything else as the checkpoint stores it (its dtype kept)."""
+    quantized = {name for name, module in skeleton.named_modules() if isinstance(module, QuantLinear)}
+    specs = []
+    for key, meta in unique_state(skeleton).items():
+        module, _, field = key.rpartition(".")
+        if module in quantized and field != "bias":
+            specs.append(TensorSpec.of(key, meta))
+        elif not checkpoint.has(key):
+            raise SlimlmError(f"checkpoint '{checkpoint.directory}' has no tensor {key}, which its config.json needs")
+        elif checkpoint.shape(key) != tuple(meta.shape):
+            raise SlimlmError(f"checkpoint '{checkpoint.directory}': {key} has the shape {list(checkpoint.shape(key))}, its config.json gives {list(meta.shape)}")
+        else:
+            specs.append(TensorSpec(key, checkpoint.dtype(key), tuple(meta.shape)))
+    return specs
+
+
+class StreamedRounding:
+    """Produces the artifact's tensors on request (slimlm.shards.write_weights): a quantized
+    layer's buffers from its weight, rounded when the first of them is asked for and kept until
+    the next layer's are; any other tensor read from the checkpoint."""
+
+    def __init__(self, checkpoint: Checkpoint, layers: dict[str, QuantLinear]):
+        self.checkpoint = checkpoint
+        self.layers = layers
+        self.sparsity: dict[str, float] = {}
+        self._current: tuple[Optional[str], dict[str, torch.Tensor]] = (None, {})
+
+    def __call__(self, spec: TensorSpec) -> torch.Tensor:
+        module, _, field = spec.name.rpartition(".")
+        if module not in self.layers or field == "bias":
+            return self.checkpoint.tensor(spec.name)
+        if self._current[0] != module:
+            self._current = (None, {})  # the previous layer's codes go before this one's are made
+            layer, self.sparsity[module] = round_weight(self.checkpoint.tensor(f"{module}.weight"), self.layers[module].scheme)
+            self._current = (module, dict(layer.named_buffers()))
+        return self._current[1][field]
+
+
+def round_weight(weight: torch.Tensor, scheme: QuantScheme) -> tuple[QuantLinear, float]:
+    """A QuantLinear holding `weight` [out, in] rounded with RTN, and the fraction of its codes
+    that stand for 0.0; a run of rows at a time (the float32 copies and packing temporaries of a
+    whole LM head would be several GB)."""
+    out_features, in_features = weight.shape
+    layer = QuantLinear(in_features, out_features, scheme)
+    step = max(1, ROUND_CHUNK_BYTES // (4 * in_features))
+    zero = 0
+    for start in range(0, out_features, step):
+        rows = quantize_rtn(weight[start : start + step], scheme)
+        part = QuantLinear.from_codes(rows.codes, rows.scales, rows.zeros, scheme, None)
+        for name, buffer in part.named_buffers():
+            layer.get_buffer(name)[start : start + step] = buffer
+        zero += int((rows.codes == zero_codes(part)).sum())
+    return layer, zero / weight.numel()
+
+
+def _tokenizer_and_generation_config(directory: Path):
+    """The checkpoint's tokenizer (an artifact without one cannot generate) and generation config."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(directory)
+    except (OSError, ValueError) as error:
+        raise SlimlmError(f"'{directory}' has no readable tokenizer ({str(error).splitlines()[0]}); add the model's tokenizer files") from None
+    generation = GenerationConfig.from_pretrained(directory) if (directory / "generation_config.json").is_file() else None
+    return tokenizer, generation
