@@ -18,7 +18,6 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 from typing import NoReturn, Sequence
 
@@ -44,6 +43,7 @@ from slimlm.model_packages import ensure_model_file
 from slimlm.models import ModelSource, load_model, resolve_model
 from slimlm.pipeline import PlannedStage, RunState, Stage, plan_stages
 from slimlm.rundir import write_status
+from slimlm.user_recipes import RECIPES_ENV, bundled_recipes, user_recipes
 
 STAGES: dict[str, Stage] = {stage.name: stage for stage in (LOAD, PRUNE, SPARSIFY, QUANTIZE, DISTILL, EVALUATE, EXPORT, GENERATE)}
 CONFIG_MODULE = "slimlm.conf"
@@ -56,16 +56,21 @@ class Plan:
     source: ModelSource
 
 
-def register_recipes() -> None:
-    """Make every recipes/*.yaml an option of the `recipe` config group.
+def register_recipes(args: Sequence[str] = ()) -> list[str]:
+    """Make every recipe an option of the `recipe` config group; returns `args` with each
+    recipe given by path (recipe=path/to/mine.yaml) replaced by its option name.
 
-    The recipes folder installs as the package `slimlm.recipe`; registering its files in
-    Hydra's ConfigStore works the same in editable and regular installs.
+    The bundled recipes install as the package `slimlm.recipe` (registering them in Hydra's
+    ConfigStore works the same in editable and regular installs); the user's own come from
+    paths, $SLIMLM_RECIPES and hydra.searchpath (slimlm/user_recipes.py).
     """
     store = ConfigStore.instance()
-    for entry in resources.files("slimlm.recipe").iterdir():
-        if entry.name.endswith(".yaml"):
-            store.store(group="recipe", name=entry.name[: -len(".yaml")], node=OmegaConf.create(entry.read_text()))
+    store.repo.pop("recipe", None)  # a second call (tests, one process) starts from the bundled set again
+    bundled = bundled_recipes()
+    user = user_recipes(args, list(bundled))
+    for name, node in [*bundled.items(), *((name, node) for name, (_, node) in user.recipes.items())]:
+        store.store(group="recipe", name=name, node=node)
+    return user.args
 
 
 def validate(cfg: DictConfig) -> Plan:
@@ -116,7 +121,7 @@ def execute(cfg: DictConfig, plan: Plan, run_dir: Path) -> str:
         "model_path": cfg.model.path,
         "source_sha256": loaded.sha256,
         "eval_text": cfg.data.eval_text.path,
-        "command": " ".join(["slimlm", *HydraConfig.get().overrides.task]),
+        "command": command_line(HydraConfig.get().overrides.task, cfg.recipe.file),
         "run_dir": display_path(run_dir),
         "stage_seconds": timings,
     }
@@ -145,6 +150,12 @@ def run_recipe(cfg: DictConfig) -> None:
     write_status(run_dir, "complete")
     print(markdown)
     print(f"\nreport: {display_path(run_dir / 'report.md')}")
+
+
+def command_line(overrides: Sequence[str], recipe_file: str | None) -> str:
+    """The run's command as the user could type it again: a recipe of their own by its file."""
+    shown = [f"recipe={recipe_file}" if recipe_file and o.startswith("recipe=") else o for o in overrides]
+    return " ".join(["slimlm", *shown])
 
 
 def display_path(path: Path) -> str:
@@ -230,10 +241,10 @@ def compose_or_explain(compose, overrides: list[str]) -> DictConfig:
         if group:
             top = group.split("/", 1)[0]  # recipe=/some/file.yaml makes the group recipe//some
             options = GlobalHydra.instance().config_loader().get_group_options(top)
-            where = "recipes/" if top == "recipe" else f"conf/{top}/"
             if top != group:
-                raise SlimlmError(f"{top}= takes a name ({', '.join(options)}), not the path '{missing[len(top) + 1:]}'; a {top} of your own goes in {where}<name>.yaml") from None
-            raise SlimlmError(f"unknown {group} '{name}': choose one of {', '.join(options)} (or add {where}{name}.yaml)") from None
+                what = "a name or the path of a .yaml file" if top == "recipe" else "a name"
+                raise SlimlmError(f"{top}= takes {what} ({', '.join(options)}), not '{missing[len(top) + 1:]}'; {own_option(top, '<name>')}") from None
+            raise SlimlmError(f"unknown {group} '{name}': choose one of {', '.join(options)} ({own_option(top, name)})") from None
         raise SlimlmError(str(error).splitlines()[0]) from None
     except (HydraException, OmegaConfBaseException) as error:
         detail = [line for line in str(error).splitlines() if line.strip()]
@@ -244,6 +255,13 @@ def compose_or_explain(compose, overrides: list[str]) -> DictConfig:
         raise SlimlmError(f"config error: {message}. `slimlm --cfg job` prints every key and its current value") from None
     except ValueError as error:  # Hydra's own check of an override's value (`=5`)
         raise SlimlmError(f"config error: {str(error).splitlines()[0]}") from None
+
+
+def own_option(group: str, name: str) -> str:
+    """Where a config of the user's own goes: recipes anywhere, other groups in conf/."""
+    if group == "recipe":
+        return f"or give your own: recipe=path/to/{name}.yaml, or {name}.yaml in a ${RECIPES_ENV} directory"
+    return f"or add conf/{group}/{name}.yaml"
 
 
 def plain_overrides(args: Sequence[str]) -> list[str] | None:
@@ -302,13 +320,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         SUBCOMMANDS[args[0]](args[1:])
         return
     register_schemas()
-    register_recipes()
-    overrides = plain_overrides(args)
-    if overrides is not None:
-        try:
+    try:
+        args = register_recipes(args)
+        overrides = plain_overrides(args)
+        if overrides is not None:
             prevalidate(overrides, multirun=any(a in ("-m", "--multirun") for a in args))
-        except SlimlmError as error:
-            exit_with(error)
+    except SlimlmError as error:
+        exit_with(error)
     sys.argv = [sys.argv[0], *args]
     signal.signal(signal.SIGTERM, stop_on_signal)  # a killed run's status.json then says failed, not running
     try:

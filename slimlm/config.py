@@ -190,6 +190,7 @@ class RecipeConfig:
     # Each stage is a mapping with a `stage` key; its other keys are checked against that
     # stage's own dataclass (see slimlm.pipeline.Stage) before the run starts.
     stages: List[Any] = MISSING
+    file: Optional[str] = None  # the YAML file of a user's recipe (slimlm/user_recipes.py sets it)
 
 
 @dataclass

