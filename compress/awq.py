@@ -22,28 +22,21 @@ calibration token counts while a candidate costs one [out, in] x [in, in] produc
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 from torch import nn
 
+from slimlm.architecture import ScaleMapping
 from slimlm.compress.clipping import output_error, search_clip
 from slimlm.compress.gptq import HessianAccumulator
 from slimlm.compress.rtn import QuantizedWeight, fake_quantize, quantize_rtn
 from slimlm.qlinear import QuantScheme
 
-# (operation whose output feeds the Linear layers, the Linear layers), inside one Llama-family
-# decoder layer. The operation absorbs 1/s: an RMSNorm through its weight, a Linear through its
-# rows. v_proj -> o_proj applies only when their shapes agree (no grouped-query attention).
-MAPPINGS = (
-    ("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
-    ("self_attn.v_proj", ("self_attn.o_proj",)),
-    ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
-    ("mlp.up_proj", ("mlp.down_proj",)),
-)
 # Queries and keys meet in a softmax, where a per-output error says little: no clipping there.
-NO_CLIP = ("self_attn.q_proj", "self_attn.k_proj")
+NO_CLIP = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.qkv_proj")
 
 
 @dataclass(frozen=True)
@@ -87,17 +80,38 @@ def _normalised_magnitude(weight: torch.Tensor, scheme: QuantScheme) -> torch.Te
     return (grouped / (grouped.amax(dim=1, keepdim=True) + 1e-6)).reshape(weight.shape)
 
 
-def apply_scale(previous: nn.Module, linears: list[nn.Linear], scale: torch.Tensor) -> None:
-    """Divide `previous`'s output by `scale` and multiply the Linear layers' input columns by it."""
+def apply_scale(previous: nn.Module, rows: slice, linears: list[nn.Linear], scale: torch.Tensor, norm_offset: float = 0.0) -> None:
+    """Divide `previous`'s output `rows` by `scale` and multiply the Linear layers' input columns by it."""
     scale = scale.to(previous.weight.device)
     if isinstance(previous, nn.Linear):
-        previous.weight.data.div_(scale[:, None].to(previous.weight.dtype))
+        previous.weight.data[rows].div_(scale[:, None].to(previous.weight.dtype))
         if previous.bias is not None:
-            previous.bias.data.div_(scale.to(previous.bias.dtype))
-    else:  # an RMSNorm: y = weight * x / rms(x)
-        previous.weight.data.div_(scale.to(previous.weight.dtype))
+            previous.bias.data[rows].div_(scale.to(previous.bias.dtype))
+    else:  # an RMSNorm: y = (norm_offset + weight) * x / rms(x)
+        weight = previous.weight.data
+        weight.copy_(((norm_offset + weight.double()) / scale.double() - norm_offset).to(weight.dtype))
     for linear in linears:
         linear.weight.data.mul_(scale[None, :].to(linear.weight.dtype))
+
+
+def feeding_rows(previous: nn.Module, in_features: int, mapping: ScaleMapping) -> Optional[slice]:
+    """The rows of `previous`'s output that the mapping's Linear layers read, or None where they
+    do not line up (v_proj -> o_proj under grouped-query attention: fewer outputs than inputs)."""
+    outputs = previous.weight.shape[0]
+    return slice(outputs - in_features, outputs) if outputs == mapping.fused_parts * in_features else None
+
+
+def expand_experts(mappings: tuple[ScaleMapping, ...], layer: nn.Module) -> Iterator[ScaleMapping]:
+    """The mappings whose modules this layer has (a MoE layer has no dense MLP), with `{e}`
+    written out for each expert."""
+    present = {name for name, _ in layer.named_modules()}
+    for mapping in mappings:
+        experts = range(len(present)) if "{e}" in mapping.previous else [None]
+        for expert in experts:
+            written = dataclasses.replace(mapping, previous=mapping.previous.format(e=expert), linears=tuple(n.format(e=expert) for n in mapping.linears))
+            if not {written.previous, *written.linears} <= present:
+                break
+            yield written
 
 
 def awq_quantize_layer(
@@ -105,27 +119,30 @@ def awq_quantize_layer(
     prefix: str,
     schemes: dict[str, QuantScheme],
     stats: dict[str, HessianAccumulator],
+    mappings: tuple[ScaleMapping, ...],
     options: AWQOptions = AWQOptions(),
     on_scaled: Optional[Callable[[str, float, float], None]] = None,
 ) -> dict[str, QuantizedWeight]:
     """AWQ for the Linear layers of one decoder layer named in `schemes` (full names under
-    `prefix`): scale search and folding for each mapping whose layers are all quantized here,
-    then clipping search and rounding of every layer. `on_scaled(name, error, rtn_error)`
-    hears each mapping's output error with its scale and with plain RTN."""
-    for previous_name, linear_names in MAPPINGS:
-        names = [f"{prefix}.{name}" for name in linear_names]
+    `prefix`, each with its input statistics in `stats`): scale search and folding for each of
+    the family's `mappings` whose layers are all quantized here, then clipping search and rounding
+    of every layer. `on_scaled(name, error, rtn_error)` hears each mapping's output error with
+    its scale and with plain RTN."""
+    for mapping in expand_experts(mappings, layer):
+        names = [f"{prefix}.{name}" for name in mapping.linears]
         if not all(name in schemes for name in names):
             continue
-        previous = layer.get_submodule(previous_name)
-        linears = [layer.get_submodule(name) for name in linear_names]
-        if previous.weight.shape[0] != linears[0].in_features:
-            continue  # grouped-query attention: v_proj has fewer outputs than o_proj has inputs
+        previous = layer.get_submodule(mapping.previous)
+        linears = [layer.get_submodule(name) for name in mapping.linears]
+        rows = feeding_rows(previous, linears[0].in_features, mapping)
+        if rows is None:
+            continue
         scale, error, rtn_error = search_scale([l.weight for l in linears], [schemes[n] for n in names], stats[names[0]], options)
-        apply_scale(previous, linears, scale)
+        apply_scale(previous, rows, linears, scale, mapping.norm_offset)
         for accumulator in {id(stats[n]): stats[n] for n in names}.values():  # q/k/v share one
             accumulator.divide_inputs(scale)
         if on_scaled is not None:
-            on_scaled(f"{prefix}.{previous_name}", error, rtn_error)
+            on_scaled(f"{prefix}.{mapping.previous}", error, rtn_error)
     quantized = {}
     for name, scheme in schemes.items():
         weight = layer.get_submodule(name.removeprefix(prefix + ".")).weight

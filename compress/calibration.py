@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from slimlm.architecture import decoder_blocks
 from slimlm.errors import ConfigError, SlimlmError
 from slimlm.memory import peak_memory
 
@@ -50,18 +51,10 @@ class _Stop(Exception):
     """Raised by the capture hook: nothing after the first decoder layer needs to run."""
 
 
-def decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
-    """The decoder's layer list and its qualified name (Llama family: model.layers)."""
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    if not isinstance(layers, nn.ModuleList):
-        raise SlimlmError(f"{type(model).__name__} has no model.layers list; sequential calibration supports Llama-family models")
-    return "model.layers", layers
-
-
 @torch.no_grad()
 def capture_layer_inputs(model: nn.Module, samples: torch.Tensor, chunk_size: int) -> Captured:
     """Inputs (hidden states and keyword arguments) of the first decoder layer, chunk by chunk."""
-    _, layers = decoder_layers(model)
+    _, layers = decoder_blocks(model)
     captured: Captured = []
 
     def hook(module, args, kwargs):
@@ -88,15 +81,17 @@ def calibrate_sequentially(
     samples: torch.Tensor,
     targets: list[str],
     observe: Callable[[str, torch.Tensor], None],
-    finish_layer: Callable[[list[str]], None],
+    finish_layer: Callable[[str, list[str]], None],
     chunk_size: int = 8,
     desc: str = "calibrate",
 ) -> int:
     """Walk the decoder layer by layer: show each target Linear its inputs (`observe`), let
-    `finish_layer` replace that layer's targets, then run the changed layer to make the next
+    `finish_layer(block name, target names)` replace that layer's targets (a mixture-of-experts
+    layer's targets include experts that no calibration token was routed to, which `observe`
+    never heard of), then run the changed layer to make the next
     layer's inputs. Returns the peak memory of the walk in bytes (resident set on a CPU,
     torch's allocations on a GPU)."""
-    prefix, layers = decoder_layers(model)
+    prefix, layers = decoder_blocks(model)
     outside = [name for name in targets if not name.startswith(prefix + ".")]
     if outside:
         raise SlimlmError(f"calibration handles Linear layers inside decoder layers; {outside[0]} is outside them: leave it out of this stage's targets (quantize it in a separate rtn stage)")
@@ -111,7 +106,7 @@ def calibrate_sequentially(
                 finally:
                     for handle in handles:
                         handle.remove()
-                finish_layer(names)
+                finish_layer(f"{prefix}.{index}", names)
             captured = [(output, kwargs) for output, (_, kwargs) in zip(_run_layer(layer, captured), captured)]
     return peak.bytes
 

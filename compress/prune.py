@@ -25,7 +25,8 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from slimlm.compress.calibration import CalibrationParams, decoder_layers
+from slimlm.architecture import FAMILIES, decoder_blocks, model_type, require_family
+from slimlm.compress.calibration import CalibrationParams
 from slimlm.compress.quantize import calibration_windows
 from slimlm.data import check_text_source
 from slimlm.errors import ConfigError, SlimlmError
@@ -94,7 +95,7 @@ def check_targets(shape: Shape, params: PruneParams) -> None:
 @torch.no_grad()
 def block_influence(model: nn.Module, samples: torch.Tensor, chunk_size: int = 8) -> list[float]:
     """Per decoder layer: 1 - mean cosine similarity between its input and output hidden states."""
-    _, layers = decoder_layers(model)
+    _, layers = decoder_blocks(model)
     totals = torch.zeros(len(layers), dtype=torch.float64)
     tokens = [0]
 
@@ -127,7 +128,7 @@ def width_importance(model: nn.Module, samples: torch.Tensor, shape: Shape, chun
     """Root-mean-square activations: of each hidden channel after every RMSNorm (summed), of
     each MLP channel entering down_proj, of each attention head entering o_proj (summed over
     the query heads of a key/value group)."""
-    _, layers = decoder_layers(model)
+    _, layers = decoder_blocks(model)
     hidden = torch.zeros(shape.hidden_size, dtype=torch.float64)
     intermediate = [torch.zeros(shape.intermediate_size, dtype=torch.float64) for _ in layers]
     heads = [torch.zeros(shape.heads, dtype=torch.float64) for _ in layers]
@@ -321,6 +322,7 @@ def prune_model(model: nn.Module, samples: torch.Tensor, params: PruneParams) ->
 
 def run(state: RunState, params: PruneParams) -> None:
     started = time.perf_counter()
+    require_prunable(model_type(state.model))
     samples = calibration_windows(state, params.samples, params.seq_len, params.seed)
     state.model, section = prune_model(state.model, samples, params)
     after = section["shape_after"]
@@ -331,6 +333,14 @@ def run(state: RunState, params: PruneParams) -> None:
 
 def check(cfg, params: PruneParams, source) -> None:
     check_text_source(cfg.data.calibration, "calibration")
+    if source.architecture is not None:
+        require_prunable(source.architecture)
+
+
+def require_prunable(architecture: Optional[str]) -> None:
+    if not require_family(architecture, "prune").prunable:
+        prunable = sorted(name for name, family in FAMILIES.items() if family.prunable)
+        raise SlimlmError(f"prune slices Llama-style blocks ({', '.join(prunable)}); '{architecture}' has other width-dependent tensors, so it cannot be pruned yet")
 
 
 PRUNE = Stage(name="prune", params=PruneParams, run=run, check=check)

@@ -17,8 +17,9 @@ from typing import Callable, List, Optional
 import torch
 from tqdm import tqdm
 
+from slimlm.architecture import decoder_blocks, model_type, require_family
 from slimlm.compress.awq import AWQOptions, awq_quantize_layer
-from slimlm.compress.calibration import CalibrationParams, calibrate_sequentially, calibration_samples, decoder_layers
+from slimlm.compress.calibration import CalibrationParams, calibrate_sequentially, calibration_samples
 from slimlm.compress.gptq import GPTQOptions, LayerInputStatistics, gptq_quantize
 from slimlm.compress.mixed import bits_per_weight, choose_bits, fisher_diagonal, predicted_loss
 from slimlm.compress.rtn import QuantizedWeight, quantize_rtn
@@ -125,7 +126,7 @@ def run(state: RunState, params: QuantizeParams) -> None:
 
     inside = []
     if params.method in CALIBRATED:
-        layer_prefix = decoder_layers(state.model)[0] + "."
+        layer_prefix = decoder_blocks(state.model)[0] + "."
         inside = [name for name in names if name.startswith(layer_prefix)]
     if inside:
         section.update(run_calibrated(state, params, {name: schemes[name] for name in inside}, replace))
@@ -140,21 +141,24 @@ def run(state: RunState, params: QuantizeParams) -> None:
 
 
 def run_calibrated(state: RunState, params: QuantizeParams, schemes: dict[str, QuantScheme], replace: Callable) -> dict:
-    """GPTQ or AWQ layer by layer on calibration windows; returns what the report states about it."""
+    """GPTQ or AWQ layer by layer on calibration windows; returns what the report states about it.
+    An expert no calibration token was routed to has no statistics: it is rounded (RTN)."""
     samples = calibration_windows(state, params.samples, params.seq_len, params.seed)
+    mappings = require_family(model_type(state.model), "AWQ").mappings if params.method == "awq" else ()
     hessians = LayerInputStatistics()
     awq_errors: dict[str, list[float]] = {}
+    unseen: list[str] = []
 
-    def finish_layer(layer_names: list[str]) -> None:
+    def finish_layer(block: str, layer_names: list[str]) -> None:
+        seen = [name for name in layer_names if name in hessians]
         if params.method == "gptq":
             options = GPTQOptions(damp=params.damp, block_size=params.block_size, act_order=params.act_order, clip_search=params.clip_search)
-            for name in layer_names:
+            for name in seen:
                 weight = state.model.get_submodule(name).weight
                 replace(name, gptq_quantize(weight, hessians[name].hessian, schemes[name], options, name), schemes[name])
         else:
-            prefix = decoder_layer_name(layer_names[0])
             quantized = awq_quantize_layer(
-                state.model.get_submodule(prefix), prefix, {n: schemes[n] for n in layer_names}, hessians,
+                state.model.get_submodule(block), block, {n: schemes[n] for n in seen}, hessians, mappings,
                 AWQOptions(grid=params.awq_grid, clip_grid=params.awq_clip_grid, clip=params.clip_search),
                 on_scaled=lambda name, error, rtn: awq_errors.__setitem__(name, [round(error, 6), round(rtn, 6)]),
             )
@@ -162,17 +166,19 @@ def run_calibrated(state: RunState, params: QuantizeParams, schemes: dict[str, Q
                 replace(name, weight, schemes[name])
         for name in layer_names:
             hessians.pop(name, None)
+            if name not in seen:
+                unseen.append(name)
+                rounded = QuantScheme(**{**schemes[name].to_dict(), "method": "rtn"})
+                replace(name, quantize_rtn(state.model.get_submodule(name).weight, rounded), rounded)
 
     peak = calibrate_sequentially(state.model, samples, list(schemes), hessians.observe, finish_layer, desc=f"{params.method} {describe_bits(schemes)}")
     result = {"calibration_tokens": samples.numel(), "samples": params.samples, "seq_len": params.seq_len, "calibration_peak_memory_bytes": peak}
+    if unseen:
+        log.info("%d layer(s) saw no calibration token (experts nothing was routed to) and were rounded with RTN", len(unseen))
+        result["uncalibrated_layers"] = unseen
     if awq_errors:
         result["awq_output_error"] = awq_errors  # per scaled mapping: [with the chosen scale, plain RTN]
     return result
-
-
-def decoder_layer_name(name: str) -> str:
-    """'model.layers.3.self_attn.q_proj' -> 'model.layers.3'."""
-    return ".".join(name.split(".")[:3])
 
 
 def describe_bits(schemes: dict[str, QuantScheme]) -> str:
@@ -218,6 +224,8 @@ def mixed_schemes(state: RunState, params: QuantizeParams, names: list[str]) -> 
 
 
 def check(cfg, params: QuantizeParams, source) -> None:
+    if params.method == "awq" and source.architecture is not None:
+        require_family(source.architecture, "AWQ")
     if params.method in CALIBRATED or params.bpw is not None:
         check_text_source(cfg.data.calibration, "calibration")
 

@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from slimlm.compress.calibration import CalibrationParams, calibrate_sequentially
 from slimlm.compress.gptq import LayerInputStatistics
-from slimlm.compress.quantize import calibration_windows, decoder_layer_name
+from slimlm.compress.quantize import calibration_windows
 from slimlm.compress.sparsity import SparsityPattern, magnitude_mask, outlier_ratio, owl_ratios, sparsegpt_prune, wanda_mask, wanda_scores
 from slimlm.compress.targets import compile_patterns, select_linear_modules
 from slimlm.data import check_text_source
@@ -115,18 +115,25 @@ def run_calibrated(state: RunState, params: SparsifyParams, names: list[str], pa
     wanda = params.method == "wanda"
     statistics = LayerInputStatistics(square_sums=wanda)  # Wanda reads the inputs' norms, SparseGPT the whole Hessian
 
-    def finish_layer(layer_names: list[str]) -> None:
-        layer_pattern = SparsityPattern(ratio=ratios[decoder_layer_name(layer_names[0])]) if ratios else pattern
+    unseen: list[str] = []
+
+    def finish_layer(block: str, layer_names: list[str]) -> None:
+        layer_pattern = SparsityPattern(ratio=ratios[block]) if ratios else pattern
         for name in layer_names:
             weight = state.model.get_submodule(name).weight
-            seen = statistics.pop(name)  # accumulated on the CPU in float64
-            if wanda:
+            seen = statistics.pop(name, None)  # accumulated on the CPU in float64
+            if seen is None:  # an expert no calibration token was routed to: magnitude decides
+                unseen.append(name)
+                prune_in_place(weight, magnitude_mask(weight, layer_pattern))
+            elif wanda:
                 prune_in_place(weight, wanda_mask(weight, seen.sums.to(weight.device), layer_pattern))
             else:
                 weight.copy_(sparsegpt_prune(weight, seen.hessian.to(weight.device), layer_pattern, params.block_size, params.damp, name).to(weight.dtype))
 
     peak = calibrate_sequentially(state.model, samples, names, statistics.observe, finish_layer, desc=params.label)
     result = {"calibration_tokens": samples.numel(), "samples": params.samples, "seq_len": params.seq_len, "calibration_peak_memory_bytes": peak}
+    if unseen:
+        result["uncalibrated_layers"] = unseen
     if ratios:
         result["owl_layer_ratios"] = {name: round(ratio, 4) for name, ratio in ratios.items()}
         result["owl_outlier_ratios"] = {name: round(ratio, 6) for name, ratio in outliers.items()}
@@ -138,9 +145,9 @@ def owl_layer_ratios(state: RunState, samples: torch.Tensor, names: list[str], p
     outliers: dict[str, float] = {}
     statistics = LayerInputStatistics(square_sums=True)
 
-    def finish_layer(layer_names: list[str]) -> None:
-        scores = [wanda_scores(state.model.get_submodule(n).weight, statistics.pop(n).sums) for n in layer_names]
-        outliers[decoder_layer_name(layer_names[0])] = outlier_ratio(scores, params.owl_threshold)
+    def finish_layer(block: str, layer_names: list[str]) -> None:
+        scores = [wanda_scores(state.model.get_submodule(n).weight, statistics.pop(n).sums) for n in layer_names if n in statistics]
+        outliers[block] = outlier_ratio(scores, params.owl_threshold)
 
     calibrate_sequentially(state.model, samples, names, statistics.observe, finish_layer, desc="owl outliers")
     layers = list(outliers)

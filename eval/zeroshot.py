@@ -37,8 +37,8 @@ import torch
 import yaml
 from tqdm import tqdm
 
+from slimlm.architecture import family_of, model_type
 from slimlm.errors import SlimlmError
-from slimlm.models import SUPPORTED_ARCHITECTURES
 
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
@@ -386,9 +386,10 @@ def _collate(batch: list[Packed], dtype: torch.dtype) -> tuple[torch.Tensor, tor
 
 
 def _body_and_head(model) -> Optional[tuple[Any, Any]]:
-    """Llama-family models compute logits = lm_head(hidden), so the head can run on the needed
-    positions only; other models may scale or cap logits and go through their full forward."""
-    if getattr(model.config, "model_type", None) in SUPPORTED_ARCHITECTURES and hasattr(model, "model") and hasattr(model, "lm_head"):
+    """Families whose logits are lm_head(hidden) let the head run on the needed positions only;
+    other models may scale or cap logits and go through their full forward."""
+    family = family_of(model_type(model))
+    if family is not None and family.plain_logits and hasattr(model, "model") and hasattr(model, "lm_head"):
         return model.model, model.lm_head
     return None
 

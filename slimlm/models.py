@@ -16,13 +16,13 @@ from typing import Any, Optional
 
 import torch
 
+from slimlm.architecture import check_compressible, is_transformers_type
 from slimlm.artifact import MANIFEST, load_artifact
 from slimlm.config import ModelConfig
 from slimlm.errors import SlimlmError
+from slimlm.experts import split_experts
 from slimlm.resources import cache_dir, read_json_object, resolve_path, sha256_file
 
-# The decoder and the compression stages are written for Llama-family blocks.
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -56,30 +56,22 @@ def resolve_model(cfg: ModelConfig) -> ModelSource:
         source = ModelSource(cfg.path, "hub", None, None)
     else:
         raise SlimlmError(f"model.path '{cfg.path}' does not exist: give a local checkpoint directory, a .gguf file or a hub id (org/name)")
-    if source.architecture is not None:
-        check_architecture(cfg.path, source.architecture)
+    if source.kind != "gguf" or is_transformers_type(source.architecture):  # other GGUF names are llama.cpp's own
+        check_compressible(cfg.path, source.architecture)
     return source
 
 
-def check_architecture(path: str, architecture: str) -> None:
-    if architecture not in SUPPORTED_ARCHITECTURES:
-        raise SlimlmError(f"model '{path}' has architecture '{architecture}', which slimlm does not support; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-
-
 def _gguf_header(path: Path) -> tuple[str, Optional[int]]:
-    """Architecture and context length from a GGUF file's header (no tensors are read)."""
-    from gguf import GGUFReader
+    """Architecture and context length from a GGUF file's key/value header (no vocabulary, no tensors: seconds
+    even for a 262k-token vocabulary)."""
+    from slimlm.gguf_header import read_gguf_header
 
-    try:
-        reader = GGUFReader(path, "r")
-    except Exception as error:  # the gguf reader raises many kinds on a damaged file
-        raise SlimlmError(f"'{path.name}' is not a readable GGUF file ({error}); re-download or re-export it") from None
-    field = reader.get_field("general.architecture")
-    if field is None:
+    metadata = read_gguf_header(path).metadata
+    architecture = metadata.get("general.architecture")
+    if not isinstance(architecture, str):
         raise SlimlmError(f"GGUF file '{path.name}' has no general.architecture key; it was not written by a GGUF converter")
-    architecture = field.contents()
-    context = reader.get_field(f"{architecture}.context_length")
-    return architecture, (int(context.contents()) if context is not None else None)
+    context = metadata.get(f"{architecture}.context_length")
+    return architecture, (int(context) if isinstance(context, int) else None)
 
 
 @dataclass
@@ -111,7 +103,8 @@ def load_model(cfg: ModelConfig, device: torch.device) -> LoadedModel:
     else:
         directory = source.id
     model, tokenizer = _from_pretrained(str(directory), dtype, cfg.revision, source, **bnb_arguments(cfg.bnb, dtype, device))
-    check_architecture(cfg.path, model.config.model_type)  # hub ids are only known once loaded
+    check_compressible(cfg.path, model.config.model_type)  # hub ids are only known once loaded
+    split_experts(model)  # mixture-of-experts blocks: one Linear per expert projection
     if cfg.bnb is None:
         model = model.to(device)
     return LoadedModel(model.eval(), tokenizer, source, sha256)

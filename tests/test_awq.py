@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from slimlm.compress.awq import MAPPINGS, AWQOptions, apply_scale, awq_quantize_layer, search_scale
+from slimlm.architecture import LLAMA
+from slimlm.compress.awq import AWQOptions, awq_quantize_layer, search_scale
 from slimlm.compress.clipping import output_error, search_clip
 from slimlm.compress.gptq import HessianAccumulator
 from slimlm.compress.rtn import fake_quantize
@@ -42,24 +43,6 @@ def test_mean_absolute_activation_is_tracked():
     torch.testing.assert_close(stats_of(x).abs_mean, x.abs().mean(dim=0).double(), rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
-def test_awq_scales_leave_the_full_precision_function_unchanged(kv_heads):
-    model = build_tiny_llama(384, num_key_value_heads=kv_heads)
-    ids = torch.randint(0, 384, (2, 24), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        before = model(ids).logits
-        for layer in model.model.layers:
-            for previous_name, linear_names in MAPPINGS:
-                previous = layer.get_submodule(previous_name)
-                linears = [layer.get_submodule(n) for n in linear_names]
-                if previous.weight.shape[0] != linears[0].in_features:
-                    assert kv_heads == 2 and previous_name == "self_attn.v_proj"  # only GQA's v -> o is skipped
-                    continue
-                apply_scale(previous, linears, torch.rand(linears[0].in_features) * 4 + 0.25)
-        after = model(ids).logits
-    torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4)
-
-
 def test_scale_search_beats_rtn_on_outlier_channels():
     x = outlier_inputs()
     weight = torch.randn(48, 64, generator=torch.Generator().manual_seed(2))
@@ -84,13 +67,13 @@ def test_clipping_never_increases_a_groups_error_and_helps_on_outlier_weights():
 def test_awq_layer_quantizes_every_layer_and_reports_scaled_mappings():
     model = build_tiny_llama(384, num_key_value_heads=4)
     layer = model.model.layers[0]
-    names = [f"model.layers.0.{n}" for _, group in MAPPINGS for n in group]
+    names = [f"model.layers.0.{n}" for mapping in LLAMA.mappings for n in mapping.linears]
     stats = {}
     for group_names, features in ((names[:3], 64), (names[3:4], 64), (names[4:6], 64), (names[6:], 128)):
         shared = stats_of(outlier_inputs(rows=256, features=features))
         stats.update({n: shared for n in group_names})
     heard = {}
-    quantized = awq_quantize_layer(layer, "model.layers.0", {n: SCHEME for n in names}, stats, on_scaled=lambda n, e, r: heard.__setitem__(n, (e, r)))
+    quantized = awq_quantize_layer(layer, "model.layers.0", {n: SCHEME for n in names}, stats, LLAMA.mappings, on_scaled=lambda n, e, r: heard.__setitem__(n, (e, r)))
     assert sorted(quantized) == sorted(names)
-    assert sorted(heard) == sorted(f"model.layers.0.{p}" for p, _ in MAPPINGS)
+    assert sorted(heard) == sorted(f"model.layers.0.{mapping.previous}" for mapping in LLAMA.mappings)
     assert all(error <= rtn for error, rtn in heard.values())

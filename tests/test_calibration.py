@@ -25,7 +25,7 @@ def sequential(model, samples, names):
     def observe(name, inputs):
         hessians.setdefault(name, HessianAccumulator(inputs.shape[-1])).add(inputs)
 
-    def finish(layer_names):
+    def finish(block, layer_names):
         for name in layer_names:
             replace_with_gptq(model, name, hessians.pop(name).hessian)
 

@@ -23,8 +23,8 @@ def write_gguf(path, architecture: str) -> None:
 
 def test_gguf_of_unsupported_architecture_is_refused(tmp_path):
     path = tmp_path / "model.gguf"
-    write_gguf(path, "bert")
-    with pytest.raises(SlimlmError, match="architecture 'bert'.*supported: llama"):
+    write_gguf(path, "mamba")
+    with pytest.raises(SlimlmError, match="architecture 'mamba', a model without attention blocks"):
         resolve_model(ModelConfig(name="x", path=str(path)))
 
 
@@ -53,9 +53,11 @@ def test_directory_without_config_is_refused(tmp_path):
 
 
 def test_hf_directory_of_unsupported_architecture_is_refused(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
-    with pytest.raises(SlimlmError, match="architecture 'gpt2'"):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "t5"}))
+    with pytest.raises(SlimlmError, match="architecture 't5', which transformers does not build as a causal language model"):
         resolve_model(ModelConfig(name="x", path=str(tmp_path)))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))  # no family table: RTN and GPTQ still work
+    assert resolve_model(ModelConfig(name="x", path=str(tmp_path))).architecture == "gpt2"
 
 
 def test_hub_id_is_recognised_and_offline_failure_is_explained():
