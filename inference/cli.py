@@ -13,7 +13,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -274,18 +274,12 @@ def chat_command(args: Sequence[str]) -> None:
 
 
 def plan_command(args: Sequence[str]) -> None:
-    from pathlib import Path
-
-    from slimlm.artifact import MANIFEST, parse_manifest, planner_inputs
-    from slimlm.inference.model import ModelArgs
-    from slimlm.inference.planner import HARDWARE, format_plan, make_plan, preset_config, preset_names, uniform_schemes
+    from slimlm.inference.planner import HARDWARE, preset_names
     from slimlm.packing import PACKABLE_BITS
-    from slimlm.qlinear import QuantScheme
-    from slimlm.resources import read_json_object
 
     presets = preset_names()
     parser = argparse.ArgumentParser(prog="slimlm plan", description="Memory and speed plan for a model on a device; reads no weights.")
-    parser.add_argument("model", help=f"a slimlm artifact or HF checkpoint directory (its config.json and manifest), or a preset: {', '.join(presets)}")
+    parser.add_argument("model", help=f"a slimlm artifact, an HF checkpoint directory (its config.json, manifest and safetensors headers), a .gguf file (its header), or a preset: {', '.join(presets)}")
     parser.add_argument("--hardware", choices=sorted(HARDWARE), default="laptop-8gb")
     parser.add_argument("--context", type=int, default=8192)
     parser.add_argument("--batch", type=int, default=1)
@@ -297,18 +291,51 @@ def plan_command(args: Sequence[str]) -> None:
     parser.add_argument("--gpu-int4", choices=("tinygemm", "triton"), default="tinygemm", help="plan for `generate --gpu-int4 triton` (the stored packing, a little smaller)")
     options = parser.parse_args(args)
     path = Path(options.model)
-    if options.model in presets:
-        config = preset_config(options.model)
-        manifest = None
-    elif (path / "config.json").is_file():
+    if options.model not in presets and path.is_file() and path.suffix == ".gguf":
+        print(stored_plan(options, path, None))
+        return
+    config, manifest = planner_config(options.model, path, presets)
+    try:
+        print(decoder_plan(options, parser, config, manifest))
+    except UnsupportedByDecoder as refusal:  # a family (or feature) the decoder does not run: plan it as stored
+        if manifest is not None or options.model in presets:
+            raise SlimlmError(str(refusal)) from None
+        print(stored_plan(options, path, config, str(refusal)))
+
+
+class UnsupportedByDecoder(SlimlmError):
+    """ModelArgs.from_hf_config's refusal, told apart from the plan's other errors."""
+
+
+def planner_config(model: str, path: Path, presets: list[str]) -> tuple[dict, Optional[dict]]:
+    """The HF-style config and, for an artifact, its manifest (never its weights)."""
+    from slimlm.artifact import MANIFEST, parse_manifest
+    from slimlm.inference.planner import preset_config
+    from slimlm.resources import read_json_object
+
+    if model in presets:
+        return preset_config(model), None
+    if (path / "config.json").is_file():
         config = read_json_object(path / "config.json", "fix or replace the model's config.json")
-        manifest = parse_manifest(path) if (path / MANIFEST).is_file() else None
-    else:
-        raise SlimlmError(f"'{options.model}' is neither a preset ({', '.join(presets)}) nor a directory with a config.json")
+        return config, (parse_manifest(path) if (path / MANIFEST).is_file() else None)
+    if path.exists():
+        raise SlimlmError(f"'{model}' is neither a .gguf file nor a directory with a config.json; give a checkpoint directory, an artifact, a .gguf file or a preset ({', '.join(presets)})")
+    raise SlimlmError(f"'{model}' does not exist and is no preset ({', '.join(presets)}); give a checkpoint directory, an artifact, a .gguf file or a preset")
+
+
+def decoder_plan(options, parser: argparse.ArgumentParser, config: dict, manifest: Optional[dict]) -> str:
+    """The bundled decoder's plan: its layouts for the artifact's schemes or --bits."""
+    from slimlm.artifact import planner_inputs
+    from slimlm.inference.model import ModelArgs
+    from slimlm.inference.planner import HARDWARE, format_plan, make_plan, uniform_schemes
+    from slimlm.qlinear import QuantScheme
+
     try:
         model_args = ModelArgs.from_hf_config(config)
+    except SlimlmError as refusal:
+        raise UnsupportedByDecoder(str(refusal)) from None
     except (KeyError, TypeError, ValueError) as error:
-        raise SlimlmError(f"'{path / 'config.json'}' is not a complete model config ({type(error).__name__}: {error}); fix or replace it") from None
+        raise SlimlmError(f"'{Path(options.model) / 'config.json'}' is not a complete model config ({type(error).__name__}: {error}); fix or replace it") from None
     if manifest is not None:
         schemes, adapter_ranks = planner_inputs(manifest)
     else:
@@ -321,7 +348,27 @@ def plan_command(args: Sequence[str]) -> None:
                 parser.error(f"{layers} {chosen.bits} --group-size {chosen.group_size}: {problem}")
         schemes = uniform_schemes(model_args, scheme, head)
     plan = make_plan(model_args, schemes, HARDWARE[options.hardware], options.context, options.batch, int8_activations=options.int8_activations, kv_int8=options.kv_cache == "int8", gpu_int4=options.gpu_int4, adapter_ranks=adapter_ranks)
-    print(format_plan(plan, options.model))
+    return format_plan(plan, options.model)
+
+
+def stored_plan(options, path: Path, config: Optional[dict], why: str = "") -> str:
+    """The plan of a GGUF file (config None) or of a checkpoint the decoder does not run (`why`):
+    weights as stored and the KV cache, as llama.cpp or vLLM would hold them."""
+    from slimlm.inference.model import ARCHITECTURES
+    from slimlm.inference.planner import HARDWARE
+    from slimlm.inference.stored_plan import checkpoint_model, format_stored_plan, gguf_model
+
+    decoder_flags = [flag for flag, given in (("--bits", options.bits is not None), ("--head-bits", options.head_bits is not None), ("--int8-activations", options.int8_activations), ("--gpu-int4", options.gpu_int4 != "tinygemm")) if given]
+    if decoder_flags:
+        raise SlimlmError(f"{', '.join(decoder_flags)} plan the bundled decoder's layouts; '{options.model}' is planned as stored: drop {'them' if len(decoder_flags) > 1 else 'it'}")
+    model = gguf_model(path) if config is None else checkpoint_model(path, config)
+    if config is not None:
+        note = f"the bundled decoder does not run this model ({why}), so this plan covers its weights as stored and the KV cache, for serving by llama.cpp or vLLM"
+    elif model.family in ARCHITECTURES:
+        note = "a GGUF file is planned as llama.cpp serves it (weights as stored and the KV cache); slimlm's decoder runs it converted to float"
+    else:
+        note = f"a GGUF file is planned as llama.cpp serves it (weights as stored and the KV cache); the bundled decoder does not run {model.family} (it runs {', '.join(ARCHITECTURES)})"
+    return format_stored_plan(model, HARDWARE[options.hardware], options.context, options.batch, options.kv_cache, options.model, note)
 
 
 def serve_command(args: Sequence[str]) -> None:

