@@ -47,6 +47,16 @@ def calibration_samples(token_ids: torch.Tensor, samples: int, seq_len: int, see
     return token_ids[: available * seq_len].view(available, seq_len)[chosen]
 
 
+class ResidentBlocks:
+    """Decoder blocks that are in memory already: nothing to load or release."""
+
+    def load(self, name: str, block: nn.Module) -> None:
+        pass
+
+    def release(self, name: str, block: nn.Module) -> None:
+        pass
+
+
 class _Stop(Exception):
     """Raised by the capture hook: nothing after the first decoder layer needs to run."""
 
@@ -84,13 +94,15 @@ def calibrate_sequentially(
     finish_layer: Callable[[str, list[str]], None],
     chunk_size: int = 8,
     desc: str = "calibrate",
+    blocks: Any = ResidentBlocks(),
 ) -> int:
     """Walk the decoder layer by layer: show each target Linear its inputs (`observe`), let
     `finish_layer(block name, target names)` replace that layer's targets (a mixture-of-experts
     layer's targets include experts that no calibration token was routed to, which `observe`
-    never heard of), then run the changed layer to make the next
-    layer's inputs. Returns the peak memory of the walk in bytes (resident set on a CPU,
-    torch's allocations on a GPU)."""
+    never heard of), then run the changed layer to make the next layer's inputs. `blocks` loads
+    each block before its turn and releases it after (compress/offload.py reads them from a
+    checkpoint larger than memory). Returns the peak memory of the walk in bytes (resident set
+    on a CPU, torch's allocations on a GPU)."""
     prefix, layers = decoder_blocks(model)
     outside = [name for name in targets if not name.startswith(prefix + ".")]
     if outside:
@@ -98,6 +110,7 @@ def calibrate_sequentially(
     with peak_memory(next(model.parameters()).device) as peak:
         captured = capture_layer_inputs(model, samples, chunk_size)
         for index, layer in enumerate(tqdm(layers, desc=desc, unit="layer")):
+            blocks.load(f"{prefix}.{index}", layer)
             names = [name for name in targets if name.startswith(f"{prefix}.{index}.")]
             if names:
                 handles = [_observer(model.get_submodule(name), name, observe) for name in names]
@@ -108,6 +121,7 @@ def calibrate_sequentially(
                         handle.remove()
                 finish_layer(f"{prefix}.{index}", names)
             captured = [(output, kwargs) for output, (_, kwargs) in zip(_run_layer(layer, captured), captured)]
+            blocks.release(f"{prefix}.{index}", layer)
     return peak.bytes
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional
+from typing import Any, Callable, List, Optional
 
 import torch
 from tqdm import tqdm
@@ -141,44 +141,68 @@ def run(state: RunState, params: QuantizeParams) -> None:
 
 
 def run_calibrated(state: RunState, params: QuantizeParams, schemes: dict[str, QuantScheme], replace: Callable) -> dict:
-    """GPTQ or AWQ layer by layer on calibration windows; returns what the report states about it.
-    An expert no calibration token was routed to has no statistics: it is rounded (RTN)."""
+    """GPTQ or AWQ layer by layer on calibration windows; returns what the report states about it."""
     samples = calibration_windows(state, params.samples, params.seq_len, params.seed)
-    mappings = require_family(model_type(state.model), "AWQ").mappings if params.method == "awq" else ()
-    hessians = LayerInputStatistics()
-    awq_errors: dict[str, list[float]] = {}
-    unseen: list[str] = []
+    quantizer = CalibratedQuantizer(state.model, params, schemes, replace)
+    peak = calibrate_sequentially(state.model, samples, list(schemes), quantizer.hessians.observe, quantizer, desc=f"{params.method} {describe_bits(schemes)}")
+    return {"calibration_tokens": samples.numel(), "samples": params.samples, "seq_len": params.seq_len, "calibration_peak_memory_bytes": peak, **quantizer.report()}
 
-    def finish_layer(block: str, layer_names: list[str]) -> None:
-        seen = [name for name in layer_names if name in hessians]
-        if params.method == "gptq":
-            options = GPTQOptions(damp=params.damp, block_size=params.block_size, act_order=params.act_order, clip_search=params.clip_search)
-            for name in seen:
-                weight = state.model.get_submodule(name).weight
-                replace(name, gptq_quantize(weight, hessians[name].hessian, schemes[name], options, name), schemes[name])
+
+@dataclass
+class CalibratedQuantizer:
+    """calibrate_sequentially's finish_layer: GPTQ or AWQ for a finished block's layers, from the
+    input statistics it gathered. An expert no calibration token was routed to has none: it is
+    rounded (RTN), and its scheme says so."""
+
+    model: Any
+    params: QuantizeParams
+    schemes: dict[str, QuantScheme]
+    replace: Callable[[str, QuantizedWeight, QuantScheme], None]
+    hessians: LayerInputStatistics = field(default_factory=LayerInputStatistics)
+    awq_errors: dict[str, list[float]] = field(default_factory=dict)
+    unseen: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.mappings = require_family(model_type(self.model), "AWQ").mappings if self.params.method == "awq" else ()
+
+    def __call__(self, block: str, layer_names: list[str]) -> None:
+        seen = [name for name in layer_names if name in self.hessians]
+        if self.params.method == "gptq":
+            self._gptq(seen)
         else:
-            quantized = awq_quantize_layer(
-                state.model.get_submodule(block), block, {n: schemes[n] for n in seen}, hessians, mappings,
-                AWQOptions(grid=params.awq_grid, clip_grid=params.awq_clip_grid, clip=params.clip_search),
-                on_scaled=lambda name, error, rtn: awq_errors.__setitem__(name, [round(error, 6), round(rtn, 6)]),
-            )
-            for name, weight in quantized.items():
-                replace(name, weight, schemes[name])
+            self._awq(block, seen)
         for name in layer_names:
-            hessians.pop(name, None)
+            self.hessians.pop(name, None)
             if name not in seen:
-                unseen.append(name)
-                rounded = QuantScheme(**{**schemes[name].to_dict(), "method": "rtn"})
-                replace(name, quantize_rtn(state.model.get_submodule(name).weight, rounded), rounded)
+                self.unseen.append(name)
+                rounded = QuantScheme(**{**self.schemes[name].to_dict(), "method": "rtn"})
+                self.replace(name, quantize_rtn(self.model.get_submodule(name).weight, rounded), rounded)
 
-    peak = calibrate_sequentially(state.model, samples, list(schemes), hessians.observe, finish_layer, desc=f"{params.method} {describe_bits(schemes)}")
-    result = {"calibration_tokens": samples.numel(), "samples": params.samples, "seq_len": params.seq_len, "calibration_peak_memory_bytes": peak}
-    if unseen:
-        log.info("%d layer(s) saw no calibration token (experts nothing was routed to) and were rounded with RTN", len(unseen))
-        result["uncalibrated_layers"] = unseen
-    if awq_errors:
-        result["awq_output_error"] = awq_errors  # per scaled mapping: [with the chosen scale, plain RTN]
-    return result
+    def _gptq(self, names: list[str]) -> None:
+        params = self.params
+        options = GPTQOptions(damp=params.damp, block_size=params.block_size, act_order=params.act_order, clip_search=params.clip_search)
+        for name in names:
+            weight = self.model.get_submodule(name).weight
+            self.replace(name, gptq_quantize(weight, self.hessians[name].hessian, self.schemes[name], options, name), self.schemes[name])
+
+    def _awq(self, block: str, names: list[str]) -> None:
+        params = self.params
+        quantized = awq_quantize_layer(
+            self.model.get_submodule(block), block, {n: self.schemes[n] for n in names}, self.hessians, self.mappings,
+            AWQOptions(grid=params.awq_grid, clip_grid=params.awq_clip_grid, clip=params.clip_search),
+            on_scaled=lambda name, error, rtn: self.awq_errors.__setitem__(name, [round(error, 6), round(rtn, 6)]),
+        )
+        for name, weight in quantized.items():
+            self.replace(name, weight, self.schemes[name])
+
+    def report(self) -> dict:
+        result: dict[str, Any] = {}
+        if self.unseen:
+            log.info("%d layer(s) saw no calibration token (experts nothing was routed to) and were rounded with RTN", len(self.unseen))
+            result["uncalibrated_layers"] = self.unseen
+        if self.awq_errors:
+            result["awq_output_error"] = self.awq_errors  # per scaled mapping: [with the chosen scale, plain RTN]
+        return result
 
 
 def describe_bits(schemes: dict[str, QuantScheme]) -> str:
