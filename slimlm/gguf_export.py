@@ -16,10 +16,11 @@ rounded to the type by the gguf package's quantizer, as llama.cpp's converter do
 returned summary says which tensors were written exactly, rounded from float, re-quantized, or
 (for F16/F32 files) dequantized.
 
-Llama-family names map to llama.cpp's (`token_embd`, `blk.N.attn_q`, ...), and the rows of
-q_proj and k_proj are permuted from the Hugging Face rotary layout back to llama.cpp's, as
-llama.cpp's own converter does. The tokenizer comes from the source GGUF when there was one
-(every `tokenizer.*` key copied), otherwise from the Hugging Face tokenizer (byte-level BPE).
+Tensor names are llama.cpp's for the model's family (gguf's name map: `token_embd`,
+`blk.N.attn_q`, ...); what differs between families (architecture, rotary layout, norm convention,
+hyper-parameters, RoPE scaling) is one table entry each in slimlm/gguf_families.py. The tokenizer
+comes from the source GGUF when there was one (every `tokenizer.*` key copied), otherwise from the
+Hugging Face tokenizer, written as llama.cpp's converter writes it (slimlm/gguf_tokenizer.py).
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ import torch
 from torch import nn
 
 from slimlm.errors import SlimlmError
+from slimlm.gguf_families import FAMILIES, Family, family_of, write_hyperparameters
+from slimlm.gguf_tokenizer import write_tokenizer
 from slimlm.qlinear import QuantEmbedding, QuantLinear, QuantScheme
 
 GGUF_TYPES = ("F32", "F16", "Q8_0", "Q4_0", "Q4_1")
@@ -42,7 +45,8 @@ BLOCK = 32
 # The grid of each block type: (bits, symmetric). A slimlm layer with groups of 32, as many bits
 # or fewer and the same symmetry lies on it (int3 codes are int4 codes that use half the range).
 GRIDS = {"Q8_0": (8, True), "Q4_0": (4, True), "Q4_1": (4, False)}
-ARCHITECTURES = ("llama", "mistral")  # both are llama.cpp's "llama"
+# transformers' model types, and "gemma3": what a Gemma 3 GGUF source says (transformers loads it as gemma3_text).
+ARCHITECTURES = (*FAMILIES, "gemma3")
 
 
 def export_gguf(model: nn.Module, tokenizer: Any, path: Path, gguf_type: str, source_gguf: Optional[Path] = None, requantize: bool = False, head_type: Optional[str] = None) -> dict:
@@ -52,8 +56,7 @@ def export_gguf(model: nn.Module, tokenizer: Any, path: Path, gguf_type: str, so
     import gguf
 
     config = model.config
-    if config.model_type not in ARCHITECTURES:
-        raise SlimlmError(f"GGUF export supports {', '.join(ARCHITECTURES)} models; this one is {config.model_type}")
+    family = family_of(config)
     for chosen in (gguf_type, head_type or gguf_type):
         if chosen not in GGUF_TYPES:
             raise SlimlmError(f"unknown GGUF type '{chosen}'; choose one of {', '.join(GGUF_TYPES)}")
@@ -79,13 +82,18 @@ def export_gguf(model: nn.Module, tokenizer: Any, path: Path, gguf_type: str, so
     fd, partial = tempfile.mkstemp(prefix=f".{path.name}-partial-", dir=path.parent)
     os.close(fd)
     try:
-        writer = gguf.GGUFWriter(partial, "llama")
-        _write_hyperparameters(writer, config, gguf_type)
+        writer = gguf.GGUFWriter(partial, family.arch)
+        writer.add_name(getattr(config, "_name_or_path", "") or "slimlm export")
+        extra = write_hyperparameters(writer, config, family)
+        writer.add_file_type(int(gguf.LlamaFileType[{"F32": "ALL_F32", "F16": "MOSTLY_F16"}.get(gguf_type, f"MOSTLY_{gguf_type}")]))
+        writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
         if source_gguf is not None:
             _copy_tokenizer(writer, source_gguf)
         else:
-            _write_hf_tokenizer(writer, tokenizer)
-        stored = _write_tensors(writer, model, types)
+            write_tokenizer(writer, tokenizer, config.vocab_size)
+        for name, values in extra.items():
+            writer.add_tensor(name, values)
+        stored = _write_tensors(writer, model, types, family)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
@@ -127,30 +135,6 @@ def _describe(scheme: QuantScheme) -> str:
     return f"int{scheme.bits}, {group}, {'symmetric' if scheme.symmetric else 'asymmetric'}"
 
 
-def _write_hyperparameters(writer, config, gguf_type: str) -> None:
-    import gguf
-
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    writer.add_name(getattr(config, "_name_or_path", "") or "slimlm export")
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_rope_dimension_count(head_dim)
-    writer.add_rope_freq_base(float(_rope_theta(config)))
-    writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
-    writer.add_vocab_size(config.vocab_size)
-    writer.add_file_type(int(gguf.LlamaFileType[{"F32": "ALL_F32", "F16": "MOSTLY_F16"}.get(gguf_type, f"MOSTLY_{gguf_type}")]))
-    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-
-
-def _rope_theta(config) -> float:
-    parameters = getattr(config, "rope_parameters", None) or {}
-    return parameters.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-
-
 def _copy_tokenizer(writer, source: Path) -> None:
     """Every tokenizer.* key of the source GGUF, as it was."""
     import gguf
@@ -162,40 +146,21 @@ def _copy_tokenizer(writer, source: Path) -> None:
             writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub_type)
 
 
-def _write_hf_tokenizer(writer, tokenizer) -> None:
-    """A byte-level BPE tokenizer (GPT-2 style, as SmolLM and Llama 3 use) from its tokenizer.json."""
-    import gguf
-
-    with tempfile.TemporaryDirectory() as directory:
-        tokenizer.save_pretrained(directory)
-        try:
-            vocab = gguf.vocab.BpeVocab(Path(directory))
-        except (FileNotFoundError, ValueError) as error:
-            raise SlimlmError(f"GGUF export writes byte-level BPE tokenizers only; this tokenizer is not one ({error})") from None
-        tokens, types = [], []
-        for text, _score, token_type in vocab.all_tokens():
-            tokens.append(text)
-            types.append(token_type)
-        special = {token.content for token in getattr(tokenizer, "added_tokens_decoder", {}).values() if token.special}
-        types = [gguf.TokenType.CONTROL if (t.decode() if isinstance(t, bytes) else t) in special else kind for t, kind in zip(tokens, types)]
-        writer.add_tokenizer_model("gpt2")
-        writer.add_tokenizer_pre("default")
-        writer.add_token_list(tokens)
-        writer.add_token_types(types)
-        gguf.SpecialVocab(Path(directory), load_merges=True, n_vocab=len(tokens)).add_to_gguf(writer, quiet=True)
-
-
-def _write_tensors(writer, model: nn.Module, types: _TypeChoice) -> dict[str, str]:
+def _write_tensors(writer, model: nn.Module, types: _TypeChoice, family: Family) -> dict[str, str]:
     import gguf
 
     config = model.config
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
+    arch = next(key for key, name in gguf.MODEL_ARCH_NAMES.items() if name == family.arch)
+    names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
     stored: dict[str, str] = {}
     for hf_name, value in _named_tensors(model):
         gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if gguf_name is None:
-            raise SlimlmError(f"GGUF export: no llama.cpp name for tensor '{hf_name}'")
-        data, raw_type, how = _encode(value, types.of(hf_name), _rotary_heads(hf_name, config))
+            raise SlimlmError(f"GGUF export: no llama.cpp {family.arch} name for tensor '{hf_name}'")
+        if family.norm_offset and hf_name.endswith("norm.weight"):
+            value = value.detach() + family.norm_offset
+        heads = _rotary_heads(hf_name, config) if family.permute_rotary else None
+        data, raw_type, how = _encode(value, types.of(hf_name), heads)
         writer.add_tensor(gguf_name, data, raw_dtype=raw_type)
         if how != "float":
             stored[hf_name] = how

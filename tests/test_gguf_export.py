@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 import torch
 
@@ -103,3 +104,214 @@ def test_the_embedding_and_head_can_take_their_own_type(tiny_model, tiny_tokeniz
     assert torch.allclose(table, model.model.embed_tokens.weight, atol=2e-2)
     with pytest.raises(SlimlmError, match="unknown GGUF type 'Q5_K'"):
         export_gguf(model, tiny_tokenizer, tmp_path / "other.gguf", "Q4_0", head_type="Q5_K")
+
+
+# ---- families: tiny random-weight models of each, read back by gguf and, where installed, scored by llama.cpp ----
+
+SPM_TEXT = "It was the best of times, it was the worst of times.\nHello world 12345 \u00e9t\u00e9 caf\u00e9"
+
+
+def sentencepiece_tokenizer(tmp_path_factory, style: str):
+    """A SentencePiece BPE trained on the calibration text, wrapped as transformers does for Gemma
+    (no space prefix) or Llama 2 / Mistral / Phi-3 (a space prefix). transformers 5 needs protobuf to
+    read a .model file, so the pieces and merges are taken with sentencepiece's own API."""
+    import sentencepiece
+    from transformers import GemmaTokenizer, LlamaTokenizer
+
+    from tests.conftest import CALIBRATION
+
+    directory = tmp_path_factory.mktemp(f"spm-{style}")
+    gemma = style == "gemma"
+    specials = dict(pad_id=0, eos_id=1, bos_id=2, unk_id=3, pad_piece="<pad>", eos_piece="<eos>", bos_piece="<bos>") if gemma else dict(unk_id=0, bos_id=1, eos_id=2, pad_id=-1)
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(CALIBRATION.read_text(encoding="utf-8")[:60_000].splitlines()), model_prefix=str(directory / "spm"),
+        vocab_size=400, model_type="bpe", byte_fallback=True, character_coverage=1.0, add_dummy_prefix=not gemma, minloglevel=2, **specials,
+    )
+    processor = sentencepiece.SentencePieceProcessor(model_file=str(directory / "spm.model"))
+    vocab = {processor.id_to_piece(i): i for i in range(processor.get_piece_size())}
+    plain = [piece for piece, i in vocab.items() if not (processor.is_control(i) or processor.is_unknown(i) or processor.is_byte(i))]
+    merges = sorted(((piece[:cut], piece[cut:]) for piece in plain for cut in range(1, len(piece)) if piece[:cut] in vocab and piece[cut:] in vocab), key=lambda pair: (vocab[pair[0] + pair[1]], vocab[pair[0]], vocab[pair[1]]))
+    if gemma:
+        return GemmaTokenizer(vocab=vocab, merges=merges, chat_template=CHAT_TEMPLATE)
+    return LlamaTokenizer(vocab=vocab, merges=merges, chat_template=CHAT_TEMPLATE)
+
+
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+
+
+def _randomize(model, names: tuple[str, ...], scale: float):
+    """Random values where transformers initializes constants (biases, norms), so the export's handling of them shows."""
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if any(part in name for part in names):
+                parameter.add_(torch.randn_like(parameter) * scale)
+    return model
+
+
+def build_family(name: str, vocab_size: int, bos: int, eos: int):
+    import transformers
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, bos_token_id=bos, eos_token_id=eos, pad_token_id=bos, initializer_range=0.1)
+    if name == "qwen2":
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common, tie_word_embeddings=True))
+        return _randomize(model, ("bias",), 0.5)
+    if name == "qwen3":
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common, head_dim=32, tie_word_embeddings=True))
+        return _randomize(model, ("norm",), 0.3)
+    if name == "gemma3":
+        config = transformers.Gemma3TextConfig(**{**common, "num_hidden_layers": 7}, head_dim=16, query_pre_attn_scalar=16, sliding_window=4)
+        return _randomize(transformers.Gemma3ForCausalLM(config), ("norm",), 0.3)
+    if name == "phi3":
+        rope = {"rope_type": "longrope", "rope_theta": 10000.0, "long_factor": [1.0 + i / 4 for i in range(8)], "short_factor": [1.0 + i / 8 for i in range(8)]}
+        config = transformers.Phi3Config(**common, original_max_position_embeddings=64, rope_parameters=rope, sliding_window=None, tie_word_embeddings=False)
+        return transformers.Phi3ForCausalLM(config)
+    if name == "mistral":
+        return transformers.MistralForCausalLM(transformers.MistralConfig(**common, sliding_window=None, tie_word_embeddings=False))
+    rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, rope_parameters=rope, tie_word_embeddings=True))
+
+
+# family: (llama.cpp architecture, tokenizer kind, tensors only that family has)
+FAMILY_CASES = {
+    "qwen2": ("qwen2", "bpe", ("blk.0.attn_q.bias", "blk.0.attn_v.bias")),
+    "qwen3": ("qwen3", "bpe", ("blk.0.attn_q_norm.weight", "blk.1.attn_k_norm.weight")),
+    "gemma3": ("gemma3", "gemma", ("blk.0.post_attention_norm.weight", "blk.6.post_ffw_norm.weight", "blk.6.attn_q_norm.weight")),
+    "phi3": ("phi3", "llama", ("blk.0.attn_qkv.weight", "rope_factors_long.weight", "rope_factors_short.weight", "output.weight")),
+    "mistral": ("llama", "llama", ("output.weight",)),
+    "llama3": ("llama", "bpe", ("rope_freqs.weight",)),
+}
+
+
+@pytest.fixture(scope="module")
+def spm_tokenizers(tmp_path_factory):
+    return {style: sentencepiece_tokenizer(tmp_path_factory, style) for style in ("gemma", "llama")}
+
+
+def family_export(name, tiny_tokenizer, spm_tokenizers, tmp_path, gguf_type="F32"):
+    arch, kind, _ = FAMILY_CASES[name]
+    tokenizer = tiny_tokenizer if kind == "bpe" else spm_tokenizers[kind]
+    model = build_family(name, len(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id).eval()
+    path = tmp_path / f"{name}.gguf"
+    export_gguf(model, tokenizer, path, gguf_type)
+    return model, tokenizer, path
+
+
+def _field(reader, key):
+    field = reader.get_field(key)
+    return None if field is None else field.contents()
+
+
+@pytest.mark.parametrize("name", sorted(FAMILY_CASES))
+def test_each_family_is_written_with_llama_cpp_names_and_keys(name, tiny_tokenizer, spm_tokenizers, tmp_path):
+    arch, kind, own_tensors = FAMILY_CASES[name]
+    model, tokenizer, path = family_export(name, tiny_tokenizer, spm_tokenizers, tmp_path)
+    reader = gguf.GGUFReader(path)
+    tensors = {t.name: t for t in reader.tensors}
+    config = model.config
+    assert _field(reader, "general.architecture") == arch
+    assert set(own_tensors) <= set(tensors)
+    assert tensors["token_embd.weight"].shape.tolist() == [config.hidden_size, config.vocab_size]
+    assert _field(reader, f"{arch}.block_count") == config.num_hidden_layers
+    assert _field(reader, f"{arch}.attention.key_length") == (getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    assert len(tokens) == config.vocab_size and _field(reader, "tokenizer.ggml.bos_token_id") == tokenizer.bos_token_id
+    assert _field(reader, "tokenizer.ggml.eos_token_id") == tokenizer.eos_token_id
+    assert _field(reader, "tokenizer.chat_template") == tokenizer.chat_template
+    if kind == "bpe":
+        assert _field(reader, "tokenizer.ggml.model") == "gpt2" and _field(reader, "tokenizer.ggml.pre") == "gpt-2"
+        assert len(_field(reader, "tokenizer.ggml.merges")) > 0
+    else:
+        assert _field(reader, "tokenizer.ggml.model") == "llama" and _field(reader, "tokenizer.ggml.add_space_prefix") == (kind == "llama")
+        types = _field(reader, "tokenizer.ggml.token_type")
+        assert types[tokens.index("<0x0A>")] == gguf.TokenType.BYTE and types[tokenizer.bos_token_id] == gguf.TokenType.CONTROL
+        assert types[tokenizer.unk_token_id] == gguf.TokenType.UNKNOWN
+        assert len(_field(reader, "tokenizer.ggml.scores")) == len(tokens)
+
+
+def test_family_specific_values(tiny_tokenizer, spm_tokenizers, tmp_path):
+    """Gemma's norms as 1 + w; Phi-3's LongRoPE factors and keys; Llama 3's frequency divisors; qwen2's rows unpermuted."""
+    from slimlm.gguf_families import _llama3_divisors
+
+    gemma, _, path = family_export("gemma3", tiny_tokenizer, spm_tokenizers, tmp_path)
+    tensors = read_back(path)
+    reader = gguf.GGUFReader(path)
+    assert torch.allclose(tensors["blk.0.attn_norm.weight"], 1 + gemma.model.layers[0].input_layernorm.weight.detach())
+    assert torch.allclose(tensors["blk.0.attn_k_norm.weight"], 1 + gemma.model.layers[0].self_attn.k_norm.weight.detach())
+    assert _field(reader, "gemma3.attention.sliding_window") == 4 and _field(reader, "gemma3.rope.freq_base_swa") == 10000.0
+    phi, _, path = family_export("phi3", tiny_tokenizer, spm_tokenizers, tmp_path)
+    reader, tensors = gguf.GGUFReader(path), read_back(path)
+    assert tensors["rope_factors_long.weight"].tolist() == phi.config.rope_parameters["long_factor"]
+    assert _field(reader, "phi3.rope.scaling.original_context_length") == 64
+    assert abs(_field(reader, "phi3.rope.scaling.attn_factor") - (1 + np.log(4) / np.log(64)) ** 0.5) < 1e-6
+    assert tensors["blk.1.ffn_up.weight"].shape == (256, 64)  # gate and up, fused as llama.cpp reads them
+    llama, _, path = family_export("llama3", tiny_tokenizer, spm_tokenizers, tmp_path)
+    inverse = 1.0 / 10000.0 ** (np.arange(0, 16, 2) / 16)
+    divisors = read_back(path)["rope_freqs.weight"].numpy()
+    expected = inverse / llama.model.rotary_emb.inv_freq.double().numpy()  # what transformers computes for llama3
+    assert np.allclose(divisors, expected, rtol=1e-5) and np.allclose(_llama3_divisors(inverse, llama.config.rope_parameters), expected, rtol=1e-5)
+    qwen, _, path = family_export("qwen2", tiny_tokenizer, spm_tokenizers, tmp_path)
+    assert torch.equal(read_back(path)["blk.0.attn_q.weight"], qwen.model.layers[0].self_attn.q_proj.weight.detach())
+
+
+def test_unsupported_families_and_configs_are_refused_in_one_line(tiny_tokenizer, tmp_path):
+    import transformers
+
+    config = transformers.GPT2Config(vocab_size=len(tiny_tokenizer), n_embd=32, n_layer=1, n_head=2)
+    with pytest.raises(SlimlmError, match=r"GGUF export supports llama, mistral, qwen2, qwen3, gemma3_text, phi3 models; this one is gpt2"):
+        export_gguf(transformers.GPT2LMHeadModel(config), tiny_tokenizer, tmp_path / "gpt2.gguf", "F32")
+    gemma = transformers.Gemma3TextConfig(vocab_size=len(tiny_tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16, query_pre_attn_scalar=16, layer_types=["full_attention", "sliding_attention"])
+    with pytest.raises(SlimlmError, match="every 6th layer global"):
+        export_gguf(transformers.Gemma3ForCausalLM(gemma), tiny_tokenizer, tmp_path / "gemma.gguf", "F32")
+    yarn = transformers.Qwen2Config(vocab_size=len(tiny_tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64})
+    with pytest.raises(SlimlmError, match="qwen2 takes RoPE scaling default, linear; this model uses 'yarn'"):
+        export_gguf(transformers.Qwen2ForCausalLM(yarn), tiny_tokenizer, tmp_path / "yarn.gguf", "F32")
+    assert not any(tmp_path.iterdir())
+
+
+def test_a_pre_tokenizer_llama_cpp_does_not_know_is_refused(tiny_model, tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE(vocab={chr(i): i - 97 for i in range(97, 123)}, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend)
+    with pytest.raises(SlimlmError, match="does not know this tokenizer's pre-tokenizer"):
+        export_gguf(tiny_model, tokenizer, tmp_path / "model.gguf", "F32")
+
+
+def test_known_pre_tokenizers_are_named_as_llama_cpp_names_them(tiny_tokenizer):
+    """The check text is llama.cpp's, character for character (its ids from the SmolLM2 and
+    Qwen2.5-Coder tokenizers hash to llama.cpp's "smollm" and "qwen2": checked once by hand, too slow
+    for a unit test, since transformers reads a GGUF's vocabulary slowly); a plain GPT-2 ByteLevel
+    tokenizer that llama.cpp has no hash for is its "gpt-2"."""
+    from hashlib import sha256
+
+    from slimlm.gguf_tokenizer import CHECK_TEXT, PRE_TOKENIZERS, _pre_tokenizer
+
+    assert sha256(CHECK_TEXT.encode()).hexdigest() == "a36179c1e2b1cfcfbfad1dc779addad2ffc778201e4cf0d538bddeafa2c526da"
+    assert {"llama-bpe", "qwen2", "smollm"} <= set(PRE_TOKENIZERS.values())
+    assert _pre_tokenizer(tiny_tokenizer, {"pre_tokenizer": {"type": "ByteLevel"}}) == "gpt-2"
+
+
+# ---- llama.cpp reads and scores each family (skipped where llama-cpp-python is not installed) ----
+
+
+def llama_cpp_logits(path, ids: list[int]) -> np.ndarray:
+    llama_cpp = pytest.importorskip("llama_cpp")
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, n_batch=64, logits_all=True, verbose=False, n_threads=2, seed=0)
+    llm.eval(ids)
+    return np.array(llm.scores[: len(ids)], dtype=np.float32), llm
+
+
+@pytest.mark.parametrize("name", sorted(FAMILY_CASES))
+def test_llama_cpp_scores_each_family_as_transformers_does(name, tiny_tokenizer, spm_tokenizers, tmp_path):
+    pytest.importorskip("llama_cpp")
+    model, tokenizer, path = family_export(name, tiny_tokenizer, spm_tokenizers, tmp_path)
+    ids = tokenizer(SPM_TEXT, add_special_tokens=False).input_ids[:24]
+    theirs, llm = llama_cpp_logits(path, ids)
+    with torch.no_grad():
+        ours = model(torch.tensor([ids])).logits[0].numpy()
+    assert np.abs(theirs - ours).max() < 1e-2 * max(1.0, np.abs(ours).max()), np.abs(theirs - ours).max()
+    assert (theirs.argmax(-1) == ours.argmax(-1)).mean() >= 0.95
+    assert llm.tokenize(SPM_TEXT.encode(), add_bos=False, special=False) == tokenizer(SPM_TEXT, add_special_tokens=False).input_ids
