@@ -2,8 +2,8 @@
 
 Writes a Llama-3-8B-shaped checkpoint with random bf16 weights to disk (sharded safetensors,
 about 16 GB; written one tensor at a time, reused from --workdir when it is there), then runs
-each measured step in a process of its own, whose peak RSS the kernel reports to this one
-(os.wait4's ru_maxrss: measured from outside, every page counted, no polling gaps):
+each measured step in a process of its own under GNU time, which reports the peak RSS the
+kernel kept for it (measured from outside, every page counted, no polling gaps):
   rtn       w4 g128 symmetric RTN of every decoder Linear and the LM head, streamed from the
             checkpoint into a sharded artifact (compress/stream_rtn.py); goal: peak RSS <= 3 GB
   generate  the bundled decoder loads the artifact on the CPU layer by layer and greedily
@@ -50,6 +50,7 @@ TARGETS = [r"model\.layers\.\d+\..*", "lm_head"]
 NEW_TOKENS = 8
 PLAN_CONTEXT = 2048
 GB = 1e9
+TIME = "/usr/bin/time"
 
 
 @dataclass(frozen=True)
@@ -208,16 +209,20 @@ STEPS = [
 
 
 def measure(step: Step, options: argparse.Namespace, run: Run) -> dict:
-    """Run `step` in a child process; its metrics and the peak RSS the kernel kept for it."""
-    argv = [sys.executable, str(Path(__file__).resolve()), "--step", step.key, "--workdir", str(run.workdir), *(["--quick"] if options.quick else ["--layers", str(options.layers)])]
+    """Run `step` in a child process under GNU time, which reports the child's peak RSS as the
+    kernel kept it. (This process's own os.wait4 would not do: a child started by vfork and exec
+    inherits this process's high-water mark.)"""
+    if not Path(TIME).is_file():
+        raise SystemExit(f"{TIME} (GNU time) is needed to measure each step's peak memory from outside: install the 'time' package")
+    peak_file = run.workdir / f"{step.key}.maxrss"
+    argv = [TIME, "-f", "%M", "-o", str(peak_file), sys.executable, str(Path(__file__).resolve()), "--step", step.key, "--workdir", str(run.workdir)]
+    argv += ["--quick"] if options.quick else ["--layers", str(options.layers)]
     print(f"step {step.key} ...", file=sys.stderr, flush=True)
-    child = subprocess.Popen(argv, cwd=REPO)
-    _, status, usage = os.wait4(child.pid, 0)
-    child.returncode = os.waitstatus_to_exitcode(status)
-    if child.returncode != 0:
-        raise SystemExit(f"step {step.key} failed (exit {child.returncode})")
+    if subprocess.run(argv, cwd=REPO).returncode != 0:
+        raise SystemExit(f"step {step.key} failed")
     metrics = json.loads(run.metrics(step.key).read_text())
-    return {"name": step.name, **metrics, "peak_rss_gb": round(usage.ru_maxrss * 1024 / GB, 2)}  # ru_maxrss: KiB on Linux
+    peak_kib = int(peak_file.read_text().split()[-1])  # %M: the maximum resident set size in KiB
+    return {"name": step.name, **metrics, "peak_rss_gb": round(peak_kib * 1024 / GB, 2)}
 
 
 def markdown(rows: list[dict], options: argparse.Namespace, command: str, machine: dict, seconds: float, config) -> list[str]:
@@ -228,7 +233,7 @@ def markdown(rows: list[dict], options: argparse.Namespace, command: str, machin
         "",
         f"- command: `{command}`",
         machine_line(machine, f"{torch.get_num_threads()} torch threads", seconds),
-        f"- model: {shape}; checkpoint {rtn['checkpoint_weight_bytes'] / GB:.2f} GB of bf16 safetensors; each step in its own process, peak RSS from os.wait4 (ru_maxrss)",
+        f"- model: {shape}; checkpoint {rtn['checkpoint_weight_bytes'] / GB:.2f} GB of bf16 safetensors; each step in its own process, peak RSS by /usr/bin/time (the kernel's maximum resident set size)",
         "",
         "| step | seconds | peak RSS GB | result |",
         "|---|---:|---:|---|",

@@ -69,3 +69,21 @@ def test_a_checkpoint_without_a_tensor_its_config_needs_is_refused(tmp_path, tin
     save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(SlimlmError, match="has no tensor model.layers.1.post_attention_layernorm.weight"):
         stream_rtn(directory, tmp_path / "out", QuantScheme(bits=8), TARGETS)
+
+
+def test_a_moe_checkpoint_streams_per_expert(tmp_path, tiny_tokenizer):
+    from slimlm.experts import split_experts
+    from tests.tiny_families import build_tiny
+
+    model = build_tiny("qwen3_moe", len(tiny_tokenizer), split=False)  # as transformers writes it
+    model.save_pretrained(tmp_path / "checkpoint")
+    tiny_tokenizer.save_pretrained(tmp_path / "checkpoint")
+    targets = [r"model\.layers\.\d+\.(self_attn|mlp\.experts)\..*"]
+    streamed = load_artifact(stream_rtn(tmp_path / "checkpoint", tmp_path / "streamed", QuantScheme(bits=4, group_size=16), targets))
+    assert "model.layers.0.mlp.experts.3.down_proj" in streamed.manifest["modules"]
+    split_experts(model)
+    state = RunState(cfg=None, run_dir=tmp_path, model=model, tokenizer=tiny_tokenizer, source=None, source_sha256=None, device=torch.device("cpu"))
+    quantize(state, QuantizeParams(method="rtn", bits=4, group_size=16, targets=targets))
+    ids = torch.randint(0, len(tiny_tokenizer), (1, 10))
+    with torch.no_grad():
+        assert torch.equal(streamed.model(ids).logits, state.model(ids).logits)
