@@ -35,6 +35,7 @@ import torch
 from slimlm import __version__
 from slimlm.checkpoint import Checkpoint
 from slimlm.errors import SlimlmError
+from slimlm.experts import split_experts
 from slimlm.packing import PACKABLE_BITS
 from slimlm.qlinear import QuantLinear, QuantScheme, set_submodule, tie_quantized_head
 from slimlm.resources import read_json_object, sha256_file
@@ -313,6 +314,7 @@ def model_skeleton(path: Path, manifest: dict, meta: bool = False):
     dtype = getattr(torch, manifest.get("dtype", "float32"))
     with no_init_weights(), torch.device("meta" if meta else "cpu"):  # every weight is overwritten: random init would be wasted
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        split_experts(model)  # compression names each expert's projections (slimlm/experts.py)
         install_quantized_layers(model, manifest["modules"], bool(manifest.get("tied_word_embeddings")), path)
     return model
 

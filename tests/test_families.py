@@ -201,3 +201,16 @@ def _calibration_cfg():
     from omegaconf import OmegaConf
 
     return OmegaConf.create({"data": {"calibration": {"path": str(CALIBRATION), "format": "text", "field": "text"}}})
+
+
+@pytest.mark.parametrize("family", FAMILY_TYPES)
+def test_slimlm_artifact_of_every_family_loads_with_the_same_logits(family, tiny_tokenizer, calibration_ids, tmp_path):
+    from slimlm.artifact import load_artifact, save_artifact
+
+    model = build_tiny(family, VOCAB)
+    state = state_for(model, tiny_tokenizer, calibration_ids, tmp_path)
+    quantize(state, QuantizeParams(method="rtn", bits=4, group_size=16))
+    save_artifact(model, tiny_tokenizer, tmp_path / "artifact", state.schemes, {"id": family})
+    loaded = load_artifact(tmp_path / "artifact").model
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(logits(loaded, ids), logits(model, ids))
