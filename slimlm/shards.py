@@ -23,6 +23,8 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
+from slimlm.errors import SlimlmError
+
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 DEFAULT_SHARD_BYTES = 2 * 2**30  # about 2 GiB a shard, as transformers' save_pretrained writes
@@ -60,7 +62,7 @@ def shard_name(index: int, count: int) -> str:
 def plan_shards(specs: Iterable[TensorSpec], max_shard_bytes: int) -> list[list[TensorSpec]]:
     """`specs` in order, cut into runs of at most `max_shard_bytes` (a larger tensor alone)."""
     if max_shard_bytes < 1:
-        raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+        raise SlimlmError(f"max_shard_bytes must be at least 1, got {max_shard_bytes}")
     shards: list[list[TensorSpec]] = [[]]
     size = 0
     for spec in specs:
