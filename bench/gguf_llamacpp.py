@@ -12,9 +12,11 @@ Files, all from the default model's fp32 weights:
                  Q8_0 (14 MB more here): the same layout as slimlm-gptq-head-q8_0
 Each file is loaded in llama.cpp (llama-cpp-python, `pip install '.[bench]'`) and scores the
 same windows of WikiText-2 test token ids: perplexity and KL to the F32 file's logits.
-Writes bench/results/gguf_llamacpp.{md,json}.
+Writes bench/results/gguf_llamacpp.{md,json} for the default model, gguf_llamacpp_<model>.* for
+another model config (`--model qwen2.5-coder-0.5b`: the qwen2 family; `--samples` lowers GPTQ's
+calibration windows where a full run would take too long on a small machine).
 
-    python bench/gguf_llamacpp.py [--windows 16 --window 2048 --threads 2]
+    python bench/gguf_llamacpp.py [--model smollm2-135m --windows 16 --window 2048 --threads 2 --samples N]
 """
 
 from __future__ import annotations
@@ -33,18 +35,32 @@ from slimlm.gguf_export import export_gguf
 from slimlm.models import load_model, resolve_model
 from slimlm.rundir import machine_info
 
-from benchlib import REPO, check_llama_cpp, command_line, default_model_cfg, wikitext_ids, write_result
+from benchlib import REPO, check_llama_cpp, command_line, wikitext_ids, write_result
 
 RUNS = REPO / "bench" / "runs" / "gguf_llamacpp"
+DEFAULT_MODEL = "smollm2-135m"
 
 
-def build_files() -> dict[str, Path]:
-    """Every GGUF of the comparison; files made earlier are kept (delete RUNS to redo them)."""
+def model_config(name: str):
+    """conf/model/<name>.yaml, validated as the CLI validates it."""
+    from omegaconf import OmegaConf
+
+    from slimlm.config import ModelConfig
+
+    path = REPO / "conf" / "model" / f"{name}.yaml"
+    if not path.is_file():
+        raise SystemExit(f"no model config '{name}' in conf/model/")
+    return OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(path))
+
+
+def build_files(model: str, samples: int | None) -> dict[str, Path]:
+    """Every GGUF of the comparison; files made earlier are kept (delete the runs folder to redo them)."""
     import llama_cpp
 
-    RUNS.mkdir(parents=True, exist_ok=True)
-    files = {"f32": RUNS / "f32.gguf", "slimlm-gptq": RUNS / "w4-gptq-gguf" / "model.gguf", "slimlm-gptq-head-q8_0": RUNS / "w4-gptq-gguf" / "model-head-q8_0.gguf", "gguf-q4_0": RUNS / "gguf-q4_0.gguf", "llama.cpp-q4_0-pure": RUNS / "llama.cpp-q4_0-pure.gguf", "llama.cpp-q4_0": RUNS / "llama.cpp-q4_0.gguf"}
-    model_cfg = default_model_cfg()
+    runs = RUNS if model == DEFAULT_MODEL else RUNS / model
+    runs.mkdir(parents=True, exist_ok=True)
+    files = {"f32": runs / "f32.gguf", "slimlm-gptq": runs / "w4-gptq-gguf" / "model.gguf", "slimlm-gptq-head-q8_0": runs / "w4-gptq-gguf" / "model-head-q8_0.gguf", "gguf-q4_0": runs / "gguf-q4_0.gguf", "llama.cpp-q4_0-pure": runs / "llama.cpp-q4_0-pure.gguf", "llama.cpp-q4_0": runs / "llama.cpp-q4_0.gguf"}
+    model_cfg = model_config(model)
     if not (files["f32"].exists() and files["gguf-q4_0"].exists()):
         source = resolve_model(model_cfg)
         loaded = load_model(model_cfg, torch.device("cpu"))
@@ -55,7 +71,8 @@ def build_files() -> dict[str, Path]:
     if not (files["slimlm-gptq"].exists() and files["slimlm-gptq-head-q8_0"].exists()):
         run_dir = files["slimlm-gptq"].parent
         subprocess.run(["rm", "-rf", str(run_dir)], check=True)
-        subprocess.run([str(REPO / ".venv" / "bin" / "slimlm"), "recipe=w4-gptq-gguf", "data=shared", f"hydra.run.dir={run_dir}"], check=True, cwd=REPO)
+        overrides = [f"recipe.stages.0.samples={samples}"] if samples else []
+        subprocess.run([str(REPO / ".venv" / "bin" / "slimlm"), "recipe=w4-gptq-gguf", f"model={model}", "data=shared", *overrides, f"hydra.run.dir={run_dir}"], check=True, cwd=REPO)
     for name, pure in (("llama.cpp-q4_0-pure", True), ("llama.cpp-q4_0", False)):
         if not files[name].exists():
             params = llama_cpp.llama_model_quantize_default_params()
@@ -85,11 +102,13 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=16)
     parser.add_argument("--window", type=int, default=2048)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="a model config name (conf/model/)")
+    parser.add_argument("--samples", type=int, default=None, help="GPTQ calibration windows (the recipe's default when absent)")
     options = parser.parse_args()
     started = time.perf_counter()
-    files = build_files()
+    files = build_files(options.model, options.samples)
     check_llama_cpp(files["llama.cpp-q4_0"], options.threads)
-    tokenizer = load_model(default_model_cfg(), torch.device("cpu")).tokenizer
+    tokenizer = load_model(model_config(options.model), torch.device("cpu")).tokenizer
     ids = wikitext_ids(tokenizer)[: options.windows * options.window]
     windows = ids.view(options.windows, options.window).numpy()
     names = list(files)
@@ -110,9 +129,10 @@ def main() -> None:
     for name in names:
         nll = totals[name]["nll"] / scored
         rows.append({"name": name, "ppl": float(np.exp(nll)), "nll": nll, "kl_mean": totals[name]["kl"] / scored, "top1_agreement": totals[name]["top1"] / scored, "bytes": files[name].stat().st_size})
-    summary = {"windows": options.windows, "window": options.window, "tokens_scored": scored, "seconds": time.perf_counter() - started, "llama_cpp_python": __import__("llama_cpp").__version__}
+    summary = {"model": options.model, "gptq_samples": options.samples, "windows": options.windows, "window": options.window, "tokens_scored": scored, "seconds": time.perf_counter() - started, "llama_cpp_python": __import__("llama_cpp").__version__}
     command = command_line("gguf_llamacpp.py", parser, options)
-    write_result("gguf_llamacpp", command, {"summary": summary, "rows": rows}, markdown(rows, summary, command))
+    name = "gguf_llamacpp" if options.model == DEFAULT_MODEL else f"gguf_llamacpp_{options.model}"
+    write_result(name, command, {"summary": summary, "rows": rows}, markdown(rows, summary, command))
 
 
 def markdown(rows: list[dict], summary: dict, command: str) -> list[str]:
@@ -126,7 +146,7 @@ def markdown(rows: list[dict], summary: dict, command: str) -> list[str]:
         "llama.cpp-q4_0": "llama.cpp quantize MOSTLY_Q4_0, default mix (tied embedding/head Q8_0)",
     }
     return [
-        "# gguf_llamacpp",
+        f"# gguf_llamacpp: {summary['model']}",
         "",
         f"- command: `{command}`",
         f"- machine: {machine['processor']}, {machine['cpu_count']} CPUs; llama-cpp-python {summary['llama_cpp_python']}; {summary['seconds'] / 60:.1f} min",

@@ -9,9 +9,11 @@ llama.cpp's loader reads it:
                   converter): beyond the window llama.cpp attends to everything.
   qwen2, qwen3    rotate halves as Hugging Face does; qwen3's per-head q/k norms map to attn_q/k_norm.
   gemma3 (text)   Gemma's RMSNorm multiplies by (1 + w), llama.cpp's by w: norms are written as 1 + w.
-                  llama.cpp scales the embedding by sqrt(hidden) itself, and fixes what the file cannot
-                  say: every 6th layer global, the others sliding with RoPE base 10000, attention scaled
-                  by the head width. A config that differs is refused rather than run wrongly.
+                  llama.cpp scales the embedding by sqrt(hidden) itself. The sliding window, which
+                  layers slide (a per-layer pattern) and the sliding layers' RoPE base are keys (llama.cpp
+                  releases before these keys assume every 6th layer global and base 10000, as Gemma 3's
+                  checkpoints have); the attention scale has no key (1/sqrt(head width), or the 27B's rule),
+                  so a config with another query_pre_attn_scalar is refused rather than run wrongly.
   phi3            fused qkv and gate_up (llama.cpp splits them itself), a sliding window on every layer,
                   LongRoPE as rope_factors_long/short tensors with the original context and attention factor.
 """
@@ -35,17 +37,12 @@ def _no_keys(writer, config) -> None:
 
 def _gemma3_keys(writer, config) -> None:
     layers = config.num_hidden_layers
-    pattern = [kind == "sliding_attention" for kind in config.layer_types]
-    if pattern != [index % 6 < 5 for index in range(layers)]:
-        raise SlimlmError("GGUF export: llama.cpp runs Gemma 3 with every 6th layer global and the rest sliding; this config's layer_types differ")
-    local_base = rope_parameters(config, "sliding_attention").get("rope_theta", 10000.0)
-    if local_base != 10000.0:
-        raise SlimlmError(f"GGUF export: llama.cpp runs Gemma 3's sliding layers with RoPE base 10000; this config has {local_base}")
     expected_scale = config.hidden_size // config.num_attention_heads if layers == 62 else head_dim(config)  # llama.cpp's 27B rule
     if config.query_pre_attn_scalar != expected_scale or getattr(config, "attn_logit_softcapping", None):
         raise SlimlmError(f"GGUF export: llama.cpp scales Gemma 3's attention by 1/sqrt({expected_scale}) without soft-capping; this config differs")
     writer.add_sliding_window(config.sliding_window)
-    writer.add_rope_freq_base_swa(float(local_base))
+    writer.add_sliding_window_pattern([kind == "sliding_attention" for kind in config.layer_types])
+    writer.add_rope_freq_base_swa(float(rope_parameters(config, "sliding_attention")["rope_theta"]))
     if getattr(config, "final_logit_softcapping", None):
         writer.add_final_logit_softcapping(float(config.final_logit_softcapping))
 

@@ -239,6 +239,7 @@ def test_family_specific_values(tiny_tokenizer, spm_tokenizers, tmp_path):
     assert torch.allclose(tensors["blk.0.attn_norm.weight"], 1 + gemma.model.layers[0].input_layernorm.weight.detach())
     assert torch.allclose(tensors["blk.0.attn_k_norm.weight"], 1 + gemma.model.layers[0].self_attn.k_norm.weight.detach())
     assert _field(reader, "gemma3.attention.sliding_window") == 4 and _field(reader, "gemma3.rope.freq_base_swa") == 10000.0
+    assert _field(reader, "gemma3.attention.sliding_window_pattern") == [True] * 5 + [False, True]
     phi, _, path = family_export("phi3", tiny_tokenizer, spm_tokenizers, tmp_path)
     reader, tensors = gguf.GGUFReader(path), read_back(path)
     assert tensors["rope_factors_long.weight"].tolist() == phi.config.rope_parameters["long_factor"]
@@ -260,8 +261,8 @@ def test_unsupported_families_and_configs_are_refused_in_one_line(tiny_tokenizer
     config = transformers.GPT2Config(vocab_size=len(tiny_tokenizer), n_embd=32, n_layer=1, n_head=2)
     with pytest.raises(SlimlmError, match=r"GGUF export supports llama, mistral, qwen2, qwen3, gemma3_text, phi3 models; this one is gpt2"):
         export_gguf(transformers.GPT2LMHeadModel(config), tiny_tokenizer, tmp_path / "gpt2.gguf", "F32")
-    gemma = transformers.Gemma3TextConfig(vocab_size=len(tiny_tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16, query_pre_attn_scalar=16, layer_types=["full_attention", "sliding_attention"])
-    with pytest.raises(SlimlmError, match="every 6th layer global"):
+    gemma = transformers.Gemma3TextConfig(vocab_size=len(tiny_tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16, query_pre_attn_scalar=24)
+    with pytest.raises(SlimlmError, match=r"scales Gemma 3's attention by 1/sqrt\(16\)"):
         export_gguf(transformers.Gemma3ForCausalLM(gemma), tiny_tokenizer, tmp_path / "gemma.gguf", "F32")
     yarn = transformers.Qwen2Config(vocab_size=len(tiny_tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64})
     with pytest.raises(SlimlmError, match="qwen2 takes RoPE scaling default, linear; this model uses 'yarn'"):
