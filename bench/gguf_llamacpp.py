@@ -41,26 +41,31 @@ RUNS = REPO / "bench" / "runs" / "gguf_llamacpp"
 DEFAULT_MODEL = "smollm2-135m"
 
 
-def model_config(name: str):
-    """conf/model/<name>.yaml, validated as the CLI validates it."""
+def model_overrides(name: str, path: str | None) -> list[str]:
+    """The CLI's model overrides: a config name, or model=custom with a local checkpoint or GGUF."""
+    return [f"model={name}"] if path is None else ["model=custom", f"model.path={path}"]
+
+
+def model_config(name: str, path: str | None):
+    """The model's config, composed and validated as the CLI does it."""
     from omegaconf import OmegaConf
 
     from slimlm.config import ModelConfig
 
-    path = REPO / "conf" / "model" / f"{name}.yaml"
-    if not path.is_file():
-        raise SystemExit(f"no model config '{name}' in conf/model/")
-    return OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(path))
+    config = REPO / "conf" / "model" / f"{'custom' if path else name}.yaml"
+    if not config.is_file():
+        raise SystemExit(f"no model config '{name}' in conf/model/; give --model-path for a local checkpoint or GGUF")
+    return OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(config), {"path": path} if path else {})
 
 
-def build_files(model: str, samples: int | None) -> dict[str, Path]:
+def build_files(model: str, path: str | None, samples: int | None) -> dict[str, Path]:
     """Every GGUF of the comparison; files made earlier are kept (delete the runs folder to redo them)."""
     import llama_cpp
 
     runs = RUNS if model == DEFAULT_MODEL else RUNS / model
     runs.mkdir(parents=True, exist_ok=True)
     files = {"f32": runs / "f32.gguf", "slimlm-gptq": runs / "w4-gptq-gguf" / "model.gguf", "slimlm-gptq-head-q8_0": runs / "w4-gptq-gguf" / "model-head-q8_0.gguf", "gguf-q4_0": runs / "gguf-q4_0.gguf", "llama.cpp-q4_0-pure": runs / "llama.cpp-q4_0-pure.gguf", "llama.cpp-q4_0": runs / "llama.cpp-q4_0.gguf"}
-    model_cfg = model_config(model)
+    model_cfg = model_config(model, path)
     if not (files["f32"].exists() and files["gguf-q4_0"].exists()):
         source = resolve_model(model_cfg)
         loaded = load_model(model_cfg, torch.device("cpu"))
@@ -72,7 +77,7 @@ def build_files(model: str, samples: int | None) -> dict[str, Path]:
         run_dir = files["slimlm-gptq"].parent
         subprocess.run(["rm", "-rf", str(run_dir)], check=True)
         overrides = [f"recipe.stages.0.samples={samples}"] if samples else []
-        subprocess.run([str(REPO / ".venv" / "bin" / "slimlm"), "recipe=w4-gptq-gguf", f"model={model}", "data=shared", *overrides, f"hydra.run.dir={run_dir}"], check=True, cwd=REPO)
+        subprocess.run([str(REPO / ".venv" / "bin" / "slimlm"), "recipe=w4-gptq-gguf", *model_overrides(model, path), "data=shared", *overrides, f"hydra.run.dir={run_dir}"], check=True, cwd=REPO)
     for name, pure in (("llama.cpp-q4_0-pure", True), ("llama.cpp-q4_0", False)):
         if not files[name].exists():
             params = llama_cpp.llama_model_quantize_default_params()
@@ -103,12 +108,13 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=2048)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--model", default=DEFAULT_MODEL, help="a model config name (conf/model/)")
+    parser.add_argument("--model-path", default=None, help="a local checkpoint or GGUF of --model (model=custom), where its config cannot fetch it")
     parser.add_argument("--samples", type=int, default=None, help="GPTQ calibration windows (the recipe's default when absent)")
     options = parser.parse_args()
     started = time.perf_counter()
-    files = build_files(options.model, options.samples)
+    files = build_files(options.model, options.model_path, options.samples)
     check_llama_cpp(files["llama.cpp-q4_0"], options.threads)
-    tokenizer = load_model(model_config(options.model), torch.device("cpu")).tokenizer
+    tokenizer = load_model(model_config(options.model, options.model_path), torch.device("cpu")).tokenizer
     ids = wikitext_ids(tokenizer)[: options.windows * options.window]
     windows = ids.view(options.windows, options.window).numpy()
     names = list(files)
@@ -131,6 +137,8 @@ def main() -> None:
         rows.append({"name": name, "ppl": float(np.exp(nll)), "nll": nll, "kl_mean": totals[name]["kl"] / scored, "top1_agreement": totals[name]["top1"] / scored, "bytes": files[name].stat().st_size})
     summary = {"model": options.model, "gptq_samples": options.samples, "windows": options.windows, "window": options.window, "tokens_scored": scored, "seconds": time.perf_counter() - started, "llama_cpp_python": __import__("llama_cpp").__version__}
     command = command_line("gguf_llamacpp.py", parser, options)
+    if options.model_path:  # the results name the model, never a path of the machine that ran it
+        command = command.replace(options.model_path, f"<{options.model} checkpoint>")
     name = "gguf_llamacpp" if options.model == DEFAULT_MODEL else f"gguf_llamacpp_{options.model}"
     write_result(name, command, {"summary": summary, "rows": rows}, markdown(rows, summary, command))
 

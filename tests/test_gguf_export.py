@@ -164,7 +164,8 @@ def build_family(name: str, vocab_size: int, bos: int, eos: int):
         return _randomize(transformers.Gemma3ForCausalLM(config), ("norm",), 0.3)
     if name == "phi3":
         rope = {"rope_type": "longrope", "rope_theta": 10000.0, "long_factor": [1.0 + i / 4 for i in range(8)], "short_factor": [1.0 + i / 8 for i in range(8)]}
-        config = transformers.Phi3Config(**common, original_max_position_embeddings=64, rope_parameters=rope, sliding_window=None, tie_word_embeddings=False)
+        # llama.cpp takes the long factors when its context (padded to 256) exceeds the original 512; here it does not
+        config = transformers.Phi3Config(**{**common, "max_position_embeddings": 2048}, original_max_position_embeddings=512, rope_parameters=rope, sliding_window=None, tie_word_embeddings=False)
         return transformers.Phi3ForCausalLM(config)
     if name == "mistral":
         return transformers.MistralForCausalLM(transformers.MistralConfig(**common, sliding_window=None, tie_word_embeddings=False))
@@ -243,8 +244,8 @@ def test_family_specific_values(tiny_tokenizer, spm_tokenizers, tmp_path):
     phi, _, path = family_export("phi3", tiny_tokenizer, spm_tokenizers, tmp_path)
     reader, tensors = gguf.GGUFReader(path), read_back(path)
     assert tensors["rope_factors_long.weight"].tolist() == phi.config.rope_parameters["long_factor"]
-    assert _field(reader, "phi3.rope.scaling.original_context_length") == 64
-    assert abs(_field(reader, "phi3.rope.scaling.attn_factor") - (1 + np.log(4) / np.log(64)) ** 0.5) < 1e-6
+    assert _field(reader, "phi3.rope.scaling.original_context_length") == 512
+    assert abs(_field(reader, "phi3.rope.scaling.attn_factor") - (1 + np.log(4) / np.log(512)) ** 0.5) < 1e-6
     assert tensors["blk.1.ffn_up.weight"].shape == (256, 64)  # gate and up, fused as llama.cpp reads them
     llama, _, path = family_export("llama3", tiny_tokenizer, spm_tokenizers, tmp_path)
     inverse = 1.0 / 10000.0 ** (np.arange(0, 16, 2) / 16)
