@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every GPU check of the decoder in one run, for a machine with a CUDA GPU whose python3 already
+# Every GPU check in one run (GPTQ calibration, then the decoder), for a machine with a CUDA GPU whose python3 already
 # has torch and transformers (slimlm's other dependencies are not needed, nor is a network):
 # bench/decode_gpu.py's sections, about 6-8 minutes on one H200 (see that file), results in
 # bench/results/decode_gpu.{md,json} and, when $OUT is set, copied there too.
@@ -22,6 +22,16 @@ export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv || true
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 status=0
+# Calibration first (about a minute): GPTQ one block at a time on the GPU against the CPU. The
+# compression stages need omegaconf and hydra; where the image lacks them, carry the CPU
+# machine's copies (.venv's site-packages folders omegaconf, hydra, antlr4) and set
+# SLIMLM_GPU_DEPS to the folder that holds them.
+export PYTHONPATH="${SLIMLM_GPU_DEPS:+$SLIMLM_GPU_DEPS:}$PYTHONPATH"
+if python3 -c "import omegaconf, hydra" 2>/dev/null; then
+    python3 bench/calibrate_gpu.py || status=$?
+else
+    echo "calibrate_gpu.py skipped: no omegaconf/hydra here (see SLIMLM_GPU_DEPS above)"
+fi
 python3 bench/decode_gpu.py "$@" || status=$?
-if [ -n "${OUT:-}" ]; then cp bench/results/decode_gpu.* "$OUT"/ 2>/dev/null || true; fi
+if [ -n "${OUT:-}" ]; then cp bench/results/decode_gpu.* bench/results/calibrate_gpu.* "$OUT"/ 2>/dev/null || true; fi
 exit $status

@@ -50,16 +50,13 @@ class AWQOptions:
 def search_scale(weights: list[torch.Tensor], schemes: list[QuantScheme], stats: HessianAccumulator, options: AWQOptions) -> tuple[torch.Tensor, float, float]:
     """The per-input-channel scale s for Linear layers reading the same input; returns s, the
     output error with it, and the output error of plain RTN (s = 1)."""
-    hessian = stats.hessian.float()
-    x_mean = stats.abs_mean.float()
     weights = [weight.detach().float() for weight in weights]
+    hessian = stats.hessian.to(weights[0].device, torch.float32)
+    x_mean = stats.abs_mean.to(weights[0].device, torch.float32)
     w_mean = torch.cat([_normalised_magnitude(w, scheme) for w, scheme in zip(weights, schemes)]).mean(dim=0)
 
     def error(scale: torch.Tensor) -> float:
-        total = torch.zeros(())
-        for w, scheme in zip(weights, schemes):
-            total += output_error(w - fake_quantize(w * scale, scheme) / scale, hessian)
-        return float(total)
+        return sum(float(output_error(w - fake_quantize(w * scale, scheme) / scale, hessian)) for w, scheme in zip(weights, schemes))
 
     best_scale = torch.ones_like(x_mean)
     rtn_error = best_error = error(best_scale)

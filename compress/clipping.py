@@ -28,7 +28,7 @@ def search_clip(weight: torch.Tensor, scheme: QuantScheme, hessian: torch.Tensor
     out_features, in_features = w.shape
     group = scheme.group_size or in_features
     groups = in_features // group
-    blocks = torch.stack([hessian[g * group : (g + 1) * group, g * group : (g + 1) * group] for g in range(groups)]).float()
+    blocks = torch.stack([hessian[g * group : (g + 1) * group, g * group : (g + 1) * group] for g in range(groups)]).to(w.device, torch.float32)
     grouped = w.reshape(out_features, groups, group)
     high = grouped.amax(dim=2, keepdim=True)
     low = grouped.amin(dim=2, keepdim=True)
@@ -36,7 +36,7 @@ def search_clip(weight: torch.Tensor, scheme: QuantScheme, hessian: torch.Tensor
         high = torch.maximum(high.abs(), low.abs())
         low = -high
     best = grouped
-    best_error = torch.full((out_features, groups), float("inf"))
+    best_error = torch.full((out_features, groups), float("inf"), device=w.device)
     for step in range(int(max_shrink * grid)):
         ratio = 1 - step / grid
         clipped = torch.minimum(torch.maximum(grouped, low * ratio), high * ratio)

@@ -43,9 +43,10 @@ class HessianAccumulator:
     """Running H = 2/n sum x x^T over every input row a Linear layer sees, and the mean |x| of
     each input feature (AWQ's activation statistic)."""
 
-    def __init__(self, in_features: int):
-        self.hessian = torch.zeros(in_features, in_features, dtype=torch.float64)
-        self.abs_mean = torch.zeros(in_features, dtype=torch.float64)
+    def __init__(self, in_features: int, device: torch.device = torch.device("cpu")):
+        # on the inputs' device: a GPU calibration keeps its statistics next to the block
+        self.hessian = torch.zeros(in_features, in_features, dtype=torch.float64, device=device)
+        self.abs_mean = torch.zeros(in_features, dtype=torch.float64, device=device)
         self.rows = 0
 
     def add(self, inputs: torch.Tensor) -> None:
@@ -53,14 +54,14 @@ class HessianAccumulator:
         total = self.rows + x.shape[0]
         self.hessian *= self.rows / total
         # The product in float32 (fast), the running sum in float64 (it adds many chunks).
-        self.hessian += (2.0 / total) * (x.T @ x).double().cpu()
+        self.hessian += (2.0 / total) * (x.T @ x).double().to(self.hessian.device)
         self.abs_mean *= self.rows / total
-        self.abs_mean += x.abs().sum(dim=0).double().cpu() / total
+        self.abs_mean += x.abs().sum(dim=0).double().to(self.abs_mean.device) / total
         self.rows = total
 
     def divide_inputs(self, scale: torch.Tensor) -> None:
         """The statistics of x / scale: what the layer sees after AWQ moves `scale` into its weight."""
-        scale = scale.double().cpu()
+        scale = scale.double().to(self.hessian.device)
         self.hessian /= scale[:, None] * scale[None, :]
         self.abs_mean /= scale
 
@@ -70,12 +71,12 @@ class SquareSums:
     ||X_j||^2. All Wanda reads of the inputs: in_features numbers instead of a Hessian's
     in_features^2 (1.6 GB in float64 for an 8B model's down projection) and its product."""
 
-    def __init__(self, in_features: int):
-        self.sums = torch.zeros(in_features, dtype=torch.float64)
+    def __init__(self, in_features: int, device: torch.device = torch.device("cpu")):
+        self.sums = torch.zeros(in_features, dtype=torch.float64, device=device)
 
     def add(self, inputs: torch.Tensor) -> None:
         x = calibration_rows(inputs)
-        self.sums += (x * x).sum(dim=0).double().cpu()
+        self.sums += (x * x).sum(dim=0).double().to(self.sums.device)
 
 
 class LayerInputStatistics(dict):
@@ -92,7 +93,7 @@ class LayerInputStatistics(dict):
         if inputs is self._last[0]:
             self[name] = self._last[1]
             return
-        statistics = self.setdefault(name, self._kind(inputs.shape[-1]))
+        statistics = self.setdefault(name, self._kind(inputs.shape[-1], inputs.device))
         statistics.add(inputs)
         self._last = (inputs, statistics)
 
@@ -103,7 +104,7 @@ def inverse_hessian_factor(hessian: torch.Tensor, damp: float, name: str) -> tor
     for attempt in range(4):
         damping = damp * 10**attempt * mean_diag
         try:
-            lower = torch.linalg.cholesky(hessian + damping * torch.eye(hessian.shape[0], dtype=hessian.dtype))
+            lower = torch.linalg.cholesky(hessian + damping * torch.eye(hessian.shape[0], dtype=hessian.dtype, device=hessian.device))
             return torch.linalg.cholesky(torch.cholesky_inverse(lower), upper=True)
         except torch.linalg.LinAlgError:
             log.warning("%s: Hessian not positive definite at damping %.3g; raising it", name, damping)
@@ -113,26 +114,27 @@ def inverse_hessian_factor(hessian: torch.Tensor, damp: float, name: str) -> tor
 def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, scheme: QuantScheme, options: GPTQOptions = GPTQOptions(), name: str = "layer") -> QuantizedWeight:
     out_features, in_features = weight.shape
     group = scheme.group_size or in_features
+    device = weight.device  # every tensor below lives where the weight does (a block on a GPU)
     W = weight.detach().double().clone()
     pruned = W == 0  # exact zeros (a sparsify stage's work) stay zero; their error is spread like any other
-    H = hessian.double().clone()
+    H = hessian.to(device, torch.float64, copy=True)
     dead = H.diagonal() == 0  # inputs that were always zero carry no information
     H[dead, dead] = 1.0
     W[:, dead] = 0.0
     # Group parameters: from the original weights up front when act-order reorders columns (or one
     # group spans the row); otherwise from the updated weights when a group's first column is reached.
     static = options.act_order or scheme.group_size is None
-    scales = torch.zeros(out_features, in_features // group, dtype=torch.float16)
-    zeros = None if scheme.symmetric else torch.zeros(out_features, in_features // group, dtype=torch.uint8)
+    scales = torch.zeros(out_features, in_features // group, dtype=torch.float16, device=device)
+    zeros = None if scheme.symmetric else torch.zeros(out_features, in_features // group, dtype=torch.uint8, device=device)
     if static:
         ranges = search_clip(W, scheme, H) if options.clip_search else W
         for g in range(in_features // group):
             _set_group(scales, zeros, g, *group_params(ranges[:, g * group : (g + 1) * group], scheme))
-    order = torch.argsort(H.diagonal(), descending=True) if options.act_order else torch.arange(in_features)
+    order = torch.argsort(H.diagonal(), descending=True) if options.act_order else torch.arange(in_features, device=device)
     W, H, pruned = W[:, order], H[order][:, order], pruned[:, order]
     any_pruned = bool(pruned.any())
     Hinv = inverse_hessian_factor(H, options.damp, name)
-    codes = torch.zeros(out_features, in_features, dtype=torch.uint8)
+    codes = torch.zeros(out_features, in_features, dtype=torch.uint8, device=device)
     block = group * max(1, options.block_size // group) if not static else options.block_size
     for start in range(0, in_features, block):
         end = min(start + block, in_features)

@@ -128,7 +128,7 @@ def sparsegpt_prune(weight: torch.Tensor, hessian: torch.Tensor, pattern: Sparsi
     if problem:
         raise SlimlmError(f"cannot prune {name}: {problem}")
     W = weight.detach().double().clone()
-    H = hessian.double().clone()
+    H = hessian.to(W.device, torch.float64, copy=True)
     dead = H.diagonal() == 0
     H[dead, dead] = 1.0
     W[:, dead] = 0.0

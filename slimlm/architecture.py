@@ -136,12 +136,6 @@ def check_compressible(where: str, model_type: Optional[str]) -> None:
         raise SlimlmError(f"model '{where}' has architecture '{model_type}', a model without attention blocks (a state-space or recurrent model); slimlm compresses transformer decoders")
 
 
-def is_transformers_type(name: Optional[str]) -> bool:
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
-
-    return name in CONFIG_MAPPING_NAMES
-
-
 def decoder_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
     """The decoder's block list and its qualified name: the first ModuleList (in module order)
     with one block of a single class per hidden layer of the text model."""

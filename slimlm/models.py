@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 import torch
 
-from slimlm.architecture import check_compressible, is_transformers_type
+from slimlm.architecture import check_compressible
 from slimlm.artifact import MANIFEST, load_artifact
 from slimlm.config import ModelConfig
 from slimlm.errors import SlimlmError
@@ -56,9 +56,24 @@ def resolve_model(cfg: ModelConfig) -> ModelSource:
         source = ModelSource(cfg.path, "hub", None, None)
     else:
         raise SlimlmError(f"model.path '{cfg.path}' does not exist: give a local checkpoint directory, a .gguf file or a hub id (org/name)")
-    if source.kind != "gguf" or is_transformers_type(source.architecture):  # other GGUF names are llama.cpp's own
-        check_compressible(cfg.path, source.architecture)
+    architecture = gguf_model_type(cfg.path, source.architecture) if source.kind == "gguf" else source.architecture
+    check_compressible(cfg.path, architecture)
     return source
+
+
+# llama.cpp's names for architectures that transformers calls otherwise
+GGUF_ARCHITECTURES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss", "minimax-m2": "minimax_m2"}
+
+
+def gguf_model_type(path: str, architecture: str) -> str:
+    """The transformers model type of a GGUF file's architecture, refused in one line where
+    transformers cannot read such files (it converts them to a checkpoint for every stage)."""
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    model_type = GGUF_ARCHITECTURES.get(architecture, architecture)
+    if model_type not in GGUF_SUPPORTED_ARCHITECTURES:
+        raise SlimlmError(f"model '{path}' is a GGUF file of architecture '{architecture}', which transformers cannot read (it reads {', '.join(sorted(GGUF_SUPPORTED_ARCHITECTURES))}); give a Hugging Face checkpoint directory instead")
+    return model_type
 
 
 def _gguf_header(path: Path) -> tuple[str, Optional[int]]:

@@ -72,7 +72,7 @@ def test_gguf_of_unsupported_architecture_exits_2(capsys, tmp_path, monkeypatch)
     with pytest.raises(SystemExit) as exited:
         main(["model=custom", f"model.path={tmp_path / 'encoder.gguf'}"])
     assert exited.value.code == 2
-    assert "architecture 'bert', which slimlm does not support" in capsys.readouterr().err
+    assert "architecture 'bert', which transformers cannot read" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()
 
 
