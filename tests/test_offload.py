@@ -54,3 +54,11 @@ def test_a_moe_checkpoint_calibrates_block_by_block_in_bf16(tmp_path):
     params = QuantizeParams(method="gptq", bits=8, group_size=16, samples=4, seq_len=32, targets=[r"model\.layers\.\d+\.self_attn\..*"])
     result = quantize_checkpoint(tmp_path, params, SAMPLES, check_then_release, dtype=torch.bfloat16)
     assert seen == ["model.layers.0", "model.layers.1"] and result.quantized_layers == 8
+
+
+def test_calibration_stops_after_the_last_block_with_targets(tmp_path):
+    build_tiny_llama(384, num_hidden_layers=4).save_pretrained(tmp_path)
+    seen = []
+    params = QuantizeParams(method="gptq", bits=4, group_size=16, samples=4, seq_len=32, targets=[r"model\.layers\.[01]\..*"])
+    result = quantize_checkpoint(tmp_path, params, SAMPLES, lambda name, block: seen.append(name))
+    assert seen == ["model.layers.0", "model.layers.1"] and result.quantized_layers == 14  # blocks 2 and 3 never load
