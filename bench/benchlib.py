@@ -146,3 +146,13 @@ def check_llama_cpp(gguf: Path, threads: int) -> None:
         "-DCMAKE_CXX_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16'\" .venv/bin/pip install --force-reinstall --no-deps --no-cache-dir "
         "llama-cpp-python; or leave the llama.cpp rows out."
     )
+
+
+def publish_table(name: str, title: str, command: str, machine: dict, seconds: float, details: list[str], table: list[str], rows: list[dict], quick: bool) -> None:
+    """A benchmark's Markdown page (title, command, machine, `details` lines, `table`) and its
+    rows: written to bench/results/<name>.* , or only printed by a --quick run (tests)."""
+    lines = [f"# {title}", "", f"- command: `{command}`", machine_line(machine, f"{torch.get_num_threads()} torch threads", seconds), *details, "", *table, ""]
+    if quick:
+        print("\n".join(lines))
+    else:
+        write_result(name, command, {"rows": rows}, lines, machine=machine)

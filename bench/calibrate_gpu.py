@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import command_line, machine_line, write_result  # noqa: E402
+from benchlib import command_line, publish_table  # noqa: E402
 
 from slimlm.compress.offload import quantize_checkpoint  # noqa: E402
 from slimlm.compress.quantize import QuantizeParams  # noqa: E402
@@ -102,23 +102,13 @@ def main() -> None:
 def report(parser: argparse.ArgumentParser, options: argparse.Namespace, rows: list[dict], shape: dict, seconds: float) -> None:
     command = command_line("calibrate_gpu.py", parser, options)
     machine = machine_info(query_gpu=not options.quick)
-    lines = [
-        "# GPTQ calibration on a GPU against the CPU (offloaded, one block at a time)",
-        "",
-        f"- command: `{command}`",
-        machine_line(machine, f"{torch.get_num_threads()} torch threads", seconds),
-        f"- shape: Llama-3.2-1B (hidden {shape['hidden_size']}, intermediate {shape['intermediate_size']}, vocab {shape['vocab_size']}), first {options.layers} blocks, random bf16 weights, 16 x 512 random tokens",
-        "",
+    details = [f"- shape: Llama-3.2-1B (hidden {shape['hidden_size']}, intermediate {shape['intermediate_size']}, vocab {shape['vocab_size']}), first {options.layers} blocks, random bf16 weights, 16 x 512 random tokens"]
+    table = [
         "| run | seconds | s / block | peak MiB | codes identical to the CPU's | max output difference |",
         "|---|---:|---:|---:|---:|---:|",
         *(f"| {r['name']} | {r['seconds']:.2f} | {r['block_s']:.2f} | {r['peak_bytes'] / 2**20:,.0f} | {r.get('codes_identical', 1.0):.4f} | {r.get('max_output_rel_difference', 0.0):.2e} |" for r in rows),
-        "",
     ]
-    if options.quick:
-        print("\n".join(lines))
-    else:
-        write_result("calibrate_gpu", command, {"rows": rows}, lines, machine=machine)
-
+    publish_table("calibrate_gpu", "GPTQ calibration on a GPU against the CPU (offloaded, one block at a time)", command, machine, seconds, details, table, rows, options.quick)
 
 if __name__ == "__main__":
     main()

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from benchlib import command_line, default_model_cfg, machine_line, shared_data_cfg, write_result
+from benchlib import command_line, default_model_cfg, publish_table, shared_data_cfg
 
 from slimlm.architecture import decoder_blocks
 from slimlm.compress.calibration import calibration_samples
@@ -111,23 +111,13 @@ def main() -> None:
 def report(parser: argparse.ArgumentParser, options: argparse.Namespace, rows: list[dict], seconds: float) -> None:
     command = command_line("offload_parity.py", parser, options)
     machine = machine_info(query_gpu=False)
-    lines = [
-        "# Offloaded calibration against the in-memory path (default model, w4 g64 GPTQ)",
-        "",
-        f"- command: `{command}`",
-        machine_line(machine, f"{torch.get_num_threads()} torch threads", seconds),
-        f"- {options.samples} calibration windows of 256 tokens of data=shared; evaluation: the first {options.windows} windows of 2048 tokens of WikiText-2 test, KL over the original's top {TOP_K}",
-        "",
+    details = [f"- {options.samples} calibration windows of 256 tokens of data=shared; evaluation: the first {options.windows} windows of 2048 tokens of WikiText-2 test, KL over the original's top {TOP_K}"]
+    table = [
         "| path | ppl | KL | KL / in-memory | top-1 % | quantize s | calibration peak MiB |",
         "|---|---:|---:|---:|---:|---:|---:|",
         *(f"| {r['name']} | {r['ppl']:.4f} | {r['kl']:.5f} | {r['kl_vs_in_memory']:.4f} | {100 * r['top1_agreement']:.2f} | {r['quantize_s']:.1f} | {r['calibration_peak_bytes'] / 2**20:,.0f} |" for r in rows),
-        "",
     ]
-    if options.quick:
-        print("\n".join(lines))
-    else:
-        write_result("offload_parity", command, {"rows": rows}, lines, machine=machine)
-
+    publish_table("offload_parity", "Offloaded calibration against the in-memory path (default model, w4 g64 GPTQ)", command, machine, seconds, details, table, rows, options.quick)
 
 if __name__ == "__main__":
     main()
