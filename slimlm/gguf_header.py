@@ -5,7 +5,9 @@ Refusing a model or planning its memory needs only a few keys (general.architect
 object for each of a vocabulary's entries: minutes for a 262k-token vocabulary. This reader walks
 the header in place (a memory map), skips array values by arithmetic (a string array costs one
 length read per entry, no objects), bounds every count and length against the file size before
-using it, and stops at the end of the key/values. Damage is one line (SlimlmError).
+using it, then reads the tensor infos (a few hundred short records) only to check that every
+tensor's bytes lie inside the file, so a truncated download is refused here, in one line, rather
+than deep inside a loader. Tensor data is never read. Damage is one line (SlimlmError).
 
 Layout (little-endian, versions 2 and 3): magic "GGUF", uint32 version, uint64 tensor count,
 uint64 key/value count, then per key: string key, uint32 value type, value. A string is a uint64
@@ -29,6 +31,7 @@ _FIXED = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?"
 _STRING, _ARRAY = 8, 9
 _MAX_KEY = 65535  # the GGUF specification's limit on a key's length
 _MAX_DEPTH = 2  # arrays of arrays, at most this deep (llama.cpp writes none)
+_MAX_DIMS = 4  # GGML_MAX_DIMS
 
 
 @dataclass(frozen=True)
@@ -149,4 +152,34 @@ def _parse(cursor: _Cursor) -> GGUFHeader:
             header.arrays[key] = count
         else:
             raise _Damaged(f"key '{key}' has unknown value type {value_type}")
+    _check_tensor_extents(cursor, tensor_count, header.metadata.get("general.alignment", 32))
     return header
+
+
+def _check_tensor_extents(cursor: _Cursor, tensor_count: int, alignment) -> None:
+    """Every tensor's bytes (its offset and ggml type's size) end inside the file."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    if not isinstance(alignment, int) or alignment < 1 or alignment > 1 << 20:
+        raise _Damaged(f"general.alignment {alignment!r} is not a sensible alignment")
+    extents = []
+    for index in range(tensor_count):
+        name = cursor.string(f"name of tensor {index}", _MAX_KEY)
+        dims = cursor.unpack("<I", f"dimensions of '{name}'")
+        if dims > _MAX_DIMS:
+            raise _Damaged(f"tensor '{name}' claims {dims} dimensions")
+        shape = [cursor.unpack("<Q", f"shape of '{name}'") for _ in range(dims)]
+        kind = cursor.unpack("<I", f"type of '{name}'")
+        offset = cursor.unpack("<Q", f"offset of '{name}'")
+        try:
+            block, size = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
+        except ValueError:
+            raise _Damaged(f"tensor '{name}' has unknown ggml type {kind}") from None
+        elements = 1
+        for extent in shape:
+            elements *= extent
+        extents.append((name, offset + elements // block * size))
+    data_start = -(-cursor.offset // alignment) * alignment
+    for name, end in extents:
+        if data_start + end > cursor.size:
+            raise _Damaged(f"tensor '{name}' ends at byte {data_start + end}, past the end of the file ({cursor.size} bytes): it was cut short")
