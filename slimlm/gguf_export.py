@@ -169,9 +169,13 @@ def _write_tensors(writer, model: nn.Module, types: _TypeChoice, family: Family)
 
 def _named_tensors(model: nn.Module):
     """(Hugging Face name, float tensor or QuantLinear) for every tensor llama.cpp needs. A tied
-    LM head is written once, as token_embd: llama.cpp reuses it when output.weight is absent."""
+    LM head is written once, as token_embd: llama.cpp reuses it when output.weight is absent. So is
+    a float head equal to the embedding (transformers unties them when it reads a GGUF without an
+    output tensor, as Qwen2.5's: a second copy would add a fifth to a 0.5B model's file)."""
     head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
-    tied = isinstance(embedding, QuantEmbedding) or getattr(embedding, "weight", None) is getattr(head, "weight", None)
+    head_weight, table = getattr(head, "weight", None), getattr(embedding, "weight", None)
+    same_values = isinstance(head_weight, torch.Tensor) and isinstance(table, torch.Tensor) and head_weight.shape == table.shape and torch.equal(head_weight, table)
+    tied = isinstance(embedding, QuantEmbedding) or head_weight is table or same_values
     yield "model.embed_tokens.weight", head if isinstance(embedding, QuantEmbedding) else embedding.weight
     for name, module in model.named_modules():
         if module is head or module is embedding:

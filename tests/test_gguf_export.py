@@ -317,3 +317,18 @@ def test_llama_cpp_scores_each_family_as_transformers_does(name, tiny_tokenizer,
     assert np.abs(theirs - ours).max() < 1e-2 * max(1.0, np.abs(ours).max()), np.abs(theirs - ours).max()
     assert (theirs.argmax(-1) == ours.argmax(-1)).mean() >= 0.95
     assert llm.tokenize(SPM_TEXT.encode(), add_bos=False, special=False) == tokenizer(SPM_TEXT, add_special_tokens=False).input_ids
+
+
+def test_a_head_equal_to_the_embedding_is_written_once(tiny_tokenizer, tmp_path):
+    """transformers unties the head when it reads a GGUF without an output tensor (Qwen2.5's); the export ties it back."""
+    from tests.conftest import build_tiny_llama
+
+    model = build_tiny_llama(len(tiny_tokenizer), tie_word_embeddings=False)
+    with torch.no_grad():
+        model.lm_head.weight.copy_(model.model.embed_tokens.weight)
+    export_gguf(model, tiny_tokenizer, tmp_path / "tied.gguf", "F32")
+    assert "output.weight" not in {t.name for t in gguf.GGUFReader(tmp_path / "tied.gguf").tensors}
+    with torch.no_grad():
+        model.lm_head.weight.mul_(2)
+    export_gguf(model, tiny_tokenizer, tmp_path / "untied.gguf", "F32")
+    assert "output.weight" in {t.name for t in gguf.GGUFReader(tmp_path / "untied.gguf").tensors}
