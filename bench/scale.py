@@ -11,13 +11,16 @@ kernel kept for it (measured from outside, every page counted, no polling gaps):
   plan      `slimlm plan`'s functions on the artifact (config and manifest only): the weight
             bytes it predicts in the artifact's own packing against the artifact's, and in the
             CPU decoder's layouts against what the loaded decoder holds
-A step is a function of the run's paths returning its metrics, listed in STEPS: adding one
-(out-of-core GPTQ over the first blocks) is a function and a line. Random weights give honest
+  gptq      w4 g128 GPTQ of the first 4 blocks, one block in memory at a time (compress/offload.py)
+            on 16 windows of 512 random tokens, in bf16: seconds per block, the whole model's
+            projected time, peak RSS; goal: <= 6 GB
+A step is a function of the run's paths returning its metrics, listed in STEPS. `--only gptq`
+runs the named steps and merges their rows into the last results. Random weights give honest
 memory and speed figures: neither depends on the values.
 Writes bench/results/scale.{md,json} (--quick: small shapes, a few seconds a step, results
 only in the work directory; for tests).
 
-    python bench/scale.py [--layers 32] [--workdir bench/runs/scale] [--quick]
+    python bench/scale.py [--layers 32] [--workdir bench/runs/scale] [--only rtn generate plan gptq] [--quick]
 """
 
 from __future__ import annotations
@@ -194,6 +197,34 @@ def step_plan(run: Run) -> dict:
     }
 
 
+GPTQ_BLOCKS = 4
+GPTQ_SAMPLES, GPTQ_SEQ_LEN = 16, 512
+
+
+def step_gptq(run: Run) -> dict:
+    """w4 g128 GPTQ of the first GPTQ_BLOCKS blocks (compress/offload.py: one block in memory
+    at a time, calibrated in bf16) on 16 windows of 512 random tokens: the seconds per block
+    project the whole model's time, the peak bounds what calibrating it needs."""
+    from slimlm.compress.offload import quantize_checkpoint
+    from slimlm.compress.quantize import QuantizeParams
+
+    config = json.loads((run.checkpoint / "config.json").read_text())
+    blocks = min(GPTQ_BLOCKS, config["num_hidden_layers"])
+    targets = [rf"model\.layers\.({'|'.join(map(str, range(blocks)))})\..*"]
+    params = QuantizeParams(method="gptq", bits=4, group_size=128, samples=GPTQ_SAMPLES, seq_len=GPTQ_SEQ_LEN, targets=targets)
+    samples = torch.randint(0, config["vocab_size"], (GPTQ_SAMPLES, GPTQ_SEQ_LEN), generator=torch.Generator().manual_seed(0))
+    started = time.perf_counter()
+    result = quantize_checkpoint(run.checkpoint, params, samples, lambda name, block: None, dtype=torch.bfloat16)
+    per_block = sum(result.block_seconds.values()) / len(result.block_seconds)
+    return {
+        "seconds": round(time.perf_counter() - started, 1),
+        "blocks": blocks,
+        "block_seconds": round(per_block, 1),
+        "projected_blocks_seconds": round(per_block * config["num_hidden_layers"], 0),
+        "quantized_layers": result.quantized_layers,
+    }
+
+
 @dataclass(frozen=True)
 class Step:
     name: str  # the row's name
@@ -205,6 +236,7 @@ STEPS = [
     Step("w4 g128 RTN, streamed into a sharded artifact", "rtn", step_rtn),
     Step(f"decoder: load the artifact (CPU), generate {NEW_TOKENS} tokens", "generate", step_generate),
     Step("slimlm plan on the artifact", "plan", step_plan),
+    Step(f"w4 g128 GPTQ of the first {GPTQ_BLOCKS} blocks, offloaded", "gptq", step_gptq),
 ]
 
 
@@ -241,8 +273,16 @@ def markdown(rows: list[dict], options: argparse.Namespace, command: str, machin
         f"| {generate['name']} | {generate['load_seconds']:.1f} (load) | {generate['peak_rss_gb']:.2f} | {generate['tokens_per_s']:.2f} tokens/s ({generate['decode_tokens_per_s']:.2f} decoding), {generate['activations']} activations, decoder weights {generate['decoder_weight_bytes'] / GB:.2f} GB |",
         f"| {plan['name']} | | {plan['peak_rss_gb']:.2f} | weights in the artifact's packing (h200, triton) {plan['plan_stored_layout_weight_bytes'] / GB:.3f} GB: {plan['plan_stored_layout_to_artifact']:.4f}x the artifact's {plan['artifact_weight_bytes'] / GB:.3f} GB; "
         f"in the CPU layouts {plan['plan_cpu_weight_bytes'] / GB:.3f} GB: {plan['plan_cpu_to_decoder']:.4f}x the loaded decoder's, {plan['plan_cpu_to_artifact']:.4f}x the artifact's |",
+        *(gptq_line(row) for row in rows if row["name"] == STEPS[3].name),
         "",
     ]
+
+
+def gptq_line(row: dict) -> str:
+    return (
+        f"| {row['name']} | {row['seconds']:.1f} | {row['peak_rss_gb']:.2f} | {row['quantized_layers']} layers in {row['blocks']} blocks, {row['block_seconds']:.1f} s per block; "
+        f"every block projected at {row['projected_blocks_seconds'] / 3600:.1f} h (16 x 512 tokens, bf16) |"
+    )
 
 
 def main() -> None:
@@ -250,6 +290,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=32, help="decoder layers (32: the real 8B; fewer for a quicker run)")
     parser.add_argument("--workdir", type=Path, default=REPO / "bench" / "runs" / "scale", help="where the checkpoint (reused) and the artifact go")
     parser.add_argument("--quick", action="store_true", help="small shapes (2 layers, hidden 256, vocab 1024): results stay in --workdir")
+    parser.add_argument("--only", nargs="+", choices=[step.key for step in STEPS], default=None, help="run these steps and merge their rows into the last results (the others are kept)")
     parser.add_argument("--step", choices=[step.key for step in STEPS], help=argparse.SUPPRESS)  # a child process's one step
     options = parser.parse_args()
     run = Run(options.workdir, QUICK_SHARD_BYTES if options.quick else DEFAULT_SHARD_BYTES)
@@ -264,7 +305,14 @@ def main() -> None:
     write_checkpoint(run, config)
     from slimlm.checkpoint import Checkpoint
 
-    rows = [measure(step, options, run) for step in STEPS]
+    results = run.workdir / "scale.json" if options.quick else REPO / "bench" / "results" / "scale.json"
+    kept = {row["name"]: row for row in json.loads(results.read_text())["rows"]} if options.only and results.is_file() else {}
+    rows = []
+    for step in STEPS:
+        if options.only is None or step.key in options.only:
+            rows.append(measure(step, options, run))
+        elif step.name in kept:
+            rows.append(kept[step.name])
     rows[0]["checkpoint_weight_bytes"] = Checkpoint(run.checkpoint).weight_bytes()
     generate, plan = rows[1], rows[2]
     plan["decoder_weight_bytes"] = generate["decoder_weight_bytes"]
