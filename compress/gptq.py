@@ -103,9 +103,14 @@ def inverse_hessian_factor(hessian: torch.Tensor, damp: float, name: str) -> tor
     mean_diag = float(hessian.diagonal().mean())
     for attempt in range(4):
         damping = damp * 10**attempt * mean_diag
+        damped = hessian.clone()  # H + damping * I without an identity matrix: an 8B model's down projection has 14336 inputs (1.6 GB a copy)
+        damped.diagonal().add_(damping)
         try:
-            lower = torch.linalg.cholesky(hessian + damping * torch.eye(hessian.shape[0], dtype=hessian.dtype, device=hessian.device))
-            return torch.linalg.cholesky(torch.cholesky_inverse(lower), upper=True)
+            lower = torch.linalg.cholesky(damped)
+            del damped
+            inverse = torch.cholesky_inverse(lower)
+            del lower
+            return torch.linalg.cholesky(inverse, upper=True)
         except torch.linalg.LinAlgError:
             log.warning("%s: Hessian not positive definite at damping %.3g; raising it", name, damping)
     raise SlimlmError(f"{name}: the Hessian stayed singular with damping up to {damp * 1000:g} of its mean diagonal; use more or longer calibration samples")
@@ -117,9 +122,8 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, scheme: QuantSche
     device = weight.device  # every tensor below lives where the weight does (a block on a GPU)
     W = weight.detach().double().clone()
     pruned = W == 0  # exact zeros (a sparsify stage's work) stay zero; their error is spread like any other
-    H = hessian.to(device, torch.float64, copy=True)
+    H = hessian.to(device, torch.float64)  # not copied: only read until it is reordered below
     dead = H.diagonal() == 0  # inputs that were always zero carry no information
-    H[dead, dead] = 1.0
     W[:, dead] = 0.0
     # Group parameters: from the original weights up front when act-order reorders columns (or one
     # group spans the row); otherwise from the updated weights when a group's first column is reached.
@@ -131,7 +135,9 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, scheme: QuantSche
         for g in range(in_features // group):
             _set_group(scales, zeros, g, *group_params(ranges[:, g * group : (g + 1) * group], scheme))
     order = torch.argsort(H.diagonal(), descending=True) if options.act_order else torch.arange(in_features, device=device)
-    W, H, pruned = W[:, order], H[order][:, order], pruned[:, order]
+    W, H, pruned = W[:, order], H[order][:, order], pruned[:, order]  # H: a new matrix, the caller's stays as it was
+    dead = dead[order]
+    H[dead, dead] = 1.0
     any_pruned = bool(pruned.any())
     Hinv = inverse_hessian_factor(H, options.damp, name)
     codes = torch.zeros(out_features, in_features, dtype=torch.uint8, device=device)

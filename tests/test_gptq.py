@@ -114,3 +114,17 @@ def test_clip_search_lowers_gptq_error_on_heavy_tailed_weights():
     plain = output_error(x, weight, gptq_quantize(weight, hessian_of(x), scheme, GPTQOptions(clip_search=False)), scheme)
     clipped = output_error(x, weight, gptq_quantize(weight, hessian_of(x), scheme, GPTQOptions(clip_search=True)), scheme)
     assert clipped < plain
+
+
+def test_the_callers_hessian_is_left_as_it_was():
+    """Layers reading the same inputs share one Hessian (q/k/v): quantizing one must not change
+    what the next one sees, dead inputs included (GPTQ repairs its own reordered copy)."""
+    x = torch.randn(256, 32, generator=torch.Generator().manual_seed(0))
+    x[:, 3] = 0
+    stats = HessianAccumulator(32)
+    stats.add(x)
+    before = stats.hessian.clone()
+    weight = torch.randn(16, 32, generator=torch.Generator().manual_seed(1))
+    first = gptq_quantize(weight, stats.hessian, QuantScheme(bits=4, group_size=16))
+    assert torch.equal(stats.hessian, before)
+    assert torch.equal(gptq_quantize(weight, stats.hessian, QuantScheme(bits=4, group_size=16)).codes, first.codes)
