@@ -54,7 +54,7 @@ class HessianAccumulator:
         total = self.rows + x.shape[0]
         self.hessian *= self.rows / total
         # The product in float32 (fast), the running sum in float64 (it adds many chunks).
-        self.hessian += (2.0 / total) * (x.T @ x).double().to(self.hessian.device)
+        self.hessian += (x.T @ x).double().to(self.hessian.device).mul_(2.0 / total)  # in place: one float64 temporary, not two
         self.abs_mean *= self.rows / total
         self.abs_mean += x.abs().sum(dim=0).double().to(self.abs_mean.device) / total
         self.rows = total
@@ -135,7 +135,7 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, scheme: QuantSche
         for g in range(in_features // group):
             _set_group(scales, zeros, g, *group_params(ranges[:, g * group : (g + 1) * group], scheme))
     order = torch.argsort(H.diagonal(), descending=True) if options.act_order else torch.arange(in_features, device=device)
-    W, H, pruned = W[:, order], H[order][:, order], pruned[:, order]  # H: a new matrix, the caller's stays as it was
+    W, H, pruned = W[:, order], H[order[:, None], order], pruned[:, order]  # H: one new matrix (a single gather), the caller's stays as it was
     dead = dead[order]
     H[dead, dead] = 1.0
     any_pruned = bool(pruned.any())
