@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from slimlm.architecture import decoder_blocks
+from slimlm.architecture import block_index, decoder_blocks
 from slimlm.errors import ConfigError, SlimlmError
 from slimlm.memory import peak_memory
 
@@ -109,7 +109,7 @@ def calibrate_sequentially(
         raise SlimlmError(f"calibration handles Linear layers inside decoder layers; {outside[0]} is outside them: leave it out of this stage's targets (quantize it in a separate rtn stage)")
     with peak_memory(next(model.parameters()).device) as peak:
         captured = capture_layer_inputs(model, samples, chunk_size)
-        last = max(int(name[len(prefix) + 1 :].split(".", 1)[0]) for name in targets) if targets else -1
+        last = max((block_index(name, prefix) for name in targets), default=-1)
         for index, layer in enumerate(tqdm(layers[: last + 1], desc=desc, unit="layer")):  # no block after the last target's needs to run
             blocks.load(f"{prefix}.{index}", layer)
             names = [name for name in targets if name.startswith(f"{prefix}.{index}.")]

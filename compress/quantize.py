@@ -9,6 +9,7 @@ set, each layer's bit width is chosen from `candidate_bits` to meet that average
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -134,7 +135,7 @@ def run(state: RunState, params: QuantizeParams) -> None:
     if inside and rounded:
         log.info("%d layer(s) outside the decoder layers (%s) are rounded with RTN", len(rounded), ", ".join(rounded[:3]))
     for name in tqdm(rounded, desc="quantize rtn", unit="layer", disable=not rounded):
-        scheme = QuantScheme(**{**schemes[name].to_dict(), "method": "rtn"})
+        scheme = dataclasses.replace(schemes[name], method="rtn")
         replace(name, quantize_rtn(state.model.get_submodule(name).weight, scheme), scheme)
     section["seconds"] = round(time.perf_counter() - started, 2)
     state.sections.setdefault("quantization", []).append({**section, "weight_rel_error": errors})
@@ -175,7 +176,7 @@ class CalibratedQuantizer:
             self.hessians.pop(name, None)
             if name not in seen:
                 self.unseen.append(name)
-                rounded = QuantScheme(**{**self.schemes[name].to_dict(), "method": "rtn"})
+                rounded = dataclasses.replace(self.schemes[name], method="rtn")
                 self.replace(name, quantize_rtn(self.model.get_submodule(name).weight, rounded), rounded)
 
     def _gptq(self, names: list[str]) -> None:

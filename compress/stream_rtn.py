@@ -14,6 +14,7 @@ QuantLinear layers in place, from the same code that loading uses (install_quant
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -41,7 +42,7 @@ def stream_rtn(checkpoint_dir: Path, out_dir: Path, scheme: QuantScheme, targets
     checkpoint_dir = Path(checkpoint_dir)
     checkpoint, skeleton = open_checkpoint(checkpoint_dir)
     split_experts(skeleton)  # per-expert Linear layers, named as MoE checkpoints store them (and as loading builds them)
-    scheme = QuantScheme(**{**scheme.to_dict(), "method": "rtn"})
+    scheme = dataclasses.replace(scheme, method="rtn")
     names = select_linear_modules(skeleton, targets, ignore)
     for name in names:
         problem = scheme.shape_problem(skeleton.get_submodule(name).in_features)

@@ -149,11 +149,10 @@ def decoder_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
     raise SlimlmError(f"{type(model).__name__} has no list of {layers} decoder blocks; slimlm's layer-by-layer stages need one")
 
 
-def block_of(name: str, prefix: str) -> str:
-    """The decoder block a module belongs to: ('model.layers.3.self_attn.q_proj', 'model.layers')
-    -> 'model.layers.3'."""
-    index = name[len(prefix) + 1 :].split(".", 1)[0]
-    return f"{prefix}.{index}"
+def block_index(name: str, prefix: str) -> int:
+    """The index of the decoder block a module belongs to: ('model.layers.3.self_attn.q_proj',
+    'model.layers') -> 3."""
+    return int(name[len(prefix) + 1 :].split(".", 1)[0])
 
 
 def model_type(model: Any) -> Optional[str]:
