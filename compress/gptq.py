@@ -43,6 +43,8 @@ class HessianAccumulator:
     """Running H = 2/n sum x x^T over every input row a Linear layer sees, and the mean |x| of
     each input feature (AWQ's activation statistic)."""
 
+    BAND = 2048  # rows of H computed per product
+
     def __init__(self, in_features: int, device: torch.device = torch.device("cpu")):
         # on the inputs' device: a GPU calibration keeps its statistics next to the block
         self.hessian = torch.zeros(in_features, in_features, dtype=torch.float64, device=device)
@@ -53,8 +55,11 @@ class HessianAccumulator:
         x = calibration_rows(inputs)
         total = self.rows + x.shape[0]
         self.hessian *= self.rows / total
-        # The product in float32 (fast), the running sum in float64 (it adds many chunks).
-        self.hessian += (x.T @ x).double().to(self.hessian.device).mul_(2.0 / total)  # in place: one float64 temporary, not two
+        # The product in float32 (fast), the running sum in float64 (it adds many chunks); a band of
+        # rows at a time, so the temporaries stay small beside an 8B down projection's 1.6 GB H.
+        for start in range(0, x.shape[1], self.BAND):
+            band = x[:, start : start + self.BAND].T @ x
+            self.hessian[start : start + self.BAND] += band.double().to(self.hessian.device).mul_(2.0 / total)
         self.abs_mean *= self.rows / total
         self.abs_mean += x.abs().sum(dim=0).double().to(self.abs_mean.device) / total
         self.rows = total
@@ -97,32 +102,48 @@ class LayerInputStatistics(dict):
         statistics.add(inputs)
         self._last = (inputs, statistics)
 
+    def take_hessian(self, name: str) -> torch.Tensor:
+        """`name`'s Hessian for a consumer that overwrites it (gptq_quantize): the accumulator's own
+        tensor when no other layer shares it, a copy while one still does. Nothing here keeps
+        it, or the last inputs seen, alive afterwards."""
+        statistics = self.pop(name)
+        self._last = (None, None)
+        shared = any(other is statistics for other in self.values())
+        return statistics.hessian.clone() if shared else statistics.hessian
 
-def inverse_hessian_factor(hessian: torch.Tensor, damp: float, name: str) -> torch.Tensor:
-    """Upper Cholesky factor of H^-1, raising the damping tenfold (up to 3 times) if H is singular."""
-    mean_diag = float(hessian.diagonal().mean())
+
+def inverse_hessian_factor(H: torch.Tensor, damp: float, name: str) -> torch.Tensor:
+    """Upper Cholesky factor of H^-1, written over H: an 8B model's down projection has 14336
+    inputs (1.6 GB a float64 copy), so the work holds H and one temporary, never more. Raises
+    the damping tenfold (up to 3 times) if H is singular."""
+    mean_diag = float(H.diagonal().mean())
+    added = 0.0
     for attempt in range(4):
         damping = damp * 10**attempt * mean_diag
-        damped = hessian.clone()  # H + damping * I without an identity matrix: an 8B model's down projection has 14336 inputs (1.6 GB a copy)
-        damped.diagonal().add_(damping)
-        try:
-            lower = torch.linalg.cholesky(damped)
-            del damped
-            inverse = torch.cholesky_inverse(lower)
+        H.diagonal().add_(damping - added)  # H + damping * I without an identity matrix
+        added = damping
+        lower, info = torch.linalg.cholesky_ex(H)
+        if int(info) == 0:
+            torch.cholesky_inverse(lower, out=H)
             del lower
-            return torch.linalg.cholesky(inverse, upper=True)
-        except torch.linalg.LinAlgError:
-            log.warning("%s: Hessian not positive definite at damping %.3g; raising it", name, damping)
+            try:
+                return torch.linalg.cholesky(H, upper=True, out=H)
+            except torch.linalg.LinAlgError as error:
+                raise SlimlmError(f"{name}: the inverse Hessian is not positive definite at damping {damping:.3g}; raise quantize.damp") from error
+        del lower
+        log.warning("%s: Hessian not positive definite at damping %.3g; raising it", name, damping)
     raise SlimlmError(f"{name}: the Hessian stayed singular with damping up to {damp * 1000:g} of its mean diagonal; use more or longer calibration samples")
 
 
 def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, scheme: QuantScheme, options: GPTQOptions = GPTQOptions(), name: str = "layer") -> QuantizedWeight:
+    """`weight` quantized by GPTQ against `hessian`, which it overwrites when it is float64 on the
+    weight's device (pass a copy to keep it; LayerInputStatistics.take_hessian decides)."""
     out_features, in_features = weight.shape
     group = scheme.group_size or in_features
     device = weight.device  # every tensor below lives where the weight does (a block on a GPU)
     W = weight.detach().double().clone()
     pruned = W == 0  # exact zeros (a sparsify stage's work) stay zero; their error is spread like any other
-    H = hessian.to(device, torch.float64)  # not copied: only read until it is reordered below
+    H = hessian.to(device, torch.float64)  # consumed: reordered and factorized in place
     dead = H.diagonal() == 0  # inputs that were always zero carry no information
     W[:, dead] = 0.0
     # Group parameters: from the original weights up front when act-order reorders columns (or one
@@ -134,9 +155,11 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, scheme: QuantSche
         ranges = search_clip(W, scheme, H) if options.clip_search else W
         for g in range(in_features // group):
             _set_group(scales, zeros, g, *group_params(ranges[:, g * group : (g + 1) * group], scheme))
-    order = torch.argsort(H.diagonal(), descending=True) if options.act_order else torch.arange(in_features, device=device)
-    W, H, pruned = W[:, order], H[order[:, None], order], pruned[:, order]  # H: one new matrix (a single gather), the caller's stays as it was
-    dead = dead[order]
+    order = torch.arange(in_features, device=device)
+    if options.act_order:
+        order = torch.argsort(H.diagonal(), descending=True)
+        W, pruned, dead = W[:, order], pruned[:, order], dead[order]
+        H.copy_(H[order[:, None], order])  # one temporary (a single gather), then H in the new order
     H[dead, dead] = 1.0
     any_pruned = bool(pruned.any())
     Hinv = inverse_hessian_factor(H, options.damp, name)

@@ -31,17 +31,22 @@ from slimlm.qlinear import QuantLinear, QuantScheme, set_submodule
 @dataclass
 class CheckpointBlocks:
     """Loads each decoder block from the checkpoint before its turn and, once it is quantized,
-    hands it to `on_block` and frees it; times each block."""
+    hands it to `on_block` and frees it; times each block. What ran before the blocks (the
+    input embedding, 1 GB in an 8B model) is freed when the first block loads: the blocks'
+    inputs are captured by then."""
 
     checkpoint: Checkpoint
     device: torch.device
     dtype: Optional[torch.dtype]
     on_block: Callable[[str, nn.Module], None]
+    before_blocks: list[nn.Module] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)
     _started: float = 0.0
 
     def load(self, name: str, block: nn.Module) -> None:
         self._started = time.perf_counter()
+        while self.before_blocks:
+            self.checkpoint.release(self.before_blocks.pop())
         self.checkpoint.materialize(block, f"{name}.", self.device, self.dtype)
 
     def release(self, name: str, block: nn.Module) -> None:
@@ -73,7 +78,7 @@ def quantize_checkpoint(
     checkpoint, model = open_checkpoint(directory, dtype)
     split_experts(model)  # per-expert Linear layers, as Qwen3-MoE and OLMoE checkpoints store them
     prefix, _ = decoder_blocks(model)
-    materialize_outside_blocks(checkpoint, model, prefix, device)
+    before_blocks = materialize_outside_blocks(checkpoint, model, prefix, device)
     names = [name for name in select_linear_modules(model, params.targets, params.ignore) if name.startswith(prefix + ".")]
     schemes = {name: params.scheme for name in names}
     check_shapes(model, names, params.scheme)
@@ -83,17 +88,20 @@ def quantize_checkpoint(
         set_submodule(model, name, QuantLinear.from_codes(quantized.codes, quantized.scales, quantized.zeros, scheme, linear.bias))
 
     quantizer = CalibratedQuantizer(model, params, schemes, replace)
-    blocks = CheckpointBlocks(checkpoint, device, dtype, on_block)
+    blocks = CheckpointBlocks(checkpoint, device, dtype, on_block, before_blocks)
     peak = calibrate_sequentially(model, samples, names, quantizer.hessians.observe, quantizer, desc=f"{params.method} {describe_bits(schemes)} (offloaded)", blocks=blocks)
     return OffloadedCalibration(block_seconds=blocks.seconds, peak_memory_bytes=peak, quantized_layers=len(names), report=quantizer.report())
 
 
-def materialize_outside_blocks(checkpoint: Checkpoint, model: nn.Module, prefix: str, device: torch.device) -> None:
+def materialize_outside_blocks(checkpoint: Checkpoint, model: nn.Module, prefix: str, device: torch.device) -> list[nn.Module]:
     """Read every module outside the blocks (embeddings, rotary frequencies, the final norm)
-    except the LM head, which calibration never reaches."""
+    except the LM head, which calibration never reaches; returns them."""
     head = model.get_output_embeddings()
+    read = []
     for name, module in model.named_modules():
         inside = name == prefix or name.startswith(prefix + ".") or module is head
         owns = any(True for _ in module.parameters(recurse=False)) or any(True for _ in module.buffers(recurse=False))
         if owns and not inside:
             checkpoint.materialize(module, f"{name}.", device)
+            read.append(module)
+    return read

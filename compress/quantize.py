@@ -184,7 +184,7 @@ class CalibratedQuantizer:
         options = GPTQOptions(damp=params.damp, block_size=params.block_size, act_order=params.act_order, clip_search=params.clip_search)
         for name in names:
             weight = self.model.get_submodule(name).weight
-            self.replace(name, gptq_quantize(weight, self.hessians[name].hessian, self.schemes[name], options, name), self.schemes[name])
+            self.replace(name, gptq_quantize(weight, self.hessians.take_hessian(name), self.schemes[name], options, name), self.schemes[name])
 
     def _awq(self, block: str, names: list[str]) -> None:
         params = self.params

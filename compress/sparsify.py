@@ -121,14 +121,14 @@ def run_calibrated(state: RunState, params: SparsifyParams, names: list[str], pa
         layer_pattern = SparsityPattern(ratio=ratios[block]) if ratios else pattern
         for name in layer_names:
             weight = state.model.get_submodule(name).weight
-            seen = statistics.pop(name, None)  # accumulated on the CPU in float64
-            if seen is None:  # an expert no calibration token was routed to: magnitude decides
+            if name not in statistics:  # an expert no calibration token was routed to: magnitude decides
                 unseen.append(name)
                 prune_in_place(weight, magnitude_mask(weight, layer_pattern))
             elif wanda:
-                prune_in_place(weight, wanda_mask(weight, seen.sums.to(weight.device), layer_pattern))
+                prune_in_place(weight, wanda_mask(weight, statistics.pop(name).sums.to(weight.device), layer_pattern))
             else:
-                weight.copy_(sparsegpt_prune(weight, seen.hessian.to(weight.device), layer_pattern, params.block_size, params.damp, name).to(weight.dtype))
+                hessian = statistics.take_hessian(name).to(weight.device)
+                weight.copy_(sparsegpt_prune(weight, hessian, layer_pattern, params.block_size, params.damp, name).to(weight.dtype))
 
     peak = calibrate_sequentially(state.model, samples, names, statistics.observe, finish_layer, desc=params.label)
     result = {"calibration_tokens": samples.numel(), "samples": params.samples, "seq_len": params.seq_len, "calibration_peak_memory_bytes": peak}

@@ -3,6 +3,7 @@ import torch
 
 from slimlm.architecture import LLAMA
 from slimlm.compress.awq import AWQOptions, awq_quantize_layer, search_scale
+from slimlm.compress import clipping
 from slimlm.compress.clipping import output_error, search_clip
 from slimlm.compress.gptq import HessianAccumulator
 from slimlm.compress.rtn import fake_quantize
@@ -62,6 +63,15 @@ def test_clipping_never_increases_a_groups_error_and_helps_on_outlier_weights():
     clipped = search_clip(weight, SCHEME, hessian)
     assert measured_error(x, weight, fake_quantize(clipped, SCHEME)) < measured_error(x, weight, fake_quantize(weight, SCHEME))
     assert (clipped.abs() <= weight.abs() + 1e-6).all()
+
+
+def test_clipping_searched_in_bands_of_rows_equals_one_search(monkeypatch):
+    x = torch.randn(512, 64, generator=torch.Generator().manual_seed(3))
+    weight = torch.randn(40, 64, generator=torch.Generator().manual_seed(4))
+    hessian = stats_of(x).hessian.float()
+    whole = search_clip(weight, SCHEME, hessian)
+    monkeypatch.setattr(clipping, "ROWS", 16)  # bands of 16, 16 and 8 rows
+    torch.testing.assert_close(search_clip(weight, SCHEME, hessian), whole, rtol=0, atol=1e-6)
 
 
 def test_awq_layer_quantizes_every_layer_and_reports_scaled_mappings():

@@ -27,7 +27,9 @@ def hessian_of(x):
     return accumulator.hessian
 
 
-def test_running_hessian_equals_the_closed_form():
+@pytest.mark.parametrize("band", [HessianAccumulator.BAND, 24], ids=["one-band", "bands-of-24-rows"])
+def test_running_hessian_equals_the_closed_form(band, monkeypatch):
+    monkeypatch.setattr(HessianAccumulator, "BAND", band)
     x = correlated_inputs(rows=1000)
     torch.testing.assert_close(hessian_of(x), 2.0 / 1000 * (x.double().T @ x.double()), rtol=1e-5, atol=1e-5)
 
@@ -116,15 +118,19 @@ def test_clip_search_lowers_gptq_error_on_heavy_tailed_weights():
     assert clipped < plain
 
 
-def test_the_callers_hessian_is_left_as_it_was():
-    """Layers reading the same inputs share one Hessian (q/k/v): quantizing one must not change
-    what the next one sees, dead inputs included (GPTQ repairs its own reordered copy)."""
+def test_layers_sharing_a_hessian_each_see_it_whole():
+    """Layers reading the same inputs share one Hessian (q/k/v): GPTQ overwrites the Hessian it is
+    given, so quantizing one must not change what the next one sees, dead inputs included."""
     x = torch.randn(256, 32, generator=torch.Generator().manual_seed(0))
     x[:, 3] = 0
-    stats = HessianAccumulator(32)
-    stats.add(x)
-    before = stats.hessian.clone()
+    stats = LayerInputStatistics()
+    for name in ("q", "k"):
+        stats.observe(name, x)
+    before = stats["q"].hessian.clone()
     weight = torch.randn(16, 32, generator=torch.Generator().manual_seed(1))
-    first = gptq_quantize(weight, stats.hessian, QuantScheme(bits=4, group_size=16))
-    assert torch.equal(stats.hessian, before)
-    assert torch.equal(gptq_quantize(weight, stats.hessian, QuantScheme(bits=4, group_size=16)).codes, first.codes)
+    first = gptq_quantize(weight, stats.take_hessian("q"), QuantScheme(bits=4, group_size=16))
+    assert torch.equal(stats["k"].hessian, before)
+    own = stats["k"].hessian
+    last = stats.take_hessian("k")
+    assert last is own and torch.equal(last, before) and not stats  # the last user gets the accumulator's own tensor, no copy
+    assert torch.equal(gptq_quantize(weight, last, QuantScheme(bits=4, group_size=16)).codes, first.codes)
