@@ -122,10 +122,11 @@ def inverse_hessian_factor(H: torch.Tensor, damp: float, name: str) -> torch.Ten
         damping = damp * 10**attempt * mean_diag
         H.diagonal().add_(damping - added)  # H + damping * I without an identity matrix
         added = damping
-        lower, info = torch.linalg.cholesky_ex(H)
+        lower, info = torch.linalg.cholesky_ex(H)  # into a new matrix: H stays whole for a retry
         if int(info) == 0:
-            torch.cholesky_inverse(lower, out=H)
-            del lower
+            H.copy_(lower)  # H is no longer needed: its memory takes the factor, and each step
+            del lower  # below needs one temporary at most
+            torch.cholesky_inverse(H, out=H)
             try:
                 return torch.linalg.cholesky(H, upper=True, out=H)
             except torch.linalg.LinAlgError as error:

@@ -2,7 +2,8 @@
 
 Methods: `rtn` (round to nearest, no data), `gptq` and `awq` (calibrated on data.calibration,
 layer by layer; see compress/gptq.py, compress/awq.py and compress/calibration.py). Layers
-outside the decoder layers (the LM head) are rounded with RTN whatever the method. With `bpw`
+outside the decoder layers (the LM head) are rounded with RTN whatever the method; a quantized
+head's untied input embedding is rounded with it, in the head's scheme. With `bpw`
 set, each layer's bit width is chosen from `candidate_bits` to meet that average budget
 (compress/mixed.py).
 """
@@ -18,7 +19,7 @@ from typing import Any, Callable, List, Optional
 import torch
 from tqdm import tqdm
 
-from slimlm.architecture import decoder_blocks, model_type, require_family
+from slimlm.architecture import decoder_blocks, model_type, require_family, untied_table
 from slimlm.compress.awq import AWQOptions, awq_quantize_layer
 from slimlm.compress.calibration import CalibrationParams, calibrate_sequentially, calibration_samples
 from slimlm.compress.gptq import GPTQOptions, LayerInputStatistics, gptq_quantize
@@ -30,7 +31,7 @@ from slimlm.errors import ConfigError, SlimlmError
 from slimlm.memory import peak_memory
 from slimlm.packing import PACKABLE_BITS
 from slimlm.pipeline import RunState, Stage
-from slimlm.qlinear import QuantLinear, QuantScheme, set_submodule, tie_quantized_head
+from slimlm.qlinear import QuantLinear, QuantScheme, QuantTable, embedding_scale, set_submodule, tie_quantized_head
 
 log = logging.getLogger(__name__)
 
@@ -119,11 +120,15 @@ def run(state: RunState, params: QuantizeParams) -> None:
         linear = state.model.get_submodule(name)
         layer = QuantLinear.from_codes(quantized.codes, quantized.scales, quantized.zeros, scheme, linear.bias)
         errors[name] = relative_error(linear.weight, layer.dequantize())
-        tied = linear is state.model.get_output_embeddings() and getattr(state.model.get_input_embeddings(), "weight", None) is linear.weight
+        head = linear is state.model.get_output_embeddings()
+        table = untied_table(state.model) if head else None
+        tied = head and getattr(state.model.get_input_embeddings(), "weight", None) is linear.weight
         set_submodule(state.model, name, layer)
+        state.schemes[name] = scheme.to_dict()
         if tied:
             tie_quantized_head(state.model)
-        state.schemes[name] = scheme.to_dict()
+        elif table is not None:
+            state.schemes[table] = quantize_table(state.model, scheme).to_dict()
 
     inside = []
     if params.method in CALIBRATED:
@@ -139,6 +144,18 @@ def run(state: RunState, params: QuantizeParams) -> None:
         replace(name, quantize_rtn(state.model.get_submodule(name).weight, scheme), scheme)
     section["seconds"] = round(time.perf_counter() - started, 2)
     state.sections.setdefault("quantization", []).append({**section, "weight_rel_error": errors})
+
+
+def quantize_table(model, scheme: QuantScheme) -> QuantScheme:
+    """Round the model's untied input embedding (RTN) in its quantized head's scheme, one row per
+    token: beside an 8-bit head a float table would stay a quarter of a 0.5B model's bytes.
+    Returns the table's scheme."""
+    embedding = model.get_input_embeddings()
+    rounded = dataclasses.replace(scheme, method="rtn")
+    quantized = quantize_rtn(embedding.weight, rounded)
+    layer = QuantLinear.from_codes(quantized.codes, quantized.scales, quantized.zeros, rounded, None)
+    model.set_input_embeddings(QuantTable.holding(layer, embedding.weight.dtype, embedding_scale(embedding)))
+    return rounded
 
 
 def run_calibrated(state: RunState, params: QuantizeParams, schemes: dict[str, QuantScheme], replace: Callable) -> dict:

@@ -21,6 +21,7 @@ from typing import Optional, Sequence
 import torch
 from tqdm import tqdm
 
+from slimlm.architecture import untied_table
 from slimlm.artifact import WEIGHTS_METADATA, ManifestFacts, install_quantized_layers, module_record, save_model_files, unique_state, write_manifest
 from slimlm.checkpoint import Checkpoint, open_checkpoint
 from slimlm.compress.rtn import quantize_rtn
@@ -49,6 +50,11 @@ def stream_rtn(checkpoint_dir: Path, out_dir: Path, scheme: QuantScheme, targets
         if problem:
             raise SlimlmError(f"cannot quantize {name}: {problem}; change the group size or add the layer to the ignore patterns")
     records = {name: {**scheme.to_dict(), "shape": [skeleton.get_submodule(name).out_features, skeleton.get_submodule(name).in_features]} for name in names}
+    table = untied_table(skeleton)
+    if table is not None and any(skeleton.get_submodule(name) is skeleton.get_output_embeddings() for name in names):
+        embedding = skeleton.get_submodule(table)  # rounded with its head, as compress/quantize.py does
+        records[table] = {**scheme.to_dict(), "shape": [embedding.num_embeddings, embedding.embedding_dim]}
+        names.append(table)
     with torch.device("meta"):
         install_quantized_layers(skeleton, records, bool(getattr(skeleton.config, "tie_word_embeddings", False)), checkpoint_dir)
     tokenizer, generation_config = _tokenizer_and_generation_config(checkpoint_dir)

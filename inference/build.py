@@ -17,7 +17,7 @@ from slimlm.errors import SlimlmError
 from slimlm.inference.linear import GPU_INT4_KERNELS, DequantLinear, DenseLinear, build_linear, fuse
 from slimlm.inference.model import Attention, Block, FeedForward, ModelArgs, Transformer
 from slimlm.inference.streaming import HostBlock, HostEmbedding, LayerStreamer, Placement, streamed_layers, to_host
-from slimlm.qlinear import QuantEmbedding, QuantLinear
+from slimlm.qlinear import QuantEmbedding, QuantLinear, QuantTable
 
 
 class RowEmbedding(nn.Module):
@@ -100,6 +100,8 @@ class DecoderParts:
         source_embedding = model.get_input_embeddings()
         if isinstance(source_embedding, QuantEmbedding):  # tied to the quantized head
             table = output if hasattr(output, "rows") else DequantLinear(source_embedding.head, dtype, device)
+        elif isinstance(source_embedding, QuantTable):  # untied, quantized: its codes, read by rows
+            table = DequantLinear(source_embedding, dtype, device)
         elif self.args.tie_embeddings and isinstance(output, DenseLinear):
             table = output
         elif self.placement.table_on_host:

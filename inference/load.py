@@ -21,6 +21,7 @@ from slimlm.errors import SlimlmError
 from slimlm.inference.build import DecoderParts
 from slimlm.inference.model import Transformer
 from slimlm.inference.streaming import Placement
+from slimlm.qlinear import QuantTable
 
 
 def load_decoder(path: Path, dtype: Optional[torch.dtype] = torch.bfloat16, device: Optional[torch.device] = None, kernels: bool = True, int8_activations: bool = False, gpu_int4: str = "tinygemm", placement: Placement = Placement()) -> tuple[Transformer, dict]:
@@ -53,7 +54,7 @@ def load_decoder(path: Path, dtype: Optional[torch.dtype] = torch.bfloat16, devi
     head_stored = any(key.startswith("lm_head.") for key in keys)
     if head_stored:
         fill(head, "lm_head.")
-    if isinstance(embedding, nn.Embedding):
+    if isinstance(embedding, (nn.Embedding, QuantTable)):  # not a tied quantized head's view (QuantEmbedding)
         fill(embedding, "model.embed_tokens.")
         if not head_stored:  # tied float head: the embedding's table
             head.weight = embedding.weight

@@ -155,6 +155,7 @@ class Plan:
 
 
 FUSED = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",), ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",))
+TABLE = "model.embed_tokens"  # an untied input embedding quantized with its head (compress/quantize.py)
 
 
 def tile_columns(outs: list[int], ranks: list[int]) -> int:
@@ -228,8 +229,9 @@ def budget(args: ModelArgs, schemes: dict[str, QuantScheme], hardware: Hardware,
     head_scheme = schemes.get("lm_head")
     head = linear_bytes(args.vocab_size, args.dim, head_scheme, act_bytes, matvec, int8_kernels)
     head += adapter_bytes([(args.vocab_size, args.dim)], [head_scheme], [adapter_ranks.get("lm_head", 0)], adapter_element, int8_kernels)
+    table_scheme = schemes.get(TABLE)
     if not args.tie_embeddings:
-        table = args.vocab_size * args.dim * act_bytes
+        table = args.vocab_size * args.dim * act_bytes if table_scheme is None else packed_bytes(args.vocab_size, args.dim, table_scheme)  # a quantized table keeps its stored packing
     elif int8_kernels and cpu_kernels.fits(head_scheme, args.vocab_size, args.dim):
         table = 0
     elif matvec and matvec_fits(head_scheme, args.dim):
@@ -260,7 +262,7 @@ def make_plan(args: ModelArgs, schemes: dict[str, QuantScheme], hardware: Hardwa
         raise SlimlmError(f"context ({context}) and batch ({batch}) must be at least 1")
     if context > args.max_position_embeddings:
         raise SlimlmError(f"a context of {context} is longer than the model's {args.max_position_embeddings}")
-    host_table = hardware.device == "cuda" and not args.tie_embeddings
+    host_table = hardware.device == "cuda" and not args.tie_embeddings and TABLE not in schemes  # a quantized table is small: on the device
     table_note = ["the embedding table stays in host memory (one row per token is copied over): run with --embedding-on-host"] if host_table else []
 
     def plans_at(length: int) -> list[Plan]:

@@ -162,3 +162,14 @@ def model_type(model: Any) -> Optional[str]:
         return None
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     return getattr(text, "model_type", None)
+
+
+def untied_table(model: nn.Module) -> Optional[str]:
+    """The name of the model's input embedding when it is a float table of its own (not tied to
+    the LM head): the table that quantizing the head quantizes too (compress/quantize.py)."""
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if type(embedding).forward is not nn.Embedding.forward and not hasattr(embedding, "scalar_embed_scale"):
+        return None  # an embedding that does more than look rows up (and scale them, as Gemma's does)
+    if not isinstance(embedding, nn.Embedding) or getattr(head, "weight", None) is embedding.weight or getattr(model.config, "tie_word_embeddings", False):
+        return None
+    return next(name for name, module in model.named_modules() if module is embedding)

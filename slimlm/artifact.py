@@ -33,11 +33,12 @@ from typing import Any, Optional
 import torch
 
 from slimlm import __version__
+from slimlm.architecture import untied_table
 from slimlm.checkpoint import Checkpoint
 from slimlm.errors import SlimlmError
 from slimlm.experts import split_experts
 from slimlm.packing import PACKABLE_BITS
-from slimlm.qlinear import QuantLinear, QuantScheme, set_submodule, tie_quantized_head
+from slimlm.qlinear import QuantLinear, QuantScheme, QuantTable, embedding_scale, set_submodule, tie_quantized_head
 from slimlm.resources import read_json_object, sha256_file
 from slimlm.rundir import staged_directory
 from slimlm.shards import DEFAULT_SHARD_BYTES, SINGLE, TensorSpec, write_weights
@@ -321,18 +322,25 @@ def model_skeleton(path: Path, manifest: dict, meta: bool = False):
 
 def install_quantized_layers(model, modules: dict[str, dict], tied: bool, path: Path) -> None:
     """Replace each Linear that `modules` (manifest records) names by an empty QuantLinear of its
-    scheme, on the current default device; a tied quantized head lends the embedding its codes."""
+    scheme, and an untied input embedding it names by a QuantTable, on the current default
+    device; a tied quantized head lends the embedding its codes."""
+    table_name = untied_table(model)
     for name, record in modules.items():
         try:
-            linear = model.get_submodule(name)
+            module = model.get_submodule(name)
         except AttributeError:
             raise SlimlmError(f"artifact '{path}' names module '{name}', which its config.json does not have") from None
-        shape = record.get("shape", [linear.out_features, linear.in_features])  # format 2 did not record shapes
-        if list(shape) != [linear.out_features, linear.in_features]:
-            raise SlimlmError(f"artifact '{path}': manifest gives {name} the shape {list(shape)}, config.json gives {[linear.out_features, linear.in_features]}; re-export the artifact")
+        table = name == table_name
+        in_features, out_features = (module.embedding_dim, module.num_embeddings) if table else (module.in_features, module.out_features)
+        shape = record.get("shape", [out_features, in_features])  # format 2 did not record shapes
+        if list(shape) != [out_features, in_features]:
+            raise SlimlmError(f"artifact '{path}': manifest gives {name} the shape {list(shape)}, config.json gives {[out_features, in_features]}; re-export the artifact")
         if record.get("packing", PACKING) != PACKING:
             raise SlimlmError(f"artifact '{path}': {name} is packed as '{record['packing']}', which this slimlm does not read (it reads '{PACKING}')")
-        layer = QuantLinear(linear.in_features, linear.out_features, scheme_of(record), bias=linear.bias is not None, adapter_rank=record.get("adapter_rank", 0))
+        if table:
+            layer = QuantTable(in_features, out_features, scheme_of(record), module.weight.dtype, embedding_scale(module))
+        else:
+            layer = QuantLinear(in_features, out_features, scheme_of(record), bias=module.bias is not None, adapter_rank=record.get("adapter_rank", 0))
         set_submodule(model, name, layer)
     if tied and isinstance(model.get_output_embeddings(), QuantLinear):
         tie_quantized_head(model)  # the embedding reads the head's codes; nothing of its own to load

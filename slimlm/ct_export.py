@@ -26,7 +26,7 @@ from torch import nn
 from slimlm.errors import SlimlmError
 from slimlm.hf_export import plain_tensors
 from slimlm.models import DTYPES
-from slimlm.qlinear import QuantEmbedding, QuantLinear, QuantScheme
+from slimlm.qlinear import QuantEmbedding, QuantLinear, QuantScheme, QuantTable
 from slimlm.rundir import directory_bytes, staged_directory
 
 CT_FORMAT = "pack-quantized"
@@ -78,7 +78,7 @@ def export_compressed(model: nn.Module, tokenizer: Any, path: Path, dtype: str) 
     """Write `model` as a compressed-tensors checkpoint directory at `path` (atomically)."""
     if dtype not in DTYPES:
         raise SlimlmError(f"unknown dtype '{dtype}' for the compressed export; choose one of {', '.join(DTYPES)}")
-    quantized = {name: module for name, module in model.named_modules() if isinstance(module, QuantLinear)}
+    quantized = {name: module for name, module in model.named_modules() if isinstance(module, QuantLinear) and not isinstance(module, QuantTable)}
     if not quantized:
         raise SlimlmError("the compressed-tensors export needs a quantized model: add a quantize stage before it (or use export.format=hf)")
     adapted = sorted(name for name, layer in quantized.items() if layer.adapter_rank)
@@ -105,6 +105,8 @@ def export_compressed(model: nn.Module, tokenizer: Any, path: Path, dtype: str) 
     if isinstance(embedding, QuantEmbedding):
         tensors[f"{names[embedding]}.weight"] = embedding.head.dequantize(torch_dtype).contiguous()
         config["tie_word_embeddings"] = False
+    elif isinstance(embedding, QuantTable):  # compressed-tensors quantizes Linear layers only: the table goes dequantized
+        tensors[f"{names[embedding]}.weight"] = embedding.dequantize(torch_dtype).contiguous()
     elif config.get("tie_word_embeddings"):  # transformers ties the plain head to the embedding again
         tensors.pop(f"{names[model.get_output_embeddings()]}.weight", None)
     ignore = [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]

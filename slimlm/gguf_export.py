@@ -38,7 +38,7 @@ from torch import nn
 from slimlm.errors import SlimlmError
 from slimlm.gguf_families import FAMILIES, Family, family_of, write_hyperparameters
 from slimlm.gguf_tokenizer import write_tokenizer
-from slimlm.qlinear import QuantEmbedding, QuantLinear, QuantScheme
+from slimlm.qlinear import QuantEmbedding, QuantLinear, QuantScheme, QuantTable
 
 GGUF_TYPES = ("F32", "F16", "Q8_0", "Q4_0", "Q4_1")
 BLOCK = 32
@@ -175,8 +175,8 @@ def _named_tensors(model: nn.Module):
     head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
     head_weight, table = getattr(head, "weight", None), getattr(embedding, "weight", None)
     same_values = isinstance(head_weight, torch.Tensor) and isinstance(table, torch.Tensor) and head_weight.shape == table.shape and torch.equal(head_weight, table)
-    tied = isinstance(embedding, QuantEmbedding) or head_weight is table or same_values
-    yield "model.embed_tokens.weight", head if isinstance(embedding, QuantEmbedding) else embedding.weight
+    tied = isinstance(embedding, QuantEmbedding) or (head_weight is not None and head_weight is table) or same_values
+    yield "model.embed_tokens.weight", head if isinstance(embedding, QuantEmbedding) else embedding if isinstance(embedding, QuantTable) else embedding.weight
     for name, module in model.named_modules():
         if module is head or module is embedding:
             continue

@@ -142,6 +142,22 @@ class QuantLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bits={s.bits}, group_size={s.group_size}, symmetric={s.symmetric}, method={s.method}{adapter}"
 
 
+def embedding_scale(embedding: nn.Module) -> float:
+    """The factor an input embedding multiplies its rows by (Gemma's sqrt(hidden)); 1 for most."""
+    if isinstance(embedding, (QuantEmbedding, QuantTable)):
+        return embedding.scale
+    return float(getattr(embedding, "scalar_embed_scale", 1.0))
+
+
+def lookup_rows(table: QuantLinear, input_ids: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """Token vectors from a quantized [vocab, hidden] table: only the rows asked for are
+    dequantized, then scaled as the embedding they replace did (in `dtype`, as transformers does)."""
+    vectors = table.dequantize(dtype, rows=input_ids.reshape(-1))
+    if scale != 1.0:
+        vectors = vectors * torch.tensor(scale, dtype=dtype)
+    return vectors.view(*input_ids.shape, table.in_features)
+
+
 class QuantEmbedding(nn.Module):
     """The token embedding of a model whose embedding is tied to its quantized LM head.
 
@@ -150,29 +166,55 @@ class QuantEmbedding(nn.Module):
     its tensors stay stored, saved and moved to a device once, under the head's name.
     """
 
-    def __init__(self, head: QuantLinear, dtype: torch.dtype):
+    def __init__(self, head: QuantLinear, dtype: torch.dtype, scale: float = 1.0):
         super().__init__()
         self._head = (head,)
         self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
         self.dtype = dtype
+        self.scale = scale
 
     @property
     def head(self) -> QuantLinear:
         return self._head[0]
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        vectors = self.head.dequantize(self.dtype, rows=input_ids.reshape(-1))
-        return vectors.view(*input_ids.shape, self.embedding_dim)
+        return lookup_rows(self.head, input_ids, self.dtype, self.scale)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, tied to the quantized LM head ({self.head.scheme.bits}-bit)"
+
+
+class QuantTable(QuantLinear):
+    """An untied token embedding, quantized: its [vocab, hidden] table stored as a QuantLinear's
+    codes and scales (a row per token, a scale per row or group), so the artifact, the size
+    report and the exports treat it as one more quantized matrix. Called by transformers as the
+    model's input embedding, it dequantizes just the rows of the tokens it is given."""
+
+    def __init__(self, in_features: int, out_features: int, scheme: QuantScheme, dtype: torch.dtype = torch.float32, scale: float = 1.0):
+        super().__init__(in_features, out_features, scheme)
+        self.num_embeddings, self.embedding_dim = out_features, in_features
+        self.dtype = dtype
+        self.scale = scale
+
+    @classmethod
+    def holding(cls, layer: QuantLinear, dtype: torch.dtype, scale: float) -> "QuantTable":
+        """A table holding `layer`'s codes and scales (not copied)."""
+        table = cls(layer.in_features, layer.out_features, layer.scheme, dtype, scale).to(layer.qweight.device)
+        table.qweight, table.scales, table.zeros = layer.qweight, layer.scales, layer.zeros
+        return table
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return lookup_rows(self, input_ids, self.dtype, self.scale)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, quantized embedding ({self.scheme.bits}-bit, group_size={self.scheme.group_size})"
 
 
 def tie_quantized_head(model: nn.Module) -> None:
     """Point a tied model's input embedding at its quantized LM head (see QuantEmbedding)."""
     head = model.get_output_embeddings()
     dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
-    model.set_input_embeddings(QuantEmbedding(head, dtype))
+    model.set_input_embeddings(QuantEmbedding(head, dtype, embedding_scale(model.get_input_embeddings())))
 
 
 def set_submodule(root: nn.Module, name: str, module: nn.Module) -> None:
