@@ -8,7 +8,7 @@ it will really see, and memory holds one layer's activations, not the whole mode
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -18,7 +18,7 @@ from slimlm.architecture import block_index, decoder_blocks
 from slimlm.errors import ConfigError, SlimlmError
 from slimlm.memory import peak_memory
 
-Captured = list[tuple[torch.Tensor, dict[str, Any]]]  # per chunk: hidden states and the layer's other arguments
+Captured = list[tuple[torch.Tensor, dict[str, Any]]]  # per chunk: one layer's hidden states and its other arguments
 
 
 @dataclass
@@ -58,21 +58,57 @@ class ResidentBlocks:
 
 
 class _Stop(Exception):
-    """Raised by the capture hook: nothing after the first decoder layer needs to run."""
+    """Raised by the last layer's stand-in: nothing after the decoder layers needs to run."""
+
+
+@dataclass
+class LayerInputs:
+    """What the model gives its decoder layers, chunk by chunk: the first layer's hidden states,
+    and each layer's other arguments. Those differ between layers of different kinds: Gemma 3's
+    sliding-window layers get a banded mask and local rotary tables, its global layers others."""
+
+    hidden: list[torch.Tensor]  # per chunk
+    arguments: list[list[dict[str, Any]]]  # [layer][chunk]
+
+    def of_layer(self, index: int, hidden: list[torch.Tensor]) -> Captured:
+        """Layer `index`'s inputs: `hidden` (per chunk) with that layer's own arguments."""
+        return list(zip(hidden, self.arguments[index]))
+
+
+class _ArgumentRecorder(nn.Module):
+    """Stands in for a decoder layer while inputs are captured: records what the model passes
+    it and hands the hidden states on unchanged; the last one stops the forward pass."""
+
+    def __init__(self, layer: nn.Module, record: list, last: bool):
+        super().__init__()
+        self.record, self.last = record, last
+        self._layer = (layer,)  # not a submodule
+
+    def __getattr__(self, name: str):
+        """What the model's loop reads from its layers besides calling them (a layer's kind, say)."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.__dict__["_layer"][0], name)
+
+    def forward(self, *args, **kwargs):
+        hidden = args[0] if args else kwargs.pop("hidden_states")
+        self.record.append((hidden, kwargs))
+        if self.last:
+            raise _Stop
+        return hidden
 
 
 @torch.no_grad()
-def capture_layer_inputs(model: nn.Module, samples: torch.Tensor, chunk_size: int) -> Captured:
-    """Inputs (hidden states and keyword arguments) of the first decoder layer, chunk by chunk."""
+def capture_layer_inputs(model: nn.Module, samples: torch.Tensor, chunk_size: int) -> LayerInputs:
+    """The decoder layers' inputs for `samples`, chunk by chunk, from the model's own forward
+    pass with every layer replaced by a recorder (no layer runs: an offloaded model's blocks
+    may not even be in memory yet)."""
     _, layers = decoder_blocks(model)
-    captured: Captured = []
-
-    def hook(module, args, kwargs):
-        hidden = args[0] if args else kwargs.pop("hidden_states")
-        captured.append((hidden, dict(kwargs)))
-        raise _Stop
-
-    handle = layers[0].register_forward_pre_hook(hook, with_kwargs=True)
+    originals = list(layers)
+    records: list[list] = [[] for _ in originals]
+    for index in range(len(originals)):
+        layers[index] = _ArgumentRecorder(originals[index], records[index], last=index == len(originals) - 1)
     try:
         device = next(model.parameters()).device
         for chunk in samples.split(chunk_size):
@@ -81,8 +117,9 @@ def capture_layer_inputs(model: nn.Module, samples: torch.Tensor, chunk_size: in
             except _Stop:
                 pass
     finally:
-        handle.remove()
-    return captured
+        for index, layer in enumerate(originals):
+            layers[index] = layer
+    return LayerInputs(hidden=[hidden for hidden, _ in records[0]], arguments=[[kwargs for _, kwargs in record] for record in records])
 
 
 @torch.no_grad()
@@ -108,7 +145,8 @@ def calibrate_sequentially(
     if outside:
         raise SlimlmError(f"calibration handles Linear layers inside decoder layers; {outside[0]} is outside them: leave it out of this stage's targets (quantize it in a separate rtn stage)")
     with peak_memory(next(model.parameters()).device) as peak:
-        captured = capture_layer_inputs(model, samples, chunk_size)
+        inputs = capture_layer_inputs(model, samples, chunk_size)
+        hidden = inputs.hidden
         last = max((block_index(name, prefix) for name in targets), default=-1)
         for index, layer in enumerate(tqdm(layers[: last + 1], desc=desc, unit="layer")):  # no block after the last target's needs to run
             blocks.load(f"{prefix}.{index}", layer)
@@ -116,12 +154,12 @@ def calibrate_sequentially(
             if names:
                 handles = [_observer(model.get_submodule(name), name, observe) for name in names]
                 try:
-                    _run_layer(layer, captured)
+                    run_layer(layer, inputs.of_layer(index, hidden))
                 finally:
                     for handle in handles:
                         handle.remove()
                 finish_layer(f"{prefix}.{index}", names)
-            captured = [(output, kwargs) for output, (_, kwargs) in zip(_run_layer(layer, captured), captured)]
+            hidden = run_layer(layer, inputs.of_layer(index, hidden))
             blocks.release(f"{prefix}.{index}", layer)
     return peak.bytes
 
@@ -130,7 +168,8 @@ def _observer(module: nn.Module, name: str, observe: Callable[[str, torch.Tensor
     return module.register_forward_hook(lambda _module, inputs, _output: observe(name, inputs[0]))
 
 
-def _run_layer(layer: nn.Module, captured: Captured) -> Iterable[torch.Tensor]:
+def run_layer(layer: nn.Module, captured: Captured) -> list[torch.Tensor]:
+    """The layer's output hidden states, chunk by chunk."""
     outputs = []
     for hidden, kwargs in captured:
         output = layer(hidden, **kwargs)

@@ -76,3 +76,22 @@ def test_calibration_windows_are_distinct_seeded_and_checked():
     assert not torch.equal(first, calibration_samples(tokens, 5, 100, seed=2))
     with pytest.raises(SlimlmError, match="fewer than the 11 samples"):
         calibration_samples(tokens, 11, 100, seed=0)
+
+
+@pytest.mark.parametrize("model_type", ["gemma3_text", "qwen3_moe", "llama"])
+def test_the_layer_by_layer_walk_gives_each_layer_its_own_arguments(model_type):
+    """Gemma 3's global layers get another mask and other rotary tables than its sliding-window
+    layers: walking the layers one at a time must reproduce the model's own hidden states."""
+    from slimlm.compress.calibration import capture_layer_inputs, run_layer
+    from tests.tiny_families import build_tiny
+
+    kinds = ["sliding_attention", "full_attention"] * 2
+    model = build_tiny(model_type, 256, num_hidden_layers=4, **({"layer_types": kinds} if model_type == "gemma3_text" else {}))
+    ids = torch.randint(4, 256, (3, 20), generator=torch.Generator().manual_seed(0))  # longer than the sliding window (8)
+    with torch.no_grad():
+        expected = model(ids, output_hidden_states=True).hidden_states
+        inputs = capture_layer_inputs(model, ids, chunk_size=2)
+        hidden = inputs.hidden
+        for index, layer in enumerate(model.model.layers[:-1]):  # the last hidden state is after the final norm
+            hidden = run_layer(layer, inputs.of_layer(index, hidden))
+            torch.testing.assert_close(torch.cat(hidden), expected[index + 1], rtol=1e-5, atol=1e-5)
