@@ -172,6 +172,7 @@ def generate_command(args: Sequence[str]) -> None:
     if len(options.model_or_prompt) == 1 and Path(options.model_or_prompt[0]).is_dir():
         parser.error(f"'{options.model_or_prompt[0]}' is a directory, taken as the model: give the PROMPT after it")
     model, prompt = (DEFAULT_MODEL, *options.model_or_prompt) if len(options.model_or_prompt) == 1 else options.model_or_prompt
+    sampling_params(options)  # a bad setting is refused now, not after the model has loaded
     decoder = open_decoder(model, options)
     draft = open_decoder(options.draft, options) if options.draft else None
     stream_answer(decoder, prompt_ids(decoder.tokenizer, prompt, not options.no_chat_template)[0].tolist(), options, draft)
@@ -379,6 +380,9 @@ def serve_command(args: Sequence[str]) -> None:
     parser.add_argument("--max-prompt-tokens", type=positive, default=4096)
     parser.add_argument("--max-tokens-limit", type=positive, default=1024, help="the largest max_tokens a request may ask for")
     parser.add_argument("--max-concurrent", type=positive, default=8, help="requests admitted at once; more get HTTP 429")
+    parser.add_argument("--max-body-bytes", type=positive, default=1 << 20, help="the largest request body (default 1 MiB); a larger one gets HTTP 413 before it is read")
+    parser.add_argument("--max-messages", type=positive, default=256, help="the most messages a chat request may hold; more get HTTP 400")
+    parser.add_argument("--max-prompt-chars", type=positive, default=None, help="the most characters a prompt (a chat's messages together) may hold, checked before tokenizing; more get HTTP 400 (default: what --max-prompt-tokens tokens can spell, twice their number times the longest token's characters)")
     parser.add_argument("--prefill-chunk", type=positive, default=128, help="prompt tokens prefilled per pass beside the running answers' step: smaller keeps running answers steadier while long prompts arrive, larger prefills faster")
     parser.add_argument("--name", default=None, help="the model id clients see (default: the model's file or directory name)")
     parser.add_argument("--cache-rows", type=int, default=None, help="rows of the key/value cache (default and least: --max-concurrent); each keeps its last conversation's tokens, so up to this many conversations continue from the cache (each row: --max-prompt-tokens plus --max-tokens-limit slots of memory, at most the model's context)")
@@ -399,7 +403,8 @@ def serve_command(args: Sequence[str]) -> None:
 
     decoder = open_decoder(options.model, options)
     decoder.reuse_prefixes = not options.no_prefix_reuse
-    limits = ServerLimits(options.max_prompt_tokens, options.max_tokens_limit, options.max_concurrent)
+    limits = ServerLimits(max_prompt_tokens=options.max_prompt_tokens, max_new_tokens=options.max_tokens_limit, max_concurrent=options.max_concurrent,
+                          max_body_bytes=options.max_body_bytes, max_messages=options.max_messages, max_prompt_chars=options.max_prompt_chars)
     max_seq = min(options.max_prompt_tokens + options.max_tokens_limit, decoder.model.args.max_position_embeddings)
     lookahead = options.lookahead if options.prompt_lookup else 0
     batcher = ContinuousBatcher(decoder, max_batch=options.max_concurrent, max_seq=max_seq, prefill_chunk=options.prefill_chunk, cache_rows=options.cache_rows, lookahead=lookahead)

@@ -15,6 +15,10 @@ import torch
 
 from slimlm.errors import ConfigError
 
+# Below float32's smallest normal number a temperature is decoded as greedy, its limit: sampling
+# divides float32 logits by it, and one that rounds to 0 there makes the largest logit 0/0 (NaN).
+SMALLEST_TEMPERATURE = torch.finfo(torch.float32).tiny
+
 
 @dataclass
 class SamplingParams:
@@ -33,6 +37,8 @@ class SamplingParams:
             raise ConfigError(f"max_new_tokens={self.max_new_tokens} must be at least 1")
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise ConfigError(f"temperature={self.temperature} must be 0 (greedy) or a positive number")
+        if self.temperature < SMALLEST_TEMPERATURE:
+            self.temperature = 0.0
         if self.top_k is not None and self.top_k < 1:
             raise ConfigError(f"top_k={self.top_k} must be at least 1 (or null for no limit)")
         if self.top_p is not None and not 0 < self.top_p <= 1:  # also refuses NaN

@@ -3,13 +3,18 @@
     /v1/models, /v1/completions, /v1/chat/completions (both with `stream: true` as server-sent
     events, ending in `data: [DONE]`), /health
 
-Binds 127.0.0.1 unless told otherwise. Limits: the prompt's length, max_tokens, up to 4 stop
-strings, and the number of requests admitted at once (the rest get HTTP 429 at once rather than
-waiting unboundedly). With a ContinuousBatcher (`slimlm serve` makes one) admitted requests
-decode together, joining and leaving the batch between steps; without one they decode one at a
-time. A request is admitted until its response ends, however it ends: a client that goes away
-frees its slot, and its decoding stops at its next step (a stream's when its response ends, a
-whole completion's when its endpoint, watching the connection, sees it close).
+Binds 127.0.0.1 unless told otherwise. Limits: the request body's size (a larger one gets HTTP 413
+before it is read), a chat's number of messages, the prompt's characters (checked before tokenizing)
+and tokens, max_tokens, up to 4 stop strings, and the number of requests admitted at once (the rest
+get HTTP 429 at once rather than waiting unboundedly). A prompt is user text: special-token text in
+it (`<|im_start|>system`) is tokenized as plain text, and in a chat only the template's own markers
+are special tokens, so no message can open a turn of its own. Templates and tokenizing run on one
+tokenizer thread, never on the event loop, so a large prompt holds up no other client (nor /health).
+With a ContinuousBatcher (`slimlm serve` makes one) admitted requests decode together, joining and
+leaving the batch between steps; without one they decode one at a time. A request is admitted
+until its response ends, however it ends: a client that goes away frees its slot, and its decoding
+stops at its next step (a stream's when its response ends, a whole completion's when its endpoint,
+watching the connection, sees it close).
 A malformed request, or one asking for what this server does not do (n > 1, logprobs, echo,
 best_of, presence or frequency penalties), gets HTTP 400 with an OpenAI-style JSON error; one
 that reaches a batcher already closed a 503; any other failure a JSON 500 (or, mid-stream, an
@@ -19,10 +24,13 @@ error event before `[DONE]`). The server keeps serving.
 # No `from __future__ import annotations`: FastAPI reads the request models from the endpoint signatures.
 
 import asyncio
+import inspect
 import json
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterator, Literal, Optional, Union
 
@@ -37,6 +45,86 @@ class ServerLimits:
     max_stop_strings: int = 4  # as OpenAI's API: each is checked against the text at every token
     max_stop_chars: int = 256
     default_max_tokens: int = 128  # for a request that names none (at most max_new_tokens)
+    max_body_bytes: int = 1 << 20  # a larger request body gets 413 before it is read (JSON parsing is on the event loop)
+    max_messages: int = 256  # a chat's messages
+    max_prompt_chars: Optional[int] = None  # None: what max_prompt_tokens tokens can spell (twice the tokens times the longest token)
+
+
+def error_response(status: int, message: str, kind: str = "invalid_request_error"):
+    """An OpenAI-style JSON error."""
+    from starlette.responses import JSONResponse
+
+    return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind, "code": status}})
+
+
+@dataclass
+class BodyLimit:
+    """ASGI middleware that answers a body over `max_bytes` with 413 before the app reads it: a
+    declared Content-Length at once, a chunked body as soon as it passes the limit. The app then
+    gets the body as read (parsing a large JSON body would hold up the event loop)."""
+
+    app: Callable
+    max_bytes: int
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and int(declared) > self.max_bytes:
+            return await self.refuse(scope, receive, send)
+        body, more = bytearray(), True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            body += message.get("body", b"")
+            if len(body) > self.max_bytes:
+                return await self.refuse(scope, receive, send)
+            more = message.get("more_body", False)
+        await self.app(scope, replaying(bytes(body), receive), send)
+
+    async def refuse(self, scope: dict, receive: Callable, send: Callable) -> None:
+        await error_response(413, f"the request body is over this server's limit of {self.max_bytes} bytes")(scope, receive, send)
+
+
+def replaying(body: bytes, receive: Callable) -> Callable:
+    """An ASGI receive that gives `body` once, then what `receive` gives (a disconnect)."""
+    given = False
+
+    async def replay() -> dict:
+        nonlocal given
+        if given:
+            return await receive()
+        given = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return replay
+
+
+def text_prompt_ids(tokenizer, text: str) -> list[int]:
+    """`text` as plain text: no BOS or EOS added, and special-token text (`<|endoftext|>`)
+    spelled out rather than made the token (`add_special_tokens` alone would not stop that)."""
+    return tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+
+
+def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """The chat template's rendering of `messages`, ready for the assistant's answer, where only
+    the template's own markers are special tokens: special-token text inside a message is plain
+    text (transformers marks it before rendering, so a message holding `<|im_start|>system`
+    cannot open a system turn). Messages without such text tokenize as their rendering does."""
+    from jinja2 import TemplateError
+
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, sanitize_control_tokens=True, return_dict=False)
+    except (TemplateError, ValueError) as exc:  # the template's own refusals (roles must alternate, ...) and transformers'
+        raise SlimlmError(f"the model's chat template refused these messages: {exc}") from None
+
+
+def check_chat_support(tokenizer) -> None:
+    """Refuse to serve chat with a transformers that cannot keep special-token text in messages
+    plain (its apply_chat_template would pass the option to the template and ignore it)."""
+    if getattr(tokenizer, "chat_template", None) and "sanitize_control_tokens" not in inspect.signature(tokenizer.apply_chat_template).parameters:
+        raise SlimlmError("serving chat needs a transformers whose apply_chat_template takes sanitize_control_tokens (5.20 or later): pip install -U transformers")
 
 
 def create_app(decoder, model_name: str, limits: ServerLimits = ServerLimits(), batcher=None):
@@ -81,35 +169,43 @@ def create_app(decoder, model_name: str, limits: ServerLimits = ServerLimits(), 
         content: str
 
     class ChatRequest(Sampling):
-        messages: list[Message] = Field(min_length=1)
+        messages: list[Message] = Field(min_length=1, max_length=limits.max_messages)
 
-    app = FastAPI(title="slimlm", description="OpenAI-compatible completions from the bundled decoder")
+    check_chat_support(decoder.tokenizer)
+    # One thread renders templates and tokenizes: off the event loop, and the tokenizer's
+    # split_special_tokens switch (state it sets per call) is never flipped by two calls at once.
+    tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slimlm-tokenizer")
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        tokenizing.shutdown(wait=False)
+
+    app = FastAPI(title="slimlm", description="OpenAI-compatible completions from the bundled decoder", lifespan=lifespan)
+    app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes)
     admitted = threading.BoundedSemaphore(limits.max_concurrent)
-
-    def error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
-        return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind, "code": status}})
 
     @app.exception_handler(RequestValidationError)
     async def bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
         problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}" for e in exc.errors())
-        return error(400, f"malformed request: {problems}")
+        return error_response(400, f"malformed request: {problems}")
 
     @app.exception_handler(SlimlmError)
     async def refused(request: Request, exc: SlimlmError) -> JSONResponse:
-        return error(400, str(exc))
+        return error_response(400, str(exc))
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
         kind = "rate_limit_error" if exc.status_code == 429 else "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return error(exc.status_code, str(exc.detail), kind)
+        return error_response(exc.status_code, str(exc.detail), kind)
 
     @app.exception_handler(BatcherClosed)
     async def closing(request: Request, exc: BatcherClosed) -> JSONResponse:
-        return error(503, f"{exc}: the server is shutting down", "server_error")
+        return error_response(503, f"{exc}: the server is shutting down", "server_error")
 
     @app.exception_handler(Exception)
     async def failed(request: Request, exc: Exception) -> JSONResponse:
-        return error(500, f"the server failed on this request: {type(exc).__name__}: {exc}", "server_error")
+        return error_response(500, f"the server failed on this request: {type(exc).__name__}: {exc}", "server_error")
 
     def params_of(body: Sampling) -> SamplingParams:
         unsupported = {"n": body.n != 1, "best_of": body.best_of not in (None, 1), "logprobs": bool(body.logprobs) or body.top_logprobs is not None, "echo": body.echo,
@@ -135,15 +231,22 @@ def create_app(decoder, model_name: str, limits: ServerLimits = ServerLimits(), 
             raise SlimlmError(f"{what} is not valid Unicode text ({exc.reason} at character {exc.start})") from None
         return text
 
-    # A token spells at most this many characters, so a text longer than the prompt limit times
-    # it (twice, for normalizations that shorten text) is refused before tokenizing: tokenizing
-    # megabytes would hold up every other request.
+    # By default, a token spells at most this many characters, so a text longer than the prompt
+    # limit times it (twice, for normalizations that shorten text) is refused before tokenizing:
+    # the tokenizer thread would be busy with it while other requests wait for theirs.
     longest_token = max(map(len, decoder.tokenizer.get_vocab()), default=1)
+    max_prompt_chars = limits.max_prompt_chars or 2 * limits.max_prompt_tokens * longest_token
 
-    def tokenized(text: str) -> list[int]:
-        if len(text) > 2 * limits.max_prompt_tokens * longest_token:
-            raise SlimlmError(f"the prompt has {len(text)} characters, more than this server's limit of {limits.max_prompt_tokens} tokens can spell")
-        return checked_ids(decoder.tokenizer(text, add_special_tokens=False)["input_ids"])
+    def check_chars(characters: int) -> None:
+        if characters > max_prompt_chars:
+            raise SlimlmError(f"the prompt has {characters} characters, more than this server's limit of {max_prompt_chars}")
+
+    def completion_ids(prompt: str) -> list[int]:
+        return checked_ids(text_prompt_ids(decoder.tokenizer, checked_text(prompt, "the prompt")))
+
+    def chat_ids(messages: list[Message]) -> list[int]:
+        turns = [{"role": m.role, "content": checked_text(m.content, f"message {i}'s content")} for i, m in enumerate(messages)]
+        return checked_ids(chat_prompt_ids(decoder.tokenizer, turns))
 
     def checked_ids(ids: list[int]) -> list[int]:
         if not ids:
@@ -206,15 +309,23 @@ def create_app(decoder, model_name: str, limits: ServerLimits = ServerLimits(), 
                 break
         return await task
 
-    async def respond(request: Request, ids: list[int], params: SamplingParams, stream: bool, chat: bool):
+    async def respond(request: Request, prepare: Callable[[], list[int]], params: SamplingParams, stream: bool, chat: bool):
+        """Admit the request, then tokenize it (`prepare`, on the tokenizer thread: only admitted
+        requests queue there) and answer it."""
         release = admission()
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
-        if not stream:
-            try:
+        try:
+            ids = await asyncio.get_running_loop().run_in_executor(tokenizing, prepare)
+            if stream:  # refusals (a prompt too long for a row or the model) come now, as a 400, not in a started stream
+                submission, cancel, stop = begin(ids, params)
+            else:
                 generation = await completed_unless_gone(request, ids, params)
-            finally:
-                release()
+        except BaseException:
+            release()
+            raise
+        if not stream:
+            release()
             usage = {"prompt_tokens": len(ids), "completion_tokens": len(generation.token_ids), "total_tokens": len(ids) + len(generation.token_ids),
                      "prompt_tokens_details": {"cached_tokens": generation.cached_tokens}}  # found in the cache, not prefilled again
             if chat:
@@ -222,11 +333,6 @@ def create_app(decoder, model_name: str, limits: ServerLimits = ServerLimits(), 
             else:
                 choice = {"index": 0, "text": generation.text, "logprobs": None, "finish_reason": generation.finish_reason}
             return {"id": request_id, "object": "chat.completion" if chat else "text_completion", "created": created, "model": model_name, "choices": [choice], "usage": usage}
-        try:  # refusals (a prompt too long for a row or the model) come now, as a 400, not in a started stream
-            submission, cancel, stop = begin(ids, params)
-        except BaseException:
-            release()
-            raise
 
         def end_admission() -> None:
             stop()  # a no-op once the decoding has finished
@@ -282,22 +388,21 @@ def create_app(decoder, model_name: str, limits: ServerLimits = ServerLimits(), 
     def models() -> dict:
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "slimlm"}]}
 
-    # The endpoints run on the event loop (the decoding in worker threads), so that a request
-    # without `stream` can watch its connection; tokenizing there also keeps the tokenizer to
-    # one thread.
+    # The endpoints run on the event loop, so that a request without `stream` can watch its
+    # connection; they only check what is cheap to check (sizes, sampling) there, and hand the
+    # template and tokenizing to the tokenizer thread, the decoding to worker threads.
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        ids = tokenized(checked_text(body.prompt, "the prompt"))
-        return await respond(request, ids, params_of(body), body.stream, chat=False)
+        params = params_of(body)
+        check_chars(len(body.prompt))
+        return await respond(request, lambda: completion_ids(body.prompt), params, body.stream, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
-        tokenizer = decoder.tokenizer
-        if not getattr(tokenizer, "chat_template", None):
+        if not getattr(decoder.tokenizer, "chat_template", None):
             raise SlimlmError(f"model '{model_name}' has no chat template; use /v1/completions")
-        messages = [{"role": m.role, "content": checked_text(m.content, f"message {i}'s content")} for i, m in enumerate(body.messages)]
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        ids = tokenized(text)
-        return await respond(request, ids, params_of(body), body.stream, chat=True)
+        params = params_of(body)
+        check_chars(sum(len(m.content) for m in body.messages))
+        return await respond(request, lambda: chat_ids(body.messages), params, body.stream, chat=True)
 
     return app
