@@ -7,8 +7,9 @@ it will really see, and memory holds one layer's activations, not the whole mode
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -99,26 +100,34 @@ class _ArgumentRecorder(nn.Module):
         return hidden
 
 
+@contextmanager
+def layers_replaced(layers: nn.ModuleList, stand_ins: list[nn.Module]) -> Iterator[None]:
+    """The decoder layers replaced by `stand_ins` while the block runs, put back after."""
+    originals = list(layers)
+    for index, stand_in in enumerate(stand_ins):
+        layers[index] = stand_in
+    try:
+        yield
+    finally:
+        for index, layer in enumerate(originals):
+            layers[index] = layer
+
+
 @torch.no_grad()
 def capture_layer_inputs(model: nn.Module, samples: torch.Tensor, chunk_size: int) -> LayerInputs:
     """The decoder layers' inputs for `samples`, chunk by chunk, from the model's own forward
     pass with every layer replaced by a recorder (no layer runs: an offloaded model's blocks
     may not even be in memory yet)."""
     _, layers = decoder_blocks(model)
-    originals = list(layers)
-    records: list[list] = [[] for _ in originals]
-    for index in range(len(originals)):
-        layers[index] = _ArgumentRecorder(originals[index], records[index], last=index == len(originals) - 1)
-    try:
+    records: list[list] = [[] for _ in layers]
+    recorders = [_ArgumentRecorder(layer, record, last=index == len(layers) - 1) for index, (layer, record) in enumerate(zip(layers, records))]
+    with layers_replaced(layers, recorders):
         device = next(model.parameters()).device
         for chunk in samples.split(chunk_size):
             try:
                 model(input_ids=chunk.to(device), use_cache=False)
             except _Stop:
                 pass
-    finally:
-        for index, layer in enumerate(originals):
-            layers[index] = layer
     return LayerInputs(hidden=[hidden for hidden, _ in records[0]], arguments=[[kwargs for _, kwargs in record] for record in records])
 
 

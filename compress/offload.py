@@ -93,15 +93,23 @@ def quantize_checkpoint(
     return OffloadedCalibration(block_seconds=blocks.seconds, peak_memory_bytes=peak, quantized_layers=len(names), report=quantizer.report())
 
 
-def materialize_outside_blocks(checkpoint: Checkpoint, model: nn.Module, prefix: str, device: torch.device) -> list[nn.Module]:
-    """Read every module outside the blocks (embeddings, rotary frequencies, the final norm)
-    except the LM head, which calibration never reaches; returns them."""
-    head = model.get_output_embeddings()
-    read = []
+def modules_outside_blocks(model: nn.Module, prefix: str) -> list[tuple[str, nn.Module]]:
+    """The modules with tensors of their own outside the decoder blocks: embeddings, rotary
+    frequencies, the final norm, the LM head."""
+    outside = []
     for name, module in model.named_modules():
-        inside = name == prefix or name.startswith(prefix + ".") or module is head
+        inside = name == prefix or name.startswith(prefix + ".")
         owns = any(True for _ in module.parameters(recurse=False)) or any(True for _ in module.buffers(recurse=False))
         if owns and not inside:
-            checkpoint.materialize(module, f"{name}.", device)
-            read.append(module)
-    return read
+            outside.append((name, module))
+    return outside
+
+
+def materialize_outside_blocks(checkpoint: Checkpoint, model: nn.Module, prefix: str, device: torch.device) -> list[nn.Module]:
+    """Read every module outside the blocks except the LM head, which calibration never
+    reaches; returns them."""
+    head = model.get_output_embeddings()
+    read = [(name, module) for name, module in modules_outside_blocks(model, prefix) if module is not head]
+    for name, module in read:
+        checkpoint.materialize(module, f"{name}.", device)
+    return [module for _, module in read]

@@ -97,8 +97,9 @@ class Checkpoint:
     def materialize(self, module: nn.Module, prefix: str, device: torch.device, dtype: Optional[torch.dtype] = None) -> None:
         """Fill `module`, built on the meta device, from the tensors named `prefix` + each of its
         parameters' and persistent buffers' local names, on `device`; floating tensors in `dtype`
-        (None: the dtype the skeleton gave them). Non-persistent buffers (rotary frequencies),
-        which no checkpoint stores, are computed again by the module's own constructor."""
+        (None: the dtype the skeleton gave them). Non-persistent buffers (rotary frequencies,
+        Gemma's embedding scale), which no checkpoint stores, are the skeleton's own, moved to
+        `device` (see model_skeleton_from_config)."""
         expected = module.state_dict(keep_vars=True)
         missing = [prefix + key for key in expected if not self.has(prefix + key)]
         if missing:
@@ -115,11 +116,15 @@ class Checkpoint:
         for target, source in shared.items():  # a tie inside `module` stays one tensor
             owner, _, leaf = target.rpartition(".")
             setattr(module.get_submodule(owner) if owner else module, leaf, module.get_parameter(source))
-        _rebuild_unstored_buffers(module, device)
+        _place_unstored_buffers(module, device)
 
     def release(self, module: nn.Module) -> None:
-        """`module` back on the meta device: its tensors' memory is freed (unless held elsewhere)."""
+        """`module` back on the meta device: its tensors' memory is freed (unless held elsewhere).
+        Its non-persistent buffers stay: no checkpoint holds them, and they are small."""
+        kept = [(sub, key, getattr(sub, key)) for sub in module.modules() for key in sub._non_persistent_buffers_set if getattr(sub, key, None) is not None]
         module.to("meta")
+        for sub, key, buffer in kept:
+            setattr(sub, key, buffer)
 
     def _tie_within(self, prefix: str, key: str) -> Optional[str]:
         """The local name of the tensor that `prefix + key` is tied to, if it is under `prefix`."""
@@ -172,24 +177,29 @@ def _dtype(name: str, file: Path, tensor: str) -> torch.dtype:
     return DTYPES[name]
 
 
-def _rebuild_unstored_buffers(module: nn.Module, device: torch.device) -> None:
-    """Non-persistent buffers left on the meta device, computed again by a fresh instance of
-    their module (transformers' rotary embeddings take only the config)."""
+def _place_unstored_buffers(module: nn.Module, device: torch.device) -> None:
+    """Non-persistent buffers on `device`; one left on the meta device (a skeleton built there
+    whole) computed again by a fresh instance of its module (transformers' rotary embeddings
+    take only the config)."""
     for name, sub in module.named_modules():
-        unstored = [key for key in sub._non_persistent_buffers_set if getattr(sub, key, None) is not None and getattr(sub, key).is_meta]
-        if not unstored:
-            continue
-        try:
-            fresh = type(sub)(sub.config)
-        except (AttributeError, TypeError) as error:
-            raise SlimlmError(f"the buffer {name}.{unstored[0]} is not stored in checkpoints and {type(sub).__name__} cannot compute it again ({error})") from None
+        unstored = [key for key in sub._non_persistent_buffers_set if getattr(sub, key, None) is not None]
+        if any(getattr(sub, key).is_meta for key in unstored):
+            try:
+                fresh = type(sub)(sub.config)
+            except (AttributeError, TypeError) as error:
+                raise SlimlmError(f"the buffer {name}.{unstored[0]} is not stored in checkpoints and {type(sub).__name__} cannot compute it again ({error})") from None
+            for key in unstored:
+                setattr(sub, key, getattr(fresh, key))
         for key in unstored:
-            setattr(sub, key, getattr(fresh, key).to(device))
+            setattr(sub, key, getattr(sub, key).to(device))
 
 
 def model_skeleton_from_config(directory: Path, dtype: Optional[torch.dtype] = None) -> nn.Module:
-    """The checkpoint's model on the meta device: no weights, no initialization, no memory.
-    dtype None: the config's own (float32 where it names none)."""
+    """The checkpoint's model on the meta device: no weights, no initialization, no memory;
+    only its non-persistent buffers (rotary frequencies, embedding scales: computed from the
+    config, stored in no checkpoint, a few KB) are made for real, on the CPU. dtype None: the
+    config's own (float32 where it names none)."""
+    from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.initialization import no_init_weights
 
@@ -199,7 +209,7 @@ def model_skeleton_from_config(directory: Path, dtype: Optional[torch.dtype] = N
         raise SlimlmError(f"'{directory}': its config.json cannot be read ({str(error).splitlines()[0]})") from None
     chosen = dtype or getattr(config, "dtype", None) or torch.float32
     chosen = getattr(torch, chosen) if isinstance(chosen, str) else chosen
-    with no_init_weights(), torch.device("meta"):
+    with no_init_weights(), init_empty_weights(include_buffers=False):
         return AutoModelForCausalLM.from_config(config, dtype=chosen)
 
 
