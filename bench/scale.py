@@ -14,13 +14,15 @@ kernel kept for it (measured from outside, every page counted, no polling gaps):
   gptq      w4 g128 GPTQ of the first 4 blocks ($SCALE_GPTQ_BLOCKS), one block in memory at a time (compress/offload.py)
             on 16 windows of 512 random tokens, in bf16: seconds per block, the whole model's
             projected time, peak RSS; goal: <= 6 GB
+  ppl       perplexity of the bf16 checkpoint over 2 windows of 512 random tokens, one block in
+            memory at a time (eval/offloaded.py): seconds, peak RSS
 A step is a function of the run's paths returning its metrics, listed in STEPS. `--only gptq`
 runs the named steps and merges their rows into the last results. Random weights give honest
 memory and speed figures: neither depends on the values.
 Writes bench/results/scale.{md,json} (--quick: small shapes, a few seconds a step, results
 only in the work directory; for tests).
 
-    python bench/scale.py [--layers 32] [--workdir bench/runs/scale] [--only rtn generate plan gptq] [--quick]
+    python bench/scale.py [--layers 32] [--workdir bench/runs/scale] [--only rtn generate plan gptq ppl] [--quick]
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ LLAMA_3_8B = dict(
     max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=0, eos_token_id=1,
 )
 QUICK = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=1024)
-QUICK_SHARD_BYTES = 2**20  # several shards even for the quick shapes
+QUICK_SHARD_BYTES = 2**19  # several shards even for the quick shapes
 TARGETS = [r"model\.layers\.\d+\..*", "lm_head"]
 NEW_TOKENS = 8
 PLAN_CONTEXT = 2048
@@ -225,6 +227,21 @@ def step_gptq(run: Run) -> dict:
     }
 
 
+PPL_WINDOWS, PPL_WINDOW = 2, 512
+
+
+def step_ppl(run: Run) -> dict:
+    """Perplexity of the checkpoint itself, offloaded (eval/offloaded.py), on random tokens: the
+    number means nothing for random weights; the seconds and the peak are what is measured."""
+    from slimlm.eval.offloaded import score_checkpoint
+
+    config = json.loads((run.checkpoint / "config.json").read_text())
+    tokens = torch.randint(0, config["vocab_size"], (PPL_WINDOWS * PPL_WINDOW,), generator=torch.Generator().manual_seed(0))
+    started = time.perf_counter()
+    scores = score_checkpoint(run.checkpoint, tokens, PPL_WINDOW, dtype=torch.bfloat16)
+    return {"seconds": round(time.perf_counter() - started, 1), "windows": scores.perplexity.windows, "tokens_scored": scores.perplexity.tokens_scored, "ppl": round(scores.perplexity.ppl, 1)}
+
+
 @dataclass(frozen=True)
 class Step:
     name: str  # the row's name
@@ -237,6 +254,7 @@ STEPS = [
     Step(f"decoder: load the artifact (CPU), generate {NEW_TOKENS} tokens", "generate", step_generate),
     Step("slimlm plan on the artifact", "plan", step_plan),
     Step("w4 g128 GPTQ of the first blocks, offloaded", "gptq", step_gptq),
+    Step(f"perplexity, offloaded ({PPL_WINDOWS} x {PPL_WINDOW} tokens)", "ppl", step_ppl),
 ]
 
 
@@ -274,6 +292,7 @@ def markdown(rows: list[dict], options: argparse.Namespace, command: str, machin
         f"| {plan['name']} | | {plan['peak_rss_gb']:.2f} | weights in the artifact's packing (h200, triton) {plan['plan_stored_layout_weight_bytes'] / GB:.3f} GB: {plan['plan_stored_layout_to_artifact']:.4f}x the artifact's {plan['artifact_weight_bytes'] / GB:.3f} GB; "
         f"in the CPU layouts {plan['plan_cpu_weight_bytes'] / GB:.3f} GB: {plan['plan_cpu_to_decoder']:.4f}x the loaded decoder's, {plan['plan_cpu_to_artifact']:.4f}x the artifact's |",
         *(gptq_line(row) for row in rows if row["name"] == STEPS[3].name),
+        *(f"| {row['name']} | {row['seconds']:.1f} | {row['peak_rss_gb']:.2f} | {row['tokens_scored']} tokens scored, one block in memory at a time (random weights: ppl {row['ppl']:,.0f}) |" for row in rows if row["name"] == STEPS[4].name),
         "",
     ]
 

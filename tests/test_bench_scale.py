@@ -17,5 +17,7 @@ def test_quick_scale_bench_measures_every_step(tmp_path):
     assert abs(plan["plan_stored_layout_to_artifact"] - 1) < 0.02 and abs(plan["plan_cpu_to_decoder"] - 1) < 0.02
     gptq = rows["w4 g128 GPTQ of the first blocks"]
     assert gptq["blocks"] == 2 and gptq["quantized_layers"] == 14 and gptq["block_seconds"] > 0 and 0 < gptq["peak_rss_gb"] < 6
+    ppl = rows["perplexity"]
+    assert ppl["tokens_scored"] == 2 * 511 and ppl["ppl"] > 1 and 0 < ppl["peak_rss_gb"] < 3
     assert (tmp_path / "artifact-w4g128-rtn" / "model.safetensors.index.json").is_file()
     assert "| w4 g128 RTN" in result.stdout
