@@ -23,6 +23,7 @@ from torch import nn
 
 from slimlm.errors import SlimlmError
 from slimlm.eval.speed import device_clock
+from slimlm.qlinear import QuantTable
 from slimlm.resources import cache_dir
 
 log = logging.getLogger(__name__)
@@ -156,7 +157,7 @@ def decode_bytes_per_token(model: nn.Module, context_tokens: int, batch_size: in
     batch 1 it is the whole step. Weights are the stored bytes of every parameter and buffer
     (each shared tensor once), plus bitsandbytes' quantization state (int8 row scales; 4-bit
     block absmax, code book, nested statistics), which it keeps outside parameters and buffers.
-    An embedding table counts as one row, except when it is also the LM head (tied weights):
+    An embedding table (float, or quantized: QuantTable) counts as one row, except when it is also the LM head (tied weights):
     then the LM head reads all of it, counted once. Norms and biases are parameters, counted.
     The KV cache assumes every layer attends to the whole context (no sliding window) and is
     stored in the model's floating-point dtype (the activation dtype). This is the minimum a
@@ -171,8 +172,13 @@ def decode_bytes_per_token(model: nn.Module, context_tokens: int, batch_size: in
     for table in lookups:
         if table.weight.data_ptr() != head_ptr:
             stored.pop(table.weight.data_ptr(), None)
+    quantized_lookups = [m for m in model.modules() if isinstance(m, QuantTable)]  # codes and scales read a row per token too
+    for table in quantized_lookups:
+        for buffer in table.buffers():
+            stored.pop(buffer.data_ptr(), None)
     weights = sum(t.numel() * t.element_size() for t in stored.values())
     rows = sum(t.weight.shape[1] * t.weight.element_size() for t in lookups)
+    rows += sum(buffer[0].numel() * buffer.element_size() for table in quantized_lookups for buffer in table.buffers())
     kv_cache = kv_cache_bytes(model, context_tokens)
     return math.ceil((weights + batch_size * (rows + kv_cache)) / batch_size)
 

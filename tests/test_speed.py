@@ -146,6 +146,19 @@ def test_bytes_per_token_of_quant_linear_layers(tiny_model, tiny_tokenizer):
     assert result.decode_tok_s > 0
 
 
+def test_a_quantized_table_is_read_one_row_per_token(tiny_tokenizer, tmp_path):
+    from slimlm.compress.quantize import QuantizeParams, run as quantize
+    from slimlm.pipeline import RunState
+
+    vocab, context = len(tiny_tokenizer), 32
+    untied = build_tiny_llama(vocab, tie_word_embeddings=False)
+    state = RunState(cfg=None, run_dir=tmp_path, model=untied, tokenizer=tiny_tokenizer, source=None, source_sha256=None, device=torch.device("cpu"))
+    quantize(state, QuantizeParams(bits=8, targets=[r"model\.layers\.\d+\..*", "lm_head"]))  # the table is rounded with the head
+    int8_linears = sum(out * inp + 2 * out for out, inp in LAYER_LINEAR_SHAPES)
+    per_sequence = (64 + 2) + KV_BYTES_PER_CONTEXT_TOKEN * context  # one int8 row of the table and its fp16 scale, the KV cache
+    assert decode_bytes_per_token(untied, context) == static_bytes(untied, int8_linears, vocab * 64 + 2 * vocab) + per_sequence
+
+
 def test_bytes_per_token_of_bitsandbytes_layers(tiny_model, tiny_tokenizer):
     bnb = pytest.importorskip("bitsandbytes")
     context = 16
