@@ -24,7 +24,6 @@ from slimlm.compress.calibration import calibrate_sequentially
 from slimlm.compress.quantize import CalibratedQuantizer, QuantizeParams, check_shapes, describe_bits
 from slimlm.compress.rtn import QuantizedWeight
 from slimlm.compress.targets import select_linear_modules
-from slimlm.experts import split_experts
 from slimlm.qlinear import QuantLinear, QuantScheme, set_submodule
 
 
@@ -76,7 +75,6 @@ def quantize_checkpoint(
     [n, seq_len]); `on_block(name, block)` receives each block with its QuantLinear layers in
     place, before it is freed. dtype None: the checkpoint's own."""
     checkpoint, model = open_checkpoint(directory, dtype)
-    split_experts(model)  # per-expert Linear layers, as Qwen3-MoE and OLMoE checkpoints store them
     prefix, _ = decoder_blocks(model)
     before_blocks = materialize_outside_blocks(checkpoint, model, prefix, device)
     names = [name for name in select_linear_modules(model, params.targets, params.ignore) if name.startswith(prefix + ".")]

@@ -27,7 +27,6 @@ from slimlm.checkpoint import Checkpoint, open_checkpoint
 from slimlm.compress.rtn import quantize_rtn
 from slimlm.compress.targets import select_linear_modules
 from slimlm.errors import SlimlmError
-from slimlm.experts import split_experts
 from slimlm.qlinear import QuantLinear, QuantScheme
 from slimlm.rundir import staged_directory
 from slimlm.shards import DEFAULT_SHARD_BYTES, TensorSpec, write_weights
@@ -42,7 +41,6 @@ def stream_rtn(checkpoint_dir: Path, out_dir: Path, scheme: QuantScheme, targets
     to `out_dir` (atomically; an existing one is refused)."""
     checkpoint_dir = Path(checkpoint_dir)
     checkpoint, skeleton = open_checkpoint(checkpoint_dir)
-    split_experts(skeleton)  # per-expert Linear layers, named as MoE checkpoints store them (and as loading builds them)
     scheme = dataclasses.replace(scheme, method="rtn")
     names = select_linear_modules(skeleton, targets, ignore)
     for name in names:

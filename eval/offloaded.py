@@ -27,7 +27,6 @@ from slimlm.compress.calibration import capture_layer_inputs, layers_replaced, r
 from slimlm.compress.offload import materialize_outside_blocks, modules_outside_blocks
 from slimlm.eval.kl import ReferenceLogits
 from slimlm.eval.perplexity import TextScores, WindowScorer, text_windows
-from slimlm.experts import split_experts
 
 HIDDEN_BYTES = 2**30  # hidden states of one group of windows, in the model's dtype
 
@@ -54,7 +53,6 @@ def score_checkpoint(
     """score_text for the checkpoint at `directory`, one block in memory at a time. dtype None:
     the checkpoint's own."""
     checkpoint, model = open_checkpoint(directory, dtype)
-    split_experts(model)
     prefix, layers = decoder_blocks(model)
     model_dtype = next(model.parameters()).dtype
     windows = text_windows(token_ids, window, max_windows)

@@ -19,6 +19,7 @@ which use the same layout (slimlm/artifact.py).
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Optional
 
@@ -214,6 +215,36 @@ def model_skeleton_from_config(directory: Path, dtype: Optional[torch.dtype] = N
 
 
 def open_checkpoint(directory: Path, dtype: Optional[torch.dtype] = None) -> tuple[Checkpoint, nn.Module]:
-    """The checkpoint and its model's meta skeleton, with the model's tied tensors resolved."""
+    """The checkpoint and its model's meta skeleton, experts split into per-expert Linear layers
+    (slimlm/experts.py: as MoE checkpoints store them), with the model's tied tensors resolved
+    and the names its family's checkpoints use for its modules (Mixtral's `block_sparse_moe` for
+    `mlp`) read under the skeleton's names."""
+    from slimlm.experts import split_experts
+
     skeleton = model_skeleton_from_config(directory, dtype)
-    return Checkpoint(directory, ties=dict(getattr(skeleton, "all_tied_weights_keys", None) or {})), skeleton
+    split_experts(skeleton)
+    ties = dict(getattr(skeleton, "all_tied_weights_keys", None) or {})
+    return Checkpoint(directory, ties={**stored_names(skeleton), **ties}), skeleton
+
+
+def stored_names(skeleton: nn.Module) -> dict[str, str]:
+    """Skeleton tensor name -> the name its family's checkpoints give it, where transformers
+    renames on loading (its plain `WeightRenaming` rules for the model type, applied backwards)."""
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming
+
+    rules = [
+        (re.escape(target), source)
+        for rule in get_checkpoint_conversion_mapping(skeleton.config.model_type) or []
+        if type(rule) is WeightRenaming
+        for source, target in zip(rule._original_source_patterns, rule._original_target_patterns)
+        if re.fullmatch(r"[\w.]+", source) and re.fullmatch(r"[\w.]+", target)  # literal renamings only
+    ]
+    names = {}
+    for name in skeleton.state_dict(keep_vars=True):
+        renamed = name
+        for target, source in rules:
+            renamed = re.sub(target, source, renamed)
+        if renamed != name:
+            names[name] = renamed
+    return names

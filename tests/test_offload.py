@@ -1,5 +1,6 @@
 """Calibration of a checkpoint one block at a time (compress/offload.py) against the in-memory path."""
 
+import pytest
 import torch
 
 from slimlm.compress.offload import quantize_checkpoint
@@ -42,8 +43,9 @@ def test_offloaded_gptq_and_awq_equal_the_in_memory_path(tmp_path):
         assert set(result.block_seconds) == set(blocks) and result.peak_memory_bytes > 0
 
 
-def test_a_moe_checkpoint_calibrates_block_by_block_in_bf16(tmp_path):
-    model = build_tiny("qwen3_moe", 384, split=False)  # a checkpoint as transformers writes it
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])  # Mixtral's checkpoints name its MoE block block_sparse_moe, its module mlp
+def test_a_moe_checkpoint_calibrates_block_by_block_in_bf16(tmp_path, model_type):
+    model = build_tiny(model_type, 384, split=False)  # a checkpoint as transformers writes it
     model.save_pretrained(tmp_path)
     seen = []
 

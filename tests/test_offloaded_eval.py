@@ -13,8 +13,8 @@ WINDOW = 24
 
 @pytest.mark.parametrize(
     ("model_type", "overrides"),
-    [("llama", {"tie_word_embeddings": True}), ("llama", {"tie_word_embeddings": False}), ("gemma3_text", {}), ("qwen3_moe", {})],
-    ids=["llama-tied", "llama-untied", "gemma3-softcapped", "qwen3-moe"],
+    [("llama", {"tie_word_embeddings": True}), ("llama", {"tie_word_embeddings": False}), ("gemma3_text", {}), ("qwen3_moe", {}), ("mixtral", {})],
+    ids=["llama-tied", "llama-untied", "gemma3-softcapped", "qwen3-moe", "mixtral"],
 )
 def test_offloaded_scores_equal_the_in_memory_ones(tmp_path, model_type, overrides):
     model = build_tiny(model_type, 256, split=False, initializer_range=0.2, **overrides)
