@@ -76,7 +76,7 @@ def quantize_checkpoint(
     place, before it is freed. dtype None: the checkpoint's own."""
     checkpoint, model = open_checkpoint(directory, dtype)
     prefix, _ = decoder_blocks(model)
-    before_blocks = materialize_outside_blocks(checkpoint, model, prefix, device)
+    before_blocks = materialize_outside_blocks(checkpoint, model, prefix, device, skip=model.get_output_embeddings())
     names = [name for name in select_linear_modules(model, params.targets, params.ignore) if name.startswith(prefix + ".")]
     schemes = {name: params.scheme for name in names}
     check_shapes(model, names, params.scheme)
@@ -103,11 +103,10 @@ def modules_outside_blocks(model: nn.Module, prefix: str) -> list[tuple[str, nn.
     return outside
 
 
-def materialize_outside_blocks(checkpoint: Checkpoint, model: nn.Module, prefix: str, device: torch.device) -> list[nn.Module]:
-    """Read every module outside the blocks except the LM head, which calibration never
-    reaches; returns them."""
-    head = model.get_output_embeddings()
-    read = [(name, module) for name, module in modules_outside_blocks(model, prefix) if module is not head]
+def materialize_outside_blocks(checkpoint: Checkpoint, model: nn.Module, prefix: str, device: torch.device, skip: nn.Module) -> list[nn.Module]:
+    """Read every module outside the blocks but `skip` (the one the caller's pass never
+    reaches: the LM head before the blocks, the embedding after them); returns them."""
+    read = [(name, module) for name, module in modules_outside_blocks(model, prefix) if module is not skip]
     for name, module in read:
         checkpoint.materialize(module, f"{name}.", device)
     return [module for _, module in read]

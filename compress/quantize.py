@@ -6,6 +6,11 @@ outside the decoder layers (the LM head) are rounded with RTN whatever the metho
 head's untied input embedding is rounded with it, in the head's scheme. With `bpw`
 set, each layer's bit width is chosen from `candidate_bits` to meet that average budget
 (compress/mixed.py).
+
+Uniform RTN of a local checkpoint that no earlier stage has loaded runs from disk
+(`run_streamed`): the checkpoint streams into an artifact in the run directory (`quantized/`,
+compress/stream_rtn.py) a tensor at a time, and the stages after it read that artifact, so a
+quantize-export-generate recipe never holds the model in memory.
 """
 
 from __future__ import annotations
@@ -25,18 +30,21 @@ from slimlm.compress.calibration import CalibrationParams, calibrate_sequentiall
 from slimlm.compress.gptq import GPTQOptions, LayerInputStatistics, gptq_quantize
 from slimlm.compress.mixed import bits_per_weight, choose_bits, fisher_diagonal, predicted_loss
 from slimlm.compress.rtn import QuantizedWeight, quantize_rtn
+from slimlm.compress.stream_rtn import stream_rtn
 from slimlm.compress.targets import compile_patterns, select_linear_modules
 from slimlm.data import check_text_source, load_text, tokenize_text
 from slimlm.errors import ConfigError, SlimlmError
 from slimlm.memory import peak_memory
+from slimlm.models import DTYPES, checkpoint_directory
 from slimlm.packing import PACKABLE_BITS
-from slimlm.pipeline import RunState, Stage
+from slimlm.pipeline import DiskRun, RunState, Stage
 from slimlm.qlinear import QuantLinear, QuantScheme, QuantTable, embedding_scale, set_submodule, tie_quantized_head
 
 log = logging.getLogger(__name__)
 
 METHODS = ("rtn", "gptq", "awq")
 CALIBRATED = ("gptq", "awq")
+STREAMED_ARTIFACT = "quantized"  # in the run directory: the artifact RTN streams a checkpoint into
 
 
 @dataclass
@@ -144,6 +152,26 @@ def run(state: RunState, params: QuantizeParams) -> None:
         replace(name, quantize_rtn(state.model.get_submodule(name).weight, scheme), scheme)
     section["seconds"] = round(time.perf_counter() - started, 2)
     state.sections.setdefault("quantization", []).append({**section, "weight_rel_error": errors})
+
+
+def streams(state: RunState, params: QuantizeParams) -> bool:
+    """Uniform RTN of a local checkpoint that no stage has loaded needs no model in memory."""
+    local = state.source is not None and state.source.kind in ("hf-dir", "gguf")
+    return params.method == "rtn" and params.bpw is None and state.on_disk is None and local and state.cfg.model.bnb is None
+
+
+def run_streamed(state: RunState, params: QuantizeParams) -> None:
+    """RTN from the checkpoint's files straight into an artifact (compress/stream_rtn.py), one
+    tensor in memory at a time; the artifact is then the current model, read from disk by the
+    stages that follow (or loaded by the first that needs it in memory)."""
+    started = time.perf_counter()
+    directory = checkpoint_directory(state.source, state.source_sha256)
+    path = state.run_dir / STREAMED_ARTIFACT
+    streamed = stream_rtn(directory, path, params.scheme, params.targets, params.ignore, source=state.provenance(), recipe=state.recipe(), dtype=DTYPES[state.cfg.model.dtype])
+    state.lies_in(streamed.path, f"streamed into {STREAMED_ARTIFACT}/")
+    section = {"method": "rtn", "bits": params.bits, "group_size": params.group_size, "symmetric": params.symmetric, "layers": len(streamed.weight_rel_error)}
+    section.update(streamed=f"{STREAMED_ARTIFACT}/", seconds=round(time.perf_counter() - started, 2), weight_rel_error=streamed.weight_rel_error)
+    state.sections.setdefault("quantization", []).append(section)
 
 
 def quantize_table(model, scheme: QuantScheme) -> QuantScheme:
@@ -278,4 +306,4 @@ def relative_error(reference: torch.Tensor, approximation: torch.Tensor) -> floa
     return float(torch.linalg.norm(reference - approximation.float()) / torch.linalg.norm(reference).clamp(min=1e-12))
 
 
-QUANTIZE = Stage(name="quantize", params=QuantizeParams, run=run, check=check)
+QUANTIZE = Stage(name="quantize", params=QuantizeParams, run=run, check=check, on_disk=DiskRun(streams, run_streamed))

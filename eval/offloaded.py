@@ -24,7 +24,7 @@ from tqdm import tqdm
 from slimlm.architecture import decoder_blocks
 from slimlm.checkpoint import Checkpoint, open_checkpoint
 from slimlm.compress.calibration import capture_layer_inputs, layers_replaced, run_layer
-from slimlm.compress.offload import materialize_outside_blocks, modules_outside_blocks
+from slimlm.compress.offload import materialize_outside_blocks
 from slimlm.eval.kl import ReferenceLogits
 from slimlm.eval.perplexity import TextScores, WindowScorer, text_windows
 
@@ -59,11 +59,8 @@ def score_checkpoint(
     scorer = WindowScorer(windows.shape[0], window, reference, collect_top_k)
     per_window = window * model.config.get_text_config().hidden_size * model_dtype.itemsize
     for group in tqdm(windows.split(max(1, hidden_bytes // per_window)), desc="perplexity (offloaded)", unit="group"):
-        hidden = _final_hidden_states(checkpoint, model, group, device, model_dtype)
-        embedding = model.get_input_embeddings()
-        for name, module in modules_outside_blocks(model, prefix):  # the final norm, the head, rotary tables
-            if module is not embedding:
-                checkpoint.materialize(module, f"{name}.", device)
+        hidden = _final_hidden_states(checkpoint, model, prefix, layers, group, device, model_dtype)
+        materialize_outside_blocks(checkpoint, model, prefix, device, skip=model.get_input_embeddings())  # the final norm, the head, rotary tables
         with layers_replaced(layers, [_PassThrough() for _ in layers]):
             for ids, states in zip(group.split(1), hidden):
                 scorer.add(ids, model(inputs_embeds=states, use_cache=False).logits)
@@ -71,10 +68,9 @@ def score_checkpoint(
     return scorer.result()
 
 
-def _final_hidden_states(checkpoint: Checkpoint, model: nn.Module, windows: torch.Tensor, device: torch.device, dtype: torch.dtype) -> list[torch.Tensor]:
-    """The last decoder block's outputs for `windows`, one window per chunk."""
-    prefix, layers = decoder_blocks(model)
-    outside = materialize_outside_blocks(checkpoint, model, prefix, device)
+def _final_hidden_states(checkpoint: Checkpoint, model: nn.Module, prefix: str, layers: nn.ModuleList, windows: torch.Tensor, device: torch.device, dtype: torch.dtype) -> list[torch.Tensor]:
+    """The outputs of the last of `layers` (the blocks under `prefix`) for `windows`, one window per chunk."""
+    outside = materialize_outside_blocks(checkpoint, model, prefix, device, skip=model.get_output_embeddings())
     inputs = capture_layer_inputs(model, windows, chunk_size=1)
     for module in outside:
         checkpoint.release(module)

@@ -15,8 +15,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from slimlm.artifact import dense_tensors, load_tensors, model_skeleton, read_manifest
-from slimlm.checkpoint import Checkpoint
+from slimlm.artifact import ArtifactParts
 from slimlm.errors import SlimlmError
 from slimlm.inference.build import DecoderParts
 from slimlm.inference.model import Transformer
@@ -27,23 +26,9 @@ from slimlm.qlinear import QuantTable
 def load_decoder(path: Path, dtype: Optional[torch.dtype] = torch.bfloat16, device: Optional[torch.device] = None, kernels: bool = True, int8_activations: bool = False, gpu_int4: str = "tinygemm", placement: Placement = Placement()) -> tuple[Transformer, dict]:
     """The decoder for an artifact and its manifest (checksums verified first); `placement`
     keeps some of it in host memory (inference/streaming.py); dtype None: build.default_dtype."""
-    path = Path(path)
-    manifest = read_manifest(path)
-    skeleton = model_skeleton(path, manifest, meta=True)
+    artifact = ArtifactParts(path)
+    skeleton, manifest, fill = artifact.skeleton, artifact.manifest, artifact.fill
     parts = DecoderParts(skeleton, dtype, device, kernels, int8_activations, gpu_int4, placement)
-    weights = Checkpoint(path)
-    keys = weights.names()
-    unread = set(keys)
-
-    def fill(module: nn.Module, prefix: str) -> None:
-        part = [key for key in keys if key.startswith(prefix)]
-        unread.difference_update(part)
-        tensors = dense_tensors(skeleton, {key: weights.tensor(key) for key in part}, manifest, path)
-        # assign: the tensors just read become the module's own, no second copy
-        result = load_tensors(module, {key[len(prefix):]: tensor for key, tensor in tensors.items()}, path, assign=True)
-        if result.missing_keys or result.unexpected_keys:
-            raise SlimlmError(f"artifact '{path}' does not match its config.json under {prefix}: missing {result.missing_keys[:3]}, unexpected {result.unexpected_keys[:3]}")
-
     blocks = []
     for index, layer in enumerate(skeleton.model.layers):
         fill(layer, f"model.layers.{index}.")
@@ -51,13 +36,13 @@ def load_decoder(path: Path, dtype: Optional[torch.dtype] = torch.bfloat16, devi
         layer.to("meta")  # the block holds its own layout now: drop the source copy
     fill(skeleton.model.norm, "model.norm.")
     head, embedding = skeleton.get_output_embeddings(), skeleton.get_input_embeddings()
-    head_stored = any(key.startswith("lm_head.") for key in keys)
+    head_stored = artifact.stores("lm_head.")
     if head_stored:
         fill(head, "lm_head.")
     if isinstance(embedding, (nn.Embedding, QuantTable)):  # not a tied quantized head's view (QuantEmbedding)
         fill(embedding, "model.embed_tokens.")
         if not head_stored:  # tied float head: the embedding's table
             head.weight = embedding.weight
-    if unread:
-        raise SlimlmError(f"artifact '{path}' holds tensors its config.json has no place for (e.g. {sorted(unread)[0]}); re-export it")
+    if artifact.unread:
+        raise SlimlmError(f"artifact '{path}' holds tensors its config.json has no place for (e.g. {sorted(artifact.unread)[0]}); re-export it")
     return parts.assemble(blocks), manifest

@@ -1,14 +1,17 @@
 """The `generate` stage: a greedy completion from the current (possibly reloaded) model,
-through the bundled decoder (inference/) whenever it can run the model."""
+through the bundled decoder (inference/) whenever it can run the model; a model that lies in an
+artifact, not loaded, goes from disk into the decoder a layer at a time."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
 
+from slimlm.artifact import artifact_model_type, is_artifact
 from slimlm.errors import ConfigError
-from slimlm.inference.generate import greedy_complete
-from slimlm.pipeline import RunState, Stage
+from slimlm.inference.generate import Completion, complete_from_artifact, greedy_complete
+from slimlm.inference.model import ARCHITECTURES
+from slimlm.pipeline import DiskRun, RunState, Stage
 
 
 @dataclass
@@ -26,7 +29,21 @@ class GenerateParams:
 def run(state: RunState, params: GenerateParams) -> None:
     decoder = state.cfg.decoder
     max_new = params.max_new_tokens or decoder.max_new_tokens
-    completion = greedy_complete(state.model, state.tokenizer, params.prompt, max_new, decoder.chat_template)
+    record(state, greedy_complete(state.model, state.tokenizer, params.prompt, max_new, decoder.chat_template))
+
+
+def decoder_reads(state: RunState, params: GenerateParams) -> bool:
+    """The current model lies in an artifact of an architecture the bundled decoder runs."""
+    return is_artifact(state.on_disk) and artifact_model_type(state.on_disk) in ARCHITECTURES
+
+
+def run_from_artifact(state: RunState, params: GenerateParams) -> None:
+    decoder = state.cfg.decoder
+    max_new = params.max_new_tokens or decoder.max_new_tokens
+    record(state, complete_from_artifact(state.on_disk, params.prompt, max_new, decoder.chat_template, state.device))
+
+
+def record(state: RunState, completion: Completion) -> None:
     state.sections.setdefault("generations", []).append(
         {
             "model": state.memo.get("model_origin", "in-memory"),
@@ -39,4 +56,4 @@ def run(state: RunState, params: GenerateParams) -> None:
     )
 
 
-GENERATE = Stage(name="generate", params=GenerateParams, run=run)
+GENERATE = Stage(name="generate", params=GenerateParams, run=run, on_disk=DiskRun(decoder_reads, run_from_artifact))

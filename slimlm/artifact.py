@@ -225,6 +225,15 @@ def _describe_files(directory: Path) -> dict[str, dict]:
     }
 
 
+def is_artifact(path: Optional[Path]) -> bool:
+    return path is not None and (Path(path) / MANIFEST).is_file()
+
+
+def artifact_model_type(path: Path) -> Optional[str]:
+    """The model_type in an artifact's config.json (None if it names none)."""
+    return read_json_object(Path(path) / "config.json", "re-export the artifact").get("model_type")
+
+
 def parse_manifest(path: Path) -> dict:
     """The manifest, after checking its format, version and layout, but no file's checksum (the
     memory planner reads only this, and hashing a large model's weights would take minutes)."""
@@ -304,6 +313,13 @@ def artifact_tokenizer(path: Path):
     return hf_file(AutoTokenizer.from_pretrained, path, "tokenizer files")
 
 
+def generation_config_of(directory: Path):
+    """The generation_config.json of a checkpoint or artifact directory, None when it has none."""
+    from transformers import GenerationConfig
+
+    return hf_file(GenerationConfig.from_pretrained, directory, "generation_config.json") if (Path(directory) / "generation_config.json").is_file() else None
+
+
 def model_skeleton(path: Path, manifest: dict, meta: bool = False):
     """The artifact's model with QuantLinear layers where the manifest says, its tensors not
     yet loaded: uninitialized on the CPU, or on the meta device (no memory at all) so that a
@@ -361,6 +377,34 @@ def load_tensors(module: torch.nn.Module, tensors: dict[str, torch.Tensor], path
     except RuntimeError as error:
         detail = next((line.strip() for line in str(error).splitlines() if "size mismatch" in line), str(error).splitlines()[0])
         raise SlimlmError(f"artifact '{path}': its weights do not match its manifest ({detail}); re-export the artifact") from None
+
+
+class ArtifactParts:
+    """An artifact read into its meta skeleton one module at a time (checksums verified first),
+    for readers that must never hold the whole model: the decoder's loader (inference/load.py)
+    and the hf export of an artifact (slimlm/hf_export.py). `unread` keeps the tensors no
+    module has asked for yet, so a reader can refuse an artifact with tensors to spare."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.manifest = read_manifest(self.path)
+        self.skeleton = model_skeleton(self.path, self.manifest, meta=True)
+        self.weights = Checkpoint(self.path)
+        self.keys = self.weights.names()
+        self.unread = set(self.keys)
+
+    def fill(self, module: torch.nn.Module, prefix: str) -> None:
+        """Read the tensors under `prefix` (a module name and a dot) into `module`, as its own
+        (assigned: no second copy)."""
+        part = [key for key in self.keys if key.startswith(prefix)]
+        self.unread.difference_update(part)
+        tensors = dense_tensors(self.skeleton, {key: self.weights.tensor(key) for key in part}, self.manifest, self.path)
+        result = load_tensors(module, {key[len(prefix) :]: tensor for key, tensor in tensors.items()}, self.path, assign=True)
+        if result.missing_keys or result.unexpected_keys:
+            raise SlimlmError(f"artifact '{self.path}' does not match its config.json under {prefix}: missing {result.missing_keys[:3]}, unexpected {result.unexpected_keys[:3]}")
+
+    def stores(self, prefix: str) -> bool:
+        return any(key.startswith(prefix) for key in self.keys)
 
 
 def load_artifact(path: Path, device: torch.device = torch.device("cpu")) -> Artifact:

@@ -40,8 +40,8 @@ from slimlm.export import EXPORT
 from slimlm.load import LOAD
 from slimlm.inference.stage import GENERATE
 from slimlm.model_packages import ensure_model_file
-from slimlm.models import ModelSource, load_model, resolve_model
-from slimlm.pipeline import PlannedStage, RunState, Stage, plan_stages
+from slimlm.models import ModelSource, resolve_model, source_sha256
+from slimlm.pipeline import PlannedStage, RunState, Stage, plan_stages, run_stage
 from slimlm.rundir import write_status
 from slimlm.user_recipes import RECIPES_ENV, bundled_recipes, user_recipes
 
@@ -99,27 +99,28 @@ def pick_device(setting: str) -> torch.device:
 
 
 def execute(cfg: DictConfig, plan: Plan, run_dir: Path) -> str:
-    """Load the model, run the stages, write the report; returns the Markdown report."""
+    """Run the stages (each loads the model when it first needs it), write the report;
+    returns the Markdown report."""
     if cfg.hardware.threads:
         torch.set_num_threads(cfg.hardware.threads)
     torch.manual_seed(cfg.seed)
     device = pick_device(cfg.hardware.device)
-    started = time.perf_counter()
-    loaded = load_model(cfg.model, device)
-    timings = [("load model", time.perf_counter() - started)]
-    state = RunState(cfg=cfg, run_dir=run_dir, model=None, tokenizer=None, source=loaded.source, source_sha256=loaded.sha256, device=device)
-    state.adopt(loaded, origin=None)
+    source = plan.source
+    state = RunState(cfg=cfg, run_dir=run_dir, model=None, tokenizer=None, source=source, source_sha256=source_sha256(source), device=device)
+    timings = []
     for planned in plan.stages:
         log.info("%s: starting", planned.title)
         started = time.perf_counter()
-        planned.stage.run(state, planned.params)
-        timings.append((f"{planned.index + 1}. {planned.stage.name}", time.perf_counter() - started))
+        load_seconds = run_stage(state, planned)
+        if load_seconds is not None:
+            timings.append(("load model", load_seconds))
+        timings.append((f"{planned.index + 1}. {planned.stage.name}", time.perf_counter() - started - (load_seconds or 0.0)))
         log.info("%s: done in %.1f s", planned.title, timings[-1][1])
     header = {
         "recipe": cfg.recipe.name,
         "model": cfg.model.name,
         "model_path": cfg.model.path,
-        "source_sha256": loaded.sha256,
+        "source_sha256": state.source_sha256,
         "eval_text": cfg.data.eval_text.path,
         "command": command_line(HydraConfig.get().overrides.task, cfg.recipe.file),
         "run_dir": display_path(run_dir),

@@ -4,24 +4,31 @@ Formats: `slimlm`, the versioned artifact directory (slimlm/artifact.py); `gguf`
 llama.cpp and the tools built on it (slimlm/gguf_export.py); `hf`, a plain transformers
 checkpoint with the quantized layers dequantized (slimlm/hf_export.py); `compressed-tensors`, a
 packed checkpoint that transformers and vLLM load as it is (slimlm/ct_export.py).
+
+When the current model lies in an artifact that no stage has loaded (RTN streamed it, or an
+earlier export was reloaded), the slimlm and hf exports work from that artifact on disk
+(`run_from_disk`) and never build the model.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 from omegaconf import OmegaConf
 
-from slimlm.artifact import MANIFEST, load_artifact, save_artifact
+from slimlm.artifact import MANIFEST, is_artifact, load_artifact, parse_manifest, save_artifact
 from slimlm.ct_export import export_compressed
 from slimlm.errors import ConfigError
 from slimlm.gguf_export import ARCHITECTURES, GGUF_TYPES, export_gguf
-from slimlm.hf_export import export_hf
+from slimlm.hf_export import export_hf, export_hf_from_artifact
 from slimlm.models import DTYPES, load_model
-from slimlm.pipeline import RunState, Stage
-from slimlm.rundir import directory_bytes
+from slimlm.pipeline import DiskRun, RunState, Stage
+from slimlm.rundir import directory_bytes, staged_directory
 
 FORMATS = ("slimlm", "gguf", "hf", "compressed-tensors")
 DEFAULT_NAMES = {"slimlm": "artifact", "gguf": "model.gguf", "hf": "hf", "compressed-tensors": "hf-compressed"}
@@ -55,10 +62,8 @@ def run(state: RunState, params: ExportParams) -> None:
     if params.format != "slimlm":
         export_file(state, params)
         return
-    source = {"id": state.source.id, "kind": state.source.kind, "sha256": state.source_sha256}
-    recipe = OmegaConf.to_container(state.cfg.recipe, resolve=True)
     results = {"evaluations": state.evaluations}
-    path = save_artifact(state.model, state.tokenizer, state.run_dir / params.name, state.schemes, source, recipe, results)
+    path = save_artifact(state.model, state.tokenizer, state.run_dir / params.name, state.schemes, state.provenance(), state.recipe(), results)
     account = json.loads((path / MANIFEST).read_text())["size"]  # just written: no need to verify every checksum again here
     state.sections.setdefault("artifacts", []).append({"format": params.format, "path": f"{path.name}/", "bytes_on_disk": directory_bytes(path), **account})
     if params.reload:
@@ -85,9 +90,45 @@ def export_file(state: RunState, params: ExportParams) -> None:
         state.adopt(load_model(model_cfg, state.device), f"reloaded from {params.name}")
 
 
+def exports_from_disk(state: RunState, params: ExportParams) -> bool:
+    """The current model lies in an artifact (streamed by RTN, or exported and reloaded) that the
+    slimlm and hf exports can read from disk; the artifact holds no evaluation results, so one
+    made after evaluations is written from memory, with them."""
+    return params.format in ("slimlm", "hf") and is_artifact(state.on_disk) and not state.evaluations
+
+
+def run_from_disk(state: RunState, params: ExportParams) -> None:
+    """The slimlm export as the artifact's files linked (or copied) under the export's name; the
+    hf export dequantized from it one module at a time. With reload, the run goes on from the
+    export's files (read by the next stage that needs the model)."""
+    path = state.run_dir / params.name
+    if params.format == "slimlm":
+        copy_directory(state.on_disk, path)
+        account = parse_manifest(path)["size"]
+        state.sections.setdefault("artifacts", []).append({"format": params.format, "path": f"{path.name}/", "bytes_on_disk": directory_bytes(path), **account})
+    else:
+        state.sections.setdefault("artifacts", []).append(export_hf_from_artifact(state.on_disk, path, params.dtype))
+    if params.reload:
+        state.lies_in(path, f"reloaded from {params.name}" + ("/" if params.format == "slimlm" else ""))
+
+
+def copy_directory(source: Path, target: Path) -> None:
+    """`source`'s files at `target` (atomically), as hard links where the file system allows:
+    artifacts are never written to after they are complete."""
+
+    def link_or_copy(from_path: str, to_path: str) -> None:
+        try:
+            os.link(from_path, to_path)
+        except OSError:
+            shutil.copy2(from_path, to_path)
+
+    with staged_directory(target) as staging:
+        shutil.copytree(source, staging, copy_function=link_or_copy, dirs_exist_ok=True)
+
+
 def check(cfg, params: ExportParams, source) -> None:
     if params.format == "gguf" and source.architecture is not None and source.architecture not in ARCHITECTURES:
         raise ConfigError(f"export.format=gguf supports {', '.join(ARCHITECTURES)} models; this one is {source.architecture}")
 
 
-EXPORT = Stage(name="export", params=ExportParams, run=run, check=check)
+EXPORT = Stage(name="export", params=ExportParams, run=run, check=check, on_disk=DiskRun(exports_from_disk, run_from_disk))

@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 from slimlm.config import BNB_MODES
 from slimlm.errors import ConfigError
 from slimlm.models import load_model
-from slimlm.pipeline import RunState, Stage
+from slimlm.pipeline import DiskRun, RunState, Stage
 
 
 @dataclass
@@ -41,4 +41,8 @@ def run(state: RunState, params: LoadParams) -> None:
     state.adopt(load_model(model_cfg, state.device), f"bitsandbytes {params.bnb}" if params.bnb else None)
 
 
-LOAD = Stage(name="load", params=LoadParams, run=run)
+def always(state: RunState, params: LoadParams) -> bool:
+    return True
+
+
+LOAD = Stage(name="load", params=LoadParams, run=run, on_disk=DiskRun(always, run))  # needs no model loaded before it

@@ -3,6 +3,8 @@ set on a CPU. Shared by speed measurements and by calibration, which states its 
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -86,3 +88,17 @@ def _sampled_peak_rss(interval_s: float = 0.001) -> Iterator[PeakMemory]:
         stop.set()
         sampler.join()
     peak.bytes = max(peak.bytes, process.memory_info().rss)
+
+
+def return_freed_memory() -> None:
+    """Hand the C heap's free pages back to the operating system (glibc's malloc_trim).
+
+    torch frees a stage's CPU tensors into the heap, where glibc keeps most of them: a stage
+    that read an artifact a part at a time would leave its whole size counted in the process's
+    resident set while the next stage allocates its own. Elsewhere than glibc, nothing to do."""
+    gc.collect()
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    libc.malloc_trim(0)

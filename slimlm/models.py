@@ -98,31 +98,43 @@ class LoadedModel:
     manifest: Optional[dict] = None  # when loaded from a slimlm artifact
 
 
-def load_model(cfg: ModelConfig, device: torch.device) -> LoadedModel:
-    """Load weights and tokenizer for `cfg` onto `device`, in eval mode."""
+def load_model(cfg: ModelConfig, device: torch.device, sha256: Optional[str] = None) -> LoadedModel:
+    """Load weights and tokenizer for `cfg` onto `device`, in eval mode; `sha256`: the source's
+    hash (source_sha256) when the caller has it, so that the weights are not hashed twice."""
     source = resolve_model(cfg)
     dtype = DTYPES[cfg.dtype]
-    sha256 = None
     if source.kind == "artifact":
         if cfg.bnb is not None:
             raise SlimlmError("model.bnb applies to an original checkpoint, not to a slimlm artifact; drop model.bnb")
         artifact = load_artifact(source.path, device)
         # The artifact's source hash: its KL is measured against the model it was made from.
         return LoadedModel(artifact.model, artifact.tokenizer, source, artifact.manifest.get("source", {}).get("sha256"), artifact.manifest)
-    if source.kind == "gguf":
-        sha256 = sha256_file(source.path)
-        directory = gguf_checkpoint(source.path, sha256)
-    elif source.kind == "hf-dir":
-        directory = source.path
-        sha256 = checkpoint_sha256(directory)
-    else:
-        directory = source.id
+    sha256 = sha256 or source_sha256(source)
+    directory = checkpoint_directory(source, sha256) or source.id
     model, tokenizer = _from_pretrained(str(directory), dtype, cfg.revision, source, **bnb_arguments(cfg.bnb, dtype, device))
     check_compressible(cfg.path, model.config.model_type)  # hub ids are only known once loaded
     split_experts(model)  # mixture-of-experts blocks: one Linear per expert projection
     if cfg.bnb is None:
         model = model.to(device)
     return LoadedModel(model.eval(), tokenizer, source, sha256)
+
+
+def source_sha256(source: ModelSource) -> Optional[str]:
+    """The hash of a source's weights (the GGUF file or the checkpoint's weight files): its
+    provenance, and the key of its cached reference distributions."""
+    if source.kind == "gguf":
+        return sha256_file(source.path)
+    if source.kind == "hf-dir":
+        return checkpoint_sha256(source.path)
+    return None
+
+
+def checkpoint_directory(source: ModelSource, sha256: Optional[str]) -> Optional[Path]:
+    """The local safetensors checkpoint a source's weights are read from (a GGUF file's
+    converted cache); None for a hub id or an artifact."""
+    if source.kind == "gguf":
+        return gguf_checkpoint(source.path, sha256)
+    return source.path if source.kind == "hf-dir" else None
 
 
 def bnb_arguments(bnb: Optional[str], dtype: torch.dtype, device: torch.device) -> dict:

@@ -3,11 +3,18 @@
 A stage is a small record: its name as recipes write it, a dataclass for its parameters
 and a function that does the work on the run state. The CLI owns the table of stages; this
 module knows none of them, so the core never imports a stage.
+
+The model is loaded when the first stage that needs it in memory starts, not before: a stage
+that can work on the model where it lies on disk (its `on_disk`) runs there while nothing has
+loaded it. RTN streams the checkpoint into an artifact, and the exports and the decoder read
+that artifact one part at a time, so a quantize, export, generate recipe never holds the whole
+model in memory.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
@@ -16,8 +23,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from slimlm.artifact import scheme_of
+from slimlm.artifact import is_artifact, parse_manifest, scheme_of
 from slimlm.errors import ConfigError
+from slimlm.memory import return_freed_memory
 
 
 @dataclass
@@ -26,7 +34,7 @@ class RunState:
 
     cfg: DictConfig
     run_dir: Path
-    model: Any  # a transformers PreTrainedModel, possibly with quantized modules
+    model: Any  # a transformers PreTrainedModel, possibly with quantized modules; None until loaded
     tokenizer: Any
     source: Any  # slimlm.models.ModelSource: where the starting model came from
     source_sha256: Any  # str or None: hash of the source weights, for provenance
@@ -35,10 +43,20 @@ class RunState:
     evaluations: list[dict] = field(default_factory=list)  # one row per evaluate stage
     sections: dict[str, Any] = field(default_factory=dict)  # other report sections by name
     memo: dict[str, Any] = field(default_factory=dict)  # values stages reuse within a run, not reported
+    # While model is None: the files the current model lies in (an artifact or a checkpoint a
+    # stage wrote), or None for the run's source model.
+    on_disk: Optional[Path] = None
 
     def is_original(self) -> bool:
         """True while the model is the source model as loaded (nothing compressed or swapped)."""
         return not self.schemes and self.memo.get("model_origin") is None and not self.memo.get("changes")
+
+    def provenance(self) -> dict:
+        """The source model as an artifact's manifest records it."""
+        return {"id": self.source.id, "kind": self.source.kind, "sha256": self.source_sha256}
+
+    def recipe(self) -> dict:
+        return OmegaConf.to_container(self.cfg.recipe, resolve=True)
 
     def mark_changed(self, how: str) -> None:
         """Record that a stage changed the model's weights or shape without quantizing it
@@ -49,9 +67,29 @@ class RunState:
         """The config that loads the uncompressed model this run's model descends from."""
         return self.memo.get("original_model_cfg", self.cfg.model)
 
+    def load(self) -> None:
+        """Load the current model into memory: the source model, or the files it lies in."""
+        from slimlm.models import load_model
+
+        if self.on_disk is None:
+            self.adopt(load_model(self.cfg.model, self.device, self.source_sha256), origin=None)
+            return
+        model_cfg = OmegaConf.merge(self.original_model_cfg(), {"path": str(self.on_disk), "bnb": None})
+        self.adopt(load_model(model_cfg, self.device), self.memo.get("model_origin"))
+
+    def lies_in(self, path: Path, origin: str) -> None:
+        """The current model is now the files at `path` (an artifact or a checkpoint directory that
+        a stage wrote), not loaded: the next stage that needs it in memory loads it from there."""
+        self.model = self.tokenizer = None
+        self.on_disk = Path(path)
+        self.memo["model_origin"] = origin
+        self.memo.pop("changes", None)
+        self.schemes = {name: scheme_of(record).to_dict() for name, record in parse_manifest(path)["modules"].items()} if is_artifact(path) else {}
+
     def adopt(self, loaded: Any, origin: Optional[str]) -> None:
         """Make a freshly loaded model (slimlm.models.LoadedModel) the current one."""
         self.model, self.tokenizer = loaded.model, loaded.tokenizer
+        self.on_disk = None
         self.schemes = {}
         self.memo["model_origin"] = origin
         self.memo.pop("changes", None)
@@ -62,6 +100,15 @@ class RunState:
 
 
 @dataclass(frozen=True)
+class DiskRun:
+    """A stage's way to work on the current model where it lies on disk, not loaded:
+    `applies(state, params)` says whether it can this time, `run` does it."""
+
+    applies: Callable[[RunState, Any], bool]
+    run: Callable[[RunState, Any], None]
+
+
+@dataclass(frozen=True)
 class Stage:
     name: str
     params: type  # a dataclass; its __post_init__ checks values
@@ -69,6 +116,7 @@ class Stage:
     # Checks that need the whole config and the model source (data files a stage will read,
     # limits of the model), run before any model loads: check(cfg, params, source).
     check: Optional[Callable[[DictConfig, Any, Any], None]] = None
+    on_disk: Optional[DiskRun] = None
 
 
 @dataclass(frozen=True)
@@ -80,6 +128,25 @@ class PlannedStage:
     @property
     def title(self) -> str:
         return f"stage {self.index + 1} ({self.stage.name})"
+
+
+def run_stage(state: RunState, planned: PlannedStage) -> Optional[float]:
+    """Run one planned stage, loading the model first if the stage needs it in memory and no
+    stage has loaded it yet; returns the seconds loading took (None: nothing loaded)."""
+    disk = planned.stage.on_disk
+    try:
+        if state.model is None and disk is not None and disk.applies(state, planned.params):
+            disk.run(state, planned.params)
+            return None
+        load_seconds = None
+        if state.model is None:
+            started = time.perf_counter()
+            state.load()
+            load_seconds = time.perf_counter() - started
+        planned.stage.run(state, planned.params)
+        return load_seconds
+    finally:
+        return_freed_memory()  # what the stage freed is not counted against the next
 
 
 def plan_stages(stages_cfg: Any, table: Mapping[str, Stage]) -> list[PlannedStage]:

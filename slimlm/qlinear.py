@@ -24,6 +24,7 @@ from torch import nn
 from slimlm.packing import PACKABLE_BITS, pack_codes, unpack_codes
 
 ADAPTER_BUFFERS = ("lora_a", "lora_b")  # a QuantLinear's adapter tensors, beside its codes
+MERGE_CHUNK_VALUES = 2**23  # weights dequantized at once by merged_weight (its temporaries: a few times 32 MB)
 
 
 @dataclass(frozen=True)
@@ -125,9 +126,17 @@ class QuantLinear(nn.Module):
         return weight.view(qweight.shape[0], self.in_features)
 
     def merged_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The weight the layer computes with: the codes' and, if any, the adapter's B A."""
-        weight = self.dequantize(dtype)
-        return weight if self.lora_a is None else weight + self.lora_b.to(dtype) @ self.lora_a.to(dtype)
+        """The weight the layer computes with: the codes' and, if any, the adapter's B A; made a
+        run of rows at a time, so that the unpacking temporaries of a large LM head (several
+        times its size in `dtype`) never exist for all its rows at once."""
+        weight = torch.empty(self.out_features, self.in_features, dtype=dtype, device=self.qweight.device)
+        step = max(1, MERGE_CHUNK_VALUES // self.in_features)
+        for start in range(0, self.out_features, step):
+            end = min(start + step, self.out_features)
+            weight[start:end] = self.dequantize(dtype, torch.arange(start, end, device=self.qweight.device))
+            if self.lora_a is not None:
+                weight[start:end] += self.lora_b[start:end].to(dtype) @ self.lora_a.to(dtype)
+        return weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.to(x.dtype)

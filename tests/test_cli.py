@@ -129,6 +129,29 @@ def test_demo_recipe_on_a_tiny_model_end_to_end(tiny_model_dir, tmp_path):
     assert "| demo: w8-rtn |" in compared.stdout and (tmp_path / "cmp" / "comparison.png").is_file()
 
 
+def test_a_recipe_that_starts_with_rtn_never_loads_the_model_and_matches_the_in_memory_path(tiny_model_dir, tmp_path):
+    """quantize (RTN, streamed), export and reload, generate, hf export: from disk all along,
+    the same artifact, completion and hf checkpoint as the same stages after a `load`."""
+    import torch
+    from safetensors.torch import load_file
+
+    deploy = "{stage:quantize,targets:['model.layers.*',lm_head]},{stage:export},{stage:generate},{stage:export,format:hf}"
+    slimlm(*tiny_run_args(tiny_model_dir), f"recipe.stages=[{deploy}]", "hydra.run.dir=disk", cwd=tmp_path)
+    slimlm(*tiny_run_args(tiny_model_dir), f"recipe.stages=[{{stage:load}},{deploy}]", "hydra.run.dir=memory", cwd=tmp_path)
+    disk, memory = (json.loads((tmp_path / name / "report.json").read_text()) for name in ("disk", "memory"))
+    assert [stage for stage, _ in disk["stage_seconds"]] == ["1. quantize", "2. export", "3. generate", "4. export"]
+    assert disk["quantization"][0]["streamed"] == "quantized/"
+    for key in ("completion", "new_tokens", "engine"):
+        assert disk["generations"][0][key] == memory["generations"][0][key]
+    assert disk["generations"][0]["model"] == "reloaded from artifact/"
+    streamed, saved = (load_artifact(tmp_path / name / "artifact").model.state_dict() for name in ("disk", "memory"))
+    assert streamed.keys() == saved.keys() and all(torch.equal(streamed[key], saved[key]) for key in saved)
+    a, b = (load_file(tmp_path / name / "hf" / "model.safetensors") for name in ("disk", "memory"))
+    assert a.keys() == b.keys() and all(torch.equal(a[key], b[key]) for key in a)
+    errors = (report["quantization"][0]["weight_rel_error"] for report in (disk, memory))
+    assert next(errors) == pytest.approx(next(errors), rel=1e-4)
+
+
 def test_kl_reference_comes_from_the_source_model_when_the_recipe_starts_compressed(tiny_model_dir, tmp_path):
     stages = "recipe.stages=[{stage:quantize},{stage:evaluate,label:w8}]"
     slimlm(*tiny_run_args(tiny_model_dir), stages, cwd=tmp_path)

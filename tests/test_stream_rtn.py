@@ -31,7 +31,7 @@ def test_streamed_artifact_equals_the_in_memory_one(tmp_path, tiny_tokenizer, ti
 
     monkeypatch.setattr(slimlm.compress.stream_rtn, "ROUND_CHUNK_BYTES", 4 * 64 * 7)  # runs of 7 rows: the last one short
     model = saved_checkpoint(tmp_path / "checkpoint", tiny_tokenizer, tie, dtype)
-    streamed = stream_rtn(tmp_path / "checkpoint", tmp_path / "streamed", QuantScheme(**params), TARGETS, ignore=[r".*\.k_proj"], max_shard_bytes=30_000)
+    streamed = stream_rtn(tmp_path / "checkpoint", tmp_path / "streamed", QuantScheme(**params), TARGETS, ignore=[r".*\.k_proj"], max_shard_bytes=30_000).path
     state = RunState(cfg=None, run_dir=tmp_path, model=model, tokenizer=tiny_tokenizer, source=None, source_sha256=None, device=torch.device("cpu"))
     quantize(state, QuantizeParams(method="rtn", targets=TARGETS, ignore=[r".*\.k_proj"], **params))
     in_memory = save_artifact(state.model, tiny_tokenizer, tmp_path / "in-memory", state.schemes, source={"id": "tiny"})
@@ -79,7 +79,7 @@ def test_a_moe_checkpoint_streams_per_expert(tmp_path, tiny_tokenizer):
     model.save_pretrained(tmp_path / "checkpoint")
     tiny_tokenizer.save_pretrained(tmp_path / "checkpoint")
     targets = [r"model\.layers\.\d+\.(self_attn|mlp\.experts)\..*"]
-    streamed = load_artifact(stream_rtn(tmp_path / "checkpoint", tmp_path / "streamed", QuantScheme(bits=4, group_size=16), targets))
+    streamed = load_artifact(stream_rtn(tmp_path / "checkpoint", tmp_path / "streamed", QuantScheme(bits=4, group_size=16), targets).path)
     assert "model.layers.0.mlp.experts.3.down_proj" in streamed.manifest["modules"]
     split_experts(model)
     state = RunState(cfg=None, run_dir=tmp_path, model=model, tokenizer=tiny_tokenizer, source=None, source_sha256=None, device=torch.device("cpu"))
