@@ -117,7 +117,7 @@ def run(state: RunState, params: QuantizeParams) -> None:
     started = time.perf_counter()
     names = select_linear_modules(state.model, params.targets, params.ignore)
     check_shapes(state.model, names, params.scheme)
-    section: dict = {"method": params.method, "bits": params.bits, "group_size": params.group_size, "symmetric": params.symmetric, "layers": len(names)}
+    section = section_header(params, len(names))
     if params.bpw is None:
         schemes = {name: params.scheme for name in names}
     else:
@@ -154,6 +154,11 @@ def run(state: RunState, params: QuantizeParams) -> None:
     state.sections.setdefault("quantization", []).append({**section, "weight_rel_error": errors})
 
 
+def section_header(params: QuantizeParams, layers: int) -> dict:
+    """The start of the report's quantization section: how, and how many layers."""
+    return {"method": params.method, "bits": params.bits, "group_size": params.group_size, "symmetric": params.symmetric, "layers": layers}
+
+
 def streams(state: RunState, params: QuantizeParams) -> bool:
     """Uniform RTN of a local checkpoint that no stage has loaded needs no model in memory."""
     local = state.source is not None and state.source.kind in ("hf-dir", "gguf")
@@ -169,7 +174,7 @@ def run_streamed(state: RunState, params: QuantizeParams) -> None:
     path = state.run_dir / STREAMED_ARTIFACT
     streamed = stream_rtn(directory, path, params.scheme, params.targets, params.ignore, source=state.provenance(), recipe=state.recipe(), dtype=DTYPES[state.cfg.model.dtype])
     state.lies_in(streamed.path, f"streamed into {STREAMED_ARTIFACT}/")
-    section = {"method": "rtn", "bits": params.bits, "group_size": params.group_size, "symmetric": params.symmetric, "layers": len(streamed.weight_rel_error)}
+    section = section_header(params, len(streamed.weight_rel_error))
     section.update(streamed=f"{STREAMED_ARTIFACT}/", seconds=round(time.perf_counter() - started, 2), weight_rel_error=streamed.weight_rel_error)
     state.sections.setdefault("quantization", []).append(section)
 

@@ -21,7 +21,7 @@ from typing import Optional
 
 from omegaconf import OmegaConf
 
-from slimlm.artifact import MANIFEST, is_artifact, load_artifact, parse_manifest, save_artifact
+from slimlm.artifact import MANIFEST, is_artifact, load_artifact, save_artifact
 from slimlm.ct_export import export_compressed
 from slimlm.errors import ConfigError
 from slimlm.gguf_export import ARCHITECTURES, GGUF_TYPES, export_gguf
@@ -64,13 +64,18 @@ def run(state: RunState, params: ExportParams) -> None:
         return
     results = {"evaluations": state.evaluations}
     path = save_artifact(state.model, state.tokenizer, state.run_dir / params.name, state.schemes, state.provenance(), state.recipe(), results)
-    account = json.loads((path / MANIFEST).read_text())["size"]  # just written: no need to verify every checksum again here
-    state.sections.setdefault("artifacts", []).append({"format": params.format, "path": f"{path.name}/", "bytes_on_disk": directory_bytes(path), **account})
+    record_artifact(state, path)
     if params.reload:
         artifact = load_artifact(path, state.device)
         state.model = artifact.model
         state.tokenizer = artifact.tokenizer
         state.memo["model_origin"] = f"reloaded from {path.name}/"
+
+
+def record_artifact(state: RunState, path: Path) -> None:
+    """The report's line for a slimlm artifact just written: its bytes on disk and size account."""
+    account = json.loads((path / MANIFEST).read_text())["size"]  # just written: no need to verify every checksum again here
+    state.sections.setdefault("artifacts", []).append({"format": "slimlm", "path": f"{path.name}/", "bytes_on_disk": directory_bytes(path), **account})
 
 
 def export_file(state: RunState, params: ExportParams) -> None:
@@ -104,8 +109,7 @@ def run_from_disk(state: RunState, params: ExportParams) -> None:
     path = state.run_dir / params.name
     if params.format == "slimlm":
         copy_directory(state.on_disk, path)
-        account = parse_manifest(path)["size"]
-        state.sections.setdefault("artifacts", []).append({"format": params.format, "path": f"{path.name}/", "bytes_on_disk": directory_bytes(path), **account})
+        record_artifact(state, path)
     else:
         state.sections.setdefault("artifacts", []).append(export_hf_from_artifact(state.on_disk, path, params.dtype))
     if params.reload:
