@@ -16,18 +16,21 @@ kernel kept for it (measured from outside, every page counted, no polling gaps):
             projected time, peak RSS; goal: <= 6 GB
   ppl       perplexity of the bf16 checkpoint over 2 windows of 512 random tokens, one block in
             memory at a time (eval/offloaded.py): seconds, peak RSS
+  forward   one block's forward pass over 512 tokens in bf16 with torch's bf16 products and as
+            calibration and scoring run it (slimlm/half_linear.py): seconds of each
 A step is a function of the run's paths returning its metrics, listed in STEPS. `--only gptq`
 runs the named steps and merges their rows into the last results. Random weights give honest
 memory and speed figures: neither depends on the values.
 Writes bench/results/scale.{md,json} (--quick: small shapes, a few seconds a step, results
 only in the work directory; for tests).
 
-    python bench/scale.py [--layers 32] [--workdir bench/runs/scale] [--only rtn generate plan gptq ppl] [--quick]
+    python bench/scale.py [--layers 32] [--workdir bench/runs/scale] [--only rtn generate plan gptq ppl forward] [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -242,6 +245,40 @@ def step_ppl(run: Run) -> dict:
     return {"seconds": round(time.perf_counter() - started, 1), "windows": scores.perplexity.windows, "tokens_scored": scores.perplexity.tokens_scored, "ppl": round(scores.perplexity.ppl, 1)}
 
 
+FORWARD_TOKENS = 512
+
+
+def step_forward(run: Run) -> dict:
+    """One decoder block's forward pass over FORWARD_TOKENS hidden states in bf16: with torch's
+    bf16 products, and as calibration and offloaded scoring run it (slimlm/half_linear.py:
+    float32 products where this CPU multiplies bf16 slowly); seconds of each, the difference."""
+    from slimlm.checkpoint import open_checkpoint
+    from slimlm.half_linear import float32_linears, half_matmul_is_slow
+
+    checkpoint, model = open_checkpoint(run.checkpoint, torch.bfloat16)
+    layer, rotary, cpu = model.model.layers[0], model.model.rotary_emb, torch.device("cpu")
+    checkpoint.materialize(layer, "model.layers.0.", cpu)
+    checkpoint.materialize(rotary, "model.rotary_emb.", cpu)
+    hidden = torch.randn(1, FORWARD_TOKENS, model.config.hidden_size, generator=torch.Generator().manual_seed(0)).bfloat16()
+    rope = rotary(hidden, torch.arange(FORWARD_TOKENS)[None])
+    seconds, outputs = {}, {}
+    for name, context in (("slimlm_s", float32_linears(torch.bfloat16, cpu)), ("torch_bf16_s", contextlib.nullcontext())):
+        started = time.perf_counter()
+        with torch.no_grad(), context:
+            output = layer(hidden, position_embeddings=rope, attention_mask=None)
+        outputs[name] = (output[0] if isinstance(output, tuple) else output).float()
+        seconds[name] = round(time.perf_counter() - started, 2)
+    difference = float((outputs["torch_bf16_s"] - outputs["slimlm_s"]).abs().max() / outputs["torch_bf16_s"].abs().max())
+    return {
+        **seconds,
+        "seconds": round(sum(seconds.values()), 1),
+        "tokens": FORWARD_TOKENS,
+        "float32_products": half_matmul_is_slow(torch.bfloat16),
+        "speedup": round(seconds["torch_bf16_s"] / max(seconds["slimlm_s"], 0.01), 1),
+        "max_rel_difference": round(difference, 5),
+    }
+
+
 @dataclass(frozen=True)
 class Step:
     name: str  # the row's name
@@ -255,6 +292,7 @@ STEPS = [
     Step("slimlm plan on the artifact", "plan", step_plan),
     Step("w4 g128 GPTQ of the first blocks, offloaded", "gptq", step_gptq),
     Step(f"perplexity, offloaded ({PPL_WINDOWS} x {PPL_WINDOW} tokens)", "ppl", step_ppl),
+    Step(f"one block's bf16 forward ({FORWARD_TOKENS} tokens): torch's bf16 products, slimlm's", "forward", step_forward),
 ]
 
 
@@ -293,8 +331,17 @@ def markdown(rows: list[dict], options: argparse.Namespace, command: str, machin
         f"in the CPU layouts {plan['plan_cpu_weight_bytes'] / GB:.3f} GB: {plan['plan_cpu_to_decoder']:.4f}x the loaded decoder's, {plan['plan_cpu_to_artifact']:.4f}x the artifact's |",
         *(gptq_line(row) for row in rows if row["name"] == STEPS[3].name),
         *(f"| {row['name']} | {row['seconds']:.1f} | {row['peak_rss_gb']:.2f} | {row['tokens_scored']} tokens scored, one block in memory at a time (random weights: ppl {row['ppl']:,.0f}) |" for row in rows if row["name"] == STEPS[4].name),
+        *(forward_line(row) for row in rows if row["name"] == STEPS[5].name),
         "",
     ]
+
+
+def forward_line(row: dict) -> str:
+    how = "float32 products (this CPU multiplies bf16 slowly)" if row["float32_products"] else "bf16 products (this CPU multiplies bf16 fast)"
+    return (
+        f"| {row['name']} | {row['seconds']:.1f} | {row['peak_rss_gb']:.2f} | torch {row['torch_bf16_s']:.2f} s, slimlm {row['slimlm_s']:.2f} s with {how}: "
+        f"{row['speedup']:.1f}x; outputs differ by {row['max_rel_difference']:.1e} of their largest value |"
+    )
 
 
 def gptq_line(row: dict) -> str:

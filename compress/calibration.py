@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from slimlm.architecture import block_index, decoder_blocks
 from slimlm.errors import ConfigError, SlimlmError
+from slimlm.half_linear import float32_linears
 from slimlm.memory import peak_memory
 
 Captured = list[tuple[torch.Tensor, dict[str, Any]]]  # per chunk: one layer's hidden states and its other arguments
@@ -153,8 +154,14 @@ def calibrate_sequentially(
     outside = [name for name in targets if not name.startswith(prefix + ".")]
     if outside:
         raise SlimlmError(f"calibration handles Linear layers inside decoder layers; {outside[0]} is outside them: leave it out of this stage's targets (quantize it in a separate rtn stage)")
-    with peak_memory(next(model.parameters()).device) as peak:
-        inputs = capture_layer_inputs(model, samples, chunk_size)
+    first = next(model.parameters())
+
+    def forward():  # the passes only: the mode would slow the many small operations of GPTQ and AWQ
+        return float32_linears(first.dtype, first.device)
+
+    with peak_memory(first.device) as peak:
+        with forward():
+            inputs = capture_layer_inputs(model, samples, chunk_size)
         hidden = inputs.hidden
         last = max((block_index(name, prefix) for name in targets), default=-1)
         for index, layer in enumerate(tqdm(layers[: last + 1], desc=desc, unit="layer")):  # no block after the last target's needs to run
@@ -163,12 +170,14 @@ def calibrate_sequentially(
             if names:
                 handles = [_observer(model.get_submodule(name), name, observe) for name in names]
                 try:
-                    run_layer(layer, inputs.of_layer(index, hidden))
+                    with forward():
+                        run_layer(layer, inputs.of_layer(index, hidden))
                 finally:
                     for handle in handles:
                         handle.remove()
                 finish_layer(f"{prefix}.{index}", names)
-            hidden = run_layer(layer, inputs.of_layer(index, hidden))
+            with forward():
+                hidden = run_layer(layer, inputs.of_layer(index, hidden))
             blocks.release(f"{prefix}.{index}", layer)
     return peak.bytes
 

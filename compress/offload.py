@@ -21,7 +21,7 @@ from torch import nn
 from slimlm.architecture import decoder_blocks
 from slimlm.checkpoint import Checkpoint, open_checkpoint
 from slimlm.compress.calibration import calibrate_sequentially
-from slimlm.compress.quantize import CalibratedQuantizer, QuantizeParams, check_shapes, describe_bits
+from slimlm.compress.quantize import CalibratedQuantizer, QuantizeParams, check_shapes, describe_bits, layer_error
 from slimlm.compress.rtn import QuantizedWeight
 from slimlm.compress.targets import select_linear_modules
 from slimlm.qlinear import QuantLinear, QuantScheme, set_submodule
@@ -60,6 +60,7 @@ class OffloadedCalibration:
     peak_memory_bytes: int
     quantized_layers: int
     report: dict
+    weight_rel_error: dict[str, float]  # ||W - Q(W)|| / ||W|| of each quantized layer, as reports plot it
 
 
 def quantize_checkpoint(
@@ -81,14 +82,18 @@ def quantize_checkpoint(
     schemes = {name: params.scheme for name in names}
     check_shapes(model, names, params.scheme)
 
+    errors: dict[str, float] = {}
+
     def replace(name: str, quantized: QuantizedWeight, scheme: QuantScheme) -> None:
         linear = model.get_submodule(name)
-        set_submodule(model, name, QuantLinear.from_codes(quantized.codes, quantized.scales, quantized.zeros, scheme, linear.bias))
+        layer = QuantLinear.from_codes(quantized.codes, quantized.scales, quantized.zeros, scheme, linear.bias)
+        errors[name] = layer_error(linear.weight, layer)
+        set_submodule(model, name, layer)
 
     quantizer = CalibratedQuantizer(model, params, schemes, replace)
     blocks = CheckpointBlocks(checkpoint, device, dtype, on_block, before_blocks)
     peak = calibrate_sequentially(model, samples, names, quantizer.hessians.observe, quantizer, desc=f"{params.method} {describe_bits(schemes)} (offloaded)", blocks=blocks)
-    return OffloadedCalibration(block_seconds=blocks.seconds, peak_memory_bytes=peak, quantized_layers=len(names), report=quantizer.report())
+    return OffloadedCalibration(block_seconds=blocks.seconds, peak_memory_bytes=peak, quantized_layers=len(names), report=quantizer.report(), weight_rel_error=errors)
 
 
 def modules_outside_blocks(model: nn.Module, prefix: str) -> list[tuple[str, nn.Module]]:
@@ -103,9 +108,10 @@ def modules_outside_blocks(model: nn.Module, prefix: str) -> list[tuple[str, nn.
     return outside
 
 
-def materialize_outside_blocks(checkpoint: Checkpoint, model: nn.Module, prefix: str, device: torch.device, skip: nn.Module) -> list[nn.Module]:
+def materialize_outside_blocks(checkpoint: Checkpoint, model: nn.Module, prefix: str, device: torch.device, skip: Optional[nn.Module]) -> list[nn.Module]:
     """Read every module outside the blocks but `skip` (the one the caller's pass never
-    reaches: the LM head before the blocks, the embedding after them); returns them."""
+    reaches: the LM head before the blocks, the embedding after them; None: read them all);
+    returns them."""
     read = [(name, module) for name, module in modules_outside_blocks(model, prefix) if module is not skip]
     for name, module in read:
         checkpoint.materialize(module, f"{name}.", device)

@@ -7,10 +7,12 @@ head's untied input embedding is rounded with it, in the head's scheme. With `bp
 set, each layer's bit width is chosen from `candidate_bits` to meet that average budget
 (compress/mixed.py).
 
-Uniform RTN of a local checkpoint that no earlier stage has loaded runs from disk
-(`run_streamed`): the checkpoint streams into an artifact in the run directory (`quantized/`,
-compress/stream_rtn.py) a tensor at a time, and the stages after it read that artifact, so a
-quantize-export-generate recipe never holds the model in memory.
+Uniform quantization of a local checkpoint that no earlier stage has loaded runs from disk into
+an artifact in the run directory (`quantized/`): RTN streams the checkpoint a tensor at a time
+(`run_streamed`, compress/stream_rtn.py), GPTQ and AWQ of the decoder layers calibrate it a
+decoder block at a time (`run_calibrated_from_disk`, compress/calibrated_artifact.py). The
+stages after it read that artifact, so a quantize-export-generate recipe never holds the model
+in memory.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from tqdm import tqdm
 
 from slimlm.architecture import decoder_blocks, model_type, require_family, untied_table
 from slimlm.compress.awq import AWQOptions, awq_quantize_layer
+from slimlm.checkpoint import checkpoint_tokenizer
 from slimlm.compress.calibration import CalibrationParams, calibrate_sequentially, calibration_samples
 from slimlm.compress.gptq import GPTQOptions, LayerInputStatistics, gptq_quantize
 from slimlm.compress.mixed import bits_per_weight, choose_bits, fisher_diagonal, predicted_loss
@@ -34,6 +37,7 @@ from slimlm.compress.stream_rtn import stream_rtn
 from slimlm.compress.targets import compile_patterns, select_linear_modules
 from slimlm.data import check_text_source, load_text, tokenize_text
 from slimlm.errors import ConfigError, SlimlmError
+from slimlm.half_linear import float32_linears
 from slimlm.memory import peak_memory
 from slimlm.models import DTYPES, checkpoint_directory
 from slimlm.packing import PACKABLE_BITS
@@ -44,6 +48,7 @@ log = logging.getLogger(__name__)
 
 METHODS = ("rtn", "gptq", "awq")
 CALIBRATED = ("gptq", "awq")
+ERROR_CHUNK_BYTES = 32 * 2**20  # float32 rows compared at once by layer_error
 STREAMED_ARTIFACT = "quantized"  # in the run directory: the artifact RTN streams a checkpoint into
 
 
@@ -127,7 +132,7 @@ def run(state: RunState, params: QuantizeParams) -> None:
     def replace(name: str, quantized: QuantizedWeight, scheme: QuantScheme) -> None:
         linear = state.model.get_submodule(name)
         layer = QuantLinear.from_codes(quantized.codes, quantized.scales, quantized.zeros, scheme, linear.bias)
-        errors[name] = relative_error(linear.weight, layer.dequantize())
+        errors[name] = layer_error(linear.weight, layer)
         head = linear is state.model.get_output_embeddings()
         table = untied_table(state.model) if head else None
         tied = head and getattr(state.model.get_input_embeddings(), "weight", None) is linear.weight
@@ -161,8 +166,17 @@ def section_header(params: QuantizeParams, layers: int) -> dict:
 
 def streams(state: RunState, params: QuantizeParams) -> bool:
     """Uniform RTN of a local checkpoint that no stage has loaded needs no model in memory."""
-    local = state.source is not None and state.source.kind in ("hf-dir", "gguf")
-    return params.method == "rtn" and params.bpw is None and state.on_disk is None and local and state.cfg.model.bnb is None
+    return params.method == "rtn" and params.bpw is None and state.unloaded_local_source()
+
+
+def calibrates_from_disk(state: RunState, params: QuantizeParams) -> bool:
+    """Uniform GPTQ or AWQ of the decoder layers of a local checkpoint that no stage has loaded
+    needs one decoder block in memory at a time."""
+    from slimlm.compress.calibrated_artifact import targets_outside_blocks
+
+    if params.method not in CALIBRATED or params.bpw is not None or not state.unloaded_local_source():
+        return False
+    return not targets_outside_blocks(checkpoint_directory(state.source, state.source_sha256), params)
 
 
 def run_streamed(state: RunState, params: QuantizeParams) -> None:
@@ -176,6 +190,24 @@ def run_streamed(state: RunState, params: QuantizeParams) -> None:
     state.lies_in(streamed.path, f"streamed into {STREAMED_ARTIFACT}/")
     section = section_header(params, len(streamed.weight_rel_error))
     section.update(streamed=f"{STREAMED_ARTIFACT}/", seconds=round(time.perf_counter() - started, 2), weight_rel_error=streamed.weight_rel_error)
+    state.sections.setdefault("quantization", []).append(section)
+
+
+def run_calibrated_from_disk(state: RunState, params: QuantizeParams) -> None:
+    """GPTQ or AWQ from the checkpoint's files, one decoder block read, calibrated, quantized and
+    written at a time, into an artifact in the run directory (compress/calibrated_artifact.py);
+    the artifact is then the current model, as after run_streamed."""
+    from slimlm.compress.calibrated_artifact import calibrate_into_artifact
+
+    started = time.perf_counter()
+    directory = checkpoint_directory(state.source, state.source_sha256)
+    samples = calibration_samples(calibration_token_ids(state, checkpoint_tokenizer(directory)), params.samples, params.seq_len, params.seed)
+    path = state.run_dir / STREAMED_ARTIFACT
+    made = calibrate_into_artifact(directory, path, params, samples, state.provenance(), state.recipe(), DTYPES[state.cfg.model.dtype], state.device)
+    state.lies_in(made.path, f"calibrated block by block into {STREAMED_ARTIFACT}/")
+    section = section_header(params, made.calibration.quantized_layers)
+    section.update(calibration_facts(samples, params, made.calibration.peak_memory_bytes, made.calibration.report))
+    section.update(streamed=f"{STREAMED_ARTIFACT}/", seconds=round(time.perf_counter() - started, 2), weight_rel_error=made.calibration.weight_rel_error)
     state.sections.setdefault("quantization", []).append(section)
 
 
@@ -196,7 +228,12 @@ def run_calibrated(state: RunState, params: QuantizeParams, schemes: dict[str, Q
     samples = calibration_windows(state, params.samples, params.seq_len, params.seed)
     quantizer = CalibratedQuantizer(state.model, params, schemes, replace)
     peak = calibrate_sequentially(state.model, samples, list(schemes), quantizer.hessians.observe, quantizer, desc=f"{params.method} {describe_bits(schemes)}")
-    return {"calibration_tokens": samples.numel(), "samples": params.samples, "seq_len": params.seq_len, "calibration_peak_memory_bytes": peak, **quantizer.report()}
+    return calibration_facts(samples, params, peak, quantizer.report())
+
+
+def calibration_facts(samples: torch.Tensor, params: QuantizeParams, peak_bytes: int, report: dict) -> dict:
+    """What the report states about a calibrated quantization."""
+    return {"calibration_tokens": samples.numel(), "samples": params.samples, "seq_len": params.seq_len, "calibration_peak_memory_bytes": peak_bytes, **report}
 
 
 @dataclass
@@ -238,11 +275,14 @@ class CalibratedQuantizer:
 
     def _awq(self, block: str, names: list[str]) -> None:
         params = self.params
-        quantized = awq_quantize_layer(
-            self.model.get_submodule(block), block, {n: self.schemes[n] for n in names}, self.hessians, self.mappings,
-            AWQOptions(grid=params.awq_grid, clip_grid=params.awq_clip_grid, clip=params.clip_search),
-            on_scaled=lambda name, error, rtn: self.awq_errors.__setitem__(name, [round(error, 6), round(rtn, 6)]),
-        )
+        module = self.model.get_submodule(block)
+        first = next(module.parameters())
+        with float32_linears(first.dtype, first.device):  # its search runs the block's layers many times
+            quantized = awq_quantize_layer(
+                module, block, {n: self.schemes[n] for n in names}, self.hessians, self.mappings,
+                AWQOptions(grid=params.awq_grid, clip_grid=params.awq_clip_grid, clip=params.clip_search),
+                on_scaled=lambda name, error, rtn: self.awq_errors.__setitem__(name, [round(error, 6), round(rtn, 6)]),
+            )
         for name, weight in quantized.items():
             self.replace(name, weight, self.schemes[name])
 
@@ -261,10 +301,11 @@ def describe_bits(schemes: dict[str, QuantScheme]) -> str:
     return f"int{widths[0]}" if len(widths) == 1 else "mixed int" + "/".join(map(str, widths))
 
 
-def calibration_token_ids(state: RunState) -> torch.Tensor:
-    """data.calibration as token ids, tokenized once per run."""
+def calibration_token_ids(state: RunState, tokenizer: Any = None) -> torch.Tensor:
+    """data.calibration as token ids, tokenized once per run (by `tokenizer` while no model is
+    loaded: the one of the files the model lies in)."""
     if "calibration_ids" not in state.memo:
-        state.memo["calibration_ids"] = tokenize_text(state.tokenizer, load_text(state.cfg.data.calibration, "calibration"))
+        state.memo["calibration_ids"] = tokenize_text(tokenizer or state.tokenizer, load_text(state.cfg.data.calibration, "calibration"))
     return state.memo["calibration_ids"]
 
 
@@ -305,10 +346,17 @@ def check(cfg, params: QuantizeParams, source) -> None:
         check_text_source(cfg.data.calibration, "calibration")
 
 
-def relative_error(reference: torch.Tensor, approximation: torch.Tensor) -> float:
-    """||W - Q(W)|| / ||W||, the per-layer number reports plot."""
-    reference = reference.detach().float()
-    return float(torch.linalg.norm(reference - approximation.float()) / torch.linalg.norm(reference).clamp(min=1e-12))
+def layer_error(weight: torch.Tensor, layer: QuantLinear) -> float:
+    """||W - Q(W)|| / ||W|| of `layer` against the float `weight` it replaces, the per-layer number
+    reports plot; a run of rows at a time (an 8B down projection's float32 copies would be 0.7 GB)."""
+    step = max(1, ERROR_CHUNK_BYTES // (4 * layer.in_features))
+    error, norm = 0.0, 0.0
+    for start in range(0, layer.out_features, step):
+        rows = weight[start : start + step].detach().float()
+        rounded = layer.dequantize(rows=torch.arange(start, start + rows.shape[0], device=rows.device))
+        error += float(torch.sum((rows - rounded) ** 2))
+        norm += float(torch.sum(rows**2))
+    return (error / max(norm, 1e-24)) ** 0.5
 
 
-QUANTIZE = Stage(name="quantize", params=QuantizeParams, run=run, check=check, on_disk=DiskRun(streams, run_streamed))
+QUANTIZE = Stage(name="quantize", params=QuantizeParams, run=run, check=check, on_disk=(DiskRun(streams, run_streamed), DiskRun(calibrates_from_disk, run_calibrated_from_disk)))

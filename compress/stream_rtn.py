@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from slimlm.architecture import untied_table
 from slimlm.artifact import WEIGHTS_METADATA, ManifestFacts, generation_config_of, install_quantized_layers, module_record, save_model_files, unique_state, write_manifest
-from slimlm.checkpoint import Checkpoint, open_checkpoint
+from slimlm.checkpoint import Checkpoint, checkpoint_tokenizer, open_checkpoint
 from slimlm.compress.rtn import quantize_rtn
 from slimlm.compress.targets import select_linear_modules
 from slimlm.errors import SlimlmError
@@ -63,7 +63,7 @@ def stream_rtn(checkpoint_dir: Path, out_dir: Path, scheme: QuantScheme, targets
         names.append(table)
     with torch.device("meta"):
         install_quantized_layers(skeleton, records, bool(getattr(skeleton.config, "tie_word_embeddings", False)), checkpoint_dir)
-    tokenizer, generation_config = _tokenizer_and_generation_config(checkpoint_dir)
+    tokenizer, generation_config = checkpoint_tokenizer(checkpoint_dir), generation_config_of(checkpoint_dir)
     specs = artifact_specs(skeleton, checkpoint, dtype)
     rounding = StreamedRounding(checkpoint, {name: skeleton.get_submodule(name) for name in names}, dtype)
     with staged_directory(out_dir, "artifacts") as staging, tqdm(total=sum(spec.nbytes for spec in specs), unit="B", unit_scale=True, desc="stream rtn") as bar:
@@ -143,13 +143,3 @@ def round_weight(weight: torch.Tensor, scheme: QuantScheme) -> RoundedWeight:
         norm += float(torch.sum(rows**2))
     return RoundedWeight(layer, zero / weight.numel(), (error / max(norm, 1e-24)) ** 0.5)
 
-
-def _tokenizer_and_generation_config(directory: Path):
-    """The checkpoint's tokenizer (an artifact without one cannot generate) and generation config."""
-    from transformers import AutoTokenizer
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(directory)
-    except (OSError, ValueError) as error:
-        raise SlimlmError(f"'{directory}' has no readable tokenizer ({str(error).splitlines()[0]}); add the model's tokenizer files") from None
-    return tokenizer, generation_config_of(directory)

@@ -10,6 +10,7 @@ group's hidden states; the windows are split into groups that keep those under
 `hidden_bytes`, and each group reads the checkpoint once more.
 
 The scores are those of eval/perplexity.score_text for the same windows (WindowScorer).
+`checkpoint_size` gives eval/size.model_size's report the same way, a block at a time.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from slimlm.compress.calibration import capture_layer_inputs, layers_replaced, r
 from slimlm.compress.offload import materialize_outside_blocks
 from slimlm.eval.kl import ReferenceLogits
 from slimlm.eval.perplexity import TextScores, WindowScorer, text_windows
+from slimlm.eval.size import SizeReport, size_counts
+from slimlm.half_linear import float32_linears
 
 HIDDEN_BYTES = 2**30  # hidden states of one group of windows, in the model's dtype
 
@@ -58,13 +61,14 @@ def score_checkpoint(
     windows = text_windows(token_ids, window, max_windows)
     scorer = WindowScorer(windows.shape[0], window, reference, collect_top_k)
     per_window = window * model.config.get_text_config().hidden_size * model_dtype.itemsize
-    for group in tqdm(windows.split(max(1, hidden_bytes // per_window)), desc="perplexity (offloaded)", unit="group"):
-        hidden = _final_hidden_states(checkpoint, model, prefix, layers, group, device, model_dtype)
-        materialize_outside_blocks(checkpoint, model, prefix, device, skip=model.get_input_embeddings())  # the final norm, the head, rotary tables
-        with layers_replaced(layers, [_PassThrough() for _ in layers]):
-            for ids, states in zip(group.split(1), hidden):
-                scorer.add(ids, model(inputs_embeds=states, use_cache=False).logits)
-        checkpoint.release(model)
+    with float32_linears(model_dtype, device):
+        for group in tqdm(windows.split(max(1, hidden_bytes // per_window)), desc="perplexity (offloaded)", unit="group"):
+            hidden = _final_hidden_states(checkpoint, model, prefix, layers, group, device, model_dtype)
+            materialize_outside_blocks(checkpoint, model, prefix, device, skip=model.get_input_embeddings())  # the final norm, the head, rotary tables
+            with layers_replaced(layers, [_PassThrough() for _ in layers]):
+                for ids, states in zip(group.split(1), hidden):
+                    scorer.add(ids, model(inputs_embeds=states, use_cache=False).logits)
+            checkpoint.release(model)
     return scorer.result()
 
 
@@ -80,3 +84,23 @@ def _final_hidden_states(checkpoint: Checkpoint, model: nn.Module, prefix: str, 
         hidden = run_layer(layer, inputs.of_layer(index, hidden))
         checkpoint.release(layer)
     return hidden
+
+
+def checkpoint_size(directory: Path, dtype: Optional[torch.dtype] = None) -> SizeReport:
+    """model_size of the checkpoint's model in `dtype` (None: the checkpoint's own), summed over
+    its parts read one at a time: what lies outside the decoder blocks, then each block."""
+    checkpoint, model = open_checkpoint(directory, dtype)
+    prefix, layers = decoder_blocks(model)
+    head = model.get_output_embeddings()
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    outside = materialize_outside_blocks(checkpoint, model, prefix, torch.device("cpu"), skip=head if tied else None)
+    if tied:  # the head holds the embedding's table, as in the loaded model: counted once
+        head.weight = model.get_input_embeddings().weight
+        outside.append(head)
+    counts = size_counts(nn.ModuleList(outside))
+    checkpoint.release(model)
+    for index, layer in enumerate(tqdm(layers, desc="size (offloaded)", unit="layer")):
+        checkpoint.materialize(layer, f"{prefix}.{index}.", torch.device("cpu"))
+        counts += size_counts(layer)
+        checkpoint.release(layer)
+    return counts.report()

@@ -23,12 +23,40 @@ class SizeReport:
         return asdict(self)
 
 
+@dataclass
+class SizeCounts:
+    """A size report's sums, which add up over parts of a model read one at a time."""
+
+    bytes: int = 0
+    parameters: int = 0
+    stored_bytes: int = 0
+    zeros: int = 0
+    weights: int = 0
+
+    def __add__(self, other: "SizeCounts") -> "SizeCounts":
+        return SizeCounts(*(getattr(self, key) + getattr(other, key) for key in ("bytes", "parameters", "stored_bytes", "zeros", "weights")))
+
+    def report(self) -> SizeReport:
+        return SizeReport(
+            bytes=self.bytes,
+            parameters=self.parameters,
+            bits_per_weight=round(8 * self.bytes / max(self.parameters, 1), 3),
+            stored_bytes=self.stored_bytes,
+            linear_zeros=round(self.zeros / max(self.weights, 1), 6),
+        )
+
+
 def model_size(model: nn.Module) -> SizeReport:
     if getattr(model, "hf_quantizer", None) is not None:
         # bitsandbytes keeps part of its quantization state outside parameters and buffers;
         # transformers accounts for it.
         total_bytes, parameters = model.get_memory_footprint(), model.num_parameters()
         return SizeReport(bytes=total_bytes, parameters=parameters, bits_per_weight=round(8 * total_bytes / parameters, 3))
+    return size_counts(model).report()
+
+
+def size_counts(model: nn.Module) -> SizeCounts:
+    """The sums of `model`'s size report: every tensor it holds counted once."""
     unique = {t.data_ptr(): t for t in (*model.parameters(), *model.buffers())}
     total_bytes = sum(t.numel() * t.element_size() for t in unique.values())
     parameters = sum(p.numel() for p in {p.data_ptr(): p for p in model.parameters()}.values())
@@ -39,13 +67,7 @@ def model_size(model: nn.Module) -> SizeReport:
         stored += candidate.stored_bytes() - candidate.dense_bytes()
         zeros += candidate.values.numel() - candidate.nonzero
         weights += candidate.values.numel()
-    return SizeReport(
-        bytes=total_bytes,
-        parameters=parameters,
-        bits_per_weight=round(8 * total_bytes / max(parameters, 1), 3),
-        stored_bytes=stored,
-        linear_zeros=round(zeros / max(weights, 1), 6),
-    )
+    return SizeCounts(bytes=total_bytes, parameters=parameters, stored_bytes=stored, zeros=zeros, weights=weights)
 
 
 def comparable_bytes(row: dict) -> int:

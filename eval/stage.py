@@ -3,6 +3,10 @@
 Metrics (eval.metrics, or the stage's own list): perplexity on the evaluation text; kl, the
 distance to the original model's next-token distributions (computed in the same pass, against
 a cached reference); size; zeroshot accuracy; speed.
+
+While no stage has loaded the model and it is the run's own local checkpoint, perplexity, KL
+and size read it a decoder block at a time (eval/offloaded.py, `run_from_disk`): a model
+larger than memory gets its reference row without being loaded.
 """
 
 from __future__ import annotations
@@ -10,16 +14,18 @@ from __future__ import annotations
 import gc
 import math
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Any, Callable, List, Optional
 
+from slimlm.checkpoint import checkpoint_tokenizer
 from slimlm.config import check_metrics
 from slimlm.data import check_text_source, load_text, tokenize_text
 from slimlm.errors import ConfigError
 from slimlm.eval.kl import ReferenceLogits, reference_path
-from slimlm.eval.perplexity import PerplexityResult, score_text, window_count
+from slimlm.eval.perplexity import PerplexityResult, TextScores, score_text, window_count
 from slimlm.eval.size import model_size
-from slimlm.models import load_model
-from slimlm.pipeline import RunState, Stage
+from slimlm.half_linear import float32_linears
+from slimlm.models import DTYPES, checkpoint_directory, load_model
+from slimlm.pipeline import DiskRun, RunState, Stage
 
 
 @dataclass
@@ -34,12 +40,36 @@ class EvaluateParams:
             check_metrics(self.metrics, "evaluate.metrics")
 
 
+DISK_METRICS = {"perplexity", "kl", "size"}  # what an evaluation of a checkpoint on disk can measure
+
+
 def metrics_of(state_cfg, params: EvaluateParams) -> list[str]:
     return list(params.metrics if params.metrics is not None else state_cfg.eval.metrics)
 
 
 def run(state: RunState, params: EvaluateParams) -> None:
     metrics = metrics_of(state.cfg, params)
+    row = row_header(state, params)
+    with float32_linears(next(state.model.parameters()).dtype, state.device):  # the same scores, faster on most CPUs
+        if "perplexity" in metrics:
+            ppl_cfg = state.cfg.eval.perplexity
+            check_window(ppl_cfg.window, getattr(state.model.config, "max_position_embeddings", None))
+
+            def score(ids, reference: Optional[ReferenceLogits], collect_top_k: int) -> TextScores:
+                return score_text(state.model, ids, ppl_cfg.window, ppl_cfg.max_windows, ppl_cfg.batch_size, reference=reference, collect_top_k=collect_top_k, desc=f"perplexity [{params.label}]")
+
+            row.update(text_metrics(state, state.tokenizer, "kl" in metrics, score))
+        if "zeroshot" in metrics:
+            row.update(zeroshot_metrics(state))
+    if "size" in metrics:
+        row.update(model_size(state.model).to_dict())
+    if "speed" in metrics:
+        row.update(speed_metrics(state))
+    state.evaluations.append(row)
+
+
+def row_header(state: RunState, params: EvaluateParams) -> dict:
+    """The row's name and, for a quantized model, how long quantizing took and its peak memory."""
     row: dict = {"name": params.label}
     quantization = state.sections.get("quantization", [])
     if quantization and not state.is_original():
@@ -47,14 +77,32 @@ def run(state: RunState, params: EvaluateParams) -> None:
         peaks = [section["calibration_peak_memory_bytes"] for section in quantization if "calibration_peak_memory_bytes" in section]
         if peaks:
             row["calibration_peak_memory_bytes"] = max(peaks)
+    return row
+
+
+def scores_from_disk(state: RunState, params: EvaluateParams) -> bool:
+    """The source model's perplexity, KL reference and size need no model in memory: its
+    checkpoint is read a decoder block at a time (eval/offloaded.py)."""
+    return state.unloaded_local_source() and set(metrics_of(state.cfg, params)) <= DISK_METRICS
+
+
+def run_from_disk(state: RunState, params: EvaluateParams) -> None:
+    """run() for the source model where it lies on disk, one decoder block in memory at a time."""
+    from slimlm.eval.offloaded import checkpoint_size, score_checkpoint
+
+    metrics = metrics_of(state.cfg, params)
+    directory = checkpoint_directory(state.source, state.source_sha256)
+    dtype = DTYPES[state.cfg.model.dtype]
+    row = row_header(state, params)
     if "perplexity" in metrics:
-        row.update(text_metrics(state, params.label, with_kl="kl" in metrics))
+        ppl_cfg = state.cfg.eval.perplexity
+
+        def score(ids, reference: Optional[ReferenceLogits], collect_top_k: int) -> TextScores:
+            return score_checkpoint(directory, ids, ppl_cfg.window, ppl_cfg.max_windows, reference=reference, collect_top_k=collect_top_k, dtype=dtype, device=state.device)
+
+        row.update(text_metrics(state, checkpoint_tokenizer(directory), "kl" in metrics, score))
     if "size" in metrics:
-        row.update(model_size(state.model).to_dict())
-    if "zeroshot" in metrics:
-        row.update(zeroshot_metrics(state))
-    if "speed" in metrics:
-        row.update(speed_metrics(state))
+        row.update(checkpoint_size(directory, dtype).to_dict())
     state.evaluations.append(row)
 
 
@@ -63,17 +111,18 @@ def check_window(window: int, context: Optional[int]) -> None:
         raise ConfigError(f"eval.perplexity.window={window} is longer than the model's context ({context}); lower it")
 
 
-def eval_token_ids(state: RunState):
+def eval_token_ids(state: RunState, tokenizer: Any):
     """The evaluation text, tokenized once per run: every row scores the same windows."""
     if "eval_token_ids" not in state.memo:
-        state.memo["eval_token_ids"] = tokenize_text(state.tokenizer, load_text(state.cfg.data.eval_text, "eval_text"))
+        state.memo["eval_token_ids"] = tokenize_text(tokenizer, load_text(state.cfg.data.eval_text, "eval_text"))
     return state.memo["eval_token_ids"]
 
 
-def text_metrics(state: RunState, label: str, with_kl: bool) -> dict:
-    ppl_cfg = state.cfg.eval.perplexity
-    check_window(ppl_cfg.window, getattr(state.model.config, "max_position_embeddings", None))
-    ids = eval_token_ids(state)
+def text_metrics(state: RunState, tokenizer: Any, with_kl: bool, score: Callable[[Any, Optional[ReferenceLogits], int], TextScores]) -> dict:
+    """Perplexity and, `with_kl`, the distance to the original model, from one pass of `score`
+    (ids, reference, collect_top_k) over the evaluation windows, or from the cached reference
+    when the model is the original itself."""
+    ids = eval_token_ids(state, tokenizer)
     reference = cached_reference(state, ids) if with_kl or state.is_original() else None
     if reference is not None and state.is_original():
         return original_from_reference(reference, with_kl)
@@ -83,7 +132,7 @@ def text_metrics(state: RunState, label: str, with_kl: bool) -> dict:
             collect = state.cfg.eval.kl.top_k  # this pass is the reference
         elif reference is None:
             reference = compute_reference_from_source(state, ids)
-    scores = score_text(state.model, ids, ppl_cfg.window, ppl_cfg.max_windows, ppl_cfg.batch_size, reference=reference, collect_top_k=collect, desc=f"perplexity [{label}]")
+    scores = score(ids, reference, collect)
     row = scores.perplexity.to_dict()
     if scores.reference is not None:
         store_reference(state, ids, scores.reference)
@@ -187,4 +236,4 @@ def check(cfg, params: EvaluateParams, source) -> None:
             load_task(name, cfg.data.benchmarks_root)
 
 
-EVALUATE = Stage(name="evaluate", params=EvaluateParams, run=run, check=check)
+EVALUATE = Stage(name="evaluate", params=EvaluateParams, run=run, check=check, on_disk=(DiskRun(scores_from_disk, run_from_disk),))

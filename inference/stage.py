@@ -56,4 +56,4 @@ def record(state: RunState, completion: Completion) -> None:
     )
 
 
-GENERATE = Stage(name="generate", params=GenerateParams, run=run, on_disk=DiskRun(decoder_reads, run_from_artifact))
+GENERATE = Stage(name="generate", params=GenerateParams, run=run, on_disk=(DiskRun(decoder_reads, run_from_artifact),))

@@ -248,3 +248,14 @@ def stored_names(skeleton: nn.Module) -> dict[str, str]:
         if renamed != name:
             names[name] = renamed
     return names
+
+
+def checkpoint_tokenizer(directory: Path):
+    """The checkpoint's tokenizer, which a stage working on its files needs (to calibrate, score
+    or generate), refused in one line when there is none."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(directory)
+    except (OSError, ValueError) as error:
+        raise SlimlmError(f"'{directory}' has no readable tokenizer ({str(error).splitlines()[0]}); add the model's tokenizer files") from None

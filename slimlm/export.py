@@ -96,10 +96,9 @@ def export_file(state: RunState, params: ExportParams) -> None:
 
 
 def exports_from_disk(state: RunState, params: ExportParams) -> bool:
-    """The current model lies in an artifact (streamed by RTN, or exported and reloaded) that the
-    slimlm and hf exports can read from disk; the artifact holds no evaluation results, so one
-    made after evaluations is written from memory, with them."""
-    return params.format in ("slimlm", "hf") and is_artifact(state.on_disk) and not state.evaluations
+    """The current model lies in an artifact (made from disk by a quantize stage, or exported and
+    reloaded) that the slimlm and hf exports can read from disk."""
+    return params.format in ("slimlm", "hf") and is_artifact(state.on_disk)
 
 
 def run_from_disk(state: RunState, params: ExportParams) -> None:
@@ -108,7 +107,7 @@ def run_from_disk(state: RunState, params: ExportParams) -> None:
     export's files (read by the next stage that needs the model)."""
     path = state.run_dir / params.name
     if params.format == "slimlm":
-        copy_directory(state.on_disk, path)
+        copy_artifact(state.on_disk, path, {"evaluations": state.evaluations})
         record_artifact(state, path)
     else:
         state.sections.setdefault("artifacts", []).append(export_hf_from_artifact(state.on_disk, path, params.dtype))
@@ -116,18 +115,24 @@ def run_from_disk(state: RunState, params: ExportParams) -> None:
         state.lies_in(path, f"reloaded from {params.name}" + ("/" if params.format == "slimlm" else ""))
 
 
-def copy_directory(source: Path, target: Path) -> None:
-    """`source`'s files at `target` (atomically), as hard links where the file system allows:
-    artifacts are never written to after they are complete."""
+def copy_artifact(source: Path, target: Path, results: dict) -> None:
+    """The artifact at `source` as a new one at `target` (atomically) whose manifest records
+    `results` (the run's evaluations so far): its files hard-linked where the file system
+    allows (artifacts are never written to once complete), the manifest a file of its own."""
+    with staged_directory(target, "artifacts") as staging:
+        shutil.copytree(source, staging, copy_function=_link_or_copy, dirs_exist_ok=True)
+        manifest = json.loads((staging / MANIFEST).read_text())
+        manifest["results"] = results
+        fresh = staging / f".{MANIFEST}.new"
+        fresh.write_text(json.dumps(manifest, indent=2, sort_keys=False))
+        os.replace(fresh, staging / MANIFEST)  # a new file: the source's manifest, linked, is left alone
 
-    def link_or_copy(from_path: str, to_path: str) -> None:
-        try:
-            os.link(from_path, to_path)
-        except OSError:
-            shutil.copy2(from_path, to_path)
 
-    with staged_directory(target) as staging:
-        shutil.copytree(source, staging, copy_function=link_or_copy, dirs_exist_ok=True)
+def _link_or_copy(from_path: str, to_path: str) -> None:
+    try:
+        os.link(from_path, to_path)
+    except OSError:
+        shutil.copy2(from_path, to_path)
 
 
 def check(cfg, params: ExportParams, source) -> None:
@@ -135,4 +140,4 @@ def check(cfg, params: ExportParams, source) -> None:
         raise ConfigError(f"export.format=gguf supports {', '.join(ARCHITECTURES)} models; this one is {source.architecture}")
 
 
-EXPORT = Stage(name="export", params=ExportParams, run=run, check=check, on_disk=DiskRun(exports_from_disk, run_from_disk))
+EXPORT = Stage(name="export", params=ExportParams, run=run, check=check, on_disk=(DiskRun(exports_from_disk, run_from_disk),))

@@ -45,4 +45,4 @@ def always(state: RunState, params: LoadParams) -> bool:
     return True
 
 
-LOAD = Stage(name="load", params=LoadParams, run=run, on_disk=DiskRun(always, run))  # needs no model loaded before it
+LOAD = Stage(name="load", params=LoadParams, run=run, on_disk=(DiskRun(always, run),))  # needs no model loaded before it

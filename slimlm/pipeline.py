@@ -6,9 +6,10 @@ module knows none of them, so the core never imports a stage.
 
 The model is loaded when the first stage that needs it in memory starts, not before: a stage
 that can work on the model where it lies on disk (its `on_disk`) runs there while nothing has
-loaded it. RTN streams the checkpoint into an artifact, and the exports and the decoder read
-that artifact one part at a time, so a quantize, export, generate recipe never holds the whole
-model in memory.
+loaded it. Evaluating the source model scores its checkpoint a block at a time; RTN streams the
+checkpoint into an artifact and GPTQ and AWQ calibrate it into one a block at a time; the
+exports and the decoder read that artifact one part at a time. So an evaluate, quantize,
+export, generate recipe never holds the full-precision model in memory.
 """
 
 from __future__ import annotations
@@ -54,6 +55,12 @@ class RunState:
     def provenance(self) -> dict:
         """The source model as an artifact's manifest records it."""
         return {"id": self.source.id, "kind": self.source.kind, "sha256": self.source_sha256}
+
+    def unloaded_local_source(self) -> bool:
+        """The current model is the run's own local checkpoint (an HF directory, or a GGUF's
+        converted cache), and no stage has loaded it: a stage can read its files instead."""
+        local = self.source is not None and self.source.kind in ("hf-dir", "gguf")
+        return self.model is None and self.on_disk is None and local and self.cfg.model.bnb is None
 
     def recipe(self) -> dict:
         return OmegaConf.to_container(self.cfg.recipe, resolve=True)
@@ -116,7 +123,7 @@ class Stage:
     # Checks that need the whole config and the model source (data files a stage will read,
     # limits of the model), run before any model loads: check(cfg, params, source).
     check: Optional[Callable[[DictConfig, Any, Any], None]] = None
-    on_disk: Optional[DiskRun] = None
+    on_disk: tuple[DiskRun, ...] = ()  # the first that applies runs
 
 
 @dataclass(frozen=True)
@@ -133,9 +140,9 @@ class PlannedStage:
 def run_stage(state: RunState, planned: PlannedStage) -> Optional[float]:
     """Run one planned stage, loading the model first if the stage needs it in memory and no
     stage has loaded it yet; returns the seconds loading took (None: nothing loaded)."""
-    disk = planned.stage.on_disk
     try:
-        if state.model is None and disk is not None and disk.applies(state, planned.params):
+        disk = next((way for way in planned.stage.on_disk if way.applies(state, planned.params)), None) if state.model is None else None
+        if disk is not None:
             disk.run(state, planned.params)
             return None
         load_seconds = None

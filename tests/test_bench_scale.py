@@ -19,5 +19,7 @@ def test_quick_scale_bench_measures_every_step(tmp_path):
     assert gptq["blocks"] == 2 and gptq["quantized_layers"] == 14 and gptq["block_seconds"] > 0 and 0 < gptq["peak_rss_gb"] < 6
     ppl = rows["perplexity"]
     assert ppl["tokens_scored"] == 2 * 511 and ppl["ppl"] > 1 and 0 < ppl["peak_rss_gb"] < 3
+    forward = rows["one block's bf16 forward (512 tokens)"]
+    assert forward["torch_bf16_s"] > 0 and forward["slimlm_s"] > 0 and forward["max_rel_difference"] < 0.05
     assert (tmp_path / "artifact-w4g128-rtn" / "model.safetensors.index.json").is_file()
     assert "| w4 g128 RTN" in result.stdout

@@ -152,6 +152,28 @@ def test_a_recipe_that_starts_with_rtn_never_loads_the_model_and_matches_the_in_
     assert next(errors) == pytest.approx(next(errors), rel=1e-4)
 
 
+def test_a_recipe_that_starts_with_gptq_calibrates_block_by_block_from_disk(tiny_model_dir, tmp_path):
+    """GPTQ of a checkpoint no stage has loaded writes the artifact a block at a time; the
+    stages after read it; the artifact and scores are those of GPTQ after a `load`."""
+    import torch
+
+    stages = "{stage:evaluate,label:fp32},{stage:quantize,method:gptq,bits:4,group_size:16,samples:4,seq_len:32},{stage:export},{stage:evaluate,label:w4}"
+    slimlm(*tiny_run_args(tiny_model_dir), f"recipe.stages=[{stages}]", "hydra.run.dir=disk", cwd=tmp_path)
+    slimlm(*tiny_run_args(tiny_model_dir), f"recipe.stages=[{{stage:load}},{stages}]", "hydra.run.dir=memory", cwd=tmp_path)
+    disk, memory = (json.loads((tmp_path / name / "report.json").read_text()) for name in ("disk", "memory"))
+    assert [stage for stage, _ in disk["stage_seconds"]] == ["1. evaluate", "2. quantize", "3. export", "load model", "4. evaluate"]
+    section = disk["quantization"][0]
+    assert section["streamed"] == "quantized/" and section["calibration_tokens"] == 128 and section["calibration_peak_memory_bytes"] > 0
+    assert section["weight_rel_error"] == pytest.approx(memory["quantization"][0]["weight_rel_error"], rel=1e-6)
+    for from_disk, in_memory in zip(disk["rows"], memory["rows"]):  # fp32 scored a block at a time, then w4 loaded
+        assert from_disk["ppl"] == pytest.approx(in_memory["ppl"], rel=1e-5) and from_disk["bytes"] == in_memory["bytes"]
+        assert from_disk["kl_mean"] == pytest.approx(in_memory["kl_mean"], rel=1e-4, abs=1e-7) and from_disk["top1_agreement"] == in_memory["top1_agreement"]
+    offloaded, saved = (load_artifact(tmp_path / name / "artifact").model.state_dict() for name in ("disk", "memory"))
+    assert offloaded.keys() == saved.keys() and all(torch.equal(offloaded[key], saved[key]) for key in saved)
+    exported, calibrated = (load_artifact(tmp_path / "disk" / name).manifest["results"] for name in ("artifact", "quantized"))
+    assert [row["name"] for row in exported["evaluations"]] == ["fp32"] and calibrated == {}  # the linked copy has a manifest of its own
+
+
 def test_kl_reference_comes_from_the_source_model_when_the_recipe_starts_compressed(tiny_model_dir, tmp_path):
     stages = "recipe.stages=[{stage:quantize},{stage:evaluate,label:w8}]"
     slimlm(*tiny_run_args(tiny_model_dir), stages, cwd=tmp_path)

@@ -30,3 +30,19 @@ def test_offloaded_scores_equal_the_in_memory_ones(tmp_path, model_type, overrid
     assert scores.distance["kl_mean"] == pytest.approx(expected.distance["kl_mean"], rel=1e-4, abs=1e-7)
     assert scores.distance["top1_agreement"] == expected.distance["top1_agreement"]
     torch.testing.assert_close(scores.reference.log_probs, expected.reference.log_probs, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_offloaded_size_report_equals_the_in_memory_one(tmp_path, tied):
+    from slimlm.eval.offloaded import checkpoint_size
+    from slimlm.eval.size import model_size
+
+    model = build_tiny("llama", 256, split=False, tie_word_embeddings=tied)
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight[:, :7] = 0.0  # some zeros to count
+    model.save_pretrained(tmp_path, max_shard_size="50KB")
+    assert checkpoint_size(tmp_path) == model_size(model)
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)  # rotary tables stay float32, as loading keeps them
+    assert checkpoint_size(tmp_path, torch.bfloat16) == model_size(loaded)

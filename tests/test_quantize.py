@@ -2,7 +2,7 @@ import pytest
 import torch
 from torch import nn
 
-from slimlm.compress.quantize import QuantizeParams, check_shapes, relative_error
+from slimlm.compress.quantize import QuantizeParams, check_shapes, layer_error
 from slimlm.compress.rtn import dequantize_codes, quantize_rtn
 from slimlm.compress.targets import select_linear_modules
 from slimlm.errors import ConfigError, SlimlmError
@@ -47,7 +47,7 @@ def test_quant_linear_matches_its_dequantized_weight(scheme):
     assert layer.qweight.numel() == 24 * 64 * scheme.bits // 8
     x = torch.randn(3, 5, 64)
     torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.dequantize(), linear.bias))
-    assert relative_error(linear.weight, layer.dequantize()) < {8: 0.01, 4: 0.15, 3: 0.3, 2: 0.7}[scheme.bits]
+    assert layer_error(linear.weight, layer) < {8: 0.01, 4: 0.15, 3: 0.3, 2: 0.7}[scheme.bits]
 
 
 def test_all_zero_rows_quantize_to_zero():
@@ -60,16 +60,26 @@ def test_all_zero_rows_quantize_to_zero():
         assert torch.equal(restored[1:], torch.zeros(3, 8))
 
 
-def dequantized(weight, scheme):
+def rounded(weight, scheme):
     q = quantize_rtn(weight, scheme)
-    return QuantLinear.from_codes(q.codes, q.scales, q.zeros, scheme, None).dequantize()
+    return QuantLinear.from_codes(q.codes, q.scales, q.zeros, scheme, None)
 
 
 def test_more_bits_and_smaller_groups_mean_less_error():
     weight = scaled_weight(64, 128)
-    error = {s: relative_error(weight, dequantized(weight, s)) for s in [QuantScheme(bits=8), QuantScheme(bits=4, group_size=128), QuantScheme(bits=4, group_size=16), QuantScheme(bits=3, group_size=16)]}
+    error = {s: layer_error(weight, rounded(weight, s)) for s in [QuantScheme(bits=8), QuantScheme(bits=4, group_size=128), QuantScheme(bits=4, group_size=16), QuantScheme(bits=3, group_size=16)]}
     assert error[QuantScheme(bits=8)] < error[QuantScheme(bits=4, group_size=16)] < error[QuantScheme(bits=4, group_size=128)]
     assert error[QuantScheme(bits=4, group_size=16)] < error[QuantScheme(bits=3, group_size=16)]
+
+
+def test_the_layer_error_is_the_same_in_runs_of_rows(monkeypatch):
+    from slimlm.compress import quantize
+
+    weight = scaled_weight(64, 128)
+    layer = rounded(weight, QuantScheme(bits=4, group_size=16))
+    whole = float(torch.linalg.norm(weight - layer.dequantize()) / torch.linalg.norm(weight))
+    monkeypatch.setattr(quantize, "ERROR_CHUNK_BYTES", 5 * 4 * 128)  # 5 rows a run, the last short
+    assert layer_error(weight, layer) == pytest.approx(whole, rel=1e-5)
 
 
 def test_shapes_a_scheme_cannot_take_are_refused(tiny_model):
