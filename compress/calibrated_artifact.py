@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from slimlm.architecture import decoder_blocks
-from slimlm.artifact import WEIGHTS_METADATA, ManifestFacts, generation_config_of, install_quantized_layers, module_record, save_model_files, write_manifest
+from slimlm.artifact import WEIGHTS_METADATA, ManifestFacts, generation_config_of, install_quantized_layers, quantized_module_record, save_model_files, write_manifest
 from slimlm.checkpoint import Checkpoint, checkpoint_tokenizer, open_checkpoint
 from slimlm.compress.offload import OffloadedCalibration, quantize_checkpoint
 from slimlm.compress.quantize import QuantizeParams, check_shapes
@@ -31,7 +31,6 @@ from slimlm.compress.targets import select_linear_modules
 from slimlm.qlinear import QuantLinear
 from slimlm.rundir import staged_directory
 from slimlm.shards import DEFAULT_SHARD_BYTES, TensorSpec, write_weights
-from slimlm.sparse_storage import zero_codes
 
 SPILL = "calibrated-blocks"  # in the staging directory, gone before the manifest is written
 
@@ -100,9 +99,8 @@ class BlockSpill:
         path = self.directory / f"{block_name}.safetensors"
         tensors = {f"{block_name}.{key}": value.detach().cpu().contiguous() for key, value in block.state_dict().items()}
         for name, layer in block.named_modules():
-            if isinstance(layer, QuantLinear):
-                sparsity = (layer.codes() == zero_codes(layer)).float().mean().item()
-                self.records[f"{block_name}.{name}"] = module_record(layer, layer.scheme.to_dict(), sparsity, "dense")
+            if isinstance(layer, QuantLinear):  # stored dense: no bitmask storage here
+                self.records[f"{block_name}.{name}"] = quantized_module_record(f"{block_name}.{name}", layer, layer.scheme.to_dict(), {})
         save_file(tensors, path)
         self.files.update(dict.fromkeys(tensors, path))
 

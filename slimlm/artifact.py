@@ -79,7 +79,7 @@ def save_artifact(
         specs = [TensorSpec.of(name, tensor) for name, tensor in tensors.items()]
         write_weights(staging, specs, lambda spec: tensors[spec.name], max_shard_bytes, WEIGHTS_METADATA)
         save_model_files(staging, model.config, getattr(model, "generation_config", None), tokenizer)
-        modules = {name: _module_record(name, model.get_submodule(name), scheme, sparse) for name, scheme in schemes.items()}
+        modules = {name: quantized_module_record(name, model.get_submodule(name), scheme, sparse) for name, scheme in schemes.items()}
         write_manifest(staging, model, specs, ManifestFacts(source, recipe, results, modules, sparse))
     return Path(out_dir)
 
@@ -184,7 +184,7 @@ def planner_inputs(manifest: dict) -> tuple[dict[str, QuantScheme], dict[str, in
     return {name: scheme_of(record) for name, record in modules.items()}, {name: record.get("adapter_rank", 0) for name, record in modules.items()}
 
 
-def _module_record(name: str, layer: QuantLinear, scheme: dict, sparse: dict[str, dict]) -> dict:
+def quantized_module_record(name: str, layer: QuantLinear, scheme: dict, sparse: dict[str, dict]) -> dict:
     """A quantized module's entry, its sparsity counted from its codes."""
     sparsity = (layer.codes() == zero_codes(layer)).float().mean().item()
     return module_record(layer, scheme, sparsity, "bitmask" if f"{name}.qweight" in sparse else "dense")
