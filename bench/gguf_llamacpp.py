@@ -76,7 +76,7 @@ def build_files(model: str, path: str | None, samples: int | None) -> dict[str, 
     if not (files["slimlm-gptq"].exists() and files["slimlm-gptq-head-q8_0"].exists()):
         run_dir = files["slimlm-gptq"].parent
         subprocess.run(["rm", "-rf", str(run_dir)], check=True)
-        overrides = [f"recipe.stages.0.samples={samples}"] if samples else []
+        overrides = [f"+recipe.stages.0.samples={samples}"] if samples else []  # "+": the recipe does not list samples
         subprocess.run([str(REPO / ".venv" / "bin" / "slimlm"), "recipe=w4-gptq-gguf", *model_overrides(model, path), "data=shared", *overrides, f"hydra.run.dir={run_dir}"], check=True, cwd=REPO)
     for name, pure in (("llama.cpp-q4_0-pure", True), ("llama.cpp-q4_0", False)):
         if not files[name].exists():
@@ -90,16 +90,18 @@ def build_files(model: str, path: str | None, samples: int | None) -> dict[str, 
     return files
 
 
-def window_logits(path: Path, windows: np.ndarray, threads: int):
-    """llama.cpp's logits [window, vocab] for each window, one window at a time."""
+def window_logits(path: Path, window: np.ndarray, threads: int) -> torch.Tensor:
+    """llama.cpp's logits [window, vocab] for one window, from a model loaded for it alone: one
+    model and one window's logits in memory at a time (a 152k vocabulary's 2048 x vocab float32
+    logits are 1.2 GB per model; six models open at once took 17 GB)."""
     from llama_cpp import Llama
 
-    llm = Llama(model_path=str(path), n_ctx=windows.shape[1], n_batch=512, n_threads=threads, logits_all=True, verbose=False)
-    for window in windows:
-        llm.reset()
+    llm = Llama(model_path=str(path), n_ctx=len(window), n_batch=512, n_threads=threads, logits_all=True, verbose=False)
+    try:
         llm.eval(window.tolist())
-        yield torch.from_numpy(np.array(llm.scores[: len(window)], dtype=np.float32))
-    llm.close()
+        return torch.from_numpy(np.array(llm.scores[: len(window)], dtype=np.float32))
+    finally:
+        llm.close()
 
 
 def main() -> None:
@@ -119,13 +121,12 @@ def main() -> None:
     windows = ids.view(options.windows, options.window).numpy()
     names = list(files)
     totals = {name: {"nll": 0.0, "kl": 0.0, "top1": 0.0} for name in names}
-    streams = {name: window_logits(files[name], windows, options.threads) for name in names}
     scored = options.windows * (options.window - 1)
     for index in tqdm(range(options.windows), desc="llama.cpp windows", unit="window"):
         targets = torch.from_numpy(windows[index][1:]).long()
         reference = None
         for name in names:
-            logprobs = torch.log_softmax(next(streams[name])[:-1], dim=-1)
+            logprobs = torch.log_softmax(window_logits(files[name], windows[index], options.threads)[:-1], dim=-1)
             totals[name]["nll"] -= logprobs.gather(1, targets[:, None]).sum().item()
             if reference is None:
                 reference = logprobs
@@ -151,7 +152,7 @@ def markdown(rows: list[dict], summary: dict, command: str) -> list[str]:
         "slimlm-gptq-head-q8_0": "slimlm w4 g32 GPTQ → Q4_0, embedding/head Q8_0",
         "gguf-q4_0": "fp32 rounded to Q4_0 (gguf package quantizer, every matrix Q4_0)",
         "llama.cpp-q4_0-pure": "llama.cpp quantize MOSTLY_Q4_0, pure (every matrix Q4_0)",
-        "llama.cpp-q4_0": "llama.cpp quantize MOSTLY_Q4_0, default mix (tied embedding/head Q8_0)",
+        "llama.cpp-q4_0": "llama.cpp quantize MOSTLY_Q4_0, default mix (its LM head Q8_0)",
     }
     return [
         f"# gguf_llamacpp: {summary['model']}",

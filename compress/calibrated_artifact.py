@@ -22,11 +22,11 @@ from safetensors.torch import save_file
 from torch import nn
 
 from slimlm.architecture import decoder_blocks
-from slimlm.artifact import WEIGHTS_METADATA, ManifestFacts, generation_config_of, install_quantized_layers, quantized_module_record, save_model_files, write_manifest
+from slimlm.artifact import WEIGHTS_METADATA, ManifestFacts, generation_config_of, quantized_module_record, save_model_files, write_manifest
 from slimlm.checkpoint import Checkpoint, checkpoint_tokenizer, open_checkpoint
 from slimlm.compress.offload import OffloadedCalibration, quantize_checkpoint
 from slimlm.compress.quantize import QuantizeParams, check_shapes
-from slimlm.compress.stream_rtn import artifact_specs
+from slimlm.compress.stream_rtn import artifact_specs, install_meta_layers
 from slimlm.compress.targets import select_linear_modules
 from slimlm.qlinear import QuantLinear
 from slimlm.rundir import staged_directory
@@ -67,9 +67,7 @@ def calibrate_into_artifact(
     checkpoint, skeleton = open_checkpoint(checkpoint_dir, dtype)
     names = select_linear_modules(skeleton, params.targets, params.ignore)
     check_shapes(skeleton, names, params.scheme)
-    with torch.device("meta"):
-        records = {name: {**params.scheme.to_dict(), "shape": [skeleton.get_submodule(name).out_features, skeleton.get_submodule(name).in_features]} for name in names}
-        install_quantized_layers(skeleton, records, bool(getattr(skeleton.config, "tie_word_embeddings", False)), checkpoint_dir)
+    install_meta_layers(skeleton, names, params.scheme, checkpoint_dir)
     specs = artifact_specs(skeleton, checkpoint, dtype)  # before calibrating: a checkpoint that lacks a tensor is refused now
     tokenizer, generation_config = checkpoint_tokenizer(checkpoint_dir), generation_config_of(checkpoint_dir)
     with staged_directory(out_dir, "artifacts") as staging:

@@ -55,14 +55,10 @@ def stream_rtn(checkpoint_dir: Path, out_dir: Path, scheme: QuantScheme, targets
         problem = scheme.shape_problem(skeleton.get_submodule(name).in_features)
         if problem:
             raise SlimlmError(f"cannot quantize {name}: {problem}; change the group size or add the layer to the ignore patterns")
-    records = {name: {**scheme.to_dict(), "shape": [skeleton.get_submodule(name).out_features, skeleton.get_submodule(name).in_features]} for name in names}
     table = untied_table(skeleton)
     if table is not None and any(skeleton.get_submodule(name) is skeleton.get_output_embeddings() for name in names):
-        embedding = skeleton.get_submodule(table)  # rounded with its head, as compress/quantize.py does
-        records[table] = {**scheme.to_dict(), "shape": [embedding.num_embeddings, embedding.embedding_dim]}
-        names.append(table)
-    with torch.device("meta"):
-        install_quantized_layers(skeleton, records, bool(getattr(skeleton.config, "tie_word_embeddings", False)), checkpoint_dir)
+        names.append(table)  # the embedding is rounded with its head, as compress/quantize.py does
+    install_meta_layers(skeleton, names, scheme, checkpoint_dir)
     tokenizer, generation_config = checkpoint_tokenizer(checkpoint_dir), generation_config_of(checkpoint_dir)
     specs = artifact_specs(skeleton, checkpoint, dtype)
     rounding = StreamedRounding(checkpoint, {name: skeleton.get_submodule(name) for name in names}, dtype)
@@ -72,6 +68,15 @@ def stream_rtn(checkpoint_dir: Path, out_dir: Path, scheme: QuantScheme, targets
         modules = {name: module_record(skeleton.get_submodule(name), scheme.to_dict(), rounding.sparsity[name], "dense") for name in names}
         write_manifest(staging, skeleton, specs, ManifestFacts(source or {"path": str(checkpoint_dir)}, recipe, None, modules, {}))
     return StreamedArtifact(Path(out_dir), rounding.errors)
+
+
+def install_meta_layers(skeleton: torch.nn.Module, names: Sequence[str], scheme: QuantScheme, checkpoint_dir: Path) -> None:
+    """Puts empty (meta) QuantLinear layers in `scheme` in place of the modules `names` (Linear
+    layers, or an embedding rounded with its head), as loading the artifact will: the layout an
+    out-of-core writer plans the artifact's tensors on."""
+    records = {name: {**scheme.to_dict(), "shape": list(skeleton.get_submodule(name).weight.shape)} for name in names}
+    with torch.device("meta"):
+        install_quantized_layers(skeleton, records, bool(getattr(skeleton.config, "tie_word_embeddings", False)), checkpoint_dir)
 
 
 def artifact_specs(skeleton: torch.nn.Module, checkpoint: Checkpoint, dtype: Optional[torch.dtype] = None) -> list[TensorSpec]:
