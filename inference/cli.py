@@ -401,6 +401,7 @@ def serve_command(args: Sequence[str]) -> None:
     from slimlm.inference.batching import ContinuousBatcher
     from slimlm.inference.server import ServerLimits, create_app
 
+    listening = listen(options.host, options.port)  # before the model loads: a port in use is refused now, not a minute later
     decoder = open_decoder(options.model, options)
     decoder.reuse_prefixes = not options.no_prefix_reuse
     limits = ServerLimits(max_prompt_tokens=options.max_prompt_tokens, max_new_tokens=options.max_tokens_limit, max_concurrent=options.max_concurrent,
@@ -412,4 +413,14 @@ def serve_command(args: Sequence[str]) -> None:
     print(f"slimlm serve: key/value cache of {decoder.model.max_batch} rows x {max_seq} slots, {decoder.model.cache_bytes() / 2**20:.0f} MiB{guesses}", file=sys.stderr)
     name = options.name or options.model.rstrip("/").rsplit("/", 1)[-1].removesuffix(".gguf")
     with batcher:  # after uvicorn has let the open requests finish: the worker stops between steps
-        uvicorn.run(create_app(decoder, name, limits, batcher), host=options.host, port=options.port, log_level="info")
+        uvicorn.Server(uvicorn.Config(create_app(decoder, name, limits, batcher), host=options.host, port=options.port, log_level="info")).run(sockets=[listening])
+
+
+def listen(host: str, port: int):
+    """A socket listening on host:port, handed to uvicorn; refused in one line when it cannot be had."""
+    import socket
+
+    try:
+        return socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET, backlog=2048)
+    except OSError as error:
+        raise SlimlmError(f"cannot listen on {host}:{port} ({error.strerror or error}); choose another --port or --host, or stop what holds it") from None

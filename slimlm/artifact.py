@@ -37,6 +37,7 @@ from slimlm.architecture import untied_table
 from slimlm.checkpoint import Checkpoint
 from slimlm.errors import SlimlmError
 from slimlm.experts import split_experts
+from slimlm.model_config import first_line
 from slimlm.packing import PACKABLE_BITS
 from slimlm.qlinear import QuantLinear, QuantScheme, QuantTable, embedding_scale, set_submodule, tie_quantized_head
 from slimlm.resources import read_json_object, sha256_file
@@ -271,7 +272,7 @@ def _layout_problem(manifest: dict) -> Optional[str]:
         scheme, shape = scheme_of(record), record.get("shape")  # format 2 recorded no shapes
         if shape is not None and not (isinstance(shape, list) and len(shape) == 2 and all(type(n) is int and n > 0 for n in shape)):
             return f"module {name} has the shape {shape!r}"
-        typed = type(scheme.bits) is int and (scheme.group_size is None or type(scheme.group_size) is int)
+        typed = type(scheme.bits) is int and (scheme.group_size is None or type(scheme.group_size) is int) and type(scheme.symmetric) is bool and type(scheme.method) is str
         if not typed or scheme.bits not in PACKABLE_BITS or (shape is not None and scheme.shape_problem(shape[1])):
             return f"module {name} has the scheme {scheme}, which slimlm does not write for its shape"
     if not isinstance(getattr(torch, str(manifest.get("dtype", "float32")), None), torch.dtype):
@@ -303,8 +304,8 @@ def hf_file(reader, path: Path, what: str):
     damaged artifact: the checksums tell that a file changed, not that it was written well."""
     try:
         return reader(path)
-    except (OSError, ValueError) as error:  # json.JSONDecodeError is a ValueError
-        raise SlimlmError(f"artifact '{path}': its {what} cannot be read ({str(error).splitlines()[0]}); re-export the artifact") from None
+    except Exception as error:  # transformers and tokenizers raise many kinds (a bare Exception from Rust); each means the file is unusable
+        raise SlimlmError(f"artifact '{path}': its {what} cannot be read ({first_line(error)}); re-export the artifact") from None
 
 
 def artifact_tokenizer(path: Path):
@@ -320,17 +321,15 @@ def generation_config_of(directory: Path):
     return hf_file(GenerationConfig.from_pretrained, directory, "generation_config.json") if (Path(directory) / "generation_config.json").is_file() else None
 
 
-def model_skeleton(path: Path, manifest: dict, meta: bool = False):
-    """The artifact's model with QuantLinear layers where the manifest says, its tensors not
-    yet loaded: uninitialized on the CPU, or on the meta device (no memory at all) so that a
-    loader can fill it one part at a time (inference/load.py)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.initialization import no_init_weights
+def model_skeleton(path: Path, manifest: dict):
+    """The artifact's model with QuantLinear layers where the manifest says, on the meta device
+    (no memory: slimlm/model_config.py checks config.json first), for a loader to fill with the
+    tensors its files hold (ArtifactParts)."""
+    from slimlm.model_config import empty_model, read_model_config
 
-    config = hf_file(AutoConfig.from_pretrained, path, "config.json")
-    dtype = getattr(torch, manifest.get("dtype", "float32"))
-    with no_init_weights(), torch.device("meta" if meta else "cpu"):  # every weight is overwritten: random init would be wasted
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    remedy = "re-export the artifact"
+    model = empty_model(read_model_config(path, remedy), getattr(torch, manifest.get("dtype", "float32")), path, remedy)
+    with torch.device("meta"):
         split_experts(model)  # compression names each expert's projections (slimlm/experts.py)
         install_quantized_layers(model, manifest["modules"], bool(manifest.get("tied_word_embeddings")), path)
     return model
@@ -347,6 +346,8 @@ def install_quantized_layers(model, modules: dict[str, dict], tied: bool, path: 
         except AttributeError:
             raise SlimlmError(f"artifact '{path}' names module '{name}', which its config.json does not have") from None
         table = name == table_name
+        if not (table or isinstance(module, torch.nn.Linear)):
+            raise SlimlmError(f"artifact '{path}' names module '{name}', which is not a Linear layer of its config.json's model; re-export the artifact")
         in_features, out_features = (module.embedding_dim, module.num_embeddings) if table else (module.in_features, module.out_features)
         shape = record.get("shape", [out_features, in_features])  # format 2 did not record shapes
         if list(shape) != [out_features, in_features]:
@@ -388,7 +389,7 @@ class ArtifactParts:
     def __init__(self, path: Path):
         self.path = Path(path)
         self.manifest = read_manifest(self.path)
-        self.skeleton = model_skeleton(self.path, self.manifest, meta=True)
+        self.skeleton = model_skeleton(self.path, self.manifest)
         self.weights = Checkpoint(self.path)
         self.keys = self.weights.names()
         self.unread = set(self.keys)
@@ -409,13 +410,11 @@ class ArtifactParts:
 
 def load_artifact(path: Path, device: torch.device = torch.device("cpu")) -> Artifact:
     """Rebuild the model an artifact holds, quantized layers included, ready for evaluation."""
-    path = Path(path)
-    manifest = read_manifest(path)
-    model = model_skeleton(path, manifest)
+    parts = ArtifactParts(path)  # the model on the meta device: what the files hold decides the memory, not config.json
+    path, model, manifest = parts.path, parts.skeleton, parts.manifest
     tied = bool(manifest.get("tied_word_embeddings"))
-    weights = Checkpoint(path)
-    tensors = dense_tensors(model, {name: weights.tensor(name) for name in weights.names()}, manifest, path)
-    result = load_tensors(model, tensors, path)
+    tensors = dense_tensors(model, {name: parts.weights.tensor(name) for name in parts.keys}, manifest, path)
+    result = load_tensors(model, tensors, path, assign=True)
     missing = set(result.missing_keys) - ({"lm_head.weight"} if tied else set())
     if missing or result.unexpected_keys:
         raise SlimlmError(
@@ -423,5 +422,8 @@ def load_artifact(path: Path, device: torch.device = torch.device("cpu")) -> Art
         )
     if tied and not isinstance(model.get_output_embeddings(), QuantLinear):
         model.tie_weights()
+    unfilled = [name for name, tensor in model.state_dict().items() if tensor.is_meta]
+    if unfilled:
+        raise SlimlmError(f"artifact '{path}' does not fill {unfilled[0]} of its config.json's model; re-export the artifact")
     tokenizer = artifact_tokenizer(path)
     return Artifact(model=model.to(device).eval(), tokenizer=tokenizer, manifest=manifest, path=path)

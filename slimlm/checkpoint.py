@@ -196,22 +196,12 @@ def _place_unstored_buffers(module: nn.Module, device: torch.device) -> None:
 
 
 def model_skeleton_from_config(directory: Path, dtype: Optional[torch.dtype] = None) -> nn.Module:
-    """The checkpoint's model on the meta device: no weights, no initialization, no memory;
-    only its non-persistent buffers (rotary frequencies, embedding scales: computed from the
-    config, stored in no checkpoint, a few KB) are made for real, on the CPU. dtype None: the
-    config's own (float32 where it names none)."""
-    from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.initialization import no_init_weights
+    """The checkpoint's model on the meta device (slimlm/model_config.py: its config.json
+    checked first); dtype None: the config's own."""
+    from slimlm.model_config import empty_model, read_model_config
 
-    try:
-        config = AutoConfig.from_pretrained(directory)
-    except (OSError, ValueError) as error:
-        raise SlimlmError(f"'{directory}': its config.json cannot be read ({str(error).splitlines()[0]})") from None
-    chosen = dtype or getattr(config, "dtype", None) or torch.float32
-    chosen = getattr(torch, chosen) if isinstance(chosen, str) else chosen
-    with no_init_weights(), init_empty_weights(include_buffers=False):
-        return AutoModelForCausalLM.from_config(config, dtype=chosen)
+    remedy = "fix or replace the checkpoint's config.json"
+    return empty_model(read_model_config(directory, remedy), dtype, directory, remedy)
 
 
 def open_checkpoint(directory: Path, dtype: Optional[torch.dtype] = None) -> tuple[Checkpoint, nn.Module]:
@@ -255,7 +245,9 @@ def checkpoint_tokenizer(directory: Path):
     or generate), refused in one line when there is none."""
     from transformers import AutoTokenizer
 
+    from slimlm.model_config import first_line
+
     try:
         return AutoTokenizer.from_pretrained(directory)
-    except (OSError, ValueError) as error:
-        raise SlimlmError(f"'{directory}' has no readable tokenizer ({str(error).splitlines()[0]}); add the model's tokenizer files") from None
+    except Exception as error:  # tokenizers raises a bare Exception for a malformed tokenizer.json
+        raise SlimlmError(f"'{directory}' has no readable tokenizer ({first_line(error)}); add the model's tokenizer files") from None

@@ -42,7 +42,7 @@ from slimlm.inference.stage import GENERATE
 from slimlm.model_packages import ensure_model_file
 from slimlm.models import ModelSource, resolve_model, source_sha256
 from slimlm.pipeline import PlannedStage, RunState, Stage, plan_stages, run_stage
-from slimlm.rundir import write_status
+from slimlm.rundir import claim_run_dir, write_status
 from slimlm.user_recipes import RECIPES_ENV, bundled_recipes, user_recipes
 
 STAGES: dict[str, Stage] = {stage.name: stage for stage in (LOAD, PRUNE, SPARSIFY, QUANTIZE, DISTILL, EVALUATE, EXPORT, GENERATE)}
@@ -136,10 +136,10 @@ def run_recipe(cfg: DictConfig) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         plan = validate(cfg)
+        claim_run_dir(run_dir)
     except SlimlmError as error:
         discard_fresh_run_dir(run_dir)
         exit_with(error)
-    write_status(run_dir, "running")
     try:
         markdown = execute(cfg, plan, run_dir)
     except SlimlmError as error:

@@ -28,17 +28,21 @@ def check_text_source(src: TextSourceConfig, role: str) -> Optional[Path]:
             f"data file for data.{role} not found: '{src.path}'. The bundled demo data needs no setup "
             "(data=demo); other data sets are read from the folder in $SLIMLM_DATA_DIR (data=shared)"
         )
+    text = False  # whether anything but whitespace was seen: an empty file is refused now, not after the model loads
     try:
         with open(path, encoding="utf-8", newline="\n") as handle:  # lines end at \n alone, as datasets reads jsonl
             if src.format == "jsonl":
                 for number, line in enumerate(handle, 1):
                     if line.strip() and not isinstance(json_object(line), dict):
                         raise SlimlmError(f"data.{role}: line {number} of '{src.path}' is not a JSON object; a jsonl file holds one object per line")
+                    text = text or bool(line.strip())
             else:
-                while handle.read(1 << 24):  # in pieces: memory stays bounded for a large corpus
-                    pass
+                while piece := handle.read(1 << 24):  # in pieces: memory stays bounded for a large corpus
+                    text = text or bool(piece.strip())
     except UnicodeDecodeError:
         raise SlimlmError(f"data.{role}: '{src.path}' is not UTF-8 text; convert it to UTF-8") from None
+    if not text:
+        raise SlimlmError(f"data.{role}: '{src.path}' contains no text")
     return path
 
 

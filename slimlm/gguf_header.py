@@ -104,7 +104,7 @@ def _skip_strings(buffer, offset: int, size: int, count: int, what: str) -> int:
     try:
         for _ in range(count):
             offset += 8 + unpack(buffer, offset)[0]
-    except struct.error:
+    except (struct.error, OverflowError):  # OverflowError: a huge length took the offset past what unpack takes
         offset = size + 1
     if offset > size:
         raise _Damaged(f"{what} of {count} strings runs past the end of the file ({size} bytes)")

@@ -21,6 +21,7 @@ from slimlm.artifact import MANIFEST, load_artifact
 from slimlm.config import ModelConfig
 from slimlm.errors import SlimlmError
 from slimlm.experts import split_experts
+from slimlm.model_config import first_line
 from slimlm.resources import cache_dir, read_json_object, resolve_path, sha256_file
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -200,8 +201,11 @@ def gguf_checkpoint(gguf_path: Path, sha256: str) -> Path:
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
         kwargs = {"gguf_file": gguf_path.name}
-        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=torch.float32, **kwargs)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs)
+            model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=torch.float32, **kwargs)
+        except Exception as error:  # transformers' GGUF reader raises many kinds on a file it cannot take
+            raise SlimlmError(f"GGUF file '{gguf_path.name}' cannot be converted ({first_line(error)}); re-download or re-export it") from None
         # The weights are now plain float tensors; the GGUF quantization record no longer applies.
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):

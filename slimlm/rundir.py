@@ -2,12 +2,15 @@
 
 `status.json` says whether a run directory holds a finished result: it is written as
 "running" before any work and becomes "complete" only after the report is in place, so an
-interrupted or failed run never looks complete.
+interrupted or failed run never looks complete. A "running" status names its process (`pid`):
+one whose process is gone was killed where no handler could run (kill -9, a power loss).
 """
 
 from __future__ import annotations
 
+import glob
 import json
+import logging
 import os
 import platform
 import shutil
@@ -18,6 +21,8 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 import torch
+
+from slimlm.errors import SlimlmError
 
 STATUS = "status.json"
 
@@ -35,13 +40,12 @@ def staged_directory(path: Path, what: str = "exports") -> Iterator[Path]:
     """A hidden staging directory beside `path`, renamed to `path` when the block succeeds and
     removed when it fails: a directory at `path` is always complete. An existing `path` is
     refused, never overwritten."""
-    from slimlm.errors import SlimlmError
-
     path = Path(path)
     if path.exists():
         raise SlimlmError(f"'{path}' already exists; {what} are never overwritten: choose another name or remove it")
     path.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}-partial-", dir=path.parent))
+    sweep_abandoned_staging(path)
+    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}-partial-{os.getpid()}-", dir=path.parent))
     try:
         yield staging
         staging.rename(path)
@@ -50,13 +54,57 @@ def staged_directory(path: Path, what: str = "exports") -> Iterator[Path]:
         raise
 
 
+def sweep_abandoned_staging(path: Path) -> None:
+    """Remove the staging directories for `path` that a killed process left behind (their name
+    holds the writer's process id, and no such process runs), saying so."""
+    for staging in path.parent.glob(f".{glob.escape(path.name)}-partial-*"):
+        owner = staging.name[len(path.name) + len(".-partial-") :].split("-", 1)[0]
+        if owner.isdigit() and not process_alive(int(owner)) and staging.is_dir():
+            shutil.rmtree(staging, ignore_errors=True)
+            logging.getLogger("slimlm").warning("removed '%s', the unfinished output of an interrupted run (process %s)", staging, owner)
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
 def directory_bytes(path: Path) -> int:
     """Bytes of the files directly in `path` (an export directory)."""
     return sum(f.stat().st_size for f in Path(path).iterdir() if f.is_file())
 
 
+def claim_run_dir(run_dir: Path) -> None:
+    """Mark `run_dir` as this process's running run. Refused while another live process's run
+    is "running" there (two runs would mix their outputs); an earlier run whose process is gone
+    was killed before it could say so, which is logged, and this run takes the directory over."""
+    previous = read_status(run_dir)
+    pid = previous.get("pid")
+    if previous.get("status") == "running" and type(pid) is int and pid > 0 and pid != os.getpid():
+        if process_alive(pid):
+            raise SlimlmError(f"'{run_dir}' is in use by a run still going (process {pid}); wait for it to end, or give this run another hydra.run.dir")
+        logging.getLogger("slimlm").warning("'%s' held a run that was killed before it could end (process %s, started %s); this run replaces it", run_dir, pid, previous.get("time_utc"))
+    write_status(run_dir, "running")
+
+
+def read_status(run_dir: Path) -> dict[str, Any]:
+    """`run_dir`'s status record; empty when there is none or it cannot be read."""
+    try:
+        record = json.loads((run_dir / STATUS).read_text())
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
 def write_status(run_dir: Path, status: str, error: Optional[str] = None) -> None:
-    record = {"status": status, "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    record: dict[str, Any] = {"status": status, "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    if status == "running":
+        record["pid"] = os.getpid()
     if error:
         record["error"] = error
     write_atomic(run_dir / STATUS, json.dumps(record, indent=2) + "\n")

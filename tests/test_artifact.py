@@ -109,6 +109,32 @@ def test_failed_write_leaves_nothing_behind(tiny_model, tiny_tokenizer, tmp_path
     assert list((tmp_path / "out").iterdir()) == []
 
 
+def test_a_killed_writers_staging_is_swept_by_the_next_write_and_a_live_ones_kept(tmp_path, caplog):
+    import os
+    import subprocess
+    import sys
+
+    from slimlm.rundir import staged_directory
+
+    killed = "import os, pathlib, signal, sys\nfrom slimlm.rundir import staged_directory\nwith staged_directory(pathlib.Path(sys.argv[1])) as staging:\n    (staging / 'half').write_text('x')\n    os.kill(os.getpid(), signal.SIGKILL)"
+    assert subprocess.run([sys.executable, "-c", killed, str(tmp_path / "artifact")]).returncode == -9
+    (abandoned,) = tmp_path.glob(".artifact-partial-*")
+    live = tmp_path / f".artifact-partial-{os.getpid()}-writing"  # this process's: still running
+    live.mkdir()
+    with caplog.at_level("WARNING", logger="slimlm"), staged_directory(tmp_path / "artifact") as staging:
+        (staging / "whole").write_text("x")
+    assert not abandoned.exists() and live.exists() and (tmp_path / "artifact" / "whole").is_file()
+    assert f"removed '{abandoned}', the unfinished output of an interrupted run" in caplog.text
+
+
+def test_two_exports_of_one_model_are_byte_identical(tiny_model, tiny_tokenizer, tmp_path):
+    state = quantized_state(tiny_model, tiny_tokenizer, tmp_path, bits=4, group_size=32)
+    first, second = export(state, tmp_path / "first"), export(state, tmp_path / "second")
+    assert sorted(p.name for p in first.iterdir()) == sorted(p.name for p in second.iterdir())
+    for file in first.iterdir():
+        assert file.read_bytes() == (second / file.name).read_bytes(), file.name
+
+
 def test_round_trip_of_a_quantized_tied_head(tiny_model, tiny_tokenizer, tmp_path):
     from slimlm.qlinear import QuantEmbedding
 

@@ -76,6 +76,17 @@ def test_gguf_of_unsupported_architecture_exits_2(capsys, tmp_path, monkeypatch)
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.parametrize("role", ["calibration", "eval_text"])
+def test_an_empty_data_file_exits_2_before_a_run_directory_exists(capsys, tmp_path, monkeypatch, tiny_model_dir, role):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "empty.txt").write_text(" \n\n")
+    with pytest.raises(SystemExit) as exited:
+        main(["recipe=w4-gptq", "model=custom", f"model.path={tiny_model_dir}", f"data.{role}.path={tmp_path / 'empty.txt'}", "eval.metrics=[perplexity]", "eval.perplexity.window=256"])
+    assert exited.value.code == 2
+    assert f"data.{role}: '{tmp_path / 'empty.txt'}' contains no text" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
+
+
 def test_bad_value_in_a_sweep_is_caught_before_anything_runs(capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as exited:
@@ -202,6 +213,22 @@ def test_failure_after_start_is_marked_failed(tiny_model_dir, tmp_path):
     (run,) = (tmp_path / "runs" / "demo").iterdir()
     assert json.loads((run / "status.json").read_text())["status"] == "failed"
     assert not (run / "report.json").exists()
+
+
+def test_a_run_directory_held_by_a_live_run_is_refused_and_one_left_by_a_killed_run_is_taken_over(tiny_model_dir, tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    held = {"status": "running", "time_utc": "2026-01-01T00:00:00Z", "pid": os.getppid()}  # pytest's parent: alive
+    (run / "status.json").write_text(json.dumps(held))
+    result = slimlm(*tiny_run_args(tiny_model_dir), "hydra.run.dir=run", cwd=tmp_path, check=False)
+    assert result.returncode == 2 and f"in use by a run still going (process {os.getppid()})" in result.stderr.strip().splitlines()[-1]
+    assert json.loads((run / "status.json").read_text()) == held  # the other run's record untouched
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    (run / "status.json").write_text(json.dumps({**held, "pid": gone.pid}))  # killed with -9: no record of its end
+    result = slimlm(*tiny_run_args(tiny_model_dir), "hydra.run.dir=run", cwd=tmp_path)
+    assert f"killed before it could end (process {gone.pid}" in result.stdout + result.stderr
+    assert json.loads((run / "status.json").read_text())["status"] == "complete"
 
 
 def test_gptq_recipe_on_a_tiny_model(tiny_model_dir, tmp_path):

@@ -312,7 +312,7 @@ def test_serve_hands_prompt_lookup_to_the_batcher(tiny_model_dir, monkeypatch, c
     from slimlm.inference.cli import serve_command
 
     built = []
-    monkeypatch.setattr(uvicorn, "run", lambda app, **options: built.append(app))
+    monkeypatch.setattr(uvicorn.Server, "run", lambda server, sockets: built.append(server.config.app))
     original = batching.ContinuousBatcher.__init__
 
     def recording(self, *args, **kwargs):
@@ -320,12 +320,22 @@ def test_serve_hands_prompt_lookup_to_the_batcher(tiny_model_dir, monkeypatch, c
         built.append(self)
 
     monkeypatch.setattr(batching.ContinuousBatcher, "__init__", recording)
-    serve_command([str(tiny_model_dir), "--prompt-lookup", "--lookahead", "3", "--max-concurrent", "2", "--max-prompt-tokens", "64", "--max-tokens-limit", "16"])
+    serve_command([str(tiny_model_dir), "--port", "0", "--prompt-lookup", "--lookahead", "3", "--max-concurrent", "2", "--max-prompt-tokens", "64", "--max-tokens-limit", "16"])
     batcher, _app = built
     assert batcher.lookahead == 3 and batcher.closed  # closed when the server returned
     assert "each step checks up to 3 prompt-lookup guesses per request" in capsys.readouterr().err
-    serve_command([str(tiny_model_dir), "--max-concurrent", "2", "--max-prompt-tokens", "64", "--max-tokens-limit", "16"])
+    serve_command([str(tiny_model_dir), "--port", "0", "--max-concurrent", "2", "--max-prompt-tokens", "64", "--max-tokens-limit", "16"])
     assert built[2].lookahead == 0
+
+
+def test_a_port_in_use_is_refused_before_the_model_loads(tiny_model_dir, monkeypatch):
+    from slimlm.errors import SlimlmError
+    from slimlm.inference import cli
+
+    monkeypatch.setattr(cli, "open_decoder", lambda *args: pytest.fail("the model loaded before the port was checked"))
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        with pytest.raises(SlimlmError, match=f"cannot listen on 127.0.0.1:{taken.getsockname()[1]} .*choose another --port"):
+            cli.serve_command([str(tiny_model_dir), "--port", str(taken.getsockname()[1])])
 
 
 def test_max_tokens_defaults_within_the_limit_and_a_huge_prompt_is_refused_before_tokenizing(serve):
