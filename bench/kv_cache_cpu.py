@@ -157,7 +157,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--kl-positions", type=int, default=64)
-    parser.add_argument("--skip-llama-cpp", action="store_true", help="when llama-cpp-python is not installed (pip install '.[bench]')")
+    parser.add_argument("--skip-llama-cpp", action="store_true", help="when llama-cpp-python is not installed (pip install -e '.[bench]')")
     options = parser.parse_args()
     torch.set_num_threads(options.threads)
     started = time.perf_counter()
