@@ -3,13 +3,13 @@
 Files, all from the default model's fp32 weights:
   f32            an F32 GGUF (slimlm export, gguf_type=F32): the reference for KL
   slimlm-gptq    `slimlm recipe=w4-gptq-gguf`: int4 g32 GPTQ, written to Q4_0 exactly as chosen
-  slimlm-gptq-head-q8_0  the same GPTQ layers, the token embedding/LM head rounded to Q8_0
+  slimlm-gptq-head-q8_0  the same GPTQ layers, the LM head (the tied embedding) in Q8_0
   gguf-q4_0      the fp32 weights rounded to Q4_0 by the gguf package's quantizer (llama.cpp's
                  reference rounding), every matrix Q4_0: the same file layout as slimlm-gptq
   llama.cpp-q4_0-pure  llama.cpp's quantizer (`llama_model_quantize`, MOSTLY_Q4_0, pure) on the
                  F32 file: every matrix Q4_0, the same layout as slimlm-gptq
-  llama.cpp-q4_0 the same with llama.cpp's default mix, which keeps the tied embedding/head in
-                 Q8_0 (14 MB more here): the same layout as slimlm-gptq-head-q8_0
+  llama.cpp-q4_0 the same with llama.cpp's default mix, which keeps the LM head (the tied
+                 embedding) in Q8_0 (14 MB more here): the same layout as slimlm-gptq-head-q8_0
 Each file is loaded in llama.cpp (llama-cpp-python, `pip install -e '.[bench]'`) and scores the
 same windows of WikiText-2 test token ids: perplexity and KL to the F32 file's logits.
 Writes bench/results/gguf_llamacpp.{md,json} for the default model, gguf_llamacpp_<model>.* for
@@ -152,7 +152,7 @@ def markdown(rows: list[dict], summary: dict, command: str) -> list[str]:
     labels = {
         "f32": "F32 (reference)",
         "slimlm-gptq": "slimlm w4 g32 GPTQ → Q4_0 (written exactly)",
-        "slimlm-gptq-head-q8_0": "slimlm w4 g32 GPTQ → Q4_0, embedding/head Q8_0",
+        "slimlm-gptq-head-q8_0": "slimlm w4 g32 GPTQ → Q4_0, its LM head Q8_0",
         "gguf-q4_0": "fp32 rounded to Q4_0 (gguf package quantizer, every matrix Q4_0)",
         "llama.cpp-q4_0-pure": "llama.cpp quantize MOSTLY_Q4_0, pure (every matrix Q4_0)",
         "llama.cpp-q4_0": "llama.cpp quantize MOSTLY_Q4_0, default mix (its LM head Q8_0)",

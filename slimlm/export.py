@@ -40,7 +40,7 @@ class ExportParams:
     name: Optional[str] = None  # inside the run directory; default artifact/, model.gguf, hf/ or hf-compressed/
     reload: bool = True  # continue with the model read back from disk (proves the round trip)
     gguf_type: str = "Q4_0"  # gguf: the block type of every weight matrix
-    gguf_head_type: Optional[str] = None  # gguf: another block type for the token embedding and LM head (e.g. Q8_0)
+    gguf_head_type: Optional[str] = None  # gguf: another block type for the LM head (e.g. Q8_0; the token embedding too when tied)
     requantize: bool = False  # gguf: allow rounding layers that lie on another grid again
     dtype: str = "bfloat16"  # hf, compressed-tensors: the dtype of the unquantized (or dequantized) weights
 

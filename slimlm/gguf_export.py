@@ -51,8 +51,9 @@ ARCHITECTURES = (*FAMILIES, "gemma3")
 
 def export_gguf(model: nn.Module, tokenizer: Any, path: Path, gguf_type: str, source_gguf: Optional[Path] = None, requantize: bool = False, head_type: Optional[str] = None) -> dict:
     """Write `model` to the GGUF file `path` (atomically); returns how each weight was stored.
-    `head_type` gives the token embedding and the LM head their own block type (llama.cpp's
-    mixes keep them wider than the rest: they are the most sensitive matrices)."""
+    `head_type` gives the LM head its own block type, as llama.cpp's mixes do (they keep it
+    wider than the rest: it is the most sensitive matrix): the output matrix, which is the
+    token embedding when the two are tied; an untied embedding keeps `gguf_type`."""
     import gguf
 
     config = model.config
@@ -60,7 +61,7 @@ def export_gguf(model: nn.Module, tokenizer: Any, path: Path, gguf_type: str, so
     for chosen in (gguf_type, head_type or gguf_type):
         if chosen not in GGUF_TYPES:
             raise SlimlmError(f"unknown GGUF type '{chosen}'; choose one of {', '.join(GGUF_TYPES)}")
-    types = _TypeChoice(gguf_type, head_type)
+    types = _TypeChoice(gguf_type, head_type, "model.embed_tokens.weight" if head_is_tied(model) else "lm_head.weight")
     layers = [(name, value) for name, value in _named_tensors(model) if isinstance(value, QuantLinear)]
     adapted = [name for name, value in layers if value.adapter_rank and types.of(name) in GRIDS]
     if adapted and not requantize:
@@ -108,18 +109,16 @@ def export_gguf(model: nn.Module, tokenizer: Any, path: Path, gguf_type: str, so
     return summary
 
 
-HEAD_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")
-
-
 @dataclass(frozen=True)
 class _TypeChoice:
-    """The block type of each tensor: the file's type, the head's for the embedding and head."""
+    """The block type of each tensor: the file's type, the head's for the tensor that is the LM head."""
 
     default: str
     head: Optional[str]
+    head_tensor: str  # the Hugging Face name of the tensor llama.cpp uses as the LM head
 
     def of(self, hf_name: str) -> str:
-        return self.head if self.head and hf_name in HEAD_TENSORS else self.default
+        return self.head if self.head and hf_name == self.head_tensor else self.default
 
 
 def on_grid(scheme: QuantScheme, gguf_type: str) -> bool:
@@ -171,11 +170,9 @@ def _named_tensors(model: nn.Module):
     """(Hugging Face name, float tensor or QuantLinear) for every tensor llama.cpp needs. A tied
     LM head is written once, as token_embd: llama.cpp reuses it when output.weight is absent. So is
     a float head equal to the embedding (transformers unties them when it reads a GGUF without an
-    output tensor, as Qwen2.5's: a second copy would add a fifth to a 0.5B model's file)."""
+    output tensor: a second copy would add a fifth to a 0.5B model's file)."""
     head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
-    head_weight, table = getattr(head, "weight", None), getattr(embedding, "weight", None)
-    same_values = isinstance(head_weight, torch.Tensor) and isinstance(table, torch.Tensor) and head_weight.shape == table.shape and torch.equal(head_weight, table)
-    tied = isinstance(embedding, QuantEmbedding) or (head_weight is not None and head_weight is table) or same_values
+    tied = head_is_tied(model)
     yield "model.embed_tokens.weight", head if isinstance(embedding, QuantEmbedding) else embedding if isinstance(embedding, QuantTable) else embedding.weight
     for name, module in model.named_modules():
         if module is head or module is embedding:
@@ -189,6 +186,14 @@ def _named_tensors(model: nn.Module):
                 yield f"{name}.{key}", parameter
     if not tied:
         yield "lm_head.weight", head if isinstance(head, QuantLinear) else head.weight
+
+
+def head_is_tied(model: nn.Module) -> bool:
+    """Whether the LM head is the token embedding (shared, or a float copy of the same values)."""
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    head_weight, table = getattr(head, "weight", None), getattr(embedding, "weight", None)
+    same_values = isinstance(head_weight, torch.Tensor) and isinstance(table, torch.Tensor) and head_weight.shape == table.shape and torch.equal(head_weight, table)
+    return isinstance(embedding, QuantEmbedding) or (head_weight is not None and head_weight is table) or same_values
 
 
 def _rotary_heads(tensor_name: str, config) -> Optional[int]:

@@ -6,6 +6,7 @@ from slimlm.compress.quantize import QuantizeParams, run as quantize
 from slimlm.errors import SlimlmError
 from slimlm.gguf_export import _permute_rows, _rotary_heads, export_gguf
 from slimlm.pipeline import RunState
+from tests.conftest import build_tiny_llama
 
 gguf = pytest.importorskip("gguf")
 EVERYTHING = [r"model\.layers\.\d+\..*", "lm_head"]
@@ -94,7 +95,7 @@ def test_float_files_hold_dequantized_layers(tiny_model, tiny_tokenizer, tmp_pat
     assert torch.equal(read_back(tmp_path / "model.gguf")["blk.1.ffn_down.weight"], model.model.layers[1].mlp.down_proj.dequantize())
 
 
-def test_the_embedding_and_head_can_take_their_own_type(tiny_model, tiny_tokenizer, tmp_path):
+def test_a_tied_embedding_takes_the_head_type_as_the_head_it_is(tiny_model, tiny_tokenizer, tmp_path):
     model = quantized(tiny_model, tiny_tokenizer, tmp_path, bits=4, group_size=32)
     summary = export_gguf(model, tiny_tokenizer, tmp_path / "mixed.gguf", "Q4_0", head_type="Q8_0")
     types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(tmp_path / "mixed.gguf").tensors}
@@ -104,6 +105,13 @@ def test_the_embedding_and_head_can_take_their_own_type(tiny_model, tiny_tokeniz
     assert torch.allclose(table, model.model.embed_tokens.weight, atol=2e-2)
     with pytest.raises(SlimlmError, match="unknown GGUF type 'Q5_K'"):
         export_gguf(model, tiny_tokenizer, tmp_path / "other.gguf", "Q4_0", head_type="Q5_K")
+
+
+def test_an_untied_head_takes_the_head_type_and_the_embedding_the_files_as_in_llama_cpps_mix(tiny_tokenizer, tmp_path):
+    model = quantized(build_tiny_llama(len(tiny_tokenizer), tie_word_embeddings=False), tiny_tokenizer, tmp_path, bits=4, group_size=32)
+    export_gguf(model, tiny_tokenizer, tmp_path / "mixed.gguf", "Q4_0", head_type="Q8_0")
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(tmp_path / "mixed.gguf").tensors}
+    assert types["output.weight"] == "Q8_0" and types["token_embd.weight"] == "Q4_0" and types["blk.0.ffn_up.weight"] == "Q4_0"
 
 
 # ---- families: tiny random-weight models of each, read back by gguf and, where installed, scored by llama.cpp ----
@@ -320,9 +328,7 @@ def test_llama_cpp_scores_each_family_as_transformers_does(name, tiny_tokenizer,
 
 
 def test_a_head_equal_to_the_embedding_is_written_once(tiny_tokenizer, tmp_path):
-    """transformers unties the head when it reads a GGUF without an output tensor (Qwen2.5's); the export ties it back."""
-    from tests.conftest import build_tiny_llama
-
+    """transformers unties the head when it reads a GGUF without an output tensor; the export ties it back."""
     model = build_tiny_llama(len(tiny_tokenizer), tie_word_embeddings=False)
     with torch.no_grad():
         model.lm_head.weight.copy_(model.model.embed_tokens.weight)
