@@ -4,6 +4,7 @@ reproducing command line, and writing bench/results/<name>.{json,md} (notes appe
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import signal
 import statistics
@@ -78,6 +79,18 @@ def call_us(layer: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, call
             layer(x)
         times.append((time.perf_counter() - start) / calls)
     return 1e6 * statistics.median(times[1:])
+
+
+def local_request(port: int, method: str, route: str, body: Optional[bytes] = None, timeout: float = 120) -> tuple[int, bytes]:
+    """One HTTP request to a server on 127.0.0.1:`port` (a JSON body, when given): its status
+    and body. Connection errors are the caller's to name."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        connection.request(method, route, body=body, headers={"Content-Type": "application/json"})
+        response = connection.getresponse()
+        return response.status, response.read()
+    finally:
+        connection.close()
 
 
 def run_together(client: Callable[..., None], arguments: list[tuple]) -> None:

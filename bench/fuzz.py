@@ -43,7 +43,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from benchlib import REPO, command_line, machine_line, write_result
+from benchlib import REPO, command_line, local_request, machine_line, write_result
 
 from slimlm.rundir import machine_info
 
@@ -342,21 +342,11 @@ def request_case(index: int, seed: int) -> tuple[str, bytes, str]:
     return route, json.dumps(mutated).encode(), what
 
 
-def post(port: int, route: str, body: bytes, timeout: float) -> tuple[int, bytes]:
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    try:
-        connection.request("POST", route, body=body, headers={"Content-Type": "application/json"})
-        response = connection.getresponse()
-        return response.status, response.read()
-    finally:
-        connection.close()
-
-
 def request_outcome(port: int, index: int, options: argparse.Namespace) -> Outcome:
     route, body, mutation = request_case(index, options.seed)
     started = time.perf_counter()
     try:
-        status, answer = post(port, route, body, options.timeout)
+        status, answer = local_request(port, "POST", route, body, options.timeout)
     except (OSError, http.client.HTTPException) as error:
         return Outcome("request", index, f"{route} {mutation}", "failed", f"{type(error).__name__}: {error}", time.perf_counter() - started)
     seconds = time.perf_counter() - started
@@ -400,14 +390,10 @@ def serve(artifact: Path):
 
 
 def healthy(port: int) -> bool:
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
     try:
-        connection.request("GET", "/health")
-        return connection.getresponse().status == 200
+        return local_request(port, "GET", "/health", timeout=10)[0] == 200
     except OSError:
         return False
-    finally:
-        connection.close()
 
 
 # --- the run --------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchlib import REPO, command_line, machine_line, write_result
+from benchlib import REPO, command_line, local_request, machine_line, write_result
 
 from slimlm.rundir import machine_info
 
@@ -82,16 +82,10 @@ def start_server(model: str, port: int, options: argparse.Namespace) -> subproce
 
 def status(port: int, method: str, route: str, body: bytes | None) -> int | str:
     """The HTTP status of one request, or the name of the error that ended it."""
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
     try:
-        connection.request(method, route, body=body, headers={"Content-Type": "application/json"})
-        response = connection.getresponse()
-        response.read()
-        return response.status
+        return local_request(port, method, route, body)[0]
     except (OSError, http.client.HTTPException) as error:
         return type(error).__name__
-    finally:
-        connection.close()
 
 
 def valid_body(client: int, index: int, max_tokens: int) -> tuple[str, dict]:

@@ -37,7 +37,7 @@ from slimlm.architecture import untied_table
 from slimlm.checkpoint import Checkpoint
 from slimlm.errors import SlimlmError
 from slimlm.experts import split_experts
-from slimlm.model_config import first_line
+from slimlm.model_config import empty_model, first_line, read_model_config
 from slimlm.packing import PACKABLE_BITS
 from slimlm.qlinear import QuantLinear, QuantScheme, QuantTable, embedding_scale, set_submodule, tie_quantized_head
 from slimlm.resources import read_json_object, sha256_file
@@ -325,8 +325,6 @@ def model_skeleton(path: Path, manifest: dict):
     """The artifact's model with QuantLinear layers where the manifest says, on the meta device
     (no memory: slimlm/model_config.py checks config.json first), for a loader to fill with the
     tensors its files hold (ArtifactParts)."""
-    from slimlm.model_config import empty_model, read_model_config
-
     remedy = "re-export the artifact"
     model = empty_model(read_model_config(path, remedy), getattr(torch, manifest.get("dtype", "float32")), path, remedy)
     with torch.device("meta"):

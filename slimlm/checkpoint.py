@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from slimlm.errors import SlimlmError
+from slimlm.model_config import empty_model, first_line, read_model_config
 from slimlm.resources import read_json_object
 from slimlm.shards import DTYPES, INDEX, SINGLE
 
@@ -198,8 +199,6 @@ def _place_unstored_buffers(module: nn.Module, device: torch.device) -> None:
 def model_skeleton_from_config(directory: Path, dtype: Optional[torch.dtype] = None) -> nn.Module:
     """The checkpoint's model on the meta device (slimlm/model_config.py: its config.json
     checked first); dtype None: the config's own."""
-    from slimlm.model_config import empty_model, read_model_config
-
     remedy = "fix or replace the checkpoint's config.json"
     return empty_model(read_model_config(directory, remedy), dtype, directory, remedy)
 
@@ -244,8 +243,6 @@ def checkpoint_tokenizer(directory: Path):
     """The checkpoint's tokenizer, which a stage working on its files needs (to calibrate, score
     or generate), refused in one line when there is none."""
     from transformers import AutoTokenizer
-
-    from slimlm.model_config import first_line
 
     try:
         return AutoTokenizer.from_pretrained(directory)

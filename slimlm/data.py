@@ -33,9 +33,11 @@ def check_text_source(src: TextSourceConfig, role: str) -> Optional[Path]:
         with open(path, encoding="utf-8", newline="\n") as handle:  # lines end at \n alone, as datasets reads jsonl
             if src.format == "jsonl":
                 for number, line in enumerate(handle, 1):
-                    if line.strip() and not isinstance(json_object(line), dict):
+                    if not line.strip():
+                        continue
+                    if not isinstance(json_object(line), dict):
                         raise SlimlmError(f"data.{role}: line {number} of '{src.path}' is not a JSON object; a jsonl file holds one object per line")
-                    text = text or bool(line.strip())
+                    text = True
             else:
                 while piece := handle.read(1 << 24):  # in pieces: memory stays bounded for a large corpus
                     text = text or bool(piece.strip())

@@ -61,8 +61,8 @@ def export_gguf(model: nn.Module, tokenizer: Any, path: Path, gguf_type: str, so
     for chosen in (gguf_type, head_type or gguf_type):
         if chosen not in GGUF_TYPES:
             raise SlimlmError(f"unknown GGUF type '{chosen}'; choose one of {', '.join(GGUF_TYPES)}")
-    types = _TypeChoice(gguf_type, head_type, "model.embed_tokens.weight" if head_is_tied(model) else "lm_head.weight")
-    layers = [(name, value) for name, value in _named_tensors(model) if isinstance(value, QuantLinear)]
+    types = _TypeChoice(gguf_type, head_type, head_is_tied(model))  # decided once: comparing the tables reads both whole
+    layers = [(name, value) for name, value in _named_tensors(model, types.tied) if isinstance(value, QuantLinear)]
     adapted = [name for name, value in layers if value.adapter_rank and types.of(name) in GRIDS]
     if adapted and not requantize:
         raise SlimlmError(
@@ -115,10 +115,11 @@ class _TypeChoice:
 
     default: str
     head: Optional[str]
-    head_tensor: str  # the Hugging Face name of the tensor llama.cpp uses as the LM head
+    tied: bool  # the LM head is the token embedding (head_is_tied): llama.cpp's LM head is then token_embd
 
     def of(self, hf_name: str) -> str:
-        return self.head if self.head and hf_name == self.head_tensor else self.default
+        head_tensor = "model.embed_tokens.weight" if self.tied else "lm_head.weight"
+        return self.head if self.head and hf_name == head_tensor else self.default
 
 
 def on_grid(scheme: QuantScheme, gguf_type: str) -> bool:
@@ -152,7 +153,7 @@ def _write_tensors(writer, model: nn.Module, types: _TypeChoice, family: Family)
     arch = next(key for key, name in gguf.MODEL_ARCH_NAMES.items() if name == family.arch)
     names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
     stored: dict[str, str] = {}
-    for hf_name, value in _named_tensors(model):
+    for hf_name, value in _named_tensors(model, types.tied):
         gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if gguf_name is None:
             raise SlimlmError(f"GGUF export: no llama.cpp {family.arch} name for tensor '{hf_name}'")
@@ -166,13 +167,12 @@ def _write_tensors(writer, model: nn.Module, types: _TypeChoice, family: Family)
     return stored
 
 
-def _named_tensors(model: nn.Module):
+def _named_tensors(model: nn.Module, tied: bool):
     """(Hugging Face name, float tensor or QuantLinear) for every tensor llama.cpp needs. A tied
     LM head is written once, as token_embd: llama.cpp reuses it when output.weight is absent. So is
     a float head equal to the embedding (transformers unties them when it reads a GGUF without an
-    output tensor: a second copy would add a fifth to a 0.5B model's file)."""
+    output tensor: a second copy would add a fifth to a 0.5B model's file); `tied`: head_is_tied."""
     head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
-    tied = head_is_tied(model)
     yield "model.embed_tokens.weight", head if isinstance(embedding, QuantEmbedding) else embedding if isinstance(embedding, QuantTable) else embedding.weight
     for name, module in model.named_modules():
         if module is head or module is embedding:
