@@ -1,38 +1,41 @@
 """GPTQ or AWQ of a checkpoint larger than memory, straight into an artifact.
 
 compress/offload.py calibrates the checkpoint one decoder block at a time. As each block is
-done, its tensors (quantized layers, and norms AWQ has scaled) are spilled into a small
-safetensors file inside the artifact's staging directory (an 8B model's w4 block is about
-120 MB) and the block is released. After the last block, the artifact's shards are written a
-tensor at a time, as compress/stream_rtn.py writes them: the blocks' tensors read back from the
-spill files, every other tensor from the checkpoint. Memory holds one block at a time; disk holds the quantized layers twice
-until the spill files are deleted, just before the manifest is written.
+done, its tensors (quantized layers, and norms AWQ has scaled) go into a small safetensors file
+in a progress directory beside the artifact (`<artifact>-blocks`, compress/block_progress.py; an
+8B model's w4 block is about 120 MB) with the next block's inputs, and the block is released: a
+killed run, rerun, goes on from the first unfinished block. After the last block, the
+artifact's shards are written a tensor at a time, as compress/stream_rtn.py writes them: the
+blocks' tensors read back from the progress files, every other tensor from the checkpoint.
+Memory holds one block at a time; disk holds the quantized layers twice until the artifact is
+complete and the progress directory is removed.
 """
 
 from __future__ import annotations
 
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
-from torch import nn
 
 from slimlm.architecture import decoder_blocks
-from slimlm.artifact import WEIGHTS_METADATA, ManifestFacts, generation_config_of, quantized_module_record, save_model_files, write_manifest
+from slimlm.artifact import WEIGHTS_METADATA, ManifestFacts, generation_config_of, save_model_files, write_manifest
 from slimlm.checkpoint import Checkpoint, checkpoint_tokenizer, open_checkpoint
+from slimlm.compress.block_progress import finished_tensor_files
 from slimlm.compress.offload import OffloadedCalibration, quantize_checkpoint
 from slimlm.compress.quantize import QuantizeParams, check_shapes
 from slimlm.compress.stream_rtn import artifact_specs, install_meta_layers
 from slimlm.compress.targets import select_linear_modules
-from slimlm.qlinear import QuantLinear
 from slimlm.rundir import staged_directory
 from slimlm.shards import DEFAULT_SHARD_BYTES, TensorSpec, write_weights
 
-SPILL = "calibrated-blocks"  # in the staging directory, gone before the manifest is written
+
+def progress_directory(out_dir: Path) -> Path:
+    """Where the finished blocks of a calibration into `out_dir` wait for the artifact."""
+    return Path(out_dir).with_name(f"{Path(out_dir).name}-blocks")
 
 
 @dataclass(frozen=True)
@@ -70,50 +73,27 @@ def calibrate_into_artifact(
     install_meta_layers(skeleton, names, params.scheme, checkpoint_dir)
     specs = artifact_specs(skeleton, checkpoint, dtype)  # before calibrating: a checkpoint that lacks a tensor is refused now
     tokenizer, generation_config = checkpoint_tokenizer(checkpoint_dir), generation_config_of(checkpoint_dir)
+    progress = progress_directory(out_dir)
     with staged_directory(out_dir, "artifacts") as staging:
-        spill = BlockSpill(staging / SPILL)
-        calibration = quantize_checkpoint(checkpoint_dir, params, samples, spill, device, dtype)
-        write_weights(staging, specs, SpilledOrCheckpoint(spill, checkpoint), max_shard_bytes, WEIGHTS_METADATA)
-        shutil.rmtree(spill.directory)
+        calibration = quantize_checkpoint(checkpoint_dir, params, samples, lambda name, block: None, device, dtype, progress)
+        write_weights(staging, specs, CalibratedOrCheckpoint(finished_tensor_files(progress), checkpoint), max_shard_bytes, WEIGHTS_METADATA)
         save_model_files(staging, skeleton.config, generation_config, tokenizer)
-        write_manifest(staging, skeleton, specs, ManifestFacts(source, recipe, None, spill.records, {}))
+        write_manifest(staging, skeleton, specs, ManifestFacts(source, recipe, None, calibration.records, {}))
+    shutil.rmtree(progress)
     return CalibratedArtifact(Path(out_dir), calibration)
 
 
 @dataclass
-class BlockSpill:
-    """quantize_checkpoint's on_block: writes a finished block's tensors into a file of their own
-    (all of them: AWQ has scaled its norms too) and keeps each quantized layer's manifest record
-    (its scheme says `rtn` for an expert that no calibration token reached)."""
+class CalibratedOrCheckpoint:
+    """write_weights' producer: a calibrated block's tensors from its progress file (one file
+    open at a time), everything else from the checkpoint."""
 
-    directory: Path
-    files: dict[str, Path] = field(default_factory=dict)  # tensor name -> the spill file holding it
-    records: dict[str, dict] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        self.directory.mkdir()
-
-    def __call__(self, block_name: str, block: nn.Module) -> None:
-        path = self.directory / f"{block_name}.safetensors"
-        tensors = {f"{block_name}.{key}": value.detach().cpu().contiguous() for key, value in block.state_dict().items()}
-        for name, layer in block.named_modules():
-            if isinstance(layer, QuantLinear):  # stored dense: no bitmask storage here
-                self.records[f"{block_name}.{name}"] = quantized_module_record(f"{block_name}.{name}", layer, layer.scheme.to_dict(), {})
-        save_file(tensors, path)
-        self.files.update(dict.fromkeys(tensors, path))
-
-
-@dataclass
-class SpilledOrCheckpoint:
-    """write_weights' producer: a calibrated block's tensors from its spill file (one file open at
-    a time), everything else from the checkpoint."""
-
-    spill: BlockSpill
+    calibrated: dict[str, Path]  # tensor name -> the file holding it
     checkpoint: Checkpoint
     _open: tuple = (None, None)  # (path, safe_open handle)
 
     def __call__(self, spec: TensorSpec) -> torch.Tensor:
-        path = self.spill.files.get(spec.name)
+        path = self.calibrated.get(spec.name)
         if path is None:
             return self.checkpoint.tensor(spec.name, spec.dtype)
         if self._open[0] != path:

@@ -50,12 +50,16 @@ def calibration_samples(token_ids: torch.Tensor, samples: int, seq_len: int, see
 
 
 class ResidentBlocks:
-    """Decoder blocks that are in memory already: nothing to load or release."""
+    """Decoder blocks that are in memory already: nothing to load or release, no earlier run to
+    resume."""
+
+    def resume_point(self) -> tuple[int, None]:
+        return 0, None
 
     def load(self, name: str, block: nn.Module) -> None:
         pass
 
-    def release(self, name: str, block: nn.Module) -> None:
+    def release(self, name: str, block: nn.Module, next_inputs: list[torch.Tensor]) -> None:
         pass
 
 
@@ -147,9 +151,10 @@ def calibrate_sequentially(
     `finish_layer(block name, target names)` replace that layer's targets (a mixture-of-experts
     layer's targets include experts that no calibration token was routed to, which `observe`
     never heard of), then run the changed layer to make the next layer's inputs. `blocks` loads
-    each block before its turn and releases it after (compress/offload.py reads them from a
-    checkpoint larger than memory). Returns the peak memory of the walk in bytes (resident set
-    on a CPU, torch's allocations on a GPU)."""
+    each block before its turn and releases it after, with the next block's inputs
+    (compress/offload.py reads them from a checkpoint larger than memory and can keep them for
+    a resumed run, whose `resume_point` is the first unfinished block and its inputs). Returns
+    the peak memory of the walk in bytes (resident set on a CPU, torch's allocations on a GPU)."""
     prefix, layers = decoder_blocks(model)
     outside = [name for name in targets if not name.startswith(prefix + ".")]
     if outside:
@@ -162,24 +167,33 @@ def calibrate_sequentially(
     with peak_memory(first.device) as peak:
         with forward():
             inputs = capture_layer_inputs(model, samples, chunk_size)
-        hidden = inputs.hidden
+        start, saved = blocks.resume_point()
+        hidden = inputs.hidden if saved is None else [chunk.to(first.device) for chunk in saved]
         last = max((block_index(name, prefix) for name in targets), default=-1)
-        for index, layer in enumerate(tqdm(layers[: last + 1], desc=desc, unit="layer")):  # no block after the last target's needs to run
-            blocks.load(f"{prefix}.{index}", layer)
-            names = [name for name in targets if name.startswith(f"{prefix}.{index}.")]
-            if names:
-                handles = [_observer(model.get_submodule(name), name, observe) for name in names]
-                try:
+        with tqdm(total=last + 1, initial=start, desc=desc, unit="layer") as progress:
+            for index in range(start, last + 1):  # no block after the last target's needs to run
+                name, layer = f"{prefix}.{index}", layers[index]
+                blocks.load(name, layer)
+                names = [target for target in targets if target.startswith(name + ".")]
+                if names:
                     with forward():
-                        run_layer(layer, inputs.of_layer(index, hidden))
-                finally:
-                    for handle in handles:
-                        handle.remove()
-                finish_layer(f"{prefix}.{index}", names)
-            with forward():
-                hidden = run_layer(layer, inputs.of_layer(index, hidden))
-            blocks.release(f"{prefix}.{index}", layer)
+                        observe_layer(model, layer, names, inputs.of_layer(index, hidden), observe)
+                    finish_layer(name, names)
+                with forward():
+                    hidden = run_layer(layer, inputs.of_layer(index, hidden))
+                blocks.release(name, layer, hidden)
+                progress.update()
     return peak.bytes
+
+
+def observe_layer(model: nn.Module, layer: nn.Module, names: list[str], captured: Captured, observe: Callable[[str, torch.Tensor], None]) -> None:
+    """Run the layer on its inputs with each target Linear's inputs shown to `observe`."""
+    handles = [_observer(model.get_submodule(name), name, observe) for name in names]
+    try:
+        run_layer(layer, captured)
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def _observer(module: nn.Module, name: str, observe: Callable[[str, torch.Tensor], None]):

@@ -5,7 +5,9 @@ block (the input embedding, rotary frequencies) is read in full; each block is r
 checkpoint's safetensors when its turn comes, calibrated in the checkpoint's dtype (bf16 for
 most; Hessian products in float32, summed in float64), quantized, handed to `on_block` and
 released. Memory holds the embedding, one block, its input statistics and the calibration
-activations: an 8B model's blocks calibrate within a few GB (bench/scale.py).
+activations: an 8B model's blocks calibrate within a few GB (bench/scale.py). With a progress
+directory, each finished block and the next block's inputs are kept on disk, so a killed run
+goes on where it stopped (compress/block_progress.py).
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ import torch
 from torch import nn
 
 from slimlm.architecture import decoder_blocks
+from slimlm.artifact import quantized_module_record
 from slimlm.checkpoint import Checkpoint, open_checkpoint
+from slimlm.compress.block_progress import BlockFacts, BlockProgress, calibration_fingerprint
 from slimlm.compress.calibration import calibrate_sequentially
 from slimlm.compress.quantize import CalibratedQuantizer, QuantizeParams, check_shapes, describe_bits, layer_error
 from slimlm.compress.rtn import QuantizedWeight
@@ -30,17 +34,27 @@ from slimlm.qlinear import QuantLinear, QuantScheme, set_submodule
 @dataclass
 class CheckpointBlocks:
     """Loads each decoder block from the checkpoint before its turn and, once it is quantized,
-    hands it to `on_block` and frees it; times each block. What ran before the blocks (the
-    input embedding, 1 GB in an 8B model) is freed when the first block loads: the blocks'
+    hands it to `on_block`, keeps its facts (`describe`) and, with `progress`, its tensors and
+    the next block's inputs on disk, then frees it; times each block. What ran before the blocks
+    (the input embedding, 1 GB in an 8B model) is freed when the first block loads: the blocks'
     inputs are captured by then."""
 
     checkpoint: Checkpoint
     device: torch.device
     dtype: Optional[torch.dtype]
     on_block: Callable[[str, nn.Module], None]
+    describe: Callable[[str, nn.Module, float], BlockFacts]
+    progress: Optional[BlockProgress]
     before_blocks: list[nn.Module] = field(default_factory=list)
-    seconds: dict[str, float] = field(default_factory=dict)
+    facts: list[BlockFacts] = field(default_factory=list)
     _started: float = 0.0
+
+    def resume_point(self) -> tuple[int, Optional[list[torch.Tensor]]]:
+        if self.progress is None:
+            return 0, None
+        start, inputs = self.progress.resume_point()
+        self.facts = self.progress.finished(start)
+        return start, inputs
 
     def load(self, name: str, block: nn.Module) -> None:
         self._started = time.perf_counter()
@@ -48,19 +62,50 @@ class CheckpointBlocks:
             self.checkpoint.release(self.before_blocks.pop())
         self.checkpoint.materialize(block, f"{name}.", self.device, self.dtype)
 
-    def release(self, name: str, block: nn.Module) -> None:
+    def release(self, name: str, block: nn.Module, next_inputs: list[torch.Tensor]) -> None:
         self.on_block(name, block)
+        facts = self.describe(name, block, round(time.perf_counter() - self._started, 3))
+        if self.progress is not None:
+            tensors = {f"{name}.{key}": value.detach().cpu().contiguous() for key, value in block.state_dict().items()}
+            self.progress.save(len(self.facts), tensors, facts, next_inputs)
+        self.facts.append(facts)
         self.checkpoint.release(block)
-        self.seconds[name] = round(time.perf_counter() - self._started, 3)
 
 
 @dataclass
 class OffloadedCalibration:
-    block_seconds: dict[str, float]  # load, calibrate, quantize and hand over, per block
-    peak_memory_bytes: int
-    quantized_layers: int
-    report: dict
-    weight_rel_error: dict[str, float]  # ||W - Q(W)|| / ||W|| of each quantized layer, as reports plot it
+    blocks: list[BlockFacts]  # resumed ones included
+    peak_memory_bytes: int  # of this process's walk
+
+    @property
+    def block_seconds(self) -> dict[str, float]:
+        """Load, calibrate, quantize and hand over, per block."""
+        return {facts.name: facts.seconds for facts in self.blocks}
+
+    @property
+    def quantized_layers(self) -> int:
+        return sum(len(facts.records) for facts in self.blocks)
+
+    @property
+    def records(self) -> dict[str, dict]:
+        """The manifest records of the quantized layers."""
+        return {name: record for facts in self.blocks for name, record in facts.records.items()}
+
+    @property
+    def weight_rel_error(self) -> dict[str, float]:
+        """||W - Q(W)|| / ||W|| of each quantized layer, as reports plot it."""
+        return {name: error for facts in self.blocks for name, error in facts.weight_rel_error.items()}
+
+    def report(self) -> dict:
+        """What the report states about the layers, as CalibratedQuantizer.report does."""
+        result: dict = {}
+        unseen = [name for facts in self.blocks for name in facts.uncalibrated]
+        if unseen:
+            result["uncalibrated_layers"] = unseen
+        awq = {name: errors for facts in self.blocks for name, errors in facts.awq_output_error.items()}
+        if awq:
+            result["awq_output_error"] = awq
+        return result
 
 
 def quantize_checkpoint(
@@ -70,11 +115,14 @@ def quantize_checkpoint(
     on_block: Callable[[str, nn.Module], None],
     device: torch.device = torch.device("cpu"),
     dtype: Optional[torch.dtype] = None,
+    progress: Optional[Path] = None,
 ) -> OffloadedCalibration:
     """GPTQ or AWQ (params.method) of the decoder Linear layers of the checkpoint at `directory`
     that match params.targets and not params.ignore, calibrated on `samples` (token ids
     [n, seq_len]); `on_block(name, block)` receives each block with its QuantLinear layers in
-    place, before it is freed. dtype None: the checkpoint's own."""
+    place, before it is freed. dtype None: the checkpoint's own. `progress`: a directory that
+    keeps the finished blocks (compress/block_progress.py); a run that finds blocks there
+    from an earlier, killed run with the same inputs goes on from the first unfinished one."""
     checkpoint, model = open_checkpoint(directory, dtype)
     prefix, _ = decoder_blocks(model)
     before_blocks = materialize_outside_blocks(checkpoint, model, prefix, device, skip=model.get_output_embeddings())
@@ -91,9 +139,23 @@ def quantize_checkpoint(
         set_submodule(model, name, layer)
 
     quantizer = CalibratedQuantizer(model, params, schemes, replace)
-    blocks = CheckpointBlocks(checkpoint, device, dtype, on_block, before_blocks)
+
+    def describe(name: str, block: nn.Module, seconds: float) -> BlockFacts:
+        inside = f"{name}."
+        records = {inside + key: quantized_module_record(inside + key, layer, layer.scheme.to_dict(), {}) for key, layer in block.named_modules() if isinstance(layer, QuantLinear)}
+        return BlockFacts(
+            name=name,
+            seconds=seconds,
+            records=records,
+            weight_rel_error={layer: errors[layer] for layer in records},
+            uncalibrated=[layer for layer in quantizer.unseen if layer.startswith(inside)],
+            awq_output_error={key: value for key, value in quantizer.awq_errors.items() if key.startswith(inside)},
+        )
+
+    store = BlockProgress(progress, calibration_fingerprint(checkpoint, params, samples, dtype)) if progress is not None else None
+    blocks = CheckpointBlocks(checkpoint, device, dtype, on_block, describe, store, before_blocks)
     peak = calibrate_sequentially(model, samples, names, quantizer.hessians.observe, quantizer, desc=f"{params.method} {describe_bits(schemes)} (offloaded)", blocks=blocks)
-    return OffloadedCalibration(block_seconds=blocks.seconds, peak_memory_bytes=peak, quantized_layers=len(names), report=quantizer.report(), weight_rel_error=errors)
+    return OffloadedCalibration(blocks.facts, peak)
 
 
 def modules_outside_blocks(model: nn.Module, prefix: str) -> list[tuple[str, nn.Module]]:

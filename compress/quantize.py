@@ -206,7 +206,7 @@ def run_calibrated_from_disk(state: RunState, params: QuantizeParams) -> None:
     made = calibrate_into_artifact(directory, path, params, samples, state.provenance(), state.recipe(), DTYPES[state.cfg.model.dtype], state.device)
     state.lies_in(made.path, f"calibrated block by block into {STREAMED_ARTIFACT}/")
     section = section_header(params, made.calibration.quantized_layers)
-    section.update(calibration_facts(samples, params, made.calibration.peak_memory_bytes, made.calibration.report))
+    section.update(calibration_facts(samples, params, made.calibration.peak_memory_bytes, made.calibration.report()))
     section.update(streamed=f"{STREAMED_ARTIFACT}/", seconds=round(time.perf_counter() - started, 2), weight_rel_error=made.calibration.weight_rel_error)
     state.sections.setdefault("quantization", []).append(section)
 

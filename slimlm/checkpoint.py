@@ -65,6 +65,9 @@ class Checkpoint:
         """The stored tensors' names (tied ones, which are not stored, excluded)."""
         return list(self._file)
 
+    def weight_files(self) -> list[Path]:
+        return sorted(set(self._file.values()))
+
     def shape(self, name: str) -> tuple[int, ...]:
         return self._shape[self._stored(name)]
 
