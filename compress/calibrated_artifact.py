@@ -2,18 +2,18 @@
 
 compress/offload.py calibrates the checkpoint one decoder block at a time. As each block is
 done, its tensors (quantized layers, and norms AWQ has scaled) go into a small safetensors file
-in a progress directory beside the artifact (`<artifact>-blocks`, compress/block_progress.py; an
-8B model's w4 block is about 120 MB) with the next block's inputs, and the block is released: a
-killed run, rerun, goes on from the first unfinished block. After the last block, the
-artifact's shards are written a tensor at a time, as compress/stream_rtn.py writes them: the
-blocks' tensors read back from the progress files, every other tensor from the checkpoint.
-Memory holds one block at a time; disk holds the quantized layers twice until the artifact is
-complete and the progress directory is removed.
+in a progress directory (compress/block_progress.py; an 8B model's w4 block is about 120 MB)
+with the next block's inputs, and the block is released: a killed run, rerun, goes on from the
+first unfinished block. After the last block, the artifact's shards are written a tensor at a
+time, as compress/stream_rtn.py writes them: the blocks' tensors read back from the progress
+files, every other tensor from the checkpoint. Memory holds one block at a time; disk holds the
+quantized layers twice while the progress directory is kept (a recipe run removes it when the
+run completes, so a run killed after this stage still writes the artifact again without
+calibrating).
 """
 
 from __future__ import annotations
 
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -33,11 +33,6 @@ from slimlm.rundir import staged_directory
 from slimlm.shards import DEFAULT_SHARD_BYTES, TensorSpec, write_weights
 
 
-def progress_directory(out_dir: Path) -> Path:
-    """Where the finished blocks of a calibration into `out_dir` wait for the artifact."""
-    return Path(out_dir).with_name(f"{Path(out_dir).name}-blocks")
-
-
 @dataclass(frozen=True)
 class CalibratedArtifact:
     path: Path
@@ -55,6 +50,7 @@ def targets_outside_blocks(directory: Path, params: QuantizeParams) -> list[str]
 def calibrate_into_artifact(
     checkpoint_dir: Path,
     out_dir: Path,
+    progress: Path,
     params: QuantizeParams,
     samples: torch.Tensor,
     source: dict,
@@ -66,20 +62,20 @@ def calibrate_into_artifact(
     """GPTQ or AWQ (params.method, one scheme for every layer) of the decoder layers of the
     checkpoint at `checkpoint_dir` that `params` targets, calibrated on `samples` (token ids
     [n, seq_len]), written as an artifact to `out_dir` (atomically; an existing one is refused).
-    `dtype`: the model's dtype (None: the checkpoint's own)."""
+    The finished blocks wait in `progress` (compress/block_progress.py), which is kept: the
+    caller removes it once nothing may need the artifact written again. `dtype`: the model's
+    dtype (None: the checkpoint's own)."""
     checkpoint, skeleton = open_checkpoint(checkpoint_dir, dtype)
     names = select_linear_modules(skeleton, params.targets, params.ignore)
     check_shapes(skeleton, names, params.scheme)
     install_meta_layers(skeleton, names, params.scheme, checkpoint_dir)
     specs = artifact_specs(skeleton, checkpoint, dtype)  # before calibrating: a checkpoint that lacks a tensor is refused now
     tokenizer, generation_config = checkpoint_tokenizer(checkpoint_dir), generation_config_of(checkpoint_dir)
-    progress = progress_directory(out_dir)
     with staged_directory(out_dir, "artifacts") as staging:
         calibration = quantize_checkpoint(checkpoint_dir, params, samples, lambda name, block: None, device, dtype, progress)
         write_weights(staging, specs, CalibratedOrCheckpoint(finished_tensor_files(progress), checkpoint), max_shard_bytes, WEIGHTS_METADATA)
         save_model_files(staging, skeleton.config, generation_config, tokenizer)
         write_manifest(staging, skeleton, specs, ManifestFacts(source, recipe, None, calibration.records, {}))
-    shutil.rmtree(progress)
     return CalibratedArtifact(Path(out_dir), calibration)
 
 

@@ -185,7 +185,7 @@ def run_streamed(state: RunState, params: QuantizeParams) -> None:
     stages that follow (or loaded by the first that needs it in memory)."""
     started = time.perf_counter()
     directory = checkpoint_directory(state.source, state.source_sha256)
-    path = state.run_dir / STREAMED_ARTIFACT
+    path = state.output_path(STREAMED_ARTIFACT)
     streamed = stream_rtn(directory, path, params.scheme, params.targets, params.ignore, source=state.provenance(), recipe=state.recipe(), dtype=DTYPES[state.cfg.model.dtype])
     state.lies_in(streamed.path, f"streamed into {STREAMED_ARTIFACT}/")
     section = section_header(params, len(streamed.weight_rel_error))
@@ -202,8 +202,10 @@ def run_calibrated_from_disk(state: RunState, params: QuantizeParams) -> None:
     started = time.perf_counter()
     directory = checkpoint_directory(state.source, state.source_sha256)
     samples = calibration_samples(calibration_token_ids(state, checkpoint_tokenizer(directory)), params.samples, params.seq_len, params.seed)
-    path = state.run_dir / STREAMED_ARTIFACT
-    made = calibrate_into_artifact(directory, path, params, samples, state.provenance(), state.recipe(), DTYPES[state.cfg.model.dtype], state.device)
+    path = state.output_path(STREAMED_ARTIFACT)
+    progress = state.run_dir / f"{STREAMED_ARTIFACT}-blocks"
+    state.scratch.append(progress)  # a rerun of this run, killed later, rewrites the artifact from it
+    made = calibrate_into_artifact(directory, path, progress, params, samples, state.provenance(), state.recipe(), DTYPES[state.cfg.model.dtype], state.device)
     state.lies_in(made.path, f"calibrated block by block into {STREAMED_ARTIFACT}/")
     section = section_header(params, made.calibration.quantized_layers)
     section.update(calibration_facts(samples, params, made.calibration.peak_memory_bytes, made.calibration.report()))

@@ -98,15 +98,16 @@ def pick_device(setting: str) -> torch.device:
     return torch.device(setting)
 
 
-def execute(cfg: DictConfig, plan: Plan, run_dir: Path) -> str:
+def execute(cfg: DictConfig, plan: Plan, run_dir: Path, resumes: bool) -> str:
     """Run the stages (each loads the model when it first needs it), write the report;
-    returns the Markdown report."""
+    returns the Markdown report. `resumes`: the run directory held an unfinished run, whose
+    outputs the stages replace."""
     if cfg.hardware.threads:
         torch.set_num_threads(cfg.hardware.threads)
     torch.manual_seed(cfg.seed)
     device = pick_device(cfg.hardware.device)
     source = plan.source
-    state = RunState(cfg=cfg, run_dir=run_dir, model=None, tokenizer=None, source=source, source_sha256=source_sha256(source), device=device)
+    state = RunState(cfg=cfg, run_dir=run_dir, model=None, tokenizer=None, source=source, source_sha256=source_sha256(source), device=device, resumes=resumes)
     timings = []
     for planned in plan.stages:
         log.info("%s: starting", planned.title)
@@ -128,7 +129,10 @@ def execute(cfg: DictConfig, plan: Plan, run_dir: Path) -> str:
     }
     from slimlm.eval.report import write_report  # here, not at the top: its matplotlib adds half a second to every command's start
 
-    return write_report(run_dir, header, state.evaluations, state.sections)
+    markdown = write_report(run_dir, header, state.evaluations, state.sections)
+    for path in state.scratch:
+        shutil.rmtree(path, ignore_errors=True)
+    return markdown
 
 
 @hydra.main(config_path=f"pkg://{CONFIG_MODULE}", config_name="config", version_base="1.3")
@@ -136,12 +140,12 @@ def run_recipe(cfg: DictConfig) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         plan = validate(cfg)
-        claim_run_dir(run_dir)
+        resumes = claim_run_dir(run_dir)
     except SlimlmError as error:
         discard_fresh_run_dir(run_dir)
         exit_with(error)
     try:
-        markdown = execute(cfg, plan, run_dir)
+        markdown = execute(cfg, plan, run_dir, resumes)
     except SlimlmError as error:
         write_status(run_dir, "failed", str(error))
         exit_with(error)

@@ -63,7 +63,7 @@ def run(state: RunState, params: ExportParams) -> None:
         export_file(state, params)
         return
     results = {"evaluations": state.evaluations}
-    path = save_artifact(state.model, state.tokenizer, state.run_dir / params.name, state.schemes, state.provenance(), state.recipe(), results)
+    path = save_artifact(state.model, state.tokenizer, state.output_path(params.name), state.schemes, state.provenance(), state.recipe(), results)
     record_artifact(state, path)
     if params.reload:
         artifact = load_artifact(path, state.device)
@@ -81,7 +81,7 @@ def record_artifact(state: RunState, path: Path) -> None:
 def export_file(state: RunState, params: ExportParams) -> None:
     """GGUF, HF or compressed-tensors export; with reload, the run continues on the exported model as transformers
     reads it: what a user of that format gets, measured with the same metrics."""
-    path = state.run_dir / params.name
+    path = state.output_path(params.name)
     if params.format == "gguf":
         source_gguf = state.source.path if state.source.kind == "gguf" else None
         summary = export_gguf(state.model, state.tokenizer, path, params.gguf_type, source_gguf, params.requantize, params.gguf_head_type)
@@ -105,7 +105,7 @@ def run_from_disk(state: RunState, params: ExportParams) -> None:
     """The slimlm export as the artifact's files linked (or copied) under the export's name; the
     hf export dequantized from it one module at a time. With reload, the run goes on from the
     export's files (read by the next stage that needs the model)."""
-    path = state.run_dir / params.name
+    path = state.output_path(params.name)
     if params.format == "slimlm":
         copy_artifact(state.on_disk, path, {"evaluations": state.evaluations})
         record_artifact(state, path)

@@ -15,6 +15,8 @@ export, generate recipe never holds the full-precision model in memory.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +29,8 @@ from omegaconf.errors import OmegaConfBaseException
 from slimlm.artifact import is_artifact, parse_manifest, scheme_of
 from slimlm.errors import ConfigError
 from slimlm.memory import return_freed_memory
+
+log = logging.getLogger("slimlm")
 
 
 @dataclass
@@ -47,6 +51,21 @@ class RunState:
     # While model is None: the files the current model lies in (an artifact or a checkpoint a
     # stage wrote), or None for the run's source model.
     on_disk: Optional[Path] = None
+    resumes: bool = False  # the run directory held an unfinished run (killed or failed) that this run redoes
+    scratch: list[Path] = field(default_factory=list)  # kept for a resumed run to go on from; removed when the run completes
+
+    def output_path(self, name: str) -> Path:
+        """Where a stage writes its output `name` in the run directory. In a run that resumes an
+        unfinished one, what that run left under the name is removed first: the stage writes
+        it again (outputs are otherwise never overwritten)."""
+        path = self.run_dir / name
+        if self.resumes and (path.exists() or path.is_symlink()):
+            log.warning("replacing '%s', written by the unfinished run this run resumes", path)
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+        return path
 
     def is_original(self) -> bool:
         """True while the model is the source model as loaded (nothing compressed or swapped)."""

@@ -79,17 +79,22 @@ def directory_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in Path(path).iterdir() if f.is_file())
 
 
-def claim_run_dir(run_dir: Path) -> None:
+def claim_run_dir(run_dir: Path) -> bool:
     """Mark `run_dir` as this process's running run. Refused while another live process's run
     is "running" there (two runs would mix their outputs); an earlier run whose process is gone
-    was killed before it could say so, which is logged, and this run takes the directory over."""
+    was killed before it could say so, which is logged, and this run takes the directory over.
+    Returns True when the directory held an unfinished run (killed, or failed): this run
+    resumes it, replacing its outputs and going on from what it kept to resume from."""
     previous = read_status(run_dir)
     pid = previous.get("pid")
+    unfinished = previous.get("status") == "failed"
     if previous.get("status") == "running" and type(pid) is int and pid > 0 and pid != os.getpid():
         if process_alive(pid):
             raise SlimlmError(f"'{run_dir}' is in use by a run still going (process {pid}); wait for it to end, or give this run another hydra.run.dir")
         logging.getLogger("slimlm").warning("'%s' held a run that was killed before it could end (process %s, started %s); this run replaces it", run_dir, pid, previous.get("time_utc"))
+        unfinished = True
     write_status(run_dir, "running")
+    return unfinished
 
 
 def read_status(run_dir: Path) -> dict[str, Any]:

@@ -231,6 +231,31 @@ def test_a_run_directory_held_by_a_live_run_is_refused_and_one_left_by_a_killed_
     assert json.loads((run / "status.json").read_text())["status"] == "complete"
 
 
+def test_a_failed_run_rerun_in_its_directory_replaces_its_outputs_and_reuses_its_calibrated_blocks(tiny_model_dir, tmp_path):
+    """GPTQ from disk, then an export that fails (a file stands where the artifact goes): the
+    rerun replaces what the failed run wrote, writes the quantized artifact again from the kept
+    blocks without calibrating, and ends with the artifact an uninterrupted run writes."""
+    import torch
+
+    stages = "{stage:quantize,method:gptq,bits:4,group_size:16,samples:4,seq_len:32},{stage:export},{stage:evaluate,label:w4}"
+    args = [*tiny_run_args(tiny_model_dir), f"recipe.stages=[{stages}]"]
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "artifact").write_text("in the way")
+    failed = slimlm(*args, "hydra.run.dir=run", cwd=tmp_path, check=False)
+    assert failed.returncode == 2 and "run/artifact' already exists" in failed.stderr.strip().splitlines()[-1]
+    assert json.loads((run / "status.json").read_text())["status"] == "failed"
+    assert (run / "quantized" / "manifest.json").is_file() and (run / "quantized-blocks" / "block-1.json").is_file()
+
+    rerun = slimlm(*args, "hydra.run.dir=run", cwd=tmp_path)
+    said = rerun.stdout + rerun.stderr
+    assert "run/quantized', written by the unfinished run" in said and "run/artifact', written by the unfinished run" in said and "going on from block 2" in said
+    assert json.loads((run / "status.json").read_text())["status"] == "complete" and not (run / "quantized-blocks").exists()
+    slimlm(*args, "hydra.run.dir=clean", cwd=tmp_path)
+    resumed, clean = (load_artifact(tmp_path / name / "artifact").model.state_dict() for name in ("run", "clean"))
+    assert resumed.keys() == clean.keys() and all(torch.equal(resumed[key], clean[key]) for key in resumed)
+
+
 def test_gptq_recipe_on_a_tiny_model(tiny_model_dir, tmp_path):
     slimlm("recipe=w4-gptq", *tiny_run_args(tiny_model_dir), "recipe.stages.1.group_size=32", "+recipe.stages.1.samples=8", "+recipe.stages.1.seq_len=64", cwd=tmp_path)
     (run,) = (tmp_path / "runs" / "w4-gptq").iterdir()
