@@ -21,6 +21,9 @@ from slimlm.half_linear import float32_linears
 from slimlm.memory import peak_memory
 
 Captured = list[tuple[torch.Tensor, dict[str, Any]]]  # per chunk: one layer's hidden states and its other arguments
+# Tokens a calibration pass runs at once (8 windows of 256; fewer windows when they are longer):
+# the pass's temporaries sit beside the block's Hessians, an 8B down projection's alone 1.6 GB.
+CHUNK_TOKENS = 2048
 
 
 @dataclass
@@ -143,7 +146,7 @@ def calibrate_sequentially(
     targets: list[str],
     observe: Callable[[str, torch.Tensor], None],
     finish_layer: Callable[[str, list[str]], None],
-    chunk_size: int = 8,
+    chunk_tokens: int = CHUNK_TOKENS,
     desc: str = "calibrate",
     blocks: Any = ResidentBlocks(),
 ) -> int:
@@ -164,6 +167,7 @@ def calibrate_sequentially(
     def forward():  # the passes only: the mode would slow the many small operations of GPTQ and AWQ
         return float32_linears(first.dtype, first.device)
 
+    chunk_size = max(1, min(8, chunk_tokens // samples.shape[1]))
     with peak_memory(first.device) as peak:
         with forward():
             inputs = capture_layer_inputs(model, samples, chunk_size)

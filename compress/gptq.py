@@ -44,7 +44,7 @@ class HessianAccumulator:
     """Running H = 2/n sum x x^T over every input row a Linear layer sees, and the mean |x| of
     each input feature (AWQ's activation statistic)."""
 
-    BAND = 2048  # rows of H computed per product
+    BAND = 512  # rows of H computed per product: its float32 and float64 copies stay under 90 MB for 14336 inputs
 
     def __init__(self, in_features: int, device: torch.device = torch.device("cpu")):
         # on the inputs' device: a GPU calibration keeps its statistics next to the block

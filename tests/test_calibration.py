@@ -29,7 +29,7 @@ def sequential(model, samples, names):
         for name in layer_names:
             replace_with_gptq(model, name, hessians.pop(name).hessian)
 
-    return calibrate_sequentially(model, samples, names, observe, finish, chunk_size=4)
+    return calibrate_sequentially(model, samples, names, observe, finish, chunk_tokens=4 * samples.shape[1])
 
 
 @torch.no_grad()
