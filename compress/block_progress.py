@@ -14,18 +14,16 @@ import dataclasses
 import hashlib
 import json
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from slimlm.checkpoint import Checkpoint
 from slimlm.errors import SlimlmError
-from slimlm.rundir import write_atomic
+from slimlm.rundir import save_tensors_atomic, write_atomic
 
 log = logging.getLogger("slimlm")
 
@@ -104,19 +102,13 @@ class BlockProgress:
 
     def save(self, index: int, tensors: dict[str, torch.Tensor], facts: BlockFacts, next_inputs: list[torch.Tensor]) -> None:
         """Block `index` is done: its tensors and facts, then the next block's inputs."""
-        self._save_tensors(self.directory / f"block-{index}.safetensors", tensors, {})
+        save_tensors_atomic(self.directory / f"block-{index}.safetensors", tensors)
         write_atomic(self._facts_path(index), json.dumps(dataclasses.asdict(facts)) + "\n")
         chunks = {f"chunk.{i}": hidden.detach().cpu().contiguous() for i, hidden in enumerate(next_inputs)}
-        self._save_tensors(self.directory / INPUTS, chunks, {"next_block": str(index + 1)})
+        save_tensors_atomic(self.directory / INPUTS, chunks, {"next_block": str(index + 1)})
 
     def _facts_path(self, index: int) -> Path:
         return self.directory / f"block-{index}.json"
-
-    @staticmethod
-    def _save_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-        temporary = path.with_name(f".{path.name}.partial")
-        save_file(tensors, temporary, metadata=metadata)
-        os.replace(temporary, path)
 
 
 def finished_tensor_files(directory: Path) -> dict[str, Path]:

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -25,6 +23,7 @@ from tqdm import tqdm
 from slimlm.distill.losses import bucketed
 from slimlm.errors import SlimlmError
 from slimlm.resources import cache_dir
+from slimlm.rundir import save_tensors_atomic
 
 
 @dataclass
@@ -84,7 +83,7 @@ def cache_path(teacher_key: str, windows: torch.Tensor, top_k: int, temperature:
 def offline_teacher(teacher: nn.Module, teacher_key: str, train: torch.Tensor, used: torch.Tensor, top_k: int, temperature: float, batch_size: int) -> tuple[OfflineTeacher, Path, bool]:
     """The cached signal for the windows `used`, computing and storing it if absent.
     Returns the teacher signal, the cache file and whether it was already there."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     windows = train[used]
     path = cache_path(teacher_key, windows, top_k, temperature)
@@ -102,13 +101,5 @@ def offline_teacher(teacher: nn.Module, teacher_key: str, train: torch.Tensor, u
         log_probs.append(bucketed(logp, top).cpu())
         indices.append(top.to(torch.int32).cpu())
     tensors = {"log_probs": torch.cat(log_probs), "indices": torch.cat(indices)}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, temp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
-    os.close(fd)
-    try:
-        save_file(tensors, temp)
-        os.replace(temp, path)  # written whole or not at all
-    finally:
-        if os.path.exists(temp):
-            os.unlink(temp)
+    save_tensors_atomic(path, tensors)
     return OfflineTeacher(tensors["log_probs"], tensors["indices"], used), path, False

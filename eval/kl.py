@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -25,6 +23,7 @@ from typing import Optional
 import torch
 
 from slimlm.resources import cache_dir
+from slimlm.rundir import save_tensors_atomic
 
 REST_FLOOR = 1e-6  # a rest of P below this is float32 rounding, not probability mass
 
@@ -43,18 +42,8 @@ class ReferenceLogits:
         return ReferenceLogits(self.log_probs[start:end], self.indices[start:end], self.nll, self.window, self.windows)
 
     def save(self, path: Path) -> None:
-        from safetensors.torch import save_file
-
-        path.parent.mkdir(parents=True, exist_ok=True)
         metadata = {"nll": repr(self.nll), "window": str(self.window), "windows": str(self.windows)}
-        fd, temp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
-        os.close(fd)
-        try:
-            save_file({"log_probs": self.log_probs.contiguous(), "indices": self.indices.contiguous()}, temp, metadata=metadata)
-            os.replace(temp, path)
-        finally:
-            if os.path.exists(temp):
-                os.remove(temp)
+        save_tensors_atomic(path, {"log_probs": self.log_probs.contiguous(), "indices": self.indices.contiguous()}, metadata)
 
     @classmethod
     def load(cls, path: Path) -> "ReferenceLogits":

@@ -35,6 +35,21 @@ def write_atomic(path: Path, text: str) -> None:
     os.replace(temp, path)
 
 
+def save_tensors_atomic(path: Path, tensors: dict, metadata: Optional[dict[str, str]] = None) -> None:
+    """A safetensors file written via a temporary file and a rename: whole or not at all."""
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, temp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
+    os.close(fd)
+    try:
+        save_file(tensors, temp, metadata=metadata)
+        os.replace(temp, path)
+    finally:
+        if os.path.exists(temp):
+            os.unlink(temp)
+
+
 @contextmanager
 def staged_directory(path: Path, what: str = "exports") -> Iterator[Path]:
     """A hidden staging directory beside `path`, renamed to `path` when the block succeeds and
