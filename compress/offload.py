@@ -3,7 +3,7 @@
 The model is a skeleton on the meta device (slimlm/checkpoint.py). What runs before the first
 block (the input embedding, rotary frequencies) is read in full; each block is read from the
 checkpoint's safetensors when its turn comes, calibrated in the checkpoint's dtype (bf16 for
-most; Hessian products in float32, summed in float64), quantized, handed to `on_block` and
+most; Hessians in float32), quantized, handed to `on_block` and
 released. Memory holds the embedding, one block, its input statistics and the calibration
 activations: an 8B model's blocks calibrate within a few GB (bench/scale.py). With a progress
 directory, each finished block and the next block's inputs are kept on disk, so a killed run

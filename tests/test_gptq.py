@@ -31,7 +31,7 @@ def hessian_of(x):
 def test_running_hessian_equals_the_closed_form(band, monkeypatch):
     monkeypatch.setattr(HessianAccumulator, "BAND", band)
     x = correlated_inputs(rows=1000)
-    torch.testing.assert_close(hessian_of(x), 2.0 / 1000 * (x.double().T @ x.double()), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(hessian_of(x), (2.0 / 1000 * (x.double().T @ x.double())).float(), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("scheme", [QuantScheme(bits=4, group_size=16), QuantScheme(bits=3, group_size=32, symmetric=False), QuantScheme(bits=4)], ids=str)
@@ -82,7 +82,7 @@ def test_square_sums_are_the_hessian_diagonal_without_the_hessian():
     sums = SquareSums(x.shape[1])
     for chunk in x.split(300):
         sums.add(chunk)
-    torch.testing.assert_close(sums.sums, hessian_of(x).diagonal() * len(x) / 2, rtol=1e-5, atol=0)
+    torch.testing.assert_close(sums.sums, hessian_of(x).diagonal().double() * len(x) / 2, rtol=1e-5, atol=0)
 
 
 @pytest.mark.parametrize("square_sums", [False, True])
@@ -101,7 +101,7 @@ def test_layers_reading_the_same_inputs_share_their_statistics(square_sums):
 
 
 def test_a_hessian_that_stays_singular_is_a_clear_error_after_warnings(caplog):
-    hessian = torch.ones(16, 16, dtype=torch.float64)  # rank one: X had one direction only
+    hessian = torch.ones(16, 16)  # rank one: X had one direction only
     hessian[0, 1] = hessian[1, 0] = 4.0  # and not even positive semi-definite
     with pytest.raises(SlimlmError, match="layer.x: the Hessian stayed singular"):
         gptq_quantize(torch.randn(4, 16), hessian, QuantScheme(bits=4, group_size=8), GPTQOptions(damp=1e-6), name="layer.x")
