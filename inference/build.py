@@ -2,7 +2,7 @@
 conversion, or a slimlm artifact whose layers are QuantLinear.
 
 The source model's tensors are moved into decoder layers one module at a time, each in the
-kernel its scheme allows (inference.linear); q/k/v and gate/up are fused.
+kernel its scheme allows (inference.linear); q/k/v and gate/up are fused (phi3 stores them so).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from torch import nn
 
 from slimlm.errors import SlimlmError
 from slimlm.inference.linear import GPU_INT4_KERNELS, DequantLinear, DenseLinear, build_linear, fuse
-from slimlm.inference.model import Attention, Block, FeedForward, ModelArgs, Transformer
+from slimlm.inference.model import Attention, Block, FeedForward, ModelArgs, RMSNorm, Transformer
 from slimlm.inference.streaming import HostBlock, HostEmbedding, LayerStreamer, Placement, streamed_layers, to_host
 from slimlm.qlinear import QuantEmbedding, QuantLinear, QuantTable
 
@@ -73,7 +73,14 @@ class DecoderParts:
         return build_linear(layer, self.dtype, self.device, self.kernels, self.int8_activations, self.gpu_int4, semi_sparse=not streamed)
 
     def norm_weight(self, norm: nn.Module) -> torch.Tensor:
-        return norm.weight.detach().to(device=self.device, dtype=self.dtype)
+        """The scale an RMSNorm multiplies by: its weight, plus 1 for Gemma's `(1 + w)` norms."""
+        return (norm.weight.detach().float() + self.args.family.norm_offset).to(device=self.device, dtype=self.dtype)
+
+    def head_norm(self, norm: nn.Module) -> RMSNorm:
+        """A q or k head norm (Qwen3, Gemma 3) over head_dim channels."""
+        head = RMSNorm(self.args.head_dim, self.args.norm_eps)
+        head.weight.data = self.norm_weight(norm)
+        return head
 
     def block(self, index: int, layer: nn.Module) -> Block:
         """Decoder block `index` from its HF layer; a streamed one's weights go to host memory."""
@@ -86,11 +93,13 @@ class DecoderParts:
     def _block(self, layer: nn.Module, streamed: bool) -> Block:
         attn, mlp = layer.self_attn, layer.mlp
         linear = partial(self.linear, streamed=streamed)
-        attention = Attention(self.args, linear(fuse([attn.q_proj, attn.k_proj, attn.v_proj])), linear(attn.o_proj))
-        feed_forward = FeedForward(linear(fuse([mlp.gate_proj, mlp.up_proj])), linear(mlp.down_proj))
-        block = Block(self.args, attention, feed_forward)
-        block.attention_norm.weight.data = self.norm_weight(layer.input_layernorm)
-        block.ffn_norm.weight.data = self.norm_weight(layer.post_attention_layernorm)
+        qkv = attn.qkv_proj if hasattr(attn, "qkv_proj") else fuse([attn.q_proj, attn.k_proj, attn.v_proj])  # phi3 stores them fused
+        gate_up = mlp.gate_up_proj if hasattr(mlp, "gate_up_proj") else fuse([mlp.gate_proj, mlp.up_proj])
+        head_norms = (self.head_norm(attn.q_norm), self.head_norm(attn.k_norm)) if self.args.family.qk_norm else ()
+        attention = Attention(self.args, linear(qkv), linear(attn.o_proj), *head_norms)
+        block = Block(self.args, attention, FeedForward(linear(gate_up), linear(mlp.down_proj), self.args.activation))
+        for ours, theirs in self.args.family.norms.items():
+            getattr(block, ours).weight.data = self.norm_weight(getattr(layer, theirs))
         return block
 
     def assemble(self, blocks: list[Block]) -> Transformer:

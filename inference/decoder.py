@@ -113,7 +113,7 @@ class Decoder:
         self.prefill_chunk = prefill_chunk
         self.cache_dtype = cache_dtype
         self.reuse_prefixes = reuse_prefixes
-        self.device = model.inv_freq.device
+        self.device = model.device
         self.last_stats: Optional[GenerationStats] = None
         self.step = model  # the decode step; compile_decode_step swaps in a compiled one
         self.lock = threading.Lock()  # one generation at a time owns the cache

@@ -1,9 +1,9 @@
-"""The bundled decoder's model: a Llama-family transformer in plain PyTorch, top to bottom.
+"""The bundled decoder's model: a decoder-only transformer in plain PyTorch, top to bottom.
 
-One module covers llama, mistral and qwen2 (what differs is read from the HF config: grouped
-query heads, bias on q/k/v for qwen2, sliding windows for mistral and qwen2, llama3 RoPE scaling). Its
-linear layers are whatever `inference.linear` built for each weight's scheme; this file only
-decides the order of operations.
+One module covers the families in inference/families.py (llama, mistral, qwen2, qwen3, gemma3
+text, phi3): what differs between them (norms, q/k norms, activation, scales, each layer's
+window and RoPE table) is read from the HF config once. Its linear layers are whatever
+`inference.linear` built for each weight's scheme; this file only decides the order of operations.
 
 Decoding state lives in a static cache allocated once by `setup_cache`: keys and values for
 `batch` sequences of at most `max_seq` slots; attention reads each row up to its current slot
@@ -12,12 +12,12 @@ only. An int8 cache stores each head's key or value vector as int8 codes with on
 over an fp32 or int8 cache in slimlm's own kernel (the codes read as stored); other steps
 dequantize what they read.
 Sequences of different lengths decoded together are left-padded: row b's tokens start at slot
-`pad[b]`, its RoPE positions count from there, and its queries never see the slots before it. For continuous batching (`forward_segments`) every sequence owns a row and advances on its own.
+`pad[b]`, its RoPE positions count from there, and its queries never see the slots before it.
+For continuous batching (`forward_segments`) every sequence owns a row and advances on its own.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
@@ -27,14 +27,15 @@ from torch import nn
 
 from slimlm.errors import SlimlmError
 from slimlm.inference import cpu_kernels
+from slimlm.inference.families import FAMILIES, Family, LayerKind, Rope, activation_of, attention_scale, embedding_scale, family_of, hf_config, layer_kinds
 
-ARCHITECTURES = ("llama", "mistral", "qwen2")
-ROPE_TYPES = ("default", "linear", "llama3")
+ARCHITECTURES = tuple(FAMILIES)
 
 
 @dataclass(frozen=True)
 class ModelArgs:
     architecture: str
+    family: Family
     vocab_size: int
     dim: int
     intermediate_size: int
@@ -43,85 +44,46 @@ class ModelArgs:
     n_kv_heads: int
     head_dim: int
     norm_eps: float
-    rope_theta: float
-    rope_scaling: Optional[dict]
     max_position_embeddings: int
     tie_embeddings: bool
     qkv_bias: bool
-    sliding_window: Optional[int]
+    activation: str
+    attention_scale: float
+    embed_scale: Optional[float]
+    final_softcap: Optional[float]
+    kinds: tuple[LayerKind, ...]  # the kinds of attention layer (window, RoPE table)
+    layer_kind: tuple[int, ...]  # each layer's kind: an index into `kinds`
 
     @classmethod
     def from_hf_config(cls, config: Any) -> "ModelArgs":
-        """Read a transformers config (object or dict); refuse architectures the decoder does not run."""
+        """Read a transformers config (object or dict); refuse families the decoder does not run."""
         c = config if isinstance(config, dict) else config.to_dict()
-        architecture = c.get("model_type")
-        if architecture not in ARCHITECTURES:
-            raise SlimlmError(f"the decoder runs {', '.join(ARCHITECTURES)} models; this one is '{architecture}'")
-        rope = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ROPE_TYPES:
-            raise SlimlmError(f"the decoder does not implement RoPE type '{rope_type}' (it does {', '.join(ROPE_TYPES)})")
-        if c.get("hidden_act", "silu") != "silu":
-            raise SlimlmError(f"the decoder's MLP is SwiGLU (silu); this model uses '{c.get('hidden_act')}'")
+        family = family_of(c)
+        hf = hf_config(config)
         heads = c["num_attention_heads"]
+        head_dim = c.get("head_dim") or c["hidden_size"] // heads
+        kinds, layer_kind = layer_kinds(hf, head_dim)
         return cls(
-            architecture=architecture,
+            architecture=c["model_type"],
+            family=family,
             vocab_size=c["vocab_size"],
             dim=c["hidden_size"],
             intermediate_size=c["intermediate_size"],
             n_layers=c["num_hidden_layers"],
             n_heads=heads,
             n_kv_heads=c.get("num_key_value_heads") or heads,
-            head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+            head_dim=head_dim,
             norm_eps=c.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
-            rope_scaling=None if rope_type == "default" else {**rope, "rope_type": rope_type},
             max_position_embeddings=c.get("max_position_embeddings", 4096),
             tie_embeddings=bool(c.get("tie_word_embeddings", False)),
-            qkv_bias=architecture == "qwen2" or bool(c.get("attention_bias", False)),
-            sliding_window=sliding_window(c),
+            qkv_bias=family.qkv_bias or bool(c.get("attention_bias", False)),
+            activation=activation_of(hf, family),
+            attention_scale=attention_scale(hf, head_dim),
+            embed_scale=embedding_scale(hf, family),
+            final_softcap=c.get("final_logit_softcapping"),
+            kinds=kinds,
+            layer_kind=layer_kind,
         )
-
-
-def sliding_window(config: dict) -> Optional[int]:
-    """The attention window every layer uses, None for full attention. Mistral slides in every
-    layer; qwen2 only where `use_sliding_window` is set, and then only from layer
-    `max_window_layers` on (transformers writes the result as `layer_types`). A model mixing
-    both kinds of layer is refused: the decoder builds one mask for all layers."""
-    window, slides = config.get("sliding_window"), config.get("use_sliding_window")
-    if window is None or not (config.get("model_type") == "mistral" if slides is None else slides):
-        return None
-    kinds = config.get("layer_types")
-    if kinds is None and config.get("model_type") == "qwen2":
-        first = config.get("max_window_layers", 28)  # transformers' Qwen2Config default
-        kinds = ["full_attention" if layer < first else "sliding_attention" for layer in range(config["num_hidden_layers"])]
-    if kinds is None or set(kinds) == {"sliding_attention"}:
-        return window
-    if "sliding_attention" not in kinds:
-        return None
-    raise SlimlmError(
-        f"this model's layers mix full attention and a {window}-token sliding window ({kinds.count('sliding_attention')} of {len(kinds)} layers slide); the decoder runs one kind for all layers:"
-        f" run it with transformers, or set use_sliding_window to false in its config.json (the same answers while prompt and answer stay within {window} tokens)"
-    )
-
-
-def rope_inverse_frequencies(args: ModelArgs) -> torch.Tensor:
-    """Per-pair rotation frequencies, with linear or llama3 scaling when the config asks."""
-    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, args.head_dim, 2, dtype=torch.float64) / args.head_dim))
-    scaling = args.rope_scaling
-    if scaling is None:
-        return inv_freq.float()
-    if scaling["rope_type"] == "linear":
-        return (inv_freq / scaling["factor"]).float()
-    # llama3: long wavelengths slowed by `factor`, short ones kept, a smooth blend between.
-    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
-    original = scaling["original_max_position_embeddings"]
-    wavelength = 2 * math.pi / inv_freq
-    smooth = ((original / wavelength) - low) / (high - low)
-    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
-    scaled = torch.where(wavelength > original / low, inv_freq / factor, inv_freq)
-    medium = (wavelength <= original / low) & (wavelength >= original / high)
-    return torch.where(medium, blended, scaled).float()
 
 
 def to_cache(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -138,10 +100,11 @@ def from_cache(codes: torch.Tensor, scale: Optional[torch.Tensor], dtype: torch.
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE in the HF (half-split) layout: pairs are (i, i + head_dim/2)."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    """RoPE in the HF (half-split) layout over a head's first 2 * cos.shape[-1] channels: pairs
+    are (i, i + half); with partial rotary (Phi-4-mini) the channels after them pass unchanged."""
+    half = cos.shape[-1]
+    x1, x2, rest = x[..., :half], x[..., half : 2 * half], x[..., 2 * half :]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)
 
 
 class RMSNorm(nn.Module):
@@ -195,12 +158,15 @@ class Segments:
 
 
 class Attention(nn.Module):
-    """Grouped-query attention; q, k and v come from one fused projection."""
+    """Grouped-query attention; q, k and v come from one fused projection. `q_norm` and `k_norm`
+    (Qwen3, Gemma 3) norm each query and key head before RoPE."""
 
-    def __init__(self, args: ModelArgs, qkv: nn.Module, o_proj: nn.Module):
+    def __init__(self, args: ModelArgs, qkv: nn.Module, o_proj: nn.Module, q_norm: Optional[nn.Module] = None, k_norm: Optional[nn.Module] = None):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.scale = args.attention_scale
         self.qkv, self.o_proj = qkv, o_proj
+        self.q_norm, self.k_norm = q_norm, k_norm
         for name in CACHE_NAMES:  # scales: int8 caches only
             self.register_buffer(name, None, persistent=False)
         self.attention_dtype = torch.float32  # what cached keys and values are read as
@@ -213,7 +179,10 @@ class Attention(nn.Module):
         batch, length, _ = x.shape
         heads, kv_heads = self.n_heads, self.n_kv_heads
         qkv = self.qkv(x).view(batch, length, heads + 2 * kv_heads, self.head_dim)
-        qk = rotate(qkv[:, :, : heads + kv_heads], cos, sin)  # q and k heads rotated in one go
+        qk = qkv[:, :, : heads + kv_heads]
+        if self.q_norm is not None:
+            qk = torch.cat((self.q_norm(qk[:, :, :heads]), self.k_norm(qk[:, :, heads:])), dim=2)
+        qk = rotate(qk, cos, sin)  # q and k heads rotated in one go
         q, k = qk[:, :, :heads].transpose(1, 2), qk[:, :, heads:].transpose(1, 2)
         v = qkv[:, :, heads + kv_heads :].transpose(1, 2)
         out = self.attend_segments(q, k, v, slots) if isinstance(slots, Segments) else self.attend(q, k, v, slots, mask, end, first_row)
@@ -239,15 +208,15 @@ class Attention(nn.Module):
             queries = q.transpose(1, 2).reshape(batch * length, heads, 1, self.head_dim)
             masks = mask.expand(batch, 1, length, end).reshape(batch * length, 1, 1, end)
             readers = torch.arange(batch, device=q.device).repeat_interleave(length)
-            out = cpu_kernels.ops().decode_attention(queries, k_codes, k_scale, v_codes, v_scale, masks, self.head_dim**-0.5, readers)
+            out = cpu_kernels.ops().decode_attention(queries, k_codes, k_scale, v_codes, v_scale, masks, self.scale, readers)
             return out.view(batch, length, heads, self.head_dim).transpose(1, 2)
         if kernel:  # the cache read as it is stored (inference/kernels/)
-            return cpu_kernels.ops().decode_attention(q, k_codes, k_scale, v_codes, v_scale, mask, self.head_dim**-0.5, None if isinstance(rows, int) else rows)
+            return cpu_kernels.ops().decode_attention(q, k_codes, k_scale, v_codes, v_scale, mask, self.scale, None if isinstance(rows, int) else rows)
         keys, values = from_cache(k_codes, k_scale, self.attention_dtype), from_cache(v_codes, v_scale, self.attention_dtype)
         q = q.to(keys.dtype)  # fp32 on CPU (bf16 matmuls are slow there), the activations' dtype on GPUs
         if length == 1:
             return self.attend_one(q, keys, values, mask)
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=heads != kv_heads)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=heads != kv_heads)
 
     def attend_segments(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: "Segments") -> torch.Tensor:
         """Attention of a packed pass [1, heads, tokens, head_dim]: the single queries (packed
@@ -293,7 +262,7 @@ class Attention(nn.Module):
             scores = (grouped[:, :, :, None] * keys[:, :, None]).sum(-1)
         else:
             scores = torch.matmul(grouped, keys.transpose(-1, -2))
-        scores = scores * self.head_dim**-0.5  # [batch, kv_heads, group, keys]
+        scores = scores * self.scale  # [batch, kv_heads, group, keys]
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))
         weights = scores.softmax(-1)
@@ -301,29 +270,64 @@ class Attention(nn.Module):
         return out.reshape(batch, self.n_heads, 1, self.head_dim)
 
 
-class FeedForward(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused into one projection."""
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
 
-    def __init__(self, gate_up: nn.Module, down: nn.Module):
+
+ACTIVATION_FUNCTIONS = {"silu": F.silu, "gelu_pytorch_tanh": gelu_tanh}
+
+
+class FeedForward(nn.Module):
+    """Gated MLP: down(act(gate(x)) * up(x)), gate and up fused into one projection; act is SiLU
+    (SwiGLU) or GELU-tanh (Gemma's GeGLU)."""
+
+    def __init__(self, gate_up: nn.Module, down: nn.Module, activation: str = "silu"):
         super().__init__()
         self.gate_up, self.down = gate_up, down
+        self.activation = ACTIVATION_FUNCTIONS[activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
+        return self.down(self.activation(gate) * up)
 
 
 class Block(nn.Module):
+    """Norm, attention, residual add; norm, MLP, residual add. Families with Gemma's sandwich
+    norms also norm the attention's and the MLP's outputs (`after_attention`, `after_ffn`);
+    for the others those are identities."""
+
     def __init__(self, args: ModelArgs, attention: Attention, feed_forward: FeedForward):
         super().__init__()
+        sandwich = "after_attention" in args.family.norms
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.attention = attention
+        self.after_attention = RMSNorm(args.dim, args.norm_eps) if sandwich else nn.Identity()
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = feed_forward
+        self.after_ffn = RMSNorm(args.dim, args.norm_eps) if sandwich else nn.Identity()
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: Union[torch.Tensor, "Segments"], mask: Optional[torch.Tensor] = None, end: int = 0, first_row: int = 0) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin, slots, mask, end, first_row)
-        return h + self.feed_forward(self.ffn_norm(h))
+        h = x + self.after_attention(self.attention(self.attention_norm(x), cos, sin, slots, mask, end, first_row))
+        return h + self.after_ffn(self.feed_forward(self.ffn_norm(h)))
+
+
+class Rotary(nn.Module):
+    """One kind of layer's RoPE: cos and sin [batch or 1, length, 1, rotary_dim/2] for positions
+    [batch or 1, length], in the activations' dtype."""
+
+    def __init__(self, rope: Rope, dtype: torch.dtype):
+        super().__init__()
+        self.rope, self.dtype = rope, dtype
+        self.register_buffer("inv_freq", rope.frequencies(0), persistent=False)
+
+    def fit(self, context: int) -> None:
+        """The frequencies for a cache of `context` slots (longrope's long ones past its original context)."""
+        self.inv_freq.copy_(self.rope.frequencies(context))
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        angles = positions[..., None, None].float() * self.inv_freq
+        scaling = self.rope.attention_scaling
+        return (angles.cos() * scaling).to(self.dtype), (angles.sin() * scaling).to(self.dtype)
 
 
 class Transformer(nn.Module):
@@ -337,7 +341,9 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(blocks)
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = output
-        self.register_buffer("inv_freq", rope_inverse_frequencies(args), persistent=False)
+        self.rotaries = nn.ModuleList(Rotary(kind.rope, dtype) for kind in args.kinds)  # one per kind of layer
+        # Gemma scales embeddings by sqrt(hidden_size) rounded to the model's dtype, as transformers does
+        self.embed_scale = None if args.embed_scale is None else float(torch.tensor(args.embed_scale, dtype=dtype))
         self.max_batch = self.max_seq = 0
         self.held: dict[int, RowRecord] = {}  # cache row -> what it holds (Decoder.remember)
         self.streamer = None  # a LayerStreamer when some blocks live in host memory (inference/streaming.py)
@@ -351,7 +357,7 @@ class Transformer(nn.Module):
         it holds them (a conversation's next turn needs a longer cache, not a new prefill)."""
         if max_seq > self.args.max_position_embeddings:
             raise SlimlmError(f"a context of {max_seq} tokens is longer than the model's {self.args.max_position_embeddings}; ask for fewer new tokens or a shorter prompt")
-        device = self.inv_freq.device
+        device = self.device
         float_dtype = self.dtype if device.type == "cuda" else torch.float32
         cache_dtype = cache_dtype or float_dtype
         shape = (batch, self.args.n_kv_heads, max_seq, self.args.head_dim)
@@ -379,6 +385,8 @@ class Transformer(nn.Module):
             raise
         self.max_batch, self.max_seq = batch, max_seq
         self.held = kept
+        for rotary in self.rotaries:
+            rotary.fit(max_seq)
 
     def drop_cache(self) -> None:
         """No cache at all (freed): the next generation allocates a whole new one."""
@@ -405,7 +413,7 @@ class Transformer(nn.Module):
 
     def weight_bytes(self) -> int:
         """Bytes of every stored weight (parameters and buffers, the cache and RoPE table aside)."""
-        skip = {id(self.inv_freq)} | {id(t) for t in self.cache_tensors()}
+        skip = {id(t) for t in self.rotaries.buffers()} | {id(t) for t in self.cache_tensors()}
         seen = {id(t): t for t in (*self.parameters(), *self.buffers()) if id(t) not in skip}
         return sum(t.nbytes for t in seen.values())
 
@@ -416,7 +424,7 @@ class Transformer(nn.Module):
         tensors = [self.embedding.host_table] if table is None else [*table.parameters(), *table.buffers()]
         table_bytes = 0 if table is None or table is self.output else sum(t.nbytes for t in tensors)
         row = self.args.dim * tensors[0].element_size()
-        kv = self.cache_bytes() * context // (self.max_seq * self.max_batch) if self.max_seq else 2 * self.args.n_layers * self.args.n_kv_heads * self.args.head_dim * context * self.inv_freq.element_size()
+        kv = self.cache_bytes() * context // (self.max_seq * self.max_batch) if self.max_seq else 2 * self.args.n_layers * self.args.n_kv_heads * self.args.head_dim * context * 4  # an fp32 cache
         return self.weight_bytes() - table_bytes + row + kv
 
     def forward(self, tokens: torch.Tensor, start: int, pad: Optional[torch.Tensor] = None, last_only: bool = False, first_row: int = 0) -> torch.Tensor:
@@ -429,10 +437,11 @@ class Transformer(nn.Module):
         self.check_cache(first_row + batch, start + length)
         end = start + length
         slots = torch.arange(start, end, device=tokens.device)
-        # A plain decode step needs no mask; with a sliding window it always takes one, so the
-        # compiled step (whose slot is symbolic) has no branch at the window's edge to compile again for.
-        sees_all = length == 1 and pad is None and self.args.sliding_window is None
-        return self.run_layers(tokens, slots, pad, None if sees_all else self.attention_mask(slots, pad, end), end, first_row, last_only)
+        # A plain decode step of a global layer needs no mask; a sliding-window layer always takes
+        # one, so the compiled step (whose slot is symbolic) has no branch at the window's edge.
+        plain = length == 1 and pad is None
+        masks = [None if plain and kind.window is None else self.attention_mask(slots, pad, end, kind.window) for kind in self.args.kinds]
+        return self.run_layers(tokens, slots, pad, masks, end, first_row, last_only)
 
     def step_static(self, tokens: torch.Tensor, slot: torch.Tensor, pad: Optional[torch.Tensor] = None) -> torch.Tensor:
         """A decode step whose shapes never change, what a CUDA graph replays at every position:
@@ -440,24 +449,35 @@ class Transformer(nn.Module):
         attention reads the whole cache with the slots after `slot` masked. Logits [batch, 1, vocab]."""
         self.check_cache(tokens.shape[0], 1)  # the slot is a tensor: the graph's caller keeps it in the cache
         slots = slot.reshape(1)
-        return self.run_layers(tokens, slots, pad, self.attention_mask(slots, pad, self.max_seq), self.max_seq, 0, False)
+        masks = [self.attention_mask(slots, pad, self.max_seq, kind.window) for kind in self.args.kinds]
+        return self.run_layers(tokens, slots, pad, masks, self.max_seq, 0, False)
 
     def check_cache(self, rows: int, slots: int) -> None:
         """Refuse a step whose rows or slots the cache does not have (none when none was allocated)."""
         if slots > self.max_seq or rows > self.max_batch:
             raise SlimlmError(f"the cache holds {self.max_batch} sequences of {self.max_seq} slots; this step needs {rows} of {slots}")
 
-    def run_layers(self, tokens: torch.Tensor, slots: torch.Tensor, pad: Optional[torch.Tensor], mask: Optional[torch.Tensor], end: int, first_row: int, last_only: bool) -> torch.Tensor:
+    def run_layers(self, tokens: torch.Tensor, slots: torch.Tensor, pad: Optional[torch.Tensor], masks: list[Optional[torch.Tensor]], end: int, first_row: int, last_only: bool) -> torch.Tensor:
         """Embedding, blocks and head for `tokens` written at cache `slots`; attention reads
-        slots up to `end` under `mask`."""
+        slots up to `end` under each layer kind's mask in `masks`."""
         positions = slots[None, :] if pad is None else (slots[None, :] - pad[:, None]).clamp(min=0)  # [batch or 1, length]
-        cos, sin = self.rotary(positions)
-        x = self.embedding(tokens).to(self.dtype)
-        for block in self.layers:
-            x = block(x, cos, sin, slots, mask, end, first_row)
+        tables = [rotary(positions) for rotary in self.rotaries]
+        x = self.embed(tokens)
+        for block, kind in zip(self.layers, self.args.layer_kind):
+            x = block(x, *tables[kind], slots, masks[kind], end, first_row)
         if last_only:
             x = x[:, -1:]
-        return self.output(self.norm(x))
+        return self.head(x)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embedding(tokens).to(self.dtype)
+        return x if self.embed_scale is None else x * self.embed_scale
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits of the final hidden states, soft-capped (cap * tanh(logits / cap)) where the model's config asks."""
+        logits = self.output(self.norm(x))
+        cap = self.args.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def forward_segments(self, segments: list[Segment], logits_of: list[int]) -> list[torch.Tensor]:
         """One pass over several sequences' tokens at once, each segment written to its own row at
@@ -480,45 +500,48 @@ class Transformer(nn.Module):
         longest_single = SHORT_RUN if self.layers[0].attention.decode_kernel else 1
         order = sorted(range(len(segments)), key=lambda i: len(segments[i].tokens) > longest_single)  # the single queries first
         packed = [segments[i] for i in order]
-        device = self.inv_freq.device
-        short = [s for s in packed if len(s.tokens) <= longest_single]
-        single_rows = [s.row for s in short for _ in s.tokens]
-        single_slots = torch.tensor([s.start + j for s in short for j in range(len(s.tokens))], device=device)
-        single_end = max((s.start + len(s.tokens) for s in short), default=0)
-        offsets, runs, offset = [], [], len(single_rows)
-        for segment in packed[len(short) :]:
-            slots = torch.arange(segment.start, segment.start + len(segment.tokens), device=device)
-            end = segment.start + len(segment.tokens)
-            offsets.append(offset)
-            runs.append((segment.row, slots, self.attention_mask(slots, None, end), end))
-            offset += len(segment.tokens)
-        single_mask = self.attention_mask(single_slots, None, single_end).transpose(0, 2)  # [singles, 1, 1, end]: each its own row's query
-        where = Segments(len(single_rows), torch.tensor(single_rows, device=device), single_slots, single_mask, single_end, offsets, runs)
-        positions = torch.cat([single_slots, *(slots for _, slots, _, _ in runs)])
-        cos, sin = self.rotary(positions[None, :])
+        short = sum(len(s.tokens) <= longest_single for s in packed)
+        where = [self.packed_layout(packed, short, kind.window) for kind in self.args.kinds]
+        positions = torch.cat([where[0].single_slots, *(slots for _, slots, _, _ in where[0].runs)])
+        tables = [rotary(positions[None, :]) for rotary in self.rotaries]
         wanted, end = [], 0  # the positions whose logits are asked for
         for i in order:
             end += len(segments[i].tokens)
             wanted.extend(range(end - logits_of[i], end))
-        wanted_at = torch.tensor(wanted, device=device)  # before the layers: a copy to a GPU after them would wait for them all
-        x = self.embedding(torch.tensor([[t for s in packed for t in s.tokens]], device=device)).to(self.dtype)
-        for block in self.layers:
-            x = block(x, cos, sin, where)
-        logits = self.output(self.norm(x[0, wanted_at])).split([logits_of[i] for i in order])
+        wanted_at = torch.tensor(wanted, device=self.device)  # before the layers: a copy to a GPU after them would wait for them all
+        x = self.embed(torch.tensor([[t for s in packed for t in s.tokens]], device=self.device))
+        for block, kind in zip(self.layers, self.args.layer_kind):
+            x = block(x, *tables[kind], where[kind])
+        logits = self.head(x[0, wanted_at]).split([logits_of[i] for i in order])
         by_segment: list[torch.Tensor] = [torch.empty(0)] * len(segments)
         for i, part in zip(order, logits):
             by_segment[i] = part
         return by_segment
 
-    def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """RoPE's cos and sin [batch or 1, length, 1, head_dim/2] for `positions` [batch or 1, length]."""
-        angles = positions[..., None, None].float() * self.inv_freq
-        return angles.cos().to(self.dtype), angles.sin().to(self.dtype)
+    def packed_layout(self, packed: list[Segment], short: int, window: Optional[int]) -> Segments:
+        """Where a packed pass's tokens go, and what each sees in layers of `window`: the first
+        `short` segments' tokens as single queries, each later segment as a run of its row."""
+        device = self.device
+        single_rows = [s.row for s in packed[:short] for _ in s.tokens]
+        single_slots = torch.tensor([s.start + j for s in packed[:short] for j in range(len(s.tokens))], device=device)
+        single_end = max((s.start + len(s.tokens) for s in packed[:short]), default=0)
+        offsets, runs, offset = [], [], len(single_rows)
+        for segment in packed[short:]:
+            slots = torch.arange(segment.start, segment.start + len(segment.tokens), device=device)
+            end = segment.start + len(segment.tokens)
+            offsets.append(offset)
+            runs.append((segment.row, slots, self.attention_mask(slots, None, end, window), end))
+            offset += len(segment.tokens)
+        single_mask = self.attention_mask(single_slots, None, single_end, window).transpose(0, 2)  # [singles, 1, 1, end]: each its own row's query
+        return Segments(len(single_rows), torch.tensor(single_rows, device=device), single_slots, single_mask, single_end, offsets, runs)
 
-    def attention_mask(self, slots: torch.Tensor, pad: Optional[torch.Tensor], end: int) -> torch.Tensor:
+    @property
+    def device(self) -> torch.device:
+        return self.rotaries[0].inv_freq.device
+
+    def attention_mask(self, slots: torch.Tensor, pad: Optional[torch.Tensor], end: int, window: Optional[int]) -> torch.Tensor:
         """[batch or 1, 1, length, end] booleans: a query sees its own row's slots up to itself
         (after the row's padding, within the sliding window)."""
-        window = self.args.sliding_window
         keys = torch.arange(end, device=slots.device)
         visible = (keys[None, :] <= slots[:, None])[None]
         if pad is not None:

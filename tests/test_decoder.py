@@ -257,17 +257,20 @@ def test_incremental_text_pieces_join_to_the_decoded_text_decoding_a_bounded_win
 
 
 def test_bad_input_is_refused(tiny_model, tiny_tokenizer):
-    with pytest.raises(SlimlmError, match="'gpt2'"):
+    with pytest.raises(SlimlmError, match="'gpt2'.*export=hf or export=compressed-tensors"):
         ModelArgs.from_hf_config({"model_type": "gpt2"})
     qwen2 = {"model_type": "qwen2", "vocab_size": 300, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4, "sliding_window": 16}
-    assert ModelArgs.from_hf_config(qwen2).sliding_window is None  # use_sliding_window is off by default
-    assert ModelArgs.from_hf_config({**qwen2, "use_sliding_window": True, "max_window_layers": 0}).sliding_window == 16
-    assert ModelArgs.from_hf_config({**qwen2, "use_sliding_window": True}).sliding_window is None  # transformers' default max_window_layers: 28
-    assert ModelArgs.from_hf_config({**qwen2, "use_sliding_window": True, "max_window_layers": 3}).sliding_window is None  # no layer at or past 3
-    with pytest.raises(SlimlmError, match="mix full attention and a 16-token sliding window \\(2 of 3 layers slide\\)"):
-        ModelArgs.from_hf_config({**qwen2, "use_sliding_window": True, "max_window_layers": 1})
-    with pytest.raises(SlimlmError, match="1 of 2 layers slide.*set use_sliding_window to false"):
-        ModelArgs.from_hf_config({**qwen2, "use_sliding_window": True, "layer_types": ["full_attention", "sliding_attention"]})
+
+    def windows(config):
+        args = ModelArgs.from_hf_config(config)
+        return [args.kinds[kind].window for kind in args.layer_kind]
+
+    assert windows(qwen2) == [None] * 3  # use_sliding_window is off by default
+    assert windows({**qwen2, "use_sliding_window": True, "max_window_layers": 0}) == [16] * 3
+    assert windows({**qwen2, "use_sliding_window": True}) == [None] * 3  # transformers' default max_window_layers: 28
+    assert windows({**qwen2, "use_sliding_window": True, "max_window_layers": 1}) == [None, 16, 16]
+    with pytest.raises(SlimlmError, match="RoPE type 'dynamic'"):
+        ModelArgs.from_hf_config({**qwen2, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}})
     decoder = Decoder(build_decoder(tiny_model), tiny_tokenizer)
     with pytest.raises(SlimlmError, match="exceeds the model's context of 512"):
         decoder.generate_ids([prompt_ids(500, 300)], SamplingParams(max_new_tokens=20))

@@ -151,23 +151,25 @@ def plan_cli(*args):
 
 
 @pytest.fixture(scope="module")
-def tiny_gemma3(tmp_path_factory):
-    """A family the decoder does not run, with sliding-window layers, saved in bf16 shards."""
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+def tiny_gemma2(tmp_path_factory):
+    """A family the decoder does not run (Gemma 2 soft-caps attention scores), with
+    sliding-window layers, saved in bf16 shards."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
 
     torch.manual_seed(0)
-    config = Gemma3TextConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096, sliding_window=128)
-    model = Gemma3ForCausalLM(config).to(torch.bfloat16)
-    directory = tmp_path_factory.mktemp("gemma3")
+    kinds = ["sliding_attention"] * 5 + ["full_attention"]
+    config = Gemma2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096, sliding_window=128, layer_types=kinds)
+    model = Gemma2ForCausalLM(config).to(torch.bfloat16)
+    directory = tmp_path_factory.mktemp("gemma2")
     model.save_pretrained(directory, max_shard_size="100KB")
     assert (directory / "model.safetensors.index.json").is_file()
     return directory, sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def test_a_family_the_decoder_does_not_run_is_planned_by_its_stored_tensors(tiny_gemma3):
+def test_a_family_the_decoder_does_not_run_is_planned_by_its_stored_tensors(tiny_gemma2):
     from slimlm.inference.stored_plan import checkpoint_model
 
-    directory, weight_bytes = tiny_gemma3
+    directory, weight_bytes = tiny_gemma2
     model = checkpoint_model(directory, json.loads((directory / "config.json").read_text()))
     assert model.weight_bytes == weight_bytes  # every shard's headers, the tied head once
     # 5 sliding layers keep 128 positions, the full one all 2048: 2 kv heads x (16 + 16) x fp16 each
@@ -194,8 +196,8 @@ def test_a_gguf_file_is_planned_from_its_header(tmp_path):
     "files, args, expected",
     [
         ({"config.json": '{"model_type": "mamba", "hidden_size": 64}', "model.safetensors": None}, [], "gives no attention shape (num_hidden_layers, num_attention_heads)"),
-        ({"config.json": '{"model_type": "gemma3_text", "num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 64}', "pytorch_model.bin": b"x"}, [], "holds no model.safetensors or model.safetensors.index.json"),
-        ({"config.json": '{"model_type": "gemma3_text"}', "model.safetensors": None}, ["--bits", "4"], "--bits plan the bundled decoder's layouts"),
+        ({"config.json": '{"model_type": "gemma2", "num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 64}', "pytorch_model.bin": b"x"}, [], "holds no model.safetensors or model.safetensors.index.json"),
+        ({"config.json": '{"model_type": "gemma2"}', "model.safetensors": None}, ["--bits", "4"], "--bits plan the bundled decoder's layouts"),
         ({"x.gguf": b"GGUF" + bytes(40)}, ["x.gguf"], "'x.gguf' is not a readable GGUF file"),
         ({"weights.bin": b"x"}, ["weights.bin"], "is neither a .gguf file nor a directory with a config.json"),
     ],
@@ -213,6 +215,6 @@ def test_what_cannot_be_planned_is_refused_in_one_line(files, args, expected, tm
     assert code == 2 and len(err.strip().splitlines()) == 1 and expected in err, err
 
 
-def test_a_model_too_large_as_stored_is_refused_with_the_numbers(tiny_gemma3):
-    code, _, err = plan_cli(str(tiny_gemma3[0]), "--hardware", "laptop-8gb", "--batch", "100000", "--context", "4096")
+def test_a_model_too_large_as_stored_is_refused_with_the_numbers(tiny_gemma2):
+    code, _, err = plan_cli(str(tiny_gemma2[0]), "--hardware", "laptop-8gb", "--batch", "100000", "--context", "4096")
     assert code == 2 and "does not fit laptop-8gb (8.0 GiB) as stored at 4096 tokens" in err and "KV cache (fp16)" in err
