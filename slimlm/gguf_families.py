@@ -131,13 +131,13 @@ def _rope_scaling(writer, config, family: Family, rotary: int) -> ExtraTensors:
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(float(parameters["factor"]))
     elif kind == "llama3":
-        return {"rope_freqs.weight": _llama3_divisors(inverse, parameters)}
+        return {"rope_freqs.weight": llama3_divisors(inverse, parameters)}
     elif kind == "longrope":
         return _longrope(writer, config, parameters, len(inverse))
     return {}
 
 
-def _llama3_divisors(inverse: np.ndarray, parameters: dict) -> np.ndarray:
+def llama3_divisors(inverse: np.ndarray, parameters: dict) -> np.ndarray:
     """Llama 3's scaling as llama.cpp applies it: each frequency divided by a factor (1 for short
     wavelengths, `factor` for long ones, smoothly between), the same frequencies transformers computes."""
     factor, low, high = parameters["factor"], parameters.get("low_freq_factor", 1.0), parameters.get("high_freq_factor", 4.0)

@@ -190,6 +190,21 @@ def checkpoint_sha256(directory: Path) -> Optional[str]:
     return digest.hexdigest()
 
 
+def gguf_config(gguf_path: Path) -> Any:
+    """transformers' config of a GGUF file with what its GGUF reader leaves out read back
+    (slimlm/gguf_config.py), and a padding id past the vocabulary dropped."""
+    from transformers import AutoConfig
+
+    from slimlm.gguf_config import config_corrections
+
+    config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    for key, value in config_corrections(gguf_path).items():
+        setattr(config, key, value)
+    if isinstance(config.pad_token_id, int) and config.pad_token_id >= config.vocab_size:
+        config.pad_token_id = None
+    return config
+
+
 def gguf_checkpoint(gguf_path: Path, sha256: str) -> Path:
     """The cached safetensors checkpoint for a GGUF file, converting it the first time."""
     target = cache_dir() / "models" / f"{gguf_path.stem}-{sha256[:16]}"
@@ -203,7 +218,8 @@ def gguf_checkpoint(gguf_path: Path, sha256: str) -> Path:
         kwargs = {"gguf_file": gguf_path.name}
         try:
             tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs)
-            model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=torch.float32, **kwargs)
+            config = gguf_config(gguf_path)
+            model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=torch.float32, config=config, **kwargs)
         except Exception as error:  # transformers' GGUF reader raises many kinds on a file it cannot take
             raise SlimlmError(f"GGUF file '{gguf_path.name}' cannot be converted ({first_line(error)}); re-download or re-export it") from None
         # The weights are now plain float tensors; the GGUF quantization record no longer applies.

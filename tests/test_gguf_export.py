@@ -5,6 +5,7 @@ import torch
 from slimlm.compress.quantize import QuantizeParams, run as quantize
 from slimlm.errors import SlimlmError
 from slimlm.gguf_export import _permute_rows, _rotary_heads, export_gguf
+from slimlm.inference.build import build_decoder
 from slimlm.pipeline import RunState
 from tests.conftest import build_tiny_llama
 
@@ -240,7 +241,7 @@ def test_each_family_is_written_with_llama_cpp_names_and_keys(name, tiny_tokeniz
 
 def test_family_specific_values(tiny_tokenizer, spm_tokenizers, tmp_path):
     """Gemma's norms as 1 + w; Phi-3's LongRoPE factors and keys; Llama 3's frequency divisors; qwen2's rows unpermuted."""
-    from slimlm.gguf_families import _llama3_divisors
+    from slimlm.gguf_families import llama3_divisors
 
     gemma, _, path = family_export("gemma3", tiny_tokenizer, spm_tokenizers, tmp_path)
     tensors = read_back(path)
@@ -259,7 +260,7 @@ def test_family_specific_values(tiny_tokenizer, spm_tokenizers, tmp_path):
     inverse = 1.0 / 10000.0 ** (np.arange(0, 16, 2) / 16)
     divisors = read_back(path)["rope_freqs.weight"].numpy()
     expected = inverse / llama.model.rotary_emb.inv_freq.double().numpy()  # what transformers computes for llama3
-    assert np.allclose(divisors, expected, rtol=1e-5) and np.allclose(_llama3_divisors(inverse, llama.config.rope_parameters), expected, rtol=1e-5)
+    assert np.allclose(divisors, expected, rtol=1e-5) and np.allclose(llama3_divisors(inverse, llama.config.rope_parameters), expected, rtol=1e-5)
     qwen, _, path = family_export("qwen2", tiny_tokenizer, spm_tokenizers, tmp_path)
     assert torch.equal(read_back(path)["blk.0.attn_q.weight"], qwen.model.layers[0].self_attn.q_proj.weight.detach())
 
@@ -338,3 +339,34 @@ def test_a_head_equal_to_the_embedding_is_written_once(tiny_tokenizer, tmp_path)
         model.lm_head.weight.mul_(2)
     export_gguf(model, tiny_tokenizer, tmp_path / "untied.gguf", "F32")
     assert "output.weight" in {t.name for t in gguf.GGUFReader(tmp_path / "untied.gguf").tensors}
+
+
+# ---- slimlm reads each family's GGUF back (transformers' GGUF reader plus slimlm/gguf_config.py) ----
+
+
+@pytest.mark.parametrize("name", sorted(FAMILY_CASES))
+def test_each_familys_gguf_converts_back_to_the_model_it_holds(name, tiny_tokenizer, spm_tokenizers, tmp_path):
+    """What transformers' GGUF reader leaves out (qwen3's head width, Gemma 3's attention scale,
+    Phi-3's LongRoPE, Llama 3's rope_freqs) is read back: the converted model and the decoder
+    built from it give the exported model's logits."""
+    from transformers import AutoModelForCausalLM
+
+    from slimlm.models import gguf_config
+
+    model, _, path = family_export(name, tiny_tokenizer, spm_tokenizers, tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32, config=gguf_config(path))
+    decoder = build_decoder(loaded)
+    decoder.setup_cache(1, 24)
+    ids = torch.randint(4, model.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = model(ids).logits
+        torch.testing.assert_close(loaded(ids).logits, expected, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(decoder(ids, 0), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_rope_freqs_that_are_not_llama3_scaling_are_refused():
+    from slimlm.gguf_config import llama3_parameters
+
+    inverse = 1.0 / 10000.0 ** (np.arange(0, 64, 2) / 64)
+    with pytest.raises(SlimlmError, match="not Llama 3's RoPE scaling"):
+        llama3_parameters(inverse, np.linspace(1.0, 8.0, 32))  # a ramp over every frequency, not 1 ... blend ... factor
