@@ -190,6 +190,11 @@ def checkpoint_sha256(directory: Path) -> Optional[str]:
     return digest.hexdigest()
 
 
+# Part of a conversion's cache name: raised when conversion changes, so no earlier, different
+# conversion is reused (2: slimlm/gguf_config.py's corrections).
+GGUF_CONVERSION = "c2"
+
+
 def gguf_config(gguf_path: Path) -> Any:
     """transformers' config of a GGUF file with what its GGUF reader leaves out read back
     (slimlm/gguf_config.py), and a padding id past the vocabulary dropped."""
@@ -207,7 +212,7 @@ def gguf_config(gguf_path: Path) -> Any:
 
 def gguf_checkpoint(gguf_path: Path, sha256: str) -> Path:
     """The cached safetensors checkpoint for a GGUF file, converting it the first time."""
-    target = cache_dir() / "models" / f"{gguf_path.stem}-{sha256[:16]}"
+    target = cache_dir() / "models" / f"{gguf_path.stem}-{sha256[:16]}-{GGUF_CONVERSION}"
     if (target / "slimlm_source.json").is_file():
         return target
     from transformers import AutoModelForCausalLM, AutoTokenizer
