@@ -33,6 +33,7 @@ class Family:
     qkv_bias: bool = False
     scaled_embedding: bool = False  # embeddings times sqrt(hidden_size), in the table's dtype
     activation_key: str = "hidden_act"  # the config's name for the MLP's activation
+    stored_fused: bool = False  # checkpoints hold qkv_proj and gate_up_proj (phi3), not the separate projections
 
 
 FAMILIES: dict[str, Family] = {
@@ -41,7 +42,7 @@ FAMILIES: dict[str, Family] = {
     "qwen2": Family(qkv_bias=True),
     "qwen3": Family(qk_norm=True),
     "gemma3_text": Family(norms=GEMMA_NORMS, norm_offset=1.0, qk_norm=True, scaled_embedding=True, activation_key="hidden_activation"),
-    "phi3": Family(),  # fused qkv_proj and gate_up_proj, read as stored (inference/build.py)
+    "phi3": Family(stored_fused=True),  # qkv_proj and gate_up_proj read as stored (inference/build.py)
 }
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")

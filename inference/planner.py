@@ -154,7 +154,23 @@ class Plan:
         return 1 / seconds
 
 
-FUSED = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",), ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",))
+SEPARATE = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",), ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",))
+STORED_FUSED = (("self_attn.qkv_proj",), ("self_attn.o_proj",), ("mlp.gate_up_proj",), ("mlp.down_proj",))  # phi3's checkpoints
+
+
+def linear_groups(args: ModelArgs) -> tuple[tuple[str, ...], ...]:
+    """A decoder layer's Linear layers as the family's checkpoints name them, grouped as the
+    decoder fuses them into one matmul each."""
+    return STORED_FUSED if args.family.stored_fused else SEPARATE
+
+
+def linear_shapes(args: ModelArgs) -> dict[str, tuple[int, int]]:
+    """Each decoder-layer Linear's (out_features, in_features)."""
+    q, kv, inner = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim, args.intermediate_size
+    return {
+        "self_attn.q_proj": (q, args.dim), "self_attn.k_proj": (kv, args.dim), "self_attn.v_proj": (kv, args.dim), "self_attn.qkv_proj": (q + 2 * kv, args.dim),
+        "self_attn.o_proj": (args.dim, q), "mlp.gate_proj": (inner, args.dim), "mlp.up_proj": (inner, args.dim), "mlp.gate_up_proj": (2 * inner, args.dim), "mlp.down_proj": (args.dim, inner),
+    }
 TABLE = "model.embed_tokens"  # an untied input embedding quantized with its head (compress/quantize.py)
 
 
@@ -212,16 +228,17 @@ def budget(args: ModelArgs, schemes: dict[str, QuantScheme], hardware: Hardware,
     adapter_element = act_bytes if hardware.device == "cuda" else 4  # CPU adapters beside torch's kernels run in fp32 (inference/linear.py)
     per_slot = args.n_kv_heads * (args.head_dim + 4 if kv_int8 else args.head_dim * float_kv)  # bytes of one slot's keys
     q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
-    shapes = {"self_attn.q_proj": (q, args.dim), "self_attn.k_proj": (kv, args.dim), "self_attn.v_proj": (kv, args.dim), "self_attn.o_proj": (args.dim, q),
-              "mlp.gate_proj": (args.intermediate_size, args.dim), "mlp.up_proj": (args.intermediate_size, args.dim), "mlp.down_proj": (args.dim, args.intermediate_size)}
+    shapes, groups = linear_shapes(args), linear_groups(args)
+    norms = len(args.family.norms) * args.dim + (2 * args.head_dim if args.family.qk_norm else 0)
     layers = []
     for index in range(args.n_layers):
-        total = 2 * args.dim * act_bytes  # the two norms
-        for name, (out_features, in_features) in shapes.items():
+        total = norms * act_bytes
+        for name in (name for group in groups for name in group):
+            out_features, in_features = shapes[name]
             total += linear_bytes(out_features, in_features, schemes.get(f"model.layers.{index}.{name}"), act_bytes, matvec, int8_kernels)
-            if args.qkv_bias and name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
+            if args.qkv_bias and name.startswith("self_attn.") and name != "self_attn.o_proj":
                 total += out_features * act_bytes
-        for group in FUSED:
+        for group in groups:
             names = [f"model.layers.{index}.{name}" for name in group]
             ranks = [adapter_ranks.get(name, 0) for name in names]
             total += adapter_bytes([shapes[name] for name in group], [schemes.get(name) for name in names], ranks, adapter_element, int8_kernels)
@@ -339,7 +356,7 @@ def format_plan(plan: Plan, model_name: str) -> str:
 
 def uniform_schemes(args: ModelArgs, scheme: Optional[QuantScheme], head: Optional[QuantScheme]) -> dict[str, QuantScheme]:
     """Every decoder Linear in `scheme` (None: float) and the LM head in `head`."""
-    names = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+    names = [name for group in linear_groups(args) for name in group]
     schemes = {f"model.layers.{i}.{n}": scheme for i in range(args.n_layers) for n in names if scheme is not None}
     if head is not None:
         schemes["lm_head"] = head

@@ -50,6 +50,21 @@ def test_predicted_bytes_are_what_the_decoder_allocates(tiny_model, tiny_tokeniz
     assert predicted.weight_bytes == pytest.approx(decoder.weight_bytes(), rel=0.02)
 
 
+@pytest.mark.parametrize("family", ["qwen3", "gemma3_text", "phi3"])
+def test_each_familys_plan_is_what_the_decoder_allocates(family, tiny_tokenizer, tmp_path):
+    """Gemma's four norms and q/k norms, phi3's stored qkv_proj and gate_up_proj."""
+    from tests.tiny_families import build_tiny
+
+    model = build_tiny(family, len(tiny_tokenizer))
+    state = quantized(model, tiny_tokenizer, tmp_path, **SCHEMES["int4-g32-with-head"])
+    schemes = {name: QuantScheme(**scheme) for name, scheme in state.schemes.items()}
+    decoder = build_decoder(model, dtype=torch.bfloat16)
+    decoder.setup_cache(2, 96)
+    predicted = budget(ModelArgs.from_hf_config(model.config), schemes, HARDWARE["cpu"], context=96, batch=2)
+    assert predicted.kv_bytes == decoder.cache_bytes()
+    assert predicted.weight_bytes == pytest.approx(decoder.weight_bytes(), rel=0.02)
+
+
 def args_of(preset: str) -> ModelArgs:
     return ModelArgs.from_hf_config(preset_config(preset))
 
