@@ -50,11 +50,16 @@ def test_requests_joining_at_different_times_get_their_solo_output(context_model
     assert sorted(batcher.free_rows) == [0, 1, 2]  # every row came back
 
 
-@pytest.mark.parametrize("cache_dtype, window, kernel", [(None, None, True), (torch.int8, None, True), (None, 8, True), (None, None, False)], ids=["float-cache", "int8-cache", "sliding-window-8", "torch-attention"])
+@pytest.mark.parametrize(
+    "cache_dtype, window, kernel",
+    [(None, None, True), (torch.int8, None, True), (None, 8, True), (None, "gemma3", True), (None, None, False)],
+    ids=["float-cache", "int8-cache", "sliding-window-8", "gemma3-sliding-and-global-layers", "torch-attention"],
+)
 def test_a_packed_pass_matches_each_segment_run_on_its_own(context_model, tiny_tokenizer, monkeypatch, cache_dtype, window, kernel):
     """Decode steps, a prompt's chunk and a run of guesses in one packed pass (given out of
     order) give the logits and cache contents of the same work done as separate passes; with
-    a sliding window narrower than the rows (mistral), each query sees only its last 8 slots.
+    a sliding window narrower than the rows (mistral), each query sees only its last 8 slots;
+    Gemma 3's sliding layer does so, its global layer sees every slot.
     Where slimlm's attention kernel runs, the guesses are queries of the batched decode step
     (and, run on their own, the kernel's queries still); with torch's attention, a call of their
     own. The separate passes attend in torch."""
@@ -63,7 +68,10 @@ def test_a_packed_pass_matches_each_segment_run_on_its_own(context_model, tiny_t
 
     if not kernel:
         monkeypatch.setattr(cpu_kernels, "available", lambda: False)
-    source = context_model if window is None else build_tiny_mistral(len(tiny_tokenizer), window)
+    from tests.tiny_families import build_tiny
+
+    sources = {None: lambda: context_model, 8: lambda: build_tiny_mistral(len(tiny_tokenizer), 8), "gemma3": lambda: build_tiny("gemma3_text", len(tiny_tokenizer), initializer_range=0.2)}
+    source = sources[window]()
     packed, separate, alone = (build_decoder(source) for _ in range(3))
     for block in separate.layers:  # the reference attends in torch
         block.attention.decode_kernel = False

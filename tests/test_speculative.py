@@ -189,3 +189,17 @@ def test_speculative_bad_input_is_refused(context_model, tiny_tokenizer):
     other = Decoder(build_decoder(build_tiny_llama(128)), tiny_tokenizer)
     with pytest.raises(SlimlmError, match="share the target's tokenizer"):
         generate_speculative(target, prompt(5), SamplingParams(), draft=other)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3_text", "phi3"])
+def test_speculative_output_is_the_plain_greedy_output_in_every_family(family, tiny_tokenizer):
+    """A draft of the same family guesses; Gemma 3's guesses are checked by sliding and global
+    layers (its window of 8 is outgrown by the prompt)."""
+    from tests.tiny_families import build_tiny
+
+    params = SamplingParams(max_new_tokens=32, ignore_eos=True)
+    target = Decoder(build_decoder(build_tiny(family, len(tiny_tokenizer), initializer_range=0.2)), tiny_tokenizer, reuse_prefixes=False)
+    draft = Decoder(build_decoder(build_tiny(family, len(tiny_tokenizer), seed=5, initializer_range=0.2)), tiny_tokenizer)
+    ids = prompt(12, 1)
+    fast, stats = generate_speculative(target, ids, params, draft=draft, lookahead=4)
+    assert fast.token_ids == target.generate_ids([ids], params)[0].token_ids and stats.new_tokens == 32
