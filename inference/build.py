@@ -93,8 +93,10 @@ class DecoderParts:
     def _block(self, layer: nn.Module, streamed: bool) -> Block:
         attn, mlp = layer.self_attn, layer.mlp
         linear = partial(self.linear, streamed=streamed)
-        qkv = attn.qkv_proj if hasattr(attn, "qkv_proj") else fuse([attn.q_proj, attn.k_proj, attn.v_proj])  # phi3 stores them fused
-        gate_up = mlp.gate_up_proj if hasattr(mlp, "gate_up_proj") else fuse([mlp.gate_proj, mlp.up_proj])
+        if self.args.family.stored_fused:  # phi3
+            qkv, gate_up = attn.qkv_proj, mlp.gate_up_proj
+        else:
+            qkv, gate_up = fuse([attn.q_proj, attn.k_proj, attn.v_proj]), fuse([mlp.gate_proj, mlp.up_proj])
         head_norms = (self.head_norm(attn.q_norm), self.head_norm(attn.k_norm)) if self.args.family.qk_norm else ()
         attention = Attention(self.args, linear(qkv), linear(attn.o_proj), *head_norms)
         block = Block(self.args, attention, FeedForward(linear(gate_up), linear(mlp.down_proj), self.args.activation))

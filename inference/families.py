@@ -88,12 +88,12 @@ def family_of(config: dict) -> Family:
 
 def hf_config(config: Any) -> Any:
     """A transformers config object (a dict is read by its model type's config class, which
-    fills in what this transformers version derives: layer types, standard RoPE parameters)."""
+    fills in what this transformers version derives: layer types, standard RoPE parameters).
+    The model type is one of FAMILIES (family_of said so)."""
     if not isinstance(config, dict):
         return config
     from transformers import AutoConfig
 
-    family_of(config)
     settings = {key: value for key, value in config.items() if key not in ("model_type", "transformers_version", "architectures")}
     return AutoConfig.for_model(config["model_type"], **settings)
 

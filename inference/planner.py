@@ -171,6 +171,8 @@ def linear_shapes(args: ModelArgs) -> dict[str, tuple[int, int]]:
         "self_attn.q_proj": (q, args.dim), "self_attn.k_proj": (kv, args.dim), "self_attn.v_proj": (kv, args.dim), "self_attn.qkv_proj": (q + 2 * kv, args.dim),
         "self_attn.o_proj": (args.dim, q), "mlp.gate_proj": (inner, args.dim), "mlp.up_proj": (inner, args.dim), "mlp.gate_up_proj": (2 * inner, args.dim), "mlp.down_proj": (args.dim, inner),
     }
+
+
 TABLE = "model.embed_tokens"  # an untied input embedding quantized with its head (compress/quantize.py)
 
 

@@ -45,11 +45,18 @@ def _gemma3(arch: str, fields: dict, tensors: dict) -> dict:
     return corrections
 
 
+def _head_width(arch: str, fields: dict) -> int:
+    return fields.get(f"{arch}.attention.key_length") or fields[f"{arch}.embedding_length"] // fields[f"{arch}.attention.head_count"]
+
+
+def _rotary_width(arch: str, fields: dict) -> int:
+    return fields.get(f"{arch}.rope.dimension_count") or _head_width(arch, fields)
+
+
 def _rope_base(arch: str, fields: dict) -> dict:
-    rotary = fields.get(f"{arch}.rope.dimension_count")
-    width = fields.get(f"{arch}.attention.key_length") or fields[f"{arch}.embedding_length"] // fields[f"{arch}.attention.head_count"]
+    rotary, width = _rotary_width(arch, fields), _head_width(arch, fields)
     parameters = {"rope_theta": float(fields.get(f"{arch}.rope.freq_base", 10000.0))}
-    if rotary and rotary != width:
+    if rotary != width:
         parameters["partial_rotary_factor"] = rotary / width
     return parameters
 
@@ -69,7 +76,7 @@ def _llama(arch: str, fields: dict, tensors: dict) -> dict:
     if "rope_freqs.weight" not in tensors:
         return {}
     base = _rope_base(arch, fields)
-    rotary = fields.get(f"{arch}.rope.dimension_count") or fields[f"{arch}.embedding_length"] // fields[f"{arch}.attention.head_count"]
+    rotary = _rotary_width(arch, fields)
     inverse = 1.0 / base["rope_theta"] ** (np.arange(0, rotary, 2, dtype=np.float64) / rotary)
     return {"rope_parameters": {"rope_type": "llama3", **base, **llama3_parameters(inverse, tensors["rope_freqs.weight"])}}
 

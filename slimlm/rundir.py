@@ -27,12 +27,24 @@ from slimlm.errors import SlimlmError
 STATUS = "status.json"
 
 
+@contextmanager
+def _replaced_on_success(path: Path) -> Iterator[str]:
+    """A temporary file beside `path` to write; renamed to `path` when the block succeeds,
+    removed when it fails, so a reader sees the whole file or none."""
+    fd, temp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
+    os.close(fd)
+    try:
+        yield temp
+        os.replace(temp, path)
+    finally:
+        if os.path.exists(temp):
+            os.unlink(temp)
+
+
 def write_atomic(path: Path, text: str) -> None:
     """Write via a temporary file and rename, so a reader never sees half a file."""
-    fd, temp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
-    with os.fdopen(fd, "w") as handle:
+    with _replaced_on_success(path) as temp, open(temp, "w") as handle:
         handle.write(text)
-    os.replace(temp, path)
 
 
 def save_tensors_atomic(path: Path, tensors: dict, metadata: Optional[dict[str, str]] = None) -> None:
@@ -40,14 +52,8 @@ def save_tensors_atomic(path: Path, tensors: dict, metadata: Optional[dict[str, 
     from safetensors.torch import save_file
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, temp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
-    os.close(fd)
-    try:
+    with _replaced_on_success(path) as temp:
         save_file(tensors, temp, metadata=metadata)
-        os.replace(temp, path)
-    finally:
-        if os.path.exists(temp):
-            os.unlink(temp)
 
 
 @contextmanager
