@@ -2,7 +2,8 @@
 conversion, or a slimlm artifact whose layers are QuantLinear.
 
 The source model's tensors are moved into decoder layers one module at a time, each in the
-kernel its scheme allows (inference.linear); q/k/v and gate/up are fused (phi3 stores them so).
+kernel its scheme allows (inference.linear); q/k/v and gate/up are fused (phi3 stores them so),
+each expert's gate/up too; a mixture of experts' router stays fp32.
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ from typing import Optional
 import torch
 from torch import nn
 
+from slimlm.architecture import family_of as compression_family
 from slimlm.errors import SlimlmError
 from slimlm.inference.linear import GPU_INT4_KERNELS, DequantLinear, DenseLinear, build_linear, fuse
-from slimlm.inference.model import Attention, Block, FeedForward, ModelArgs, RMSNorm, Transformer
+from slimlm.inference.model import Attention, Block, FeedForward, ModelArgs, MoE, ProjectionRMSNorm, RMSNorm, Transformer
 from slimlm.inference.streaming import HostBlock, HostEmbedding, LayerStreamer, Placement, streamed_layers, to_host
 from slimlm.qlinear import QuantEmbedding, QuantLinear, QuantTable
 
@@ -65,6 +67,8 @@ class DecoderParts:
             raise SlimlmError(f"{placement.stream_layers} streamed layers asked for; the model has {self.args.n_layers} decoder layers")
         if placement.table_on_host and self.args.tie_embeddings:
             raise SlimlmError("this model's embedding is tied to its LM head, which the device reads every step: it cannot stay in host memory")
+        if placement.experts_on_host and self.args.routing is None:
+            raise SlimlmError("experts in host memory asked for, but this model has no mixture-of-experts layers; drop --experts-on-host")
         self.placement = placement
         self.streamed = set(streamed_layers(self.args.n_layers, placement.stream_layers))
         self.hosts: list[HostBlock] = []  # the streamed blocks' weights, in host memory
@@ -76,33 +80,51 @@ class DecoderParts:
         """The scale an RMSNorm multiplies by: its weight, plus 1 for Gemma's `(1 + w)` norms."""
         return (norm.weight.detach().float() + self.args.family.norm_offset).to(device=self.device, dtype=self.dtype)
 
-    def head_norm(self, norm: nn.Module) -> RMSNorm:
-        """A q or k head norm (Qwen3, Gemma 3) over head_dim channels."""
-        head = RMSNorm(self.args.head_dim, self.args.norm_eps)
-        head.weight.data = self.norm_weight(norm)
-        return head
+    def qk_norm(self, norm: nn.Module) -> RMSNorm:
+        """A query or key norm: over each head's head_dim channels (Qwen3, Gemma 3), or over the
+        whole projection (OLMoE)."""
+        kind = ProjectionRMSNorm if self.args.family.qk_norm == "projection" else RMSNorm
+        ours = kind(norm.weight.numel(), self.args.norm_eps)
+        ours.weight.data = self.norm_weight(norm)
+        return ours
 
     def block(self, index: int, layer: nn.Module) -> Block:
         """Decoder block `index` from its HF layer; a streamed one's weights go to host memory."""
         streamed = index in self.streamed
-        block = self._block(layer, streamed)
+        block = self._block(index, layer, streamed)
         if streamed:
             self.hosts.append(to_host(block, self.device))
         return block
 
-    def _block(self, layer: nn.Module, streamed: bool) -> Block:
+    def _block(self, index: int, layer: nn.Module, streamed: bool) -> Block:
         attn, mlp = layer.self_attn, layer.mlp
         linear = partial(self.linear, streamed=streamed)
-        if self.args.family.stored_fused:  # phi3
-            qkv, gate_up = attn.qkv_proj, mlp.gate_up_proj
-        else:
-            qkv, gate_up = fuse([attn.q_proj, attn.k_proj, attn.v_proj]), fuse([mlp.gate_proj, mlp.up_proj])
-        head_norms = (self.head_norm(attn.q_norm), self.head_norm(attn.k_norm)) if self.args.family.qk_norm else ()
+        stored_fused = self.args.family.stored_fused  # phi3
+        qkv = attn.qkv_proj if stored_fused else fuse([attn.q_proj, attn.k_proj, attn.v_proj])
+        head_norms = (self.qk_norm(attn.q_norm), self.qk_norm(attn.k_norm)) if self.args.family.qk_norm else ()
         attention = Attention(self.args, linear(qkv), linear(attn.o_proj), *head_norms)
-        block = Block(self.args, attention, FeedForward(linear(gate_up), linear(mlp.down_proj), self.args.activation))
+        if self.args.expert_layers and self.args.expert_layers[index]:
+            feed_forward = self.experts(mlp, streamed)
+        else:
+            gate_up = mlp.gate_up_proj if stored_fused else fuse([mlp.gate_proj, mlp.up_proj])
+            feed_forward = FeedForward(linear(gate_up), linear(mlp.down_proj), self.args.activation)
+        block = Block(self.args, attention, feed_forward)
         for ours, theirs in self.args.family.norms.items():
             getattr(block, ours).weight.data = self.norm_weight(getattr(layer, theirs))
         return block
+
+    def experts(self, mlp: nn.Module, streamed: bool) -> MoE:
+        """A mixture-of-experts MLP from transformers' block (router `gate`, experts split into
+        Linear layers by slimlm/experts.py). With the placement's `experts_on_host` and a GPU,
+        the experts are built for and run by the CPU (inference/streaming.py's Placement)."""
+        names = compression_family(self.args.architecture).experts
+        on_host = self.placement.experts_on_host and self.device.type != "cpu"
+        device = torch.device("cpu") if on_host else self.device
+        experts = []
+        for expert in mlp.experts:
+            gate_up = fuse([getattr(expert, names.gate), getattr(expert, names.up)])
+            experts.append(FeedForward(*(build_linear(layer, self.dtype, device, self.kernels, self.int8_activations, self.gpu_int4, semi_sparse=not streamed) for layer in (gate_up, getattr(expert, names.down))), self.args.activation))
+        return MoE(mlp.gate.weight.to(self.device), experts, self.args.routing, on_host)
 
     def assemble(self, blocks: list[Block]) -> Transformer:
         """The Transformer from its blocks plus the model's head, embedding and final norm."""
@@ -133,7 +155,8 @@ def describe_kernels(decoder: Transformer) -> dict[str, int]:
 
     counts: dict[str, int] = {}
     for block in decoder.layers:
-        for layer in (block.attention.qkv, block.attention.o_proj, block.feed_forward.gate_up, block.feed_forward.down):
+        mlps = block.feed_forward.experts if isinstance(block.feed_forward, MoE) else (block.feed_forward,)
+        for layer in (block.attention.qkv, block.attention.o_proj, *(part for mlp in mlps for part in (mlp.gate_up, mlp.down))):
             counts[kernel_name(layer)] = counts.get(kernel_name(layer), 0) + 1
     head = kernel_name(decoder.output)
     counts[f"head: {head}"] = 1

@@ -44,6 +44,7 @@ def decoder_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=thread_count, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--stream-layers", type=int, default=0, help="keep the last N decoder layers in host memory and stream them to the GPU as they run (a model larger than the GPU; `slimlm plan` says how many)")
     parser.add_argument("--embedding-on-host", action="store_true", help="keep an untied embedding table in host memory; each step copies its tokens' rows (`slimlm plan` says when)")
+    parser.add_argument("--experts-on-host", action="store_true", help="keep a mixture of experts' routed experts in host memory, run by the CPU, with the rest on the GPU (`slimlm plan` says when)")
 
 
 def compile_argument(parser: argparse.ArgumentParser) -> None:
@@ -81,7 +82,7 @@ def open_decoder(model: str, options):
         raise SlimlmError("--device cuda but no CUDA GPU is visible; use --device cpu")
     dtype = getattr(torch, options.dtype) if options.dtype else None  # None: build.default_dtype
     cache_dtype = torch.int8 if options.kv_cache == "int8" else None
-    placement = Placement(options.stream_layers, options.embedding_on_host)
+    placement = Placement(options.stream_layers, options.embedding_on_host, options.experts_on_host)
     if (Path(model) / MANIFEST).is_file():  # a slimlm artifact: straight into the decoder, layer by layer
         transformer, _ = load_decoder(Path(model), dtype=dtype, device=device, int8_activations=options.int8_activations, gpu_int4=options.gpu_int4, placement=placement)
         decoder = Decoder(transformer, artifact_tokenizer(Path(model)), cache_dtype=cache_dtype)
@@ -343,7 +344,8 @@ def decoder_plan(options, parser: argparse.ArgumentParser, config: dict, manifes
         adapter_ranks = None
         scheme = None if options.bits is None else QuantScheme(bits=options.bits, group_size=options.group_size)
         head = None if options.head_bits is None else QuantScheme(bits=options.head_bits, group_size=options.group_size if options.head_bits < 8 else None)
-        for layers, chosen, inputs in (("--bits", scheme, (model_args.dim, model_args.intermediate_size)), ("--head-bits", head, (model_args.dim,))):
+        widths = (model_args.dim, model_args.intermediate_size, *([model_args.routing.expert_size] if model_args.routing else []))
+        for layers, chosen, inputs in (("--bits", scheme, widths), ("--head-bits", head, (model_args.dim,))):
             problem = chosen and next(filter(None, map(chosen.shape_problem, inputs)), None)
             if problem:
                 parser.error(f"{layers} {chosen.bits} --group-size {chosen.group_size}: {problem}")

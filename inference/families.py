@@ -3,9 +3,11 @@ read once from the transformers config, instead of flags scattered over the forw
 
 A block is always: norm, attention, (norm), residual; norm, MLP, (norm), residual. The families
 differ in which of the optional norms they have and how a norm scales (Gemma's `1 + w`), whether
-query and key heads are normed before RoPE (Qwen3, Gemma 3), the MLP's activation, q/k/v bias,
-an embedding scale and the attention scale, and per layer in the attention window and the RoPE
-table (Gemma 3 interleaves sliding-window layers with a local RoPE base and global layers).
+queries and keys are normed before RoPE (per head in Qwen3 and Gemma 3, over the whole projection
+in OLMoE), the MLP's activation, q/k/v bias, an embedding scale and the attention scale, per
+layer in the attention window and the RoPE table (Gemma 3 interleaves sliding-window layers with
+a local RoPE base and global layers), and in whether the MLP is a mixture of experts and how its
+router weighs the chosen experts.
 """
 
 from __future__ import annotations
@@ -29,20 +31,25 @@ class Family:
 
     norms: dict[str, str] = field(default_factory=lambda: LLAMA_NORMS)  # decoder block's norm -> HF layer's module
     norm_offset: float = 0.0  # Gemma's RMSNorm scales by (1 + w)
-    qk_norm: bool = False  # an RMSNorm over each query and key head before RoPE
+    qk_norm: Optional[str] = None  # before RoPE, an RMSNorm over each query and key "head", or over the whole "projection"
     qkv_bias: bool = False
     scaled_embedding: bool = False  # embeddings times sqrt(hidden_size), in the table's dtype
     activation_key: str = "hidden_act"  # the config's name for the MLP's activation
     stored_fused: bool = False  # checkpoints hold qkv_proj and gate_up_proj (phi3), not the separate projections
+    experts_key: str = "num_experts"  # the config's name for a mixture of experts' expert count
+    routes_normalized: Optional[bool] = None  # top-k routing weights rescaled to sum to 1; None: as the config's norm_topk_prob says
 
 
 FAMILIES: dict[str, Family] = {
     "llama": Family(),
     "mistral": Family(),
     "qwen2": Family(qkv_bias=True),
-    "qwen3": Family(qk_norm=True),
-    "gemma3_text": Family(norms=GEMMA_NORMS, norm_offset=1.0, qk_norm=True, scaled_embedding=True, activation_key="hidden_activation"),
+    "qwen3": Family(qk_norm="head"),
+    "gemma3_text": Family(norms=GEMMA_NORMS, norm_offset=1.0, qk_norm="head", scaled_embedding=True, activation_key="hidden_activation"),
     "phi3": Family(stored_fused=True),  # qkv_proj and gate_up_proj read as stored (inference/build.py)
+    "qwen3_moe": Family(qk_norm="head"),
+    "mixtral": Family(experts_key="num_local_experts", routes_normalized=True),
+    "olmoe": Family(qk_norm="projection"),
 }
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
@@ -64,6 +71,17 @@ class Rope:
         the original context (transformers switches as a sequence outgrows it)."""
         long = self.long_inv_freq is not None and context > self.original_context
         return torch.tensor(self.long_inv_freq if long else self.inv_freq, dtype=torch.float32)
+
+
+@dataclass(frozen=True)
+class Routing:
+    """A mixture of experts' router: each token goes to the `top_k` of `experts` with the highest
+    softmax probabilities, weighted by them (rescaled to sum to 1 when `normalized`)."""
+
+    experts: int
+    top_k: int
+    normalized: bool
+    expert_size: int  # each expert's intermediate width
 
 
 @dataclass(frozen=True)
@@ -134,6 +152,25 @@ def rope_of(config: Any, layer_type: str, head_dim: int) -> Rope:
     original = own["original_max_position_embeddings"]
     long_inv_freq, _ = compute(config, None, seq_len=original + 1, **kind)
     return Rope(tuple(inv_freq.tolist()), float(scaling), tuple(long_inv_freq.tolist()), original)
+
+
+def routing_of(config: Any, family: Family) -> Optional[Routing]:
+    """The router of the model's mixture-of-experts layers; None for a dense model."""
+    experts = getattr(config, family.experts_key, None) or 0
+    if not experts:
+        return None
+    normalized = family.routes_normalized if family.routes_normalized is not None else bool(getattr(config, "norm_topk_prob", False))
+    size = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+    return Routing(experts, config.num_experts_per_tok, normalized, size)
+
+
+def expert_layers(config: Any, routing: Optional[Routing]) -> tuple[bool, ...]:
+    """Whether each layer's MLP is a mixture of experts: Qwen3-MoE keeps a dense MLP in its
+    `mlp_only_layers` and between every `decoder_sparse_step`-th layer; the others use experts throughout."""
+    if routing is None:
+        return (False,) * config.num_hidden_layers
+    dense, step = set(getattr(config, "mlp_only_layers", None) or ()), getattr(config, "decoder_sparse_step", None) or 1
+    return tuple(index not in dense and (index + 1) % step == 0 for index in range(config.num_hidden_layers))
 
 
 def attention_scale(config: Any, head_dim: int) -> float:

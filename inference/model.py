@@ -1,8 +1,9 @@
 """The bundled decoder's model: a decoder-only transformer in plain PyTorch, top to bottom.
 
 One module covers the families in inference/families.py (llama, mistral, qwen2, qwen3, gemma3
-text, phi3): what differs between them (norms, q/k norms, activation, scales, each layer's
-window and RoPE table) is read from the HF config once. Its linear layers are whatever
+text, phi3, and the mixtures of experts qwen3_moe, mixtral, olmoe): what differs between them
+(norms, q/k norms, activation, scales, each layer's window and RoPE table, routed experts) is
+read from the HF config once. Its linear layers are whatever
 `inference.linear` built for each weight's scheme; this file only decides the order of operations.
 
 Decoding state lives in a static cache allocated once by `setup_cache`: keys and values for
@@ -18,6 +19,8 @@ For continuous batching (`forward_segments`) every sequence owns a row and advan
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
@@ -27,7 +30,8 @@ from torch import nn
 
 from slimlm.errors import SlimlmError
 from slimlm.inference import cpu_kernels
-from slimlm.inference.families import FAMILIES, Family, LayerKind, Rope, activation_of, attention_scale, embedding_scale, family_of, hf_config, layer_kinds
+from slimlm.experts import dispatch
+from slimlm.inference.families import FAMILIES, Family, LayerKind, Rope, Routing, activation_of, attention_scale, embedding_scale, expert_layers, family_of, hf_config, layer_kinds, routing_of
 
 ARCHITECTURES = tuple(FAMILIES)
 
@@ -53,6 +57,9 @@ class ModelArgs:
     final_softcap: Optional[float]
     kinds: tuple[LayerKind, ...]  # the kinds of attention layer (window, RoPE table)
     layer_kind: tuple[int, ...]  # each layer's kind: an index into `kinds`
+    routing: Optional[Routing] = None  # a mixture of experts' router; None: dense MLPs only
+    expert_layers: tuple[bool, ...] = ()  # whether each layer's MLP is a mixture of experts
+    clip_qkv: Optional[float] = None  # OLMoE: queries, keys and values clamped to +-clip_qkv
 
     @classmethod
     def from_hf_config(cls, config: Any) -> "ModelArgs":
@@ -63,6 +70,7 @@ class ModelArgs:
         heads = c["num_attention_heads"]
         head_dim = c.get("head_dim") or c["hidden_size"] // heads
         kinds, layer_kind = layer_kinds(hf, head_dim)
+        routing = routing_of(hf, family)
         return cls(
             architecture=c["model_type"],
             family=family,
@@ -83,6 +91,9 @@ class ModelArgs:
             final_softcap=c.get("final_logit_softcapping"),
             kinds=kinds,
             layer_kind=layer_kind,
+            routing=routing,
+            expert_layers=expert_layers(hf, routing),
+            clip_qkv=c.get("clip_qkv"),
         )
 
 
@@ -116,6 +127,13 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * normed.to(x.dtype)
+
+
+class ProjectionRMSNorm(RMSNorm):
+    """OLMoE's query and key norm: one RMSNorm over all heads of the projection, [..., heads, head_dim]."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.flatten(-2)).view_as(x)
 
 
 CACHE_NAMES = ("k_cache", "v_cache", "k_cache_scale", "v_cache_scale")  # each Attention's cache buffers
@@ -159,7 +177,7 @@ class Segments:
 
 class Attention(nn.Module):
     """Grouped-query attention; q, k and v come from one fused projection. `q_norm` and `k_norm`
-    (Qwen3, Gemma 3) norm each query and key head before RoPE."""
+    (Qwen3, Gemma 3, OLMoE) norm the queries and keys before RoPE."""
 
     def __init__(self, args: ModelArgs, qkv: nn.Module, o_proj: nn.Module, q_norm: Optional[nn.Module] = None, k_norm: Optional[nn.Module] = None):
         super().__init__()
@@ -167,6 +185,7 @@ class Attention(nn.Module):
         self.scale = args.attention_scale
         self.qkv, self.o_proj = qkv, o_proj
         self.q_norm, self.k_norm = q_norm, k_norm
+        self.clip = args.clip_qkv
         for name in CACHE_NAMES:  # scales: int8 caches only
             self.register_buffer(name, None, persistent=False)
         self.attention_dtype = torch.float32  # what cached keys and values are read as
@@ -179,6 +198,8 @@ class Attention(nn.Module):
         batch, length, _ = x.shape
         heads, kv_heads = self.n_heads, self.n_kv_heads
         qkv = self.qkv(x).view(batch, length, heads + 2 * kv_heads, self.head_dim)
+        if self.clip is not None:
+            qkv = qkv.clamp(-self.clip, self.clip)
         qk = qkv[:, :, : heads + kv_heads]
         if self.q_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, :, :heads]), self.k_norm(qk[:, :, heads:])), dim=2)
@@ -291,12 +312,59 @@ class FeedForward(nn.Module):
         return self.down(self.activation(gate) * up)
 
 
+class MoE(nn.Module):
+    """A mixture of experts: the router scores every expert for each token; the token's `top_k`
+    experts (gated MLPs) run on it and their outputs add up, weighted by the router's softmax
+    probabilities (rescaled to sum to 1 where the model says so), as transformers computes them.
+    The router runs in fp32, so bf16 activations choose the experts an fp32 model would.
+    Experts on another device than the activations (host memory, with the rest on a GPU) get the
+    tokens routed to them there and send their sum back."""
+
+    def __init__(self, router: torch.Tensor, experts: list[FeedForward], routing: Routing, on_host: bool = False):
+        super().__init__()
+        self.register_buffer("router", router.detach().float())
+        # A tuple is no submodule: moving the decoder to a GPU leaves host experts where they are.
+        self.experts = tuple(experts) if on_host else nn.ModuleList(experts)
+        self.home = torch.device("cpu") if on_host else None
+        self.top_k, self.normalized = routing.top_k, routing.normalized
+        self.key = next(_MOE_KEYS)
+        _MOE_LAYERS[self.key] = self
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        weights, chosen = F.linear(flat.float(), self.router).softmax(-1).topk(self.top_k, dim=-1)
+        if self.normalized:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return routed_experts(flat, chosen, weights.to(flat.dtype), self.key).view_as(x)
+
+    def run_experts(self, flat: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        home = self.home or flat.device
+        return dispatch(self.experts, flat.to(home), chosen.to(home), weights.to(home)).to(flat.device)
+
+
+_MOE_KEYS = itertools.count()
+_MOE_LAYERS: "weakref.WeakValueDictionary[int, MoE]" = weakref.WeakValueDictionary()
+
+
+# Which experts run depends on the tokens: a compiled step calls this op as one opaque node
+# (one graph, no break), and CUDA graphs leave it out (its kernels differ from step to step).
+@torch.library.custom_op("slimlm::routed_experts", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
+def routed_experts(flat: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, layer: int) -> torch.Tensor:
+    """MoE layer `layer`'s experts on the tokens routed to them, weighted and summed."""
+    return _MOE_LAYERS[layer].run_experts(flat, chosen, weights)
+
+
+@routed_experts.register_fake
+def _routed_experts_shape(flat: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, layer: int) -> torch.Tensor:
+    return torch.empty_like(flat)
+
+
 class Block(nn.Module):
     """Norm, attention, residual add; norm, MLP, residual add. Families with Gemma's sandwich
     norms also norm the attention's and the MLP's outputs (`after_attention`, `after_ffn`);
     for the others those are identities."""
 
-    def __init__(self, args: ModelArgs, attention: Attention, feed_forward: FeedForward):
+    def __init__(self, args: ModelArgs, attention: Attention, feed_forward: Union[FeedForward, MoE]):
         super().__init__()
         sandwich = "after_attention" in args.family.norms
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)

@@ -6,14 +6,17 @@ inference/linear.py builds), the static key/value cache, the activations of a pr
 the last position's logits, and the runtime's reserve. Then a plan, the first that fits:
 
   1. everything on the device;
-  2. the decoder layers that do not fit stay in pinned host memory and are streamed to the
+  2. for a mixture of experts, the routed experts stay in host memory and run on the CPU
+     (attention, norms, routers and dense MLPs on the device): llama.cpp's `--cpu-moe`;
+  3. the decoder layers that do not fit stay in pinned host memory and are streamed to the
      device one layer ahead of use (two layer buffers on the device);
-  3. a shorter context (halved, down to 256 tokens), everything on the device or, failing that,
-     with streamed layers;
-  4. nothing fits: a refusal that gives the numbers and what was tried.
+  4. a shorter context (halved, down to 256 tokens), tried the same ways;
+  5. nothing fits: a refusal that gives the numbers and what was tried.
 
 Decode speed is bounded by bandwidth: each token reads every weight once (the embedding table
-one row) and the cache so far; streamed layers cross the host link instead of device memory.
+one row; of a mixture of experts, the routed experts' top_k of E) and the cache so far; streamed
+layers cross the host link instead of device memory, and host experts are read by the CPU at
+host memory bandwidth.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from typing import Optional
 
+from slimlm.architecture import family_of as compression_family
 from slimlm.errors import SlimlmError
 from slimlm.inference import cpu_kernels, gpu_kernels
 from slimlm.inference.linear import int8pack_fits, tinygemm_fits
@@ -41,13 +45,16 @@ class Hardware:
     reserve_bytes: int  # what the runtime takes before any tensor: CUDA context and workspace, or the Python process
     bandwidth_bytes_s: float  # device memory bandwidth
     host_link_bytes_s: Optional[float] = None  # host-to-device copies (PCIe) for streamed layers
+    host_bandwidth_bytes_s: Optional[float] = None  # the CPU reading host memory: experts computed there
+    host_memory_bytes: Optional[int] = None  # what host memory can hold beside the OS and the process
 
 
 HARDWARE = {
-    # An 8 GB laptop GPU: about 0.8 GiB goes to the CUDA context, cuBLAS workspace and allocator slack.
-    "laptop-8gb": Hardware("laptop-8gb", "cuda", 8 * GiB, int(0.8 * GiB), 256e9, 12e9),
-    "laptop-8gb-448": Hardware("laptop-8gb-448", "cuda", 8 * GiB, int(0.8 * GiB), 448e9, 12e9),
-    "h200": Hardware("h200", "cuda", 141 * 10**9, 1 * GiB, 4.8e12, 50e9),
+    # An 8 GB laptop GPU: about 0.8 GiB goes to the CUDA context, cuBLAS workspace and allocator
+    # slack. Its host: 32 GB of dual-channel DDR5 (about 60 GB/s read), 26 GiB of it free.
+    "laptop-8gb": Hardware("laptop-8gb", "cuda", 8 * GiB, int(0.8 * GiB), 256e9, 12e9, 60e9, 26 * GiB),
+    "laptop-8gb-448": Hardware("laptop-8gb-448", "cuda", 8 * GiB, int(0.8 * GiB), 448e9, 12e9, 60e9, 26 * GiB),
+    "h200": Hardware("h200", "cuda", 141 * 10**9, 1 * GiB, 4.8e12, 50e9, 200e9, 1000 * GiB),
     # A 16 GB laptop's CPU: the Python process with torch and transformers takes about 0.6 GiB.
     "cpu": Hardware("cpu", "cpu", 16 * GiB, int(0.6 * GiB), 33e9),
 }
@@ -105,10 +112,16 @@ class Budget:
     activation_bytes: int
     reserve_bytes: int
     transit_bytes: int = 0  # CPU loading: the largest layer held in its stored and its kernel layout at once
+    expert_bytes: list[int] = field(default_factory=list)  # each layer's routed experts (part of layer_bytes; 0 for a dense layer)
+    routed_fraction: float = 1.0  # of the routed experts, the share a token reads: top_k / experts
 
     @property
     def weight_bytes(self) -> int:
         return sum(self.layer_bytes) + self.head_bytes + self.table_bytes + self.norm_bytes
+
+    @property
+    def all_expert_bytes(self) -> int:
+        return sum(self.expert_bytes)
 
     @property
     def total_bytes(self) -> int:
@@ -125,12 +138,13 @@ class Plan:
     kind: str  # "device", "stream", "shorter-context"
     streamed_layers: int = 0
     table_on_host: bool = False  # an untied embedding table is read one row per token: host memory serves
+    experts_on_host: bool = False  # a mixture of experts' routed experts stay in host memory, run by the CPU
     notes: list[str] = field(default_factory=list)
 
     @property
     def placement(self) -> Placement:
         """What this plan keeps in host memory, for build_decoder / load_decoder."""
-        return Placement(self.streamed_layers if self.kind == "stream" else 0, self.table_on_host)
+        return Placement(self.streamed_layers if self.kind == "stream" else 0, self.table_on_host, self.experts_on_host)
 
     def streamed_bytes(self) -> list[int]:
         """The bytes of each block kept in host memory: the ones the decoder streams (streaming.streamed_layers)."""
@@ -141,16 +155,31 @@ class Plan:
         """Peak bytes on the device (or in RAM for CPU plans): the streamed blocks pass through
         two buffers (one with one streamed block), each the size of the largest of them."""
         b, streamed = self.budget, self.streamed_bytes()
-        total = b.total_bytes - (b.table_bytes if self.table_on_host else 0)
+        total = b.total_bytes - (b.table_bytes if self.table_on_host else 0) - self.host_expert_bytes()
         return total - sum(streamed) + min(2, len(streamed)) * max(streamed, default=0)
+
+    def host_expert_bytes(self) -> int:
+        return self.budget.all_expert_bytes if self.experts_on_host else 0
+
+    def host_bytes(self) -> int:
+        """What this plan keeps in host memory beyond the process itself."""
+        return sum(self.streamed_bytes()) + self.host_expert_bytes() + (self.budget.table_bytes if self.table_on_host else 0)
+
+    def fits(self) -> bool:
+        host = self.hardware.host_memory_bytes
+        return self.device_bytes() <= self.hardware.memory_bytes and (host is None or self.host_bytes() <= host)
 
     def decode_tok_s_bound(self) -> float:
         """Tokens per second per sequence at batch 1 if every byte moved at full bandwidth."""
         b, hw = self.budget, self.hardware
         per_token_kv = b.kv_bytes / self.batch / 2  # the cache is half full on average
         streamed = sum(self.streamed_bytes())
-        device_read = b.weight_bytes - b.table_bytes - streamed + per_token_kv
+        unread_experts = b.all_expert_bytes * (1 - b.routed_fraction)  # the experts no token of this step chose
+        host_experts = self.host_expert_bytes() * b.routed_fraction
+        device_read = b.weight_bytes - b.table_bytes - streamed - unread_experts - host_experts + per_token_kv
         seconds = device_read / hw.bandwidth_bytes_s + (streamed / hw.host_link_bytes_s if streamed else 0)
+        if host_experts:
+            seconds += host_experts / hw.host_bandwidth_bytes_s
         return 1 / seconds
 
 
@@ -158,19 +187,32 @@ SEPARATE = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self
 STORED_FUSED = (("self_attn.qkv_proj",), ("self_attn.o_proj",), ("mlp.gate_up_proj",), ("mlp.down_proj",))  # phi3's checkpoints
 
 
-def linear_groups(args: ModelArgs) -> tuple[tuple[str, ...], ...]:
-    """A decoder layer's Linear layers as the family's checkpoints name them, grouped as the
-    decoder fuses them into one matmul each."""
-    return STORED_FUSED if args.family.stored_fused else SEPARATE
+def is_expert_layer(args: ModelArgs, index: int) -> bool:
+    return bool(args.expert_layers) and args.expert_layers[index]
 
 
-def linear_shapes(args: ModelArgs) -> dict[str, tuple[int, int]]:
-    """Each decoder-layer Linear's (out_features, in_features)."""
+def linear_groups(args: ModelArgs, index: int = 0) -> tuple[tuple[str, ...], ...]:
+    """Decoder layer `index`'s Linear layers as the family's checkpoints name them, grouped as
+    the decoder fuses them into one matmul each; a mixture of experts' MLP is each expert's
+    gate/up and down."""
+    groups = STORED_FUSED if args.family.stored_fused else SEPARATE
+    if not is_expert_layer(args, index):
+        return groups
+    names = compression_family(args.architecture).experts
+    experts = (((f"mlp.experts.{e}.{names.gate}", f"mlp.experts.{e}.{names.up}"), (f"mlp.experts.{e}.{names.down}",)) for e in range(args.routing.experts))
+    return groups[:2] + tuple(group for pair in experts for group in pair)
+
+
+def linear_shape(args: ModelArgs, name: str) -> tuple[int, int]:
+    """A decoder-layer Linear's (out_features, in_features), by its name in the layer."""
     q, kv, inner = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim, args.intermediate_size
+    if name.startswith("mlp.experts."):
+        size, down = args.routing.expert_size, compression_family(args.architecture).experts.down
+        return (args.dim, size) if name.endswith(f".{down}") else (size, args.dim)
     return {
         "self_attn.q_proj": (q, args.dim), "self_attn.k_proj": (kv, args.dim), "self_attn.v_proj": (kv, args.dim), "self_attn.qkv_proj": (q + 2 * kv, args.dim),
         "self_attn.o_proj": (args.dim, q), "mlp.gate_proj": (inner, args.dim), "mlp.up_proj": (inner, args.dim), "mlp.gate_up_proj": (2 * inner, args.dim), "mlp.down_proj": (args.dim, inner),
-    }
+    }[name]
 
 
 TABLE = "model.embed_tokens"  # an untied input embedding quantized with its head (compress/quantize.py)
@@ -230,21 +272,26 @@ def budget(args: ModelArgs, schemes: dict[str, QuantScheme], hardware: Hardware,
     adapter_element = act_bytes if hardware.device == "cuda" else 4  # CPU adapters beside torch's kernels run in fp32 (inference/linear.py)
     per_slot = args.n_kv_heads * (args.head_dim + 4 if kv_int8 else args.head_dim * float_kv)  # bytes of one slot's keys
     q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
-    shapes, groups = linear_shapes(args), linear_groups(args)
-    norms = len(args.family.norms) * args.dim + (2 * args.head_dim if args.family.qk_norm else 0)
-    layers = []
+    layers, experts = [], []
     for index in range(args.n_layers):
-        total = norms * act_bytes
-        for name in (name for group in groups for name in group):
-            out_features, in_features = shapes[name]
-            total += linear_bytes(out_features, in_features, schemes.get(f"model.layers.{index}.{name}"), act_bytes, matvec, int8_kernels)
-            if args.qkv_bias and name.startswith("self_attn.") and name != "self_attn.o_proj":
-                total += out_features * act_bytes
+        groups = linear_groups(args, index)
+        total = qk_norm_bytes(args, act_bytes) + len(args.family.norms) * args.dim * act_bytes
+        if is_expert_layer(args, index):
+            total += args.routing.experts * args.dim * 4  # the router, fp32
+        routed = 0
         for group in groups:
             names = [f"model.layers.{index}.{name}" for name in group]
+            shapes = [linear_shape(args, name) for name in group]
             ranks = [adapter_ranks.get(name, 0) for name in names]
-            total += adapter_bytes([shapes[name] for name in group], [schemes.get(name) for name in names], ranks, adapter_element, int8_kernels)
+            part = adapter_bytes(shapes, [schemes.get(name) for name in names], ranks, adapter_element, int8_kernels)
+            for name, (out_features, in_features) in zip(group, shapes):
+                part += linear_bytes(out_features, in_features, schemes.get(f"model.layers.{index}.{name}"), act_bytes, matvec, int8_kernels)
+                if args.qkv_bias and name.startswith("self_attn.") and name != "self_attn.o_proj":
+                    part += out_features * act_bytes
+            total += part
+            routed += part if group[0].startswith("mlp.experts.") else 0
         layers.append(total)
+        experts.append(routed)
     head_scheme = schemes.get("lm_head")
     head = linear_bytes(args.vocab_size, args.dim, head_scheme, act_bytes, matvec, int8_kernels)
     head += adapter_bytes([(args.vocab_size, args.dim)], [head_scheme], [adapter_ranks.get("lm_head", 0)], adapter_element, int8_kernels)
@@ -261,7 +308,8 @@ def budget(args: ModelArgs, schemes: dict[str, QuantScheme], hardware: Hardware,
         table = 0
     kv_cache = 2 * args.n_layers * per_slot * context * batch
     tokens = batch * min(prefill_chunk, context)
-    hidden = tokens * (4 * args.dim + q + 2 * kv + 3 * args.intermediate_size) * act_bytes
+    inner = max(args.intermediate_size, args.routing.top_k * args.routing.expert_size) if args.routing else args.intermediate_size
+    hidden = tokens * (4 * args.dim + q + 2 * kv + 3 * inner) * act_bytes
     if kv_int8:
         hidden += 2 * batch * context * kv * float_kv
     if matvec and any(matvec_fits(scheme, args.dim) for scheme in schemes.values()):
@@ -272,7 +320,15 @@ def budget(args: ModelArgs, schemes: dict[str, QuantScheme], hardware: Hardware,
     # Loading on a CPU holds the largest layer in its stored and its kernel layout at once (the
     # stored copy is dropped before the next is read); a GPU plan leaves that host-side.
     transit = max(*layers, head) if hardware.device == "cpu" else 0
-    return Budget(layers, head, table, args.dim * act_bytes, kv_cache, hidden + logits, hardware.reserve_bytes, transit_bytes=transit)
+    fraction = args.routing.top_k / args.routing.experts if args.routing else 1.0
+    return Budget(layers, head, table, args.dim * act_bytes, kv_cache, hidden + logits, hardware.reserve_bytes, transit, experts, fraction)
+
+
+def qk_norm_bytes(args: ModelArgs, act_bytes: int) -> int:
+    """A layer's query and key norms: one head's width each, or the projections' (OLMoE)."""
+    if args.family.qk_norm == "projection":
+        return (args.n_heads + args.n_kv_heads) * args.head_dim * act_bytes
+    return 2 * args.head_dim * act_bytes if args.family.qk_norm else 0
 
 
 def make_plan(args: ModelArgs, schemes: dict[str, QuantScheme], hardware: Hardware, context: int, batch: int = 1, int8_activations: bool = False, kv_int8: bool = False, gpu_int4: str = "tinygemm", adapter_ranks: Optional[dict[str, int]] = None) -> Plan:
@@ -291,6 +347,8 @@ def make_plan(args: ModelArgs, schemes: dict[str, QuantScheme], hardware: Hardwa
         plans = [Plan(hardware, length, batch, b, on_device)]
         if host_table:
             plans.append(Plan(hardware, length, batch, b, on_device, table_on_host=True, notes=list(table_note)))
+        if b.all_expert_bytes and hardware.host_bandwidth_bytes_s is not None:
+            plans.append(Plan(hardware, length, batch, b, on_device, table_on_host=host_table, experts_on_host=True, notes=[*table_note, experts_note(b, hardware)]))
         if hardware.host_link_bytes_s is not None:
             plans += [Plan(hardware, length, batch, b, "stream", streamed_layers=n, table_on_host=host_table, notes=list(table_note)) for n in range(1, args.n_layers + 1)]
         return plans
@@ -301,7 +359,7 @@ def make_plan(args: ModelArgs, schemes: dict[str, QuantScheme], hardware: Hardwa
     attempts = []  # the plans tried at each context, for the refusal
     for length in contexts:
         attempts.append(plans_at(length))
-        fits = next((plan for plan in attempts[-1] if plan.device_bytes() <= hardware.memory_bytes), None)
+        fits = next((plan for plan in attempts[-1] if plan.fits()), None)
         if fits is None:
             continue
         if fits.kind == "stream":
@@ -312,15 +370,29 @@ def make_plan(args: ModelArgs, schemes: dict[str, QuantScheme], hardware: Hardwa
     first, last = attempts[0], attempts[-1]
     tried = [f"everything on the device, {[plan for plan in first if plan.kind == 'device'][-1].device_bytes() / GiB:.2f} GiB"]
     if first[-1].kind == "stream":
-        tried.append(f"all {args.n_layers} layers streamed from host memory, {first[-1].device_bytes() / GiB:.2f} GiB")
+        host = f" on the device and {first[-1].host_bytes() / GiB:.2f} GiB in host memory (of {hardware.host_memory_bytes / GiB:.0f} GiB)" if hardware.host_memory_bytes else ""
+        tried.append(f"all {args.n_layers} layers streamed from host memory, {first[-1].device_bytes() / GiB:.2f} GiB{host}")
     if len(contexts) > 1:
         tried.append(f"a context of {contexts[-1]} tokens, at least {last[-1].device_bytes() / GiB:.2f} GiB")
     raise SlimlmError(f"nothing fits {hardware.name} ({hardware.memory_bytes / GiB:.1f} GiB); tried {'; '.join(tried)}. At {context} tokens:\n" + format_budget(first[0].budget, hardware))
 
 
+def experts_note(b: Budget, hardware: Hardware) -> str:
+    """Why the routed experts are computed by the CPU where they lie rather than copied to the
+    GPU as they are chosen: a decode step reads top_k of E experts per layer, and the CPU reads
+    host memory faster than the host link moves it (60 against 12 GB/s on a laptop)."""
+    read = b.all_expert_bytes * b.routed_fraction
+    cpu_ms, link_ms = read / hardware.host_bandwidth_bytes_s * 1e3, read / hardware.host_link_bytes_s * 1e3
+    line = f"the routed experts ({b.all_expert_bytes / GiB:.2f} GiB) stay in host memory and run on the CPU: a token reads {read / GiB:.2f} GiB of them, {cpu_ms:.1f} ms at {hardware.host_bandwidth_bytes_s / 1e9:.0f} GB/s"
+    if cpu_ms <= link_ms:
+        return f"{line}, against {link_ms:.1f} ms to copy them over the host link; run with --experts-on-host"
+    return f"{line}; copying them over the host link would take {link_ms:.1f} ms, which the decoder does not do yet; run with --experts-on-host"
+
+
 def format_budget(b: Budget, hardware: Hardware) -> str:
     rows = [
         ("decoder layers", sum(b.layer_bytes)),
+        *([("  of which routed experts", b.all_expert_bytes)] if b.all_expert_bytes else []),
         ("LM head", b.head_bytes),
         ("embedding table", b.table_bytes),
         ("KV cache", b.kv_bytes),
@@ -345,12 +417,16 @@ def format_plan(plan: Plan, model_name: str) -> str:
     bound = plan.decode_tok_s_bound()
     device = "the GPU" if hw.device == "cuda" else "RAM"
     where = {"device": f"fits in {device}", "stream": f"{plan.streamed_layers} layers streamed from host memory", "shorter-context": f"fits in {device} with a shorter context"}[plan.kind]
+    if plan.experts_on_host:
+        where += ", routed experts in host memory"
     lines = [
         f"{model_name} on {hw.name}: {where}; context {plan.context}, batch {plan.batch}",
         format_budget(b, hw),
         budget_line("peak on the device", plan.device_bytes()),
+        *([budget_line("in host memory", plan.host_bytes())] if plan.host_bytes() else []),
         f"  {'decode bound (batch 1)':<{LABEL_WIDTH}} {bound:9.1f} tokens/s at {hw.bandwidth_bytes_s / 1e9:.0f} GB/s"
-        + (f" and {hw.host_link_bytes_s / 1e9:.0f} GB/s host link" if plan.kind == "stream" else ""),
+        + (f" and {hw.host_link_bytes_s / 1e9:.0f} GB/s host link" if plan.kind == "stream" else "")
+        + (f" and {hw.host_bandwidth_bytes_s / 1e9:.0f} GB/s host memory" if plan.experts_on_host else ""),
         *[f"  note: {note}" for note in plan.notes],
     ]
     return "\n".join(lines)
@@ -358,8 +434,7 @@ def format_plan(plan: Plan, model_name: str) -> str:
 
 def uniform_schemes(args: ModelArgs, scheme: Optional[QuantScheme], head: Optional[QuantScheme]) -> dict[str, QuantScheme]:
     """Every decoder Linear in `scheme` (None: float) and the LM head in `head`."""
-    names = [name for group in linear_groups(args) for name in group]
-    schemes = {f"model.layers.{i}.{n}": scheme for i in range(args.n_layers) for n in names if scheme is not None}
+    schemes = {f"model.layers.{i}.{n}": scheme for i in range(args.n_layers) for group in linear_groups(args, i) for n in group if scheme is not None}
     if head is not None:
         schemes["lm_head"] = head
     return schemes

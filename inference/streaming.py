@@ -34,6 +34,7 @@ class Placement:
 
     stream_layers: int = 0  # the last N decoder blocks, streamed in as they run
     table_on_host: bool = False  # an untied embedding table: one row per token is copied over
+    experts_on_host: bool = False  # a mixture of experts' routed experts, computed by the CPU (MoE in inference/model.py)
 
 
 class HostEmbedding(nn.Module):

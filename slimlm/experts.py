@@ -11,7 +11,7 @@ written from the split model (plain or compressed-tensors) loads in transformers
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -42,14 +42,22 @@ class ExpertList(nn.ModuleList):
     (hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]."""
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        output = torch.zeros_like(hidden_states)
-        for index in top_k_index.unique().tolist():
-            if index >= len(self):  # transformers marks dropped routes with index E
-                continue
-            token, slot = torch.where(top_k_index == index)
-            contribution = self[index](hidden_states[token]) * top_k_weights[token, slot, None]
-            output.index_add_(0, token, contribution.to(output.dtype))
-        return output
+        return dispatch(self, hidden_states, top_k_index, top_k_weights)
+
+
+def dispatch(experts: Sequence[Callable[[torch.Tensor], torch.Tensor]], hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    """Each token's routed experts' outputs, weighted and summed: [T, H] from hidden_states [T, H]
+    and each token's top_k expert indices and weights [T, k]. Only experts some token chose
+    run, each once on all its tokens (a decode step reads k experts' weights; a prefill groups
+    its tokens by expert)."""
+    output = torch.zeros_like(hidden_states)
+    for index in top_k_index.unique().tolist():
+        if index >= len(experts):  # transformers marks dropped routes with index E
+            continue
+        token, slot = torch.where(top_k_index == index)
+        contribution = experts[index](hidden_states[token]) * top_k_weights[token, slot, None]
+        output.index_add_(0, token, contribution.to(output.dtype))
+    return output
 
 
 def is_fused_experts(module: nn.Module) -> bool:

@@ -51,15 +51,16 @@ def test_requests_joining_at_different_times_get_their_solo_output(context_model
 
 
 @pytest.mark.parametrize(
-    "cache_dtype, window, kernel",
-    [(None, None, True), (torch.int8, None, True), (None, 8, True), (None, "gemma3", True), (None, None, False)],
-    ids=["float-cache", "int8-cache", "sliding-window-8", "gemma3-sliding-and-global-layers", "torch-attention"],
+    "cache_dtype, source_name, kernel",
+    [(None, None, True), (torch.int8, None, True), (None, 8, True), (None, "gemma3", True), (None, "qwen3_moe", True), (None, None, False)],
+    ids=["float-cache", "int8-cache", "sliding-window-8", "gemma3-sliding-and-global-layers", "qwen3-moe-experts", "torch-attention"],
 )
-def test_a_packed_pass_matches_each_segment_run_on_its_own(context_model, tiny_tokenizer, monkeypatch, cache_dtype, window, kernel):
+def test_a_packed_pass_matches_each_segment_run_on_its_own(context_model, tiny_tokenizer, monkeypatch, cache_dtype, source_name, kernel):
     """Decode steps, a prompt's chunk and a run of guesses in one packed pass (given out of
     order) give the logits and cache contents of the same work done as separate passes; with
     a sliding window narrower than the rows (mistral), each query sees only its last 8 slots;
-    Gemma 3's sliding layer does so, its global layer sees every slot.
+    Gemma 3's sliding layer does so, its global layer sees every slot; a mixture of experts
+    routes each packed token on its own.
     Where slimlm's attention kernel runs, the guesses are queries of the batched decode step
     (and, run on their own, the kernel's queries still); with torch's attention, a call of their
     own. The separate passes attend in torch."""
@@ -68,10 +69,15 @@ def test_a_packed_pass_matches_each_segment_run_on_its_own(context_model, tiny_t
 
     if not kernel:
         monkeypatch.setattr(cpu_kernels, "available", lambda: False)
-    from tests.tiny_families import build_tiny
+    from tests.tiny_families import DENSE_FIRST_LAYER, build_tiny
 
-    sources = {None: lambda: context_model, 8: lambda: build_tiny_mistral(len(tiny_tokenizer), 8), "gemma3": lambda: build_tiny("gemma3_text", len(tiny_tokenizer), initializer_range=0.2)}
-    source = sources[window]()
+    sources = {
+        None: lambda: context_model,
+        8: lambda: build_tiny_mistral(len(tiny_tokenizer), 8),
+        "gemma3": lambda: build_tiny("gemma3_text", len(tiny_tokenizer), initializer_range=0.2),
+        "qwen3_moe": lambda: build_tiny("qwen3_moe", len(tiny_tokenizer), initializer_range=0.2, **DENSE_FIRST_LAYER),
+    }
+    source = sources[source_name]()
     packed, separate, alone = (build_decoder(source) for _ in range(3))
     for block in separate.layers:  # the reference attends in torch
         block.attention.decode_kernel = False

@@ -15,14 +15,17 @@ from slimlm.inference.sampling import SamplingParams
 from slimlm.pipeline import RunState
 from tests.test_artifact import export
 from tests.test_decoder import hf_greedy, prompt_ids, quantized
-from tests.tiny_families import build_tiny
+from tests.tiny_families import DENSE_FIRST_LAYER, build_tiny
 
-DECODED = ("llama", "qwen3", "gemma3_text", "phi3")  # gemma3_text: its sliding window of 8 is shorter than two of the prompts
+# gemma3_text: its sliding window of 8 is shorter than two of the prompts; qwen3_moe: a dense
+# MLP in its first layer (mlp_only_layers), experts in the second
+DECODED = ("llama", "qwen3", "gemma3_text", "phi3", "qwen3_moe", "mixtral", "olmoe")
 LENGTHS = (5, 13, 21)
 
 
 def family_model(family: str, vocab_size: int, **overrides):
-    return build_tiny(family, vocab_size, initializer_range=0.2, **overrides)
+    dense_first = DENSE_FIRST_LAYER if family == "qwen3_moe" else {}
+    return build_tiny(family, vocab_size, initializer_range=0.2, **dense_first, **overrides)
 
 
 def prompts_for(model) -> list[list[int]]:
@@ -92,13 +95,13 @@ def test_phi3_partial_rotary_and_longrope_follow_transformers(length, tiny_token
         torch.testing.assert_close(decoder(ids, 0), model(ids).logits, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("config", [{"model_type": "mamba", "hidden_size": 64}, {"model_type": "mixtral", "hidden_size": 64}], ids=["state-space", "not-yet-decoded"])
+@pytest.mark.parametrize("config", [{"model_type": "mamba", "hidden_size": 64}, {"model_type": "gemma2", "hidden_size": 64}], ids=["state-space", "not-yet-decoded"])
 def test_a_family_the_decoder_does_not_run_is_refused_in_one_line(config):
     with pytest.raises(SlimlmError) as refusal:
         ModelArgs.from_hf_config(config)
     message = str(refusal.value)
     assert "\n" not in message and f"'{config['model_type']}'" in message
-    assert "llama, mistral, qwen2, qwen3, gemma3_text, phi3" in message and "export=compressed-tensors" in message
+    assert "llama, mistral, qwen2, qwen3, gemma3_text, phi3, qwen3_moe, mixtral, olmoe" in message and "export=compressed-tensors" in message
 
 
 @pytest.mark.parametrize("family", DECODED[1:])

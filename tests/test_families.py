@@ -57,7 +57,7 @@ def test_awq_mappings_fold_scales_without_changing_the_function(family):
                 if rows is not None:
                     apply_scale(previous, rows, linears, torch.rand(linears[0].in_features, generator=generator) * 4 + 0.25, mapping.norm_offset)
                     folded += 1
-    expected = {"llama": 6, "qwen3": 6, "gemma3_text": 6, "phi3": 8}.get(family, 2 * (1 + 4))  # GQA skips v -> o; MoE: norm -> q/k/v and up -> down of each of 4 experts
+    expected = {"llama": 6, "qwen3": 6, "gemma3_text": 6, "phi3": 8}.get(family, 2 * (1 + 8))  # GQA skips v -> o; MoE: norm -> q/k/v and up -> down of each of 8 experts
     assert folded == expected
     torch.testing.assert_close(logits(model, ids), before, rtol=1e-4, atol=1e-4)
 
@@ -99,7 +99,7 @@ def test_experts_are_quantized_one_by_one_and_routers_stay_float(family, tiny_to
     quantize(state, QuantizeParams(method="gptq", bits=4, group_size=16, samples=4, seq_len=64))
     experts = [module for module in model.modules() if isinstance(module, ExpertList)]
     names = ("w1", "w3", "w2") if family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
-    assert len(experts) == 2 and all(isinstance(getattr(expert[e], name), QuantLinear) for expert in experts for e in range(4) for name in names)
+    assert len(experts) == 2 and all(isinstance(getattr(expert[e], name), QuantLinear) for expert in experts for e in range(8) for name in names)
     routers = [module for name, module in model.named_modules() if name.endswith("mlp.gate")]
     assert routers and not any(isinstance(router, QuantLinear) for router in routers)
     assert all(router.weight.dtype == torch.float32 for router in routers)
@@ -127,7 +127,7 @@ def test_an_expert_no_token_reaches_is_rounded_not_broken(tiny_tokenizer, calibr
         for block in decoder_blocks(model)[1]:
             block.mlp.gate = AvoidingRouter(block.mlp.gate, avoided=3)
         state = state_for(model, tiny_tokenizer, calibration_ids, tmp_path)
-        quantize(state, QuantizeParams(method=method, bits=4, group_size=16, samples=1, seq_len=64, awq_grid=4, awq_clip_grid=4))
+        quantize(state, QuantizeParams(method=method, bits=4, group_size=16, samples=4, seq_len=64, awq_grid=4, awq_clip_grid=4))
         unseen = state.sections["quantization"][0]["uncalibrated_layers"]
         assert sorted(unseen) == sorted(f"model.layers.{i}.mlp.experts.3.{p}" for i in range(2) for p in ("gate_proj", "up_proj", "down_proj"))
         assert all(state.schemes[name]["method"] == "rtn" for name in unseen)

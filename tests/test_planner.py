@@ -50,12 +50,14 @@ def test_predicted_bytes_are_what_the_decoder_allocates(tiny_model, tiny_tokeniz
     assert predicted.weight_bytes == pytest.approx(decoder.weight_bytes(), rel=0.02)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gemma3_text", "phi3"])
+@pytest.mark.parametrize("family", ["qwen3", "gemma3_text", "phi3", "qwen3_moe", "mixtral", "olmoe"])
 def test_each_familys_plan_is_what_the_decoder_allocates(family, tiny_tokenizer, tmp_path):
-    """Gemma's four norms and q/k norms, phi3's stored qkv_proj and gate_up_proj."""
-    from tests.tiny_families import build_tiny
+    """Gemma's four norms and q/k norms, phi3's stored qkv_proj and gate_up_proj, the experts
+    and fp32 routers of mixtures of experts (qwen3_moe: a dense first layer), OLMoE's q/k norms
+    over whole projections."""
+    from tests.tiny_families import DENSE_FIRST_LAYER, build_tiny
 
-    model = build_tiny(family, len(tiny_tokenizer))
+    model = build_tiny(family, len(tiny_tokenizer), **(DENSE_FIRST_LAYER if family == "qwen3_moe" else {}))
     state = quantized(model, tiny_tokenizer, tmp_path, **SCHEMES["int4-g32-with-head"])
     schemes = {name: QuantScheme(**scheme) for name, scheme in state.schemes.items()}
     decoder = build_decoder(model, dtype=torch.bfloat16)
@@ -84,9 +86,34 @@ def test_plans_fit_stream_shorten_or_refuse_with_numbers():
     assert capped.kind == "shorter-context" and capped.context < 8192
     with pytest.raises(SlimlmError, match=r"nothing fits .*; tried everything on the device, [\d.]+ GiB; a context of 256 tokens, at least [\d.]+ GiB\. At 8192 tokens:\n.*decoder layers"):
         make_plan(args, {}, dataclasses.replace(no_link, memory_bytes=2 * GiB), context=8192)
-    with pytest.raises(SlimlmError, match=r"tried everything on the device, [\d.]+ GiB; all 32 layers streamed from host memory, [\d.]+ GiB; a context of 256"):
+    with pytest.raises(SlimlmError, match=r"tried everything on the device, [\d.]+ GiB; all 32 layers streamed from host memory, [\d.]+ GiB on the device and [\d.]+ GiB in host memory \(of 26 GiB\); a context of 256"):
         make_plan(args, {}, dataclasses.replace(laptop, memory_bytes=2 * GiB), context=8192)
     assert "fits in the GPU" in format_plan(fits, "llama-3-8b")
+
+
+def test_a_mixture_of_experts_keeps_its_routed_experts_in_host_memory():
+    """Qwen3-30B-A3B at 4 bits (about 15 GiB of experts) on an 8 GB laptop: attention, norms and
+    routers on the GPU, the experts in host memory run by the CPU, which reads the 8 of 128
+    experts a token chose faster than the host link would copy them. On a CPU the same plan is
+    everything in RAM, and a token still reads only its routed experts."""
+    args = args_of("qwen3-30b-a3b")
+    int4 = uniform_schemes(args, QuantScheme(bits=4, group_size=64), None)
+    laptop = HARDWARE["laptop-8gb"]
+    plan = make_plan(args, int4, laptop, context=8192)
+    assert plan.kind == "device" and plan.experts_on_host and plan.placement.experts_on_host
+    assert plan.device_bytes() <= 8 * GiB < plan.host_bytes() <= laptop.host_memory_bytes
+    experts = plan.budget.all_expert_bytes
+    assert 14 * GiB < experts < plan.budget.weight_bytes and plan.budget.routed_fraction == 8 / 128
+    read_per_token = experts * 8 / 128
+    assert 1 / plan.decode_tok_s_bound() > read_per_token / laptop.host_bandwidth_bytes_s  # the host experts bound it
+    assert any("against" in note and "--experts-on-host" in note for note in plan.notes)
+    fast_link = make_plan(args, int4, dataclasses.replace(laptop, host_link_bytes_s=100e9), context=8192)
+    assert any("which the decoder does not do yet" in note for note in fast_link.notes)
+    desktop = dataclasses.replace(HARDWARE["cpu"], memory_bytes=32 * GiB)
+    cpu = make_plan(args, int4, desktop, context=8192)
+    assert cpu.kind == "device" and not cpu.experts_on_host
+    assert cpu.decode_tok_s_bound() > 5 * desktop.bandwidth_bytes_s / cpu.budget.weight_bytes  # not every expert is read
+    assert "of which routed experts" in format_plan(plan, "qwen3-30b-a3b") and "in host memory" in format_plan(plan, "qwen3-30b-a3b")
 
 
 def test_a_shorter_context_may_need_streamed_layers_too():
@@ -122,8 +149,10 @@ def test_plan_command_reads_presets_and_artifacts(tiny_model, tiny_tokenizer, tm
     state = quantized(tiny_model, tiny_tokenizer, tmp_path, bits=4, group_size=32)
     save_artifact(state.model, tiny_tokenizer, tmp_path / "artifact", state.schemes, source={"id": "tiny"})
     run = lambda *args: subprocess.run([sys.executable, "-m", "slimlm.cli", "plan", *args], capture_output=True, text=True)  # noqa: E731
-    preset = run("llama-3-70b", "--bits", "4", "--hardware", "laptop-8gb")
+    preset = run("qwen2.5-32b", "--bits", "4", "--hardware", "laptop-8gb")
     assert preset.returncode == 0 and "streamed from host memory" in preset.stdout
+    too_large = run("llama-3-70b", "--bits", "4", "--hardware", "laptop-8gb")  # 35 GiB of int4 weights: more than the laptop's RAM too
+    assert too_large.returncode == 2 and "GiB in host memory (of 26 GiB)" in too_large.stderr
     artifact = run(str(tmp_path / "artifact"), "--hardware", "cpu", "--context", "256")
     assert artifact.returncode == 0 and "fits in RAM" in artifact.stdout
     assert run("nonsense").returncode == 2

@@ -37,14 +37,15 @@ def _settings(model_type: str) -> tuple[type, type, dict]:
         "gemma3_text": (Gemma3TextConfig, Gemma3ForCausalLM, dict(intermediate_size=128, head_dim=16, sliding_window=8, layer_types=["sliding_attention", "full_attention"], final_logit_softcapping=30.0)),
         # no grouped-query attention: qkv_proj's v rows feed o_proj, and AWQ folds a scale there
         "phi3": (Phi3Config, Phi3ForCausalLM, dict(intermediate_size=128, num_key_value_heads=4)),
-        "mixtral": (MixtralConfig, MixtralForCausalLM, dict(intermediate_size=32, num_local_experts=4, **MOE)),
-        "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, dict(intermediate_size=128, moe_intermediate_size=32, num_experts=4, head_dim=16, **MOE)),
-        "olmoe": (OlmoeConfig, OlmoeForCausalLM, dict(intermediate_size=32, num_experts=4, **MOE)),
+        "mixtral": (MixtralConfig, MixtralForCausalLM, dict(intermediate_size=32, num_local_experts=8, **MOE)),
+        "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, dict(intermediate_size=128, moe_intermediate_size=32, num_experts=8, head_dim=16, **MOE)),
+        "olmoe": (OlmoeConfig, OlmoeForCausalLM, dict(intermediate_size=32, num_experts=8, **MOE)),
     }[model_type]
 
 
 FAMILY_TYPES = ("llama", "qwen3", "gemma3_text", "phi3", "mixtral", "qwen3_moe", "olmoe")
 MOE_TYPES = ("mixtral", "qwen3_moe", "olmoe")
+DENSE_FIRST_LAYER = dict(mlp_only_layers=[0])  # qwen3_moe: a dense MLP in the first layer, experts in the second
 
 
 def build_tiny(model_type: str, vocab_size: int, seed: int = 0, split: bool = True, **overrides):
