@@ -16,6 +16,7 @@ from torch import nn
 
 from slimlm.architecture import family_of as compression_family
 from slimlm.errors import SlimlmError
+from slimlm.experts import split_experts
 from slimlm.inference.linear import GPU_INT4_KERNELS, DequantLinear, DenseLinear, build_linear, fuse
 from slimlm.inference.model import Attention, Block, FeedForward, ModelArgs, MoE, ProjectionRMSNorm, RMSNorm, Transformer
 from slimlm.inference.streaming import HostBlock, HostEmbedding, LayerStreamer, Placement, streamed_layers, to_host
@@ -59,6 +60,7 @@ class DecoderParts:
     def __init__(self, model: nn.Module, dtype: Optional[torch.dtype], device: Optional[torch.device], kernels: bool, int8_activations: bool, gpu_int4: str = "tinygemm", placement: Placement = Placement()):
         if gpu_int4 not in GPU_INT4_KERNELS:
             raise SlimlmError(f"unknown GPU int4 kernel '{gpu_int4}'; choose one of {', '.join(GPU_INT4_KERNELS)}")
+        split_experts(model)  # transformers' fused experts as one Linear per projection, as slimlm's loaders hold them (the same function)
         self.model, self.device = model, torch.device(device or "cpu")
         self.dtype = dtype or default_dtype(model, self.device)
         self.kernels, self.int8_activations, self.gpu_int4 = kernels, int8_activations, gpu_int4

@@ -72,7 +72,15 @@ def _phi3(arch: str, fields: dict, tensors: dict) -> dict:
     return {"rope_parameters": rope, "original_max_position_embeddings": original}
 
 
+def _qwen3moe(arch: str, fields: dict, tensors: dict) -> dict:
+    """The experts' width (transformers takes its default of 768 otherwise) and the rescaled
+    top-k weights llama.cpp's qwen3moe always computes."""
+    return {"moe_intermediate_size": fields[f"{arch}.expert_feed_forward_length"], "norm_topk_prob": True}
+
+
 def _llama(arch: str, fields: dict, tensors: dict) -> dict:
+    if f"{arch}.expert_count" in fields:
+        raise SlimlmError("this GGUF file is a llama-architecture mixture of experts (Mixtral), which transformers' GGUF reader reads as a dense Llama without its experts; convert the original checkpoint instead")
     if "rope_freqs.weight" not in tensors:
         return {}
     base = _rope_base(arch, fields)
@@ -104,4 +112,8 @@ def llama3_parameters(inverse: np.ndarray, divisors: np.ndarray) -> dict:
     return parameters
 
 
-FAMILY_CORRECTIONS: dict[str, Callable[[str, dict, dict], dict]] = {"gemma3": _gemma3, "phi3": _phi3, "llama": _llama}
+def _unread(arch: str, fields: dict, tensors: dict) -> dict:
+    raise SlimlmError(f"transformers' GGUF reader does not read {arch} files; convert the original checkpoint instead")
+
+
+FAMILY_CORRECTIONS: dict[str, Callable[[str, dict, dict], dict]] = {"gemma3": _gemma3, "phi3": _phi3, "llama": _llama, "qwen3moe": _qwen3moe, "olmoe": _unread}

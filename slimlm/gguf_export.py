@@ -17,7 +17,7 @@ returned summary says which tensors were written exactly, rounded from float, re
 (for F16/F32 files) dequantized.
 
 Tensor names are llama.cpp's for the model's family (gguf's name map: `token_embd`,
-`blk.N.attn_q`, ...); what differs between families (architecture, rotary layout, norm convention,
+`blk.N.attn_q`, ...; a block's experts stacked into `blk.N.ffn_gate_exps` and the like); what differs between families (architecture, rotary layout, norm convention,
 hyper-parameters, RoPE scaling) is one table entry each in slimlm/gguf_families.py. The tokenizer
 comes from the source GGUF when there was one (every `tokenizer.*` key copied), otherwise from the
 Hugging Face tokenizer, written as llama.cpp's converter writes it (slimlm/gguf_tokenizer.py).
@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from slimlm.errors import SlimlmError
+from slimlm.experts import ExpertList
 from slimlm.gguf_families import FAMILIES, Family, family_of, write_hyperparameters
 from slimlm.gguf_tokenizer import write_tokenizer
 from slimlm.qlinear import QuantEmbedding, QuantLinear, QuantScheme, QuantTable
@@ -61,8 +62,8 @@ def export_gguf(model: nn.Module, tokenizer: Any, path: Path, gguf_type: str, so
     for chosen in (gguf_type, head_type or gguf_type):
         if chosen not in GGUF_TYPES:
             raise SlimlmError(f"unknown GGUF type '{chosen}'; choose one of {', '.join(GGUF_TYPES)}")
-    types = _TypeChoice(gguf_type, head_type, head_is_tied(model))  # decided once: comparing the tables reads both whole
-    layers = [(name, value) for name, value in _named_tensors(model, types.tied) if isinstance(value, QuantLinear)]
+    types = _TypeChoice(gguf_type, head_type, head_is_tied(model) and not family.output_required)  # decided once: comparing the tables reads both whole
+    layers = [(name, value) for name, value in _each_tensor(model, types.tied) if isinstance(value, QuantLinear)]
     adapted = [name for name, value in layers if value.adapter_rank and types.of(name) in GRIDS]
     if adapted and not requantize:
         raise SlimlmError(
@@ -157,14 +158,37 @@ def _write_tensors(writer, model: nn.Module, types: _TypeChoice, family: Family)
         gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if gguf_name is None:
             raise SlimlmError(f"GGUF export: no llama.cpp {family.arch} name for tensor '{hf_name}'")
-        if family.norm_offset and hf_name.endswith("norm.weight"):
-            value = value.detach() + family.norm_offset
-        heads = _rotary_heads(hf_name, config) if family.permute_rotary else None
-        data, raw_type, how = _encode(value, types.of(hf_name), heads)
+        if isinstance(value, ExpertStack):
+            encoded = [_encode(layer, types.default, None) for layer in value.layers]
+            data, raw_type = np.stack([part[0] for part in encoded]), encoded[0][1]
+            stored.update({name: how for name, (*_, how) in zip(value.names, encoded) if how != "float"})
+        else:
+            if family.norm_offset and hf_name.endswith("norm.weight"):
+                value = value.detach() + family.norm_offset
+            heads = _rotary_heads(hf_name, config) if family.permute_rotary else None
+            data, raw_type, how = _encode(value, types.of(hf_name), heads)
+            if how != "float":
+                stored[hf_name] = how
         writer.add_tensor(gguf_name, data, raw_dtype=raw_type)
-        if how != "float":
-            stored[hf_name] = how
     return stored
+
+
+@dataclass(frozen=True)
+class ExpertStack:
+    """One projection of every expert of a block (`names`: each expert's own tensor name):
+    llama.cpp keeps them as one 3-D tensor, expert by expert."""
+
+    names: tuple[str, ...]
+    layers: tuple  # QuantLinear or float weight, one per expert
+
+
+def _stacked_experts(name: str, experts: ExpertList):
+    """(name, ExpertStack) per projection, under the names gguf's tensor map knows for every family."""
+    own = experts[0].names
+    for canonical, projection in (("gate_proj", own.gate), ("up_proj", own.up), ("down_proj", own.down)):
+        layers = [getattr(expert, projection) for expert in experts]
+        values = tuple(layer if isinstance(layer, QuantLinear) else layer.weight for layer in layers)
+        yield f"{name}.{canonical}.weight", ExpertStack(tuple(f"{name}.{e}.{projection}.weight" for e in range(len(experts))), values)
 
 
 def _named_tensors(model: nn.Module, tied: bool):
@@ -174,10 +198,14 @@ def _named_tensors(model: nn.Module, tied: bool):
     output tensor: a second copy would add a fifth to a 0.5B model's file); `tied`: head_is_tied."""
     head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
     yield "model.embed_tokens.weight", head if isinstance(embedding, QuantEmbedding) else embedding if isinstance(embedding, QuantTable) else embedding.weight
+    stacked: list[str] = []  # ExpertLists written whole: their modules are not visited again
     for name, module in model.named_modules():
-        if module is head or module is embedding:
+        if module is head or module is embedding or any(name.startswith(f"{prefix}.") for prefix in stacked):
             continue
-        if isinstance(module, (nn.Linear, QuantLinear)):
+        if isinstance(module, ExpertList):
+            stacked.append(name)
+            yield from _stacked_experts(name, module)
+        elif isinstance(module, (nn.Linear, QuantLinear)):
             yield f"{name}.weight", module if isinstance(module, QuantLinear) else module.weight
             if module.bias is not None:
                 yield f"{name}.bias", module.bias
@@ -186,6 +214,15 @@ def _named_tensors(model: nn.Module, tied: bool):
                 yield f"{name}.{key}", parameter
     if not tied:
         yield "lm_head.weight", head if isinstance(head, QuantLinear) else head.weight
+
+
+def _each_tensor(model: nn.Module, tied: bool):
+    """_named_tensors with each expert's projections on their own, under their own names."""
+    for name, value in _named_tensors(model, tied):
+        if isinstance(value, ExpertStack):
+            yield from zip(value.names, value.layers)
+        else:
+            yield name, value
 
 
 def head_is_tied(model: nn.Module) -> bool:

@@ -16,6 +16,14 @@ llama.cpp's loader reads it:
                   so a config with another query_pre_attn_scalar is refused rather than run wrongly.
   phi3            fused qkv and gate_up (llama.cpp splits them itself), a sliding window on every layer,
                   LongRoPE as rope_factors_long/short tensors with the original context and attention factor.
+  qwen3_moe, olmoe, mixtral (llama.cpp's "qwen3moe", "olmoe" and, with experts, "llama")
+                  each block's experts stacked into one 3-D tensor per projection (ffn_*_exps), the
+                  router as ffn_gate_inp, the expert count, the experts a token uses and their width.
+                  llama.cpp rescales the chosen experts' weights to sum to 1 for qwen3moe and
+                  llama (Mixtral) and not for olmoe, and has every block use experts: a config
+                  that says otherwise is refused. llama.cpp's olmoe norms keys over the hidden size
+                  (no grouped-query attention), does not clamp q/k/v as transformers does (a
+                  config with clip_qkv is refused) and needs output.weight even where the head is tied.
 """
 
 from __future__ import annotations
@@ -52,6 +60,30 @@ def _phi3_keys(writer, config) -> None:
     writer.add_rope_scaling_orig_ctx_len(original_context(config))
 
 
+def _olmoe_keys(writer, config) -> None:
+    if (config.num_key_value_heads or config.num_attention_heads) != config.num_attention_heads:
+        raise SlimlmError("GGUF export: llama.cpp's olmoe norms the keys over the hidden size, so it has no grouped-query attention; this config has fewer key/value heads than query heads")
+    if getattr(config, "clip_qkv", None):
+        raise SlimlmError("GGUF export: llama.cpp's olmoe does not clamp queries, keys and values where transformers does (measured: the logits part after a few tokens); this config sets clip_qkv")
+    _experts_keys(normalized=False)(writer, config)
+
+
+def _experts_keys(normalized: bool) -> Callable[[Any, Any], None]:
+    """The keys of a mixture of experts whose llama.cpp graph rescales the top-k weights (or not)."""
+
+    def keys(writer, config) -> None:
+        experts = getattr(config, "num_experts", None) or config.num_local_experts
+        if bool(getattr(config, "norm_topk_prob", normalized)) != normalized:
+            raise SlimlmError(f"GGUF export: llama.cpp's {config.model_type} {'rescales' if normalized else 'does not rescale'} the chosen experts' weights to sum to 1; this config's norm_topk_prob says otherwise")
+        if getattr(config, "mlp_only_layers", None) or (getattr(config, "decoder_sparse_step", None) or 1) != 1:
+            raise SlimlmError("GGUF export: llama.cpp runs experts in every block; this config keeps dense MLPs in some (mlp_only_layers, decoder_sparse_step)")
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(getattr(config, "moe_intermediate_size", None) or config.intermediate_size)
+
+    return keys
+
+
 @dataclass(frozen=True)
 class Family:
     """One family as llama.cpp knows it."""
@@ -61,6 +93,7 @@ class Family:
     norm_offset: float = 0.0  # added to every norm weight (Gemma's (1 + w))
     rope_kinds: tuple[str, ...] = ("default", "linear")  # the RoPE scalings llama.cpp runs for it
     keys: Callable[[Any, Any], None] = field(default=_no_keys)  # family-only hyper-parameters
+    output_required: bool = False  # llama.cpp loads no model without output.weight (olmoe): a tied head is written twice
 
 
 LLAMA = Family("llama", permute_rotary=True, rope_kinds=("default", "linear", "llama3"))
@@ -71,6 +104,9 @@ FAMILIES = {
     "qwen3": Family("qwen3"),
     "gemma3_text": Family("gemma3", norm_offset=1.0, keys=_gemma3_keys),
     "phi3": Family("phi3", rope_kinds=("default", "longrope"), keys=_phi3_keys),
+    "qwen3_moe": Family("qwen3moe", keys=_experts_keys(normalized=True)),
+    "olmoe": Family("olmoe", keys=_olmoe_keys, output_required=True),
+    "mixtral": Family("llama", permute_rotary=True, keys=_experts_keys(normalized=True)),
 }
 
 

@@ -202,8 +202,9 @@ def gguf_config(gguf_path: Path) -> Any:
 
     from slimlm.gguf_config import config_corrections
 
+    corrections = config_corrections(gguf_path)  # first: it refuses files transformers cannot read
     config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    for key, value in config_corrections(gguf_path).items():
+    for key, value in corrections.items():
         setattr(config, key, value)
     if isinstance(config.pad_token_id, int) and config.pad_token_id >= config.vocab_size:
         config.pad_token_id = None
