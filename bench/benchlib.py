@@ -138,7 +138,8 @@ def llama_cpp_bytes(path: Path, config, cache_bytes_per_value: float) -> tuple[i
     from gguf import GGUFReader
 
     weights = sum(int(t.n_bytes) for t in GGUFReader(path).tensors)
-    return weights, 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * cache_bytes_per_value
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return weights, 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * cache_bytes_per_value
 
 
 def check_llama_cpp(gguf: Path, threads: int) -> None:
