@@ -51,6 +51,11 @@ def dispatch(experts: Sequence[Callable[[torch.Tensor], torch.Tensor]], hidden_s
     run, each once on all its tokens (a decode step reads k experts' weights; a prefill groups
     its tokens by expert)."""
     output = torch.zeros_like(hidden_states)
+    if hidden_states.shape[0] == 1:  # one token (a decode step): its experts in turn, nothing to group (a third of the time)
+        for index, weight in zip(top_k_index[0].tolist(), top_k_weights[0]):
+            if index < len(experts):
+                output += (experts[index](hidden_states) * weight).to(output.dtype)
+        return output
     for index in top_k_index.unique().tolist():
         if index >= len(experts):  # transformers marks dropped routes with index E
             continue
