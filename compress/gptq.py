@@ -23,10 +23,20 @@ from slimlm.qlinear import QuantScheme
 
 log = logging.getLogger(__name__)
 
-# Hessians and GPTQ's and SparseGPT's working copies are float32, as in the GPTQ authors' code,
-# GPTQModel and llm-compressor: half the memory of float64 (an 8B down projection's H is 0.8 GB,
-# not 1.6) and the precision a GPU computes fast; the damping keeps the factorization stable.
+# Hessians are accumulated in float32, as in the GPTQ authors' code, GPTQModel and llm-compressor:
+# half the memory of float64 (an 8B down projection's H is 0.8 GB, not 1.6) for every layer a
+# block holds at once.
 WORK_DTYPE = torch.float32
+# One layer's solve (its Hessian's factorization, GPTQ's and SparseGPT's working weight) runs in
+# float64 where that Hessian takes at most this many bytes in float64: float32 solves cost the
+# default model's w4 GPTQ about 3% of its KL (bench/results/quantize_default.md). Wider layers
+# (an 8B model's down projection, 14336 inputs: 1.6 GB in float64, twice that while it is
+# factorized) solve in float32, which keeps an 8B model's calibration under 6 GB.
+SOLVE_FLOAT64_BYTES = 2**28
+
+
+def solve_dtype(in_features: int) -> torch.dtype:
+    return torch.float64 if in_features * in_features * 8 <= SOLVE_FLOAT64_BYTES else torch.float32
 
 
 @dataclass(frozen=True)
@@ -142,13 +152,13 @@ def inverse_hessian_factor(H: torch.Tensor, damp: float, name: str) -> torch.Ten
 
 
 def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, scheme: QuantScheme, options: GPTQOptions = GPTQOptions(), name: str = "layer") -> QuantizedWeight:
-    """`weight` quantized by GPTQ against `hessian`, which it overwrites when it is a WORK_DTYPE
-    tensor on the weight's device (pass a copy to keep it; LayerInputStatistics.take_hessian decides)."""
+    """`weight` quantized by GPTQ against `hessian`, which it overwrites when it is already in the
+    layer's solve_dtype on the weight's device (pass a copy to keep it; LayerInputStatistics.take_hessian decides)."""
     out_features, in_features = weight.shape
     group = scheme.group_size or in_features
     device = weight.device  # every tensor below lives where the weight does (a block on a GPU)
     pruned = weight.detach() == 0  # exact zeros (a sparsify stage's work) stay zero; their error is spread like any other
-    H = hessian.to(device, WORK_DTYPE)  # consumed: reordered and factorized in place
+    H = hessian.to(device, solve_dtype(in_features))  # consumed: reordered and factorized in place
     dead = H.diagonal() == 0  # inputs that were always zero carry no information
     # Group parameters: from the original weights up front when act-order reorders columns (or one
     # group spans the row); otherwise from the updated weights when a group's first column is reached.
@@ -186,7 +196,7 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, scheme: QuantSche
             if any_pruned:
                 q = keep_zeros(q, ~pruned[:, start + i : start + i + 1], zero, scheme)
             codes[:, column] = q[:, 0]
-            error = (W1[:, i] - dequantize_codes(q, scale, zero, scheme)[:, 0].to(WORK_DTYPE)) / Hinv[start + i, start + i]
+            error = (W1[:, i] - dequantize_codes(q, scale, zero, scheme)[:, 0].to(W1.dtype)) / Hinv[start + i, start + i]
             W1[:, i:] -= error.unsqueeze(1) @ Hinv[start + i, start + i : end].unsqueeze(0)
             errors[:, i] = error
         W[:, end:] -= errors @ Hinv[start:end, end:]
@@ -194,9 +204,10 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, scheme: QuantSche
 
 
 def _working_weight(weight: torch.Tensor, order: Optional[torch.Tensor], dead: torch.Tensor) -> torch.Tensor:
-    """A WORK_DTYPE copy of `weight` (its columns in `order`, when given) with the `dead` columns
+    """A solve_dtype copy of `weight` (its columns in `order`, when given) with the `dead` columns
     (in that order) zeroed: GPTQ's working copy, 0.23 GB for an 8B down projection."""
-    W = weight.detach().to(WORK_DTYPE, copy=True) if order is None else weight.detach()[:, order].to(WORK_DTYPE)
+    dtype = solve_dtype(weight.shape[1])
+    W = weight.detach().to(dtype, copy=True) if order is None else weight.detach()[:, order].to(dtype)
     W[:, dead] = 0.0
     return W
 

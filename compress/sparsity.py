@@ -24,7 +24,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from slimlm.compress.gptq import WORK_DTYPE, inverse_hessian_factor
+from slimlm.compress.gptq import inverse_hessian_factor, solve_dtype
 from slimlm.errors import ConfigError, SlimlmError
 
 
@@ -118,7 +118,7 @@ def owl_ratios(outliers: Sequence[float], target: float, spread: float) -> list[
 
 def sparsegpt_prune(weight: torch.Tensor, hessian: torch.Tensor, pattern: SparsityPattern, block_size: int = 128, damp: float = 0.01, name: str = "layer") -> torch.Tensor:
     """The weight with `pattern` pruned SparseGPT's way (float32, zeros in place). `hessian` is
-    overwritten when it is a WORK_DTYPE tensor on the weight's device, as in gptq_quantize.
+    overwritten when it is already in the layer's solve_dtype on the weight's device, as in gptq_quantize.
 
     Masks are chosen on the partly updated weights (adaptive mask selection): N:M per run of M
     columns as the sweep reaches it; unstructured per block of columns, each block dropping its share of the whole matrix's budget (running total), so the
@@ -128,8 +128,8 @@ def sparsegpt_prune(weight: torch.Tensor, hessian: torch.Tensor, pattern: Sparsi
     problem = pattern.shape_problem(cols)
     if problem:
         raise SlimlmError(f"cannot prune {name}: {problem}")
-    W = weight.detach().to(WORK_DTYPE, copy=True)
-    H = hessian.to(W.device, WORK_DTYPE)  # consumed: factorized in place
+    W = weight.detach().to(solve_dtype(cols), copy=True)
+    H = hessian.to(W.device, W.dtype)  # consumed: factorized in place
     dead = H.diagonal() == 0
     H[dead, dead] = 1.0
     W[:, dead] = 0.0
