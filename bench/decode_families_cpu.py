@@ -8,11 +8,13 @@ Random-weight models built from transformers' own config classes, shaped as publ
   dense-active    a dense Llama with OLMoE's active shape: the same 4 layers, hidden size and
                   heads, and one MLP as wide as the 8 experts a token uses (8 x 1024): what
                   the mixture of experts decodes against, parameter for parameter read
-Every Linear (the LM head too) is int4 g32 symmetric RTN; slimlm decodes it with int8
-activations and the decode step compiled (its fastest CPU path), llama.cpp (llama-cpp-python)
-decodes the same codes exported as GGUF Q4_0 (exact: the same grid). Batch 1, a 16-token random
-prompt, exactly 128 greedy new tokens, the same threads for both; every row decodes once per
-round for `--repeats` rounds (interleaved) and the median is kept.
+Each tool decodes its own 4.5-bit integer form of the same float weights: slimlm int4 g64 RTN
+of every Linear (the LM head too; bf16 scale and offset per 64 weights) with int8 activations
+and the decode step compiled, its fastest CPU path (slimlm's int8-activation kernel takes groups
+of 64 or more: int4 g32 runs in torch's tinygemm kernel instead); llama.cpp (llama-cpp-python)
+the float weights rounded to GGUF Q4_0 (fp16 scale per 32 weights) as its converter rounds them.
+Batch 1, a 16-token random prompt, exactly 128 greedy new tokens, the same threads for both;
+every row decodes once per round for `--repeats` rounds (interleaved) and the median is kept.
 
 The planner's CPU plan of the MoE model is checked against a measured run: the artifact loaded
 by `slimlm generate` in a fresh process, its peak resident memory (GNU time) against the plan's
@@ -36,6 +38,7 @@ import torch
 
 from slimlm.artifact import parse_manifest, planner_inputs, save_artifact
 from slimlm.compress.quantize import QuantizeParams, run as quantize
+from slimlm.experts import split_experts
 from slimlm.gguf_export import export_gguf
 from slimlm.inference.model import ModelArgs
 from slimlm.inference.planner import HARDWARE, make_plan
@@ -47,7 +50,7 @@ from decode_cpu import add_decode_options, llama_cpp_contender, race, slimlm_con
 
 RUNS = REPO / "bench" / "runs" / "decode_families_cpu"
 TIME = "/usr/bin/time"
-SCHEME = dict(bits=4, group_size=32, targets=[r"model\.layers\.\d+\..*", "lm_head"])
+SCHEME = dict(bits=4, group_size=64, targets=[r"model\.layers\.\d+\..*", "lm_head"])
 OLMOE = dict(hidden_size=2048, num_attention_heads=16, num_key_value_heads=16, num_hidden_layers=4, vocab_size=50304, max_position_embeddings=4096, rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)
 SHAPES: dict[str, tuple[str, dict]] = {
     "qwen3-0.6b": ("qwen3", dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True)),
@@ -60,21 +63,28 @@ TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_si
 QUICK_SHAPES: dict[str, tuple[str, dict]] = {
     "qwen3-tiny": ("qwen3", dict(TINY, intermediate_size=128, num_key_value_heads=2, head_dim=32)),
     "gemma-3-tiny": ("gemma3_text", dict(TINY, intermediate_size=128, num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=32, sliding_window=8)),
-    "olmoe-tiny": ("olmoe", dict(TINY, intermediate_size=32, num_key_value_heads=4, num_experts=8, num_experts_per_tok=2)),
-    "dense-active-tiny": ("llama", dict(TINY, intermediate_size=2 * 32, num_key_value_heads=4)),
+    "olmoe-tiny": ("olmoe", dict(TINY, intermediate_size=64, num_key_value_heads=4, num_experts=8, num_experts_per_tok=2)),
+    "dense-active-tiny": ("llama", dict(TINY, intermediate_size=2 * 64, num_key_value_heads=4)),
 }
 MOE, DENSE = 2, 3  # indices of the mixture of experts and its dense counterpart in the shapes
 
 
-def random_model(model_type: str, settings: dict, workdir: Path):
-    """A random-weight model of `model_type` from transformers' own config class, int4 g32 RTN."""
+def random_model(model_type: str, settings: dict):
+    """A random-weight float model of `model_type` from transformers' own config class, experts
+    split into one Linear per projection as slimlm's loaders hold them."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **settings), dtype=torch.float32).eval()
+    split_experts(model)
+    return model
+
+
+def quantized(model, workdir: Path) -> dict:
+    """`model` quantized in place to int4 g64 RTN; returns the schemes."""
     state = RunState(cfg=None, run_dir=workdir, model=model, tokenizer=None, source=None, source_sha256=None, device=torch.device("cpu"))
     quantize(state, QuantizeParams(**SCHEME))
-    return model, state.schemes
+    return state.schemes
 
 
 def measured_plan(name: str, model, tokenizer, schemes: dict, options, workdir: Path) -> dict:
@@ -99,15 +109,20 @@ def measured_plan(name: str, model, tokenizer, schemes: dict, options, workdir: 
     return {"name": f"{name}: planned against measured peak", "context": context, "predicted_peak_bytes": predicted, "measured_peak_bytes": measured, "predicted_to_measured": round(predicted / measured, 3), "expert_bytes": plan.budget.all_expert_bytes}
 
 
-def contenders_of(name: str, model, tokenizer, prompt: list[int], options, workdir: Path) -> list:
-    rows = [slimlm_contender(f"{name}: slimlm int4 g32, int8 activations, compiled", model, tokenizer, prompt, options, torch.bfloat16, compiled=True, int8_activations=True)]
-    if not options.skip_llama_cpp:
-        path = workdir / f"{name}-q4_0.gguf"
-        path.unlink(missing_ok=True)
-        export_gguf(model, tokenizer, path, "Q4_0")
-        check_llama_cpp(path, options.threads)
-        rows.append(llama_cpp_contender(f"{name}: llama.cpp Q4_0", path, prompt, options, model.config))
-    return rows
+def llama_cpp_row(name: str, model, tokenizer, prompt: list[int], options, workdir: Path):
+    """llama.cpp on the float model rounded to Q4_0 (before slimlm quantizes it in place)."""
+    path = workdir / f"{name}-q4_0.gguf"
+    path.unlink(missing_ok=True)
+    export_gguf(model, tokenizer, path, "Q4_0")
+    check_llama_cpp(path, options.threads)
+    return llama_cpp_contender(f"{name}: llama.cpp Q4_0", path, prompt, options, model.config)
+
+
+def slimlm_row(name: str, model, tokenizer, prompt: list[int], options):
+    row = slimlm_contender(f"{name}: slimlm int4 g64, int8 activations, compiled", model, tokenizer, prompt, options, torch.bfloat16, compiled=True, int8_activations=True)
+    kernels = row.info.pop("kernels")
+    row.info["kernels"] = ", ".join(f"{kernel} x{count}" for kernel, count in kernels.items())
+    return row
 
 
 def ratio_cell(ratio) -> str:
@@ -135,8 +150,10 @@ def main() -> None:
     contenders, planned = [], None
     for index, (name, (model_type, settings)) in enumerate(shapes.items()):
         print(f"preparing {name}", flush=True)
-        model, schemes = random_model(model_type, settings, workdir)
-        contenders += contenders_of(name, model, tokenizer, prompt, options, workdir)
+        model = random_model(model_type, settings)
+        theirs = [] if options.skip_llama_cpp else [llama_cpp_row(name, model, tokenizer, prompt, options, workdir)]
+        schemes = quantized(model, workdir)
+        contenders += [slimlm_row(name, model, tokenizer, prompt, options), *theirs]
         if index == MOE:
             planned = measured_plan(name, model, tokenizer, schemes, options, workdir)
         del model
@@ -148,15 +165,13 @@ def main() -> None:
         ours["vs_llama_cpp"] = None if theirs is None else round(ours["decode_tok_s"] / theirs["decode_tok_s"], 3)
     moe = next(r for r in rows if r["name"].startswith(f"{names[MOE]}: slimlm"))
     moe["vs_dense_active"] = round(moe["decode_tok_s"] / next(r for r in rows if r["name"].startswith(f"{names[DENSE]}: slimlm"))["decode_tok_s"], 3)
-    for row in rows:
-        row.pop("kernels", None)
     command = command_line("decode_families_cpu.py", parser, options)
     if not options.quick:
-        write_plot(rows, "decode_families_cpu", "Decode speed on CPU by family (random weights, int4 g32)")
+        write_plot(rows, "decode_families_cpu", "Decode speed on CPU by family (random weights, 4.5-bit int4)")
     table = [
-        "| model and decoder | decode tok/s | vs llama.cpp | time to first token ms | weights MB | warm-up s |",
-        "|---|---:|---:|---:|---:|---:|",
-        *[f"| {r['name']} | {r['decode_tok_s']:.1f} | {ratio_cell(r.get('vs_llama_cpp'))} | {1000 * r['ttft_s']:.1f} | {r['weight_bytes'] / 1e6:.1f} | {r.get('warmup_s', 0):.0f} |" for r in rows],
+        "| model and decoder | decode tok/s | vs llama.cpp | time to first token ms | weights MB | warm-up s | kernels |",
+        "|---|---:|---:|---:|---:|---:|---|",
+        *[f"| {r['name']} | {r['decode_tok_s']:.1f} | {ratio_cell(r.get('vs_llama_cpp'))} | {1000 * r['ttft_s']:.1f} | {r['weight_bytes'] / 1e6:.1f} | {r.get('warmup_s', 0):.0f} | {r.get('kernels', '')} |" for r in rows],
         "",
         f"The mixture of experts against the dense model of its active shape: **{moe['vs_dense_active']:.2f}x** its tokens/s (goal 0.7x).",
         "",
@@ -166,7 +181,7 @@ def main() -> None:
         "",
         "![decode_families_cpu](decode_families_cpu.png)",
     ]
-    details = [f"- batch 1, a {options.prompt_tokens}-token random prompt, exactly {options.new_tokens} greedy new tokens, median of {options.repeats} interleaved rounds after a warm-up; random weights, int4 g32 RTN of every Linear and the head"]
+    details = [f"- batch 1, a {options.prompt_tokens}-token random prompt, exactly {options.new_tokens} greedy new tokens, median of {options.repeats} interleaved rounds after a warm-up; random weights: slimlm int4 g64 RTN of every Linear and the head, llama.cpp the float weights rounded to Q4_0"]
     publish_table("decode_families_cpu", "decode_families_cpu", command, machine_info(), time.perf_counter() - started, details, table, [*rows, planned], options.quick)
 
 

@@ -37,6 +37,7 @@ from slimlm.compress.stream_rtn import stream_rtn
 from slimlm.compress.targets import compile_patterns, select_linear_modules
 from slimlm.data import check_text_source, load_text, tokenize_text
 from slimlm.errors import ConfigError, SlimlmError
+from slimlm.experts import split_experts
 from slimlm.half_linear import float32_linears
 from slimlm.memory import peak_memory
 from slimlm.models import DTYPES, checkpoint_directory
@@ -120,6 +121,7 @@ def check_shapes(model, names: list[str], scheme: QuantScheme) -> None:
 @torch.no_grad()
 def run(state: RunState, params: QuantizeParams) -> None:
     started = time.perf_counter()
+    split_experts(state.model)  # a transformers model given directly: its fused experts become Linear layers, as slimlm's loaders make them
     names = select_linear_modules(state.model, params.targets, params.ignore)
     check_shapes(state.model, names, params.scheme)
     section = section_header(params, len(names))

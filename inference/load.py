@@ -17,6 +17,7 @@ from torch import nn
 
 from slimlm.artifact import ArtifactParts
 from slimlm.errors import SlimlmError
+from slimlm.memory import return_freed_memory
 from slimlm.inference.build import DecoderParts
 from slimlm.inference.model import Transformer
 from slimlm.inference.streaming import Placement
@@ -34,6 +35,7 @@ def load_decoder(path: Path, dtype: Optional[torch.dtype] = torch.bfloat16, devi
         fill(layer, f"model.layers.{index}.")
         blocks.append(parts.block(index, layer))
         layer.to("meta")  # the block holds its own layout now: drop the source copy
+        return_freed_memory()  # and hand its pages back: glibc keeps freed tensors of a few MB in its heap, so a model of many experts would peak near twice its size
     fill(skeleton.model.norm, "model.norm.")
     head, embedding = skeleton.get_output_embeddings(), skeleton.get_input_embeddings()
     head_stored = artifact.stores("lm_head.")

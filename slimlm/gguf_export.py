@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from slimlm.errors import SlimlmError
-from slimlm.experts import ExpertList
+from slimlm.experts import ExpertList, split_experts
 from slimlm.gguf_families import FAMILIES, Family, family_of, write_hyperparameters
 from slimlm.gguf_tokenizer import write_tokenizer
 from slimlm.qlinear import QuantEmbedding, QuantLinear, QuantScheme, QuantTable
@@ -59,6 +59,7 @@ def export_gguf(model: nn.Module, tokenizer: Any, path: Path, gguf_type: str, so
 
     config = model.config
     family = family_of(config)
+    split_experts(model)  # transformers' fused experts as one Linear per projection, stacked again below
     for chosen in (gguf_type, head_type or gguf_type):
         if chosen not in GGUF_TYPES:
             raise SlimlmError(f"unknown GGUF type '{chosen}'; choose one of {', '.join(GGUF_TYPES)}")
