@@ -75,8 +75,9 @@ class DecoderParts:
         self.streamed = set(streamed_layers(self.args.n_layers, placement.stream_layers))
         self.hosts: list[HostBlock] = []  # the streamed blocks' weights, in host memory
 
-    def linear(self, layer: nn.Module, streamed: bool = False) -> nn.Module:
-        return build_linear(layer, self.dtype, self.device, self.kernels, self.int8_activations, self.gpu_int4, semi_sparse=not streamed)
+    def linear(self, layer: nn.Module, streamed: bool = False, device: Optional[torch.device] = None) -> nn.Module:
+        """`layer` in its kernel, on the decoder's device unless `device` says otherwise (host experts)."""
+        return build_linear(layer, self.dtype, device or self.device, self.kernels, self.int8_activations, self.gpu_int4, semi_sparse=not streamed)
 
     def norm_weight(self, norm: nn.Module) -> torch.Tensor:
         """The scale an RMSNorm multiplies by: its weight, plus 1 for Gemma's `(1 + w)` norms."""
@@ -105,7 +106,7 @@ class DecoderParts:
         qkv = attn.qkv_proj if stored_fused else fuse([attn.q_proj, attn.k_proj, attn.v_proj])
         head_norms = (self.qk_norm(attn.q_norm), self.qk_norm(attn.k_norm)) if self.args.family.qk_norm else ()
         attention = Attention(self.args, linear(qkv), linear(attn.o_proj), *head_norms)
-        if self.args.expert_layers and self.args.expert_layers[index]:
+        if self.args.is_expert_layer(index):
             feed_forward = self.experts(mlp, streamed)
         else:
             gate_up = mlp.gate_up_proj if stored_fused else fuse([mlp.gate_proj, mlp.up_proj])
@@ -125,7 +126,7 @@ class DecoderParts:
         experts = []
         for expert in mlp.experts:
             gate_up = fuse([getattr(expert, names.gate), getattr(expert, names.up)])
-            experts.append(FeedForward(*(build_linear(layer, self.dtype, device, self.kernels, self.int8_activations, self.gpu_int4, semi_sparse=not streamed) for layer in (gate_up, getattr(expert, names.down))), self.args.activation))
+            experts.append(FeedForward(self.linear(gate_up, streamed, device), self.linear(getattr(expert, names.down), streamed, device), self.args.activation))
         return MoE(mlp.gate.weight.to(self.device), experts, self.args.routing, on_host)
 
     def assemble(self, blocks: list[Block]) -> Transformer:

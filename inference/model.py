@@ -61,6 +61,10 @@ class ModelArgs:
     expert_layers: tuple[bool, ...] = ()  # whether each layer's MLP is a mixture of experts
     clip_qkv: Optional[float] = None  # OLMoE: queries, keys and values clamped to +-clip_qkv
 
+    def is_expert_layer(self, index: int) -> bool:
+        """Whether layer `index`'s MLP is a mixture of experts."""
+        return bool(self.expert_layers) and self.expert_layers[index]
+
     @classmethod
     def from_hf_config(cls, config: Any) -> "ModelArgs":
         """Read a transformers config (object or dict); refuse families the decoder does not run."""

@@ -187,16 +187,12 @@ SEPARATE = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self
 STORED_FUSED = (("self_attn.qkv_proj",), ("self_attn.o_proj",), ("mlp.gate_up_proj",), ("mlp.down_proj",))  # phi3's checkpoints
 
 
-def is_expert_layer(args: ModelArgs, index: int) -> bool:
-    return bool(args.expert_layers) and args.expert_layers[index]
-
-
 def linear_groups(args: ModelArgs, index: int = 0) -> tuple[tuple[str, ...], ...]:
     """Decoder layer `index`'s Linear layers as the family's checkpoints name them, grouped as
     the decoder fuses them into one matmul each; a mixture of experts' MLP is each expert's
     gate/up and down."""
     groups = STORED_FUSED if args.family.stored_fused else SEPARATE
-    if not is_expert_layer(args, index):
+    if not args.is_expert_layer(index):
         return groups
     names = compression_family(args.architecture).experts
     experts = (((f"mlp.experts.{e}.{names.gate}", f"mlp.experts.{e}.{names.up}"), (f"mlp.experts.{e}.{names.down}",)) for e in range(args.routing.experts))
@@ -276,7 +272,7 @@ def budget(args: ModelArgs, schemes: dict[str, QuantScheme], hardware: Hardware,
     for index in range(args.n_layers):
         groups = linear_groups(args, index)
         total = qk_norm_bytes(args, act_bytes) + len(args.family.norms) * args.dim * act_bytes
-        if is_expert_layer(args, index):
+        if args.is_expert_layer(index):
             total += args.routing.experts * args.dim * 4  # the router, fp32
         routed = 0
         for group in groups:
