@@ -17,6 +17,7 @@ from torch import nn
 from slimlm.architecture import family_of as compression_family
 from slimlm.errors import SlimlmError
 from slimlm.experts import split_experts
+from slimlm.inference.expert_stack import ExpertStack
 from slimlm.inference.linear import GPU_INT4_KERNELS, DequantLinear, DenseLinear, build_linear, fuse
 from slimlm.inference.model import Attention, Block, FeedForward, ModelArgs, MoE, ProjectionRMSNorm, RMSNorm, Transformer
 from slimlm.inference.streaming import HostBlock, HostEmbedding, LayerStreamer, Placement, streamed_layers, to_host
@@ -127,7 +128,8 @@ class DecoderParts:
         for expert in mlp.experts:
             gate_up = fuse([getattr(expert, names.gate), getattr(expert, names.up)])
             experts.append(FeedForward(self.linear(gate_up, streamed, device), self.linear(getattr(expert, names.down), streamed, device), self.args.activation))
-        return MoE(mlp.gate.weight.to(self.device), experts, self.args.routing, on_host)
+        stack = ExpertStack.of(experts, self.args.activation) if device.type == "cpu" and not streamed else None  # streaming moves each tensor on its own
+        return MoE(mlp.gate.weight.to(self.device), experts, self.args.routing, on_host, stack)
 
     def assemble(self, blocks: list[Block]) -> Transformer:
         """The Transformer from its blocks plus the model's head, embedding and final norm."""

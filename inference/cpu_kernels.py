@@ -1,6 +1,6 @@
 """slimlm's own CPU kernels (inference/kernels/): int4 or int8 weights times int8 activations
-(with the layer's LoRA adapter, if it has one, in the same call), and a decode step's attention
-over an fp32 or int8 key/value cache.
+(with the layer's LoRA adapter, if it has one, in the same call), a mixture of experts' routed
+experts in one call, and a decode step's attention over an fp32 or int8 key/value cache.
 
 torch has no CPU kernel that multiplies 4-bit codes by integer activations, and the
 ecosystem's ones (torchao's da8w4, IPEX) ship no CPU build for this torch; torch's int8 kernel
@@ -105,6 +105,7 @@ def available() -> bool:
     for op in OPS.values():
         torch.library.register_fake(f"{NAMESPACE}::{op}")(_output_shape)
     torch.library.register_fake(f"{NAMESPACE}::decode_attention")(_attention_shape)
+    torch.library.register_fake(f"{NAMESPACE}::routed_experts")(_experts_shape)
     log.info("slimlm's CPU kernels built for %s", isa)
     return True
 
@@ -181,3 +182,7 @@ def _output_shape(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, o
 
 def _attention_shape(q: torch.Tensor, k: torch.Tensor, k_scales: Optional[torch.Tensor], v: torch.Tensor, v_scales: Optional[torch.Tensor], mask: Optional[torch.Tensor], softmax_scale: float, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
     return q.new_empty(q.shape, dtype=torch.float32)
+
+
+def _experts_shape(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, *stacks_and_activation) -> torch.Tensor:
+    return torch.empty_like(x)

@@ -19,10 +19,11 @@ For continuous batching (`forward_segments`) every sequence owns a row and advan
 
 from __future__ import annotations
 
+import functools
 import itertools
 import weakref
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -324,12 +325,14 @@ class MoE(nn.Module):
     Experts on another device than the activations (host memory, with the rest on a GPU) get the
     tokens routed to them there and send their sum back."""
 
-    def __init__(self, router: torch.Tensor, experts: list[FeedForward], routing: Routing, on_host: bool = False):
+    def __init__(self, router: torch.Tensor, experts: list[FeedForward], routing: Routing, on_host: bool = False, stack: Optional[Callable] = None):
         super().__init__()
         self.register_buffer("router", router.detach().float())
         # A tuple is no submodule: moving the decoder to a GPU leaves host experts where they are.
         self.experts = tuple(experts) if on_host else nn.ModuleList(experts)
         self.home = torch.device("cpu") if on_host else None
+        # The experts stacked for one kernel call (inference/expert_stack.py), else one by one.
+        self.compute = stack or functools.partial(dispatch, self.experts)
         self.top_k, self.normalized = routing.top_k, routing.normalized
         self.key = next(_MOE_KEYS)
         _MOE_LAYERS[self.key] = self
@@ -343,7 +346,7 @@ class MoE(nn.Module):
 
     def run_experts(self, flat: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         home = self.home or flat.device
-        return dispatch(self.experts, flat.to(home), chosen.to(home), weights.to(home)).to(flat.device)
+        return self.compute(flat.to(home), chosen.to(home), weights.to(home)).to(flat.device)
 
 
 _MOE_KEYS = itertools.count()

@@ -45,6 +45,7 @@
 #include <algorithm>
 #include <cstring>
 #include <optional>
+#include <tuple>
 #include <vector>
 
 #include "ops_namespace.h"
@@ -426,14 +427,179 @@ at::Tensor int8_int8_mm(const at::Tensor& x, const at::Tensor& packed, const at:
   return mm<8>("int8_int8_mm", x, packed, scales, offsets, group_size, lora_down, lora_up, lora_tiles);
 }
 
+// ---- Mixtures of experts -----------------------------------------------------------------
+//
+// A mixture-of-experts layer's routed experts in one call, as llama.cpp's mul_mat_id runs them.
+// Why: called one by one from Python, a decode step's 8 experts cost 16 matmul calls per layer,
+// each with its own thread fork and the Python between them: more time than the weights they
+// read. Here the routes (token, slot) are sorted by expert, each token's input is rounded to
+// int8 once per route, and one parallel pass covers every chosen expert's tiles of gate/up, then
+// one pass their down projections; the weighted sum of the routes is added up in float.
+//
+// Experts are stacked: packed [E, N/16, K/8, 16 * Bits], scales and offsets [E, N/16, K/G, 16],
+// each expert laid out as one layer above (inference/expert_stack.py builds the stack).
+
+struct Routed {
+  int64_t expert, first, count;  // expert `expert` holds routes [first, first + count) of the sorted order
+};
+
+// The int8 activations of M rows of K inputs in groups of `group`, and their scales and sums.
+struct Rounded {
+  std::vector<float> floats;
+  std::vector<int32_t> sums;
+  std::vector<int8_t> q;
+  Problem problem;  // its M rows against N outputs; weights unset (each expert sets its own)
+  Rounded(int64_t M, int64_t N, int64_t K, int64_t group)
+      : floats(M * (K / kBlock + K / group)), sums(M * (K / kBlock)), q(M * K), problem{M, N, K, group, nullptr, nullptr, nullptr, q.data(), floats.data(), nullptr, sums.data()} {
+    problem.group_sum = problem.block_scale + M * (K / kBlock);
+  }
+};
+
+// Round row m of the problem from x's row source[m] (row m itself where source is null).
+// A decode step's few rows are rounded in the calling thread: forking would cost more.
+template <typename In>
+void round_rows(const Problem& p, const In* x, const int64_t* source) {
+  at::parallel_for(0, p.M, std::max<int64_t>(1, (int64_t{1} << 16) / p.K), [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) quantize_row(p, x + (source ? source[m] : m) * p.K, m);
+  });
+}
+
+// One stacked projection: its weights and their group size.
+struct Stack {
+  const uint8_t* packed;
+  const uint16_t* scales;
+  const uint16_t* offsets;
+  int64_t group;
+};
+
+// y[route, :] = the route's expert's projection of the route's rounded input, for every route.
+template <int Bits>
+void experts_matmul(const Problem& all, const std::vector<Routed>& routed, const Stack& stack, float* y) {
+  const int64_t count = all.N / 16, blocks = all.blocks(), groups = all.groups();
+  std::vector<Problem> problems;
+  for (const Routed& r : routed) {
+    Problem p = all;
+    p.M = r.count;
+    p.packed = stack.packed + r.expert * count * (all.K / 8) * (16 * Bits);
+    p.scales = stack.scales + r.expert * count * groups * 16;
+    p.offsets = stack.offsets + r.expert * count * groups * 16;
+    p.q += r.first * all.K;
+    p.block_scale += r.first * blocks;
+    p.code_sum += r.first * blocks;
+    p.group_sum += r.first * groups;
+    problems.push_back(p);
+  }
+  at::parallel_for(0, static_cast<int64_t>(routed.size()) * count, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) {
+      const int64_t e = j / count, i = j % count;
+      tiles<Bits, float>(problems[e], y + routed[e].first * all.N, i, i + 1);
+    }
+  });
+}
+
+// The weights' layout checked against x [T, H]: gate/up [E, 2I/16, H/8, chunk], down [E, H/16,
+// I/8, chunk], each with bf16 scales and offsets [E, tiles, K/G, 16]. Returns I.
+int64_t expert_shapes(const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& gate_up_scales, const at::Tensor& gate_up_offsets, int64_t gate_up_group,
+                      const at::Tensor& down, const at::Tensor& down_scales, const at::Tensor& down_offsets, int64_t down_group) {
+  const char* name = "routed_experts";
+  TORCH_CHECK(gate_up.scalar_type() == at::kByte && down.scalar_type() == at::kByte && gate_up.dim() == 4 && down.dim() == 4 && gate_up.size(3) == down.size(3) && (gate_up.size(3) == 64 || gate_up.size(3) == 128),
+              name, ": uint8 packed experts [E, N/16, K/8, 64 or 128] of one width expected");
+  TORCH_CHECK(gate_up.size(0) == down.size(0) && gate_up.is_contiguous() && down.is_contiguous(), name, ": gate/up and down stacks of the same experts, contiguous, expected");
+  const int64_t H = x.size(1), I = gate_up.size(1) * 8;
+  TORCH_CHECK(gate_up.size(2) * 8 == H && down.size(1) * 16 == H && down.size(2) * 8 == I, name, ": gate/up [E, 2I/16, H/8, .] and down [E, H/16, I/8, .] do not match x's width ", H);
+  for (const auto& [K, group, scales, offsets] : {std::tuple{H, gate_up_group, &gate_up_scales, &gate_up_offsets}, std::tuple{I, down_group, &down_scales, &down_offsets}}) {
+    TORCH_CHECK(group > 0 && group % kBlock == 0 && K % group == 0, name, ": group size ", group, " must be a multiple of 64 dividing ", K);
+    TORCH_CHECK(scales->scalar_type() == at::kBFloat16 && offsets->scalar_type() == at::kBFloat16 && scales->dim() == 4 && scales->size(2) == K / group && scales->size(3) == 16 && scales->is_contiguous() && offsets->is_contiguous() && offsets->sizes() == scales->sizes(),
+                name, ": contiguous bfloat16 scales and offsets [E, tiles, K/group, 16] expected");
+  }
+  TORCH_CHECK(gate_up_scales.size(0) == gate_up.size(0) && gate_up_scales.size(1) == gate_up.size(1) && down_scales.size(0) == down.size(0) && down_scales.size(1) == down.size(1), name, ": scales for every expert's tiles expected");
+  return I;
+}
+
+// The routes sorted by expert (dropped ones, index E as transformers marks them, left out):
+// each route's token and weight, and each chosen expert's span of them.
+std::vector<Routed> sort_routes(const at::Tensor& chosen, const at::Tensor& weights, int64_t experts, std::vector<int64_t>& token, std::vector<float>& weight) {
+  const int64_t T = chosen.size(0), k = chosen.size(1);
+  const int64_t* index = chosen.data_ptr<int64_t>();
+  const float* w = weights.data_ptr<float>();
+  std::vector<int64_t> count(experts + 1, 0);
+  for (int64_t j = 0; j < T * k; ++j) {
+    TORCH_CHECK(index[j] >= 0 && index[j] <= experts, "routed_experts: expert index ", index[j], " outside 0..", experts);
+    ++count[index[j]];
+  }
+  std::vector<Routed> routed;
+  int64_t first = 0;
+  for (int64_t e = 0; e < experts; first += count[e], ++e) {
+    if (count[e]) routed.push_back({e, first, count[e]});
+  }
+  token.resize(first);
+  weight.resize(first);
+  std::vector<int64_t> next(experts, 0);
+  for (const Routed& r : routed) next[r.expert] = r.first;
+  for (int64_t j = 0; j < T * k; ++j) {
+    if (index[j] == experts) continue;
+    const int64_t at = next[index[j]]++;
+    token[at] = j / k;
+    weight[at] = w[j];
+  }
+  return routed;
+}
+
+template <int Bits, typename Scalar>
+at::Tensor experts_forward(const at::Tensor& x, const std::vector<Routed>& routed, const std::vector<int64_t>& token, const std::vector<float>& weight, const Stack& gate_up, const Stack& down, int64_t I, bool gelu) {
+  const int64_t T = x.size(0), H = x.size(1), routes = static_cast<int64_t>(token.size());
+  const auto floats = x.options().dtype(at::kFloat);
+  Rounded inputs(routes, 2 * I, H, gate_up.group);
+  round_rows(inputs.problem, x.data_ptr<Scalar>(), token.data());
+  at::Tensor hidden = at::empty({routes, 2 * I}, floats);
+  experts_matmul<Bits>(inputs.problem, routed, gate_up, hidden.data_ptr<float>());
+  const at::Tensor gate = hidden.narrow(1, 0, I);
+  at::Tensor activated = (gelu ? at::gelu(gate, "tanh") : at::silu(gate)).mul_(hidden.narrow(1, I, I));
+  Rounded middle(routes, H, I, down.group);
+  round_rows(middle.problem, activated.data_ptr<float>(), nullptr);
+  at::Tensor out = at::empty({routes, H}, floats);
+  experts_matmul<Bits>(middle.problem, routed, down, out.data_ptr<float>());
+  at::Tensor y = at::zeros({T, H}, floats);
+  float* yp = y.data_ptr<float>();
+  const float* op = out.data_ptr<float>();
+  for (int64_t r = 0; r < routes; ++r) {
+    float* row = yp + token[r] * H;
+    for (int64_t h = 0; h < H; ++h) row[h] += weight[r] * op[r * H + h];
+  }
+  return y.to(x.scalar_type());
+}
+
+at::Tensor routed_experts(const at::Tensor& x, const at::Tensor& chosen, const at::Tensor& weights, const at::Tensor& gate_up, const at::Tensor& gate_up_scales, const at::Tensor& gate_up_offsets,
+                          int64_t gate_up_group, const at::Tensor& down, const at::Tensor& down_scales, const at::Tensor& down_offsets, int64_t down_group, c10::string_view activation) {
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16), "routed_experts: float32 or bfloat16 activations [T, H] expected");
+  TORCH_CHECK(chosen.scalar_type() == at::kLong && weights.scalar_type() == at::kFloat && chosen.dim() == 2 && chosen.sizes() == weights.sizes() && chosen.size(0) == x.size(0),
+              "routed_experts: int64 expert indices and float32 weights [T, k] expected");
+  TORCH_CHECK(activation == "silu" || activation == "gelu_pytorch_tanh", "routed_experts: activation silu or gelu_pytorch_tanh expected");
+  const int64_t I = expert_shapes(x, gate_up, gate_up_scales, gate_up_offsets, gate_up_group, down, down_scales, down_offsets, down_group);
+  std::vector<int64_t> token;
+  std::vector<float> weight;
+  const std::vector<Routed> routed = sort_routes(chosen.contiguous(), weights.contiguous(), gate_up.size(0), token, weight);
+  const auto bf16 = [](const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); };
+  const Stack up{gate_up.data_ptr<uint8_t>(), bf16(gate_up_scales), bf16(gate_up_offsets), gate_up_group};
+  const Stack dn{down.data_ptr<uint8_t>(), bf16(down_scales), bf16(down_offsets), down_group};
+  const at::Tensor input = x.contiguous();
+  const bool gelu = activation != "silu", int4 = gate_up.size(3) == 64;
+  if (input.scalar_type() == at::kFloat) {
+    return int4 ? experts_forward<4, float>(input, routed, token, weight, up, dn, I, gelu) : experts_forward<8, float>(input, routed, token, weight, up, dn, I, gelu);
+  }
+  return int4 ? experts_forward<4, at::BFloat16>(input, routed, token, weight, up, dn, I, gelu) : experts_forward<8, at::BFloat16>(input, routed, token, weight, up, dn, I, gelu);
+}
+
 }  // namespace
 
 SLIMLM_LIBRARY(m) {
   m.def("int4_int8_mm(Tensor x, Tensor packed, Tensor scales, Tensor offsets, int group_size, Tensor? lora_down=None, Tensor? lora_up=None, Tensor? lora_tiles=None) -> Tensor");
   m.def("int8_int8_mm(Tensor x, Tensor packed, Tensor scales, Tensor offsets, int group_size, Tensor? lora_down=None, Tensor? lora_up=None, Tensor? lora_tiles=None) -> Tensor");
+  m.def("routed_experts(Tensor x, Tensor chosen, Tensor weights, Tensor gate_up, Tensor gate_up_scales, Tensor gate_up_offsets, int gate_up_group, Tensor down, Tensor down_scales, Tensor down_offsets, int down_group, str activation) -> Tensor");
 }
 
 SLIMLM_LIBRARY_IMPL(CPU, m) {
   m.impl("int4_int8_mm", &int4_int8_mm);
   m.impl("int8_int8_mm", &int8_int8_mm);
+  m.impl("routed_experts", &routed_experts);
 }
