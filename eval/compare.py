@@ -8,7 +8,7 @@ from typing import Sequence
 
 from slimlm.errors import SlimlmError
 from slimlm.eval.plots import plot_size_quality
-from slimlm.eval.report import markdown_tables
+from slimlm.eval.report import TASK_TITLES, markdown_tables, zeroshot_tasks
 from slimlm.resources import read_json_object
 from slimlm.rundir import write_atomic
 
@@ -43,10 +43,34 @@ def compare(paths: Sequence[Path], out_dir: Path) -> str:
         raise SlimlmError("the runs given have no evaluation rows to compare; add an evaluate stage to their recipes")
     out_dir.mkdir(parents=True, exist_ok=True)
     plot = plot_size_quality(rows, out_dir / "comparison.png")
-    lines = ["# slimlm comparison", "", f"{len(rows)} rows from {len({r['run_dir'] for r in rows})} runs.", "", *markdown_tables(rows)]
+    lines = ["# slimlm comparison", "", f"{len(rows)} rows from {len({r['run_dir'] for r in rows})} runs.", "", *markdown_tables(rows), *zeroshot_differences(rows)]
     if plot is not None:
         lines += [f"![comparison]({plot.name})", ""]
     markdown = "\n".join(lines)
     write_atomic(out_dir / "comparison.json", json.dumps({"rows": rows}, indent=2) + "\n")
     write_atomic(out_dir / "comparison.md", markdown + "\n")
     return markdown
+
+
+# Two accuracies differ beyond their noise when the difference exceeds 1.96 standard errors of
+# the difference (a two-sided test at 5%, the two samples taken as independent).
+Z_95 = 1.96
+
+
+def zeroshot_differences(rows: Sequence[dict]) -> list[str]:
+    """Each row's zero-shot accuracies against the first row's: the difference in points and
+    whether it is beyond the two standard errors combined."""
+    first, cells = rows[0], []
+    for task in zeroshot_tasks(rows):
+        key = f"{task}_acc"
+        if key not in first or f"{key}_stderr" not in first:
+            continue
+        for row in rows[1:]:
+            if key in row and f"{key}_stderr" in row:
+                difference = row[key] - first[key]
+                noise = Z_95 * (row[f"{key}_stderr"] ** 2 + first[f"{key}_stderr"] ** 2) ** 0.5
+                cells.append(f"| {row['name']} | {TASK_TITLES.get(task, task)} | {100 * difference:+.2f} | {100 * noise:.2f} | {'yes' if abs(difference) > noise else 'no'} |")
+    if not cells:
+        return []
+    header = ["### Zero-shot differences from the first row", "", f"Against `{first['name']}`; noise: 1.96 standard errors of the difference (95%).", ""]
+    return [*header, "| model | task | Δ acc (points) | noise (points) | beyond noise |", "|---|---|---:|---:|---|", *cells, ""]

@@ -40,16 +40,6 @@ TABLES: list[tuple[str, list[Column]]] = [
         ("quant_s", "quantize s", decimals(1)),
         ("calibration_peak_memory_bytes", "calibration peak", lambda v: f"{v / 2**20:,.0f} MiB"),
     ]),
-    ("Zero-shot accuracy (%)", [
-        ("lambada_acc", "LAMBADA acc", percent),
-        ("lambada_ppl", "LAMBADA ppl", decimals(2)),
-        ("arc_easy_acc", "ARC-E acc", percent),
-        ("arc_easy_acc_norm", "ARC-E acc_norm", percent),
-        ("piqa_acc", "PIQA acc", percent),
-        ("piqa_acc_norm", "PIQA acc_norm", percent),
-        ("hellaswag_acc", "HellaSwag acc", percent),
-        ("hellaswag_acc_norm", "HellaSwag acc_norm", percent),
-    ]),
     ("Speed and memory", [
         ("ttft_s", "TTFT s", decimals(3)),
         ("prefill_tok_s", "prefill tok/s", decimals(0)),
@@ -87,10 +77,36 @@ def markdown_table(rows: Sequence[dict], columns: Sequence[Column]) -> list[str]
     return lines
 
 
+ZEROSHOT_TITLE = "Zero-shot accuracy (%)"
+TASK_TITLES = {"lambada": "LAMBADA", "arc_easy": "ARC-E", "piqa": "PIQA", "hellaswag": "HellaSwag"}  # bundled tasks' display names
+
+
+def zeroshot_tasks(rows: Sequence[dict]) -> list[str]:
+    """The tasks the rows report (each writes `<task>_n` and `<task>_acc`), in order of appearance."""
+    return list(dict.fromkeys(key[: -len("_n")] for row in rows for key in row if key.endswith("_n") and f"{key[: -len('_n')]}_acc" in row))
+
+
+def zeroshot_columns(rows: Sequence[dict]) -> list[Column]:
+    """Each task's accuracy and, as lm-evaluation-harness prints them, its standard error beside
+    it (±); acc_norm likewise where the task has it, and a last-word task's perplexity."""
+    columns: list[Column] = []
+    for task in zeroshot_tasks(rows):
+        title = TASK_TITLES.get(task, task)
+        for metric in ("acc", "acc_norm"):
+            columns += [(f"{task}_{metric}", f"{title} {metric}", percent), (f"{task}_{metric}_stderr", "±", percent)]
+        columns.append((f"{task}_ppl", f"{title} ppl", decimals(2)))
+    return columns
+
+
+def report_tables(rows: Sequence[dict]) -> list[tuple[str, list[Column]]]:
+    """The report's tables: accuracy and size, zero-shot (a column pair per task the rows have), speed."""
+    return [TABLES[0], (ZEROSHOT_TITLE, zeroshot_columns(rows)), *TABLES[1:]]
+
+
 def markdown_tables(rows: Sequence[dict]) -> list[str]:
     """Every report table that has data, each under its own heading."""
     lines: list[str] = []
-    for title, columns in TABLES:
+    for title, columns in report_tables(rows):
         table = markdown_table(rows, columns)
         if table:
             lines += [f"### {title}", "", *table, ""]

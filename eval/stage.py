@@ -12,6 +12,7 @@ larger than memory gets its reference row without being loaded.
 from __future__ import annotations
 
 import gc
+import json
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional
@@ -158,9 +159,12 @@ def self_distance(nll: float) -> dict:
 
 
 def reference_file(state: RunState, ids):
-    ppl_cfg = state.cfg.eval.perplexity
+    """The cached reference of this run's original model: keyed by its weights (their hash, or
+    its id and revision), the dtype it runs in, the text, windows and top-k, so that no run is
+    shown a reference another precision or revision computed."""
+    ppl_cfg, model = state.cfg.eval.perplexity, state.cfg.model
     windows = window_count(ids.numel(), ppl_cfg.window, ppl_cfg.max_windows)
-    model_key = state.source_sha256 or f"id:{state.source.id}"
+    model_key = json.dumps({"weights": state.source_sha256 or f"id:{state.source.id}", "revision": model.revision, "dtype": model.dtype}, sort_keys=True)
     return reference_path(model_key, ids, ppl_cfg.window, windows, state.cfg.eval.kl.top_k)
 
 
@@ -191,7 +195,8 @@ def compute_reference_from_source(state: RunState, ids) -> ReferenceLogits:
 
 
 def zeroshot_metrics(state: RunState) -> dict:
-    """Flat keys per task: `<task>_acc`, `<task>_acc_norm`, `<task>_n`, ..."""
+    """Flat keys per task, under the task's `name:` (a task file's too, not its path):
+    `<task>_acc`, `<task>_acc_stderr`, `<task>_acc_norm`, `<task>_n`, ..."""
     from slimlm.eval.zeroshot import evaluate_task, load_task
 
     cfg = state.cfg.eval.zeroshot
@@ -199,7 +204,7 @@ def zeroshot_metrics(state: RunState) -> dict:
     for name in cfg.tasks:
         task = load_task(name, state.cfg.data.benchmarks_root)
         result = evaluate_task(state.model, state.tokenizer, task, limit=cfg.limit, batch_size=cfg.batch_size).to_dict()
-        flat.update({f"{name}_{key}": value for key, value in result.items() if isinstance(value, (int, float)) and not isinstance(value, bool)})
+        flat.update({f"{task.spec.name}_{key}": value for key, value in result.items() if isinstance(value, (int, float)) and not isinstance(value, bool)})
     return flat
 
 
@@ -230,10 +235,19 @@ def check(cfg, params: EvaluateParams, source) -> None:
         check_text_source(cfg.data.eval_text, "eval_text")
         check_window(cfg.eval.perplexity.window, source.context_length)
     if "zeroshot" in metrics:
-        from slimlm.eval.zeroshot import load_task
+        check_tasks(cfg.eval.zeroshot.tasks, cfg.data.benchmarks_root)
 
-        for name in cfg.eval.zeroshot.tasks:
-            load_task(name, cfg.data.benchmarks_root)
+
+def check_tasks(tasks: List[str], data_root) -> None:
+    """Every zero-shot task loads, and no two share a name (results are reported by name)."""
+    from slimlm.eval.zeroshot import load_task
+
+    names: dict[str, str] = {}
+    for given in tasks:
+        name = load_task(given, data_root).spec.name
+        if name in names:
+            raise ConfigError(f"eval.zeroshot.tasks: '{given}' and '{names[name]}' are both named '{name}', and results are reported by name; give one of them another name:")
+        names[name] = given
 
 
 EVALUATE = Stage(name="evaluate", params=EvaluateParams, run=run, check=check, on_disk=(DiskRun(scores_from_disk, run_from_disk),))

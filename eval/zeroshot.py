@@ -132,6 +132,8 @@ def load_task(name_or_path: str, data_root: Optional[Union[str, Path]] = None) -
     file = _task_file(name_or_path)
     spec, keys = _read_spec(file)
     _check_spec(spec, keys, str(file))
+    if spec.name in BUNDLED_TASKS and name_or_path != spec.name:
+        raise SlimlmError(f"task file '{file}' is named '{spec.name}', as a bundled task is, and results are reported by name; give it another name: (or run the bundled task as '{spec.name}')")
     root = default_data_root() if data_root is None else Path(data_root)
     rows = _read_rows(root, spec)
     answers = _read_answer_file(root, spec, len(rows)) if spec.answer_file else None

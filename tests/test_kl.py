@@ -1,4 +1,5 @@
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -6,6 +7,7 @@ import torch.nn.functional as F
 
 from slimlm.eval.kl import ReferenceLogits, reference_path
 from slimlm.eval.perplexity import score_text
+from slimlm.eval.stage import cached_reference, store_reference
 
 
 def reference_of(model, ids, window, k):
@@ -74,3 +76,16 @@ def test_reference_key_depends_on_model_text_and_windows(ids):
     assert base != reference_path("b" * 64, ids, 24, 4, 32)
     assert base != reference_path("a" * 64, ids, 24, 3, 32)
     assert base != reference_path("a" * 64, ids.flip(0), 24, 4, 32)
+
+
+def run_state(dtype: str, revision=None):
+    """What the evaluate stage reads to key a reference: the run's model config and source."""
+    cfg = SimpleNamespace(model=SimpleNamespace(dtype=dtype, revision=revision), eval=SimpleNamespace(perplexity=SimpleNamespace(window=24, max_windows=4), kl=SimpleNamespace(top_k=8)))
+    return SimpleNamespace(cfg=cfg, source_sha256="c" * 64, source=SimpleNamespace(id="tiny"), memo={})
+
+
+def test_a_bf16_run_does_not_read_an_fp32_runs_reference(tiny_model, ids):
+    store_reference(run_state("float32"), ids, reference_of(tiny_model, ids, 24, k=8))
+    assert cached_reference(run_state("float32"), ids) is not None  # from disk, in a new run
+    assert cached_reference(run_state("bfloat16"), ids) is None
+    assert cached_reference(run_state("float32", revision="v2"), ids) is None

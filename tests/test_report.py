@@ -5,7 +5,7 @@ import pytest
 from slimlm.errors import SlimlmError
 from slimlm.eval.compare import compare
 from slimlm.eval.plots import pareto_front
-from slimlm.eval.report import TABLES, add_deltas, markdown_table
+from slimlm.eval.report import TABLES, add_deltas, markdown_table, markdown_tables
 
 
 def test_pareto_front_keeps_only_undominated_points():
@@ -49,3 +49,18 @@ def test_compare_refuses_paths_without_runs(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(SlimlmError, match="no finished run"):
         compare([tmp_path / "empty"], tmp_path / "out")
+
+
+def test_zero_shot_tables_name_every_task_with_its_standard_error(tmp_path):
+    """Tasks are found in the rows (a task file's by its name:), each accuracy with its standard
+    error beside it; compare says which differences are beyond the two errors combined."""
+    first = {"name": "fp32", "piqa_acc": 0.70, "piqa_acc_stderr": 0.01, "piqa_n": 1838, "my_cloze_acc": 0.60, "my_cloze_acc_stderr": 0.02, "my_cloze_n": 500}
+    second = {"name": "w4", "piqa_acc": 0.66, "piqa_acc_stderr": 0.011, "piqa_n": 1838, "my_cloze_acc": 0.59, "my_cloze_acc_stderr": 0.02, "my_cloze_n": 500}
+    lines = markdown_tables([first, second])
+    assert "### Zero-shot accuracy (%)" in lines
+    assert "| model | PIQA acc | ± | my_cloze acc | ± |" in lines
+    assert "| fp32 | 70.00 | 1.00 | 60.00 | 2.00 |" in lines
+    write_run(tmp_path / "a", "a", [first, second])
+    markdown = compare([tmp_path / "a"], tmp_path / "out")
+    assert "| a: w4 | PIQA | -4.00 | 2.91 | yes |" in markdown  # 1.96 * sqrt(0.01² + 0.011²)
+    assert "| a: w4 | my_cloze | -1.00 | 5.54 | no |" in markdown

@@ -2,11 +2,14 @@ import copy
 import json
 import math
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from slimlm.errors import SlimlmError
+from slimlm.errors import ConfigError, SlimlmError
+from slimlm.eval.report import markdown_tables
+from slimlm.eval.stage import check_tasks, zeroshot_metrics
 from slimlm.eval.zeroshot import BUNDLED_TASKS, Item, evaluate_task, load_task, score_items
 from tests.conftest import REPO
 
@@ -179,3 +182,23 @@ def test_bundled_tasks_load_the_real_data(name):
     assert len(task.items) == count
     first = task.items[0]
     assert first.answer == answer and first.choices[first.answer] == answer_text
+
+
+def test_a_task_file_is_reported_by_its_name(tmp_path, tiny_model, tiny_tokenizer):
+    path = write_task(tmp_path, mc_rows(4), name="my_task")
+    zeroshot = SimpleNamespace(tasks=[str(path)], limit=None, batch_size=2)
+    state = SimpleNamespace(cfg=SimpleNamespace(eval=SimpleNamespace(zeroshot=zeroshot), data=SimpleNamespace(benchmarks_root=tmp_path)), model=tiny_model, tokenizer=tiny_tokenizer)
+    metrics = zeroshot_metrics(state)
+    assert {"my_task_acc", "my_task_acc_stderr", "my_task_acc_norm", "my_task_n"} <= set(metrics) and not any(str(tmp_path) in key for key in metrics)
+    assert "| model | my_task acc | ± | my_task acc_norm | ± |" in markdown_tables([{"name": "fp32", **metrics}])
+
+
+def test_task_names_that_collide_are_refused(tmp_path):
+    with pytest.raises(SlimlmError, match="named 'piqa', as a bundled task is"):
+        load_task(str(write_task(tmp_path, mc_rows(3), name="piqa")), tmp_path)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    first, second = write_task(tmp_path / "a", mc_rows(3)), write_task(tmp_path / "b", mc_rows(3))
+    check_tasks([str(first)], tmp_path / "a")
+    with pytest.raises(ConfigError, match="both named 'mini'"):
+        check_tasks([str(first), str(second)], tmp_path / "a")
