@@ -16,9 +16,9 @@ The default model at int4 g64 (RTN, head too; bundled decoder, bf16 activations,
                     prefilled one pass each or packed into one: where sharing a pass pays
 Reports total new tokens per second, the per-request rate, the time from a request to its first
 text piece, and the time between an answer's text pieces. Writes
-bench/results/batching_cpu.{md,json}.
+bench/results/batching_cpu.{md,json}; --quick (the tiny test model, a test) only prints.
 
-    python bench/batching_cpu.py [--new-tokens 64 --threads 2]
+    python bench/batching_cpu.py [--new-tokens 64 --threads 2] [--quick]
 """
 
 from __future__ import annotations
@@ -37,8 +37,7 @@ from slimlm.inference.model import Segment
 from slimlm.inference.sampling import SamplingParams
 from slimlm.rundir import machine_info
 
-from benchlib import command_line, machine_line, pass_table, run_together, write_result
-from decode_cpu import default_int4
+from benchlib import bench_int4, command_line, machine_line, pass_table, publish, run_together
 
 BATCHES = (1, 2, 4, 8, 16)
 
@@ -110,9 +109,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="a tiny random-weight model, 8 new tokens a static batch; results only printed (tests)")
     options = parser.parse_args()
+    if options.quick:
+        options.new_tokens = 8
     started = time.perf_counter()
-    model, loaded = default_int4(options.threads)
+    model, loaded = bench_int4(options.threads, options.quick)
     tokenizer = loaded.tokenizer
     decoder = Decoder(build_decoder(model, dtype=torch.bfloat16), tokenizer, reuse_prefixes=False)  # each repeat prefills its prompts
     text_ids = benchmark_prompt(tokenizer, 16 * 16).tolist()
@@ -158,7 +160,7 @@ def main() -> None:
         "",
         *pass_table("One forward pass of the batcher (`Transformer.forward_segments`), best of 3:", costs),
     ]
-    write_result("batching_cpu", command, {"summary": summary, "rows": rows + costs}, lines)
+    publish("batching_cpu", command, {"summary": summary, "rows": rows + costs}, lines, options.quick)
 
 
 if __name__ == "__main__":

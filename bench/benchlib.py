@@ -6,10 +6,12 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import shutil
 import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -21,6 +23,7 @@ from slimlm.rundir import machine_info
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
+QUICK_RUNS = REPO / "bench" / "runs" / "quick"  # --quick runs' files, apart from the full runs' (bench/runs/<bench>/)
 
 
 def default_model_cfg():
@@ -38,6 +41,75 @@ def shared_data_cfg():
     from slimlm.config import DataConfig
 
     return OmegaConf.merge(OmegaConf.structured(DataConfig), OmegaConf.load(REPO / "conf" / "data" / "shared.yaml"))
+
+
+def quick_model_cfg():
+    """The model config a --quick run (a test) loads instead of the default model: a tiny
+    random-weight Llama with the tests' tokenizer, heads of 32 (llama.cpp's q8_0 cache needs
+    blocks of 32) and 4,096 positions (room for the full runs' contexts), its next token
+    depending on the context; saved once under bench/runs/quick/."""
+    from omegaconf import OmegaConf
+
+    from slimlm.config import ModelConfig
+
+    directory = QUICK_RUNS / "tiny-llama-128"
+    if not directory.is_dir():
+        sys.path.insert(0, str(REPO))
+        from tests.conftest import build_tiny_llama, build_tokenizer
+
+        QUICK_RUNS.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(dir=QUICK_RUNS))  # renamed whole: another quick run may be building it too
+        tokenizer = build_tokenizer()
+        build_tiny_llama(len(tokenizer), initializer_range=0.2, hidden_size=128, intermediate_size=256, max_position_embeddings=4096).save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        try:
+            staging.rename(directory)
+        except OSError:
+            shutil.rmtree(staging)
+    return OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(REPO / "conf" / "model" / "custom.yaml"), {"path": str(directory)})
+
+
+def bench_model_cfg(quick: bool):
+    """The default model's config, or a --quick run's tiny model's."""
+    return quick_model_cfg() if quick else default_model_cfg()
+
+
+def bench_data_cfg(quick: bool):
+    """The full data sets, or for a --quick run the excerpts bundled with slimlm (data=demo)."""
+    if not quick:
+        return shared_data_cfg()
+    from omegaconf import OmegaConf
+
+    from slimlm.config import DataConfig
+
+    return OmegaConf.merge(OmegaConf.structured(DataConfig), OmegaConf.load(REPO / "conf" / "data" / "demo.yaml"))
+
+
+def load_bench_model(quick: bool):
+    """decode_cpu.load_default, or for a --quick run the tiny model: the config and the loaded model."""
+    from slimlm.models import load_model
+
+    cfg = bench_model_cfg(quick)
+    return cfg, load_model(cfg, torch.device("cpu"))
+
+
+def bench_int4(threads: int, quick: bool):
+    """decode_cpu.default_int4 (the int4 g64 model the serving benches decode, and the loaded
+    original), or for a --quick run the same of the tiny model."""
+    from decode_cpu import quantized_copy  # here: decode_cpu imports this module
+
+    torch.set_num_threads(threads)
+    cfg, loaded = load_bench_model(quick)
+    return quantized_copy(cfg, dict(bits=4, group_size=64)), loaded
+
+
+def eval_ids(tokenizer, quick: bool) -> torch.Tensor:
+    """wikitext_ids, or for a --quick run the WikiText-2 test excerpt bundled with slimlm."""
+    if not quick:
+        return wikitext_ids(tokenizer)
+    from slimlm.data import load_text, tokenize_text
+
+    return tokenize_text(tokenizer, load_text(bench_data_cfg(True).eval_text, "eval_text"))
 
 
 def wikitext_ids(tokenizer) -> torch.Tensor:
@@ -67,6 +139,14 @@ def write_result(name: str, command: str, record: dict, lines: list[str], notes:
     if notes_file.is_file():
         lines = [*lines, notes_file.read_text().strip(), ""]
     (RESULTS / f"{name}.md").write_text("\n".join(lines))
+
+
+def publish(name: str, command: str, record: dict, lines: list[str], quick: bool, notes: Optional[str] = None) -> None:
+    """write_result, or for a --quick run (a test) only print the Markdown lines."""
+    if quick:
+        print("\n".join(lines))
+    else:
+        write_result(name, command, record, lines, notes)
 
 
 def call_us(layer: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, calls: int = 100, blocks: int = 6) -> float:

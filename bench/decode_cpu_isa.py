@@ -14,9 +14,9 @@ exactly 128 new tokens (greedy), decode step compiled; each process prepares its
 `--repeats` times, and the processes take turns for `--passes` passes (a slow spell of the
 machine then falls on every row); medians over all decodes of a row. The memory system is this
 machine's, not a laptop's: the ratios between rows are the result, not the tokens/s.
-Writes bench/results/decode_cpu_isa.{md,json,png}.
+Writes bench/results/decode_cpu_isa.{md,json,png}; --quick (the tiny test model, a test) only prints.
 
-    python bench/decode_cpu_isa.py [--repeats 5 --passes 2 --threads 2]
+    python bench/decode_cpu_isa.py [--repeats 5 --passes 2 --threads 2] [--quick]
 """
 
 from __future__ import annotations
@@ -38,10 +38,11 @@ from slimlm.eval.speed import benchmark_prompt
 from slimlm.inference import cpu_kernels
 from slimlm.rundir import machine_info
 
-from benchlib import RESULTS, command_line, machine_line, write_result
-from decode_cpu import DECODE_OPTIONS, SCHEMES, add_decode_options, load_default, quantized_copy, slimlm_contender, write_plot
+from benchlib import RESULTS, command_line, load_bench_model, machine_line, publish
+from decode_cpu import DECODE_OPTIONS, SCHEMES, add_decode_options, quantized_copy, slimlm_contender, write_plot
 
 MARK = "decode_cpu_isa result: "
+QUICK_SCHEME = "int4 g64"  # --quick runs this scheme's rows only
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,7 @@ ROWS = [row for scheme in SCHEMES for row in scheme_rows(scheme)]
 def worker(row: Row, options) -> None:
     """One row in this process: prepare, decode `repeats` times, print the result as JSON."""
     torch.set_num_threads(options.threads)
-    cfg, loaded = load_default()
+    cfg, loaded = load_bench_model(options.quick)
     model = quantized_copy(cfg, SCHEMES[row.scheme])
     prompt = benchmark_prompt(loaded.tokenizer, options.prompt_tokens).tolist()
     contender = slimlm_contender(row.name, model, loaded.tokenizer, prompt, options, torch.bfloat16, compiled=True, int8_activations=row.isa is not None)
@@ -83,7 +84,7 @@ def run_row(row: Row, options) -> dict:
     env.update({cpu_kernels.ISA_ENV: row.isa} if row.isa else {})
     env.update({"ATEN_CPU_CAPABILITY": row.aten} if row.aten else {})
     forwarded = [part for name in DECODE_OPTIONS for part in (f"--{name.replace('_', '-')}", str(getattr(options, name)))]
-    args = [sys.executable, __file__, "--worker", row.name, *forwarded]
+    args = [sys.executable, __file__, "--worker", row.name, *forwarded, *(["--quick"] if options.quick else [])]
     done = subprocess.run(args, env=env, capture_output=True, text=True)
     lines = [line for line in done.stdout.splitlines() if line.startswith(MARK)]
     if done.returncode != 0 or not lines:
@@ -105,12 +106,16 @@ def main() -> None:
     add_decode_options(parser)
     parser.add_argument("--passes", type=int, default=2)
     parser.add_argument("--worker", choices=[row.name for row in ROWS], help=argparse.SUPPRESS)
+    parser.add_argument("--quick", action="store_true", help=f"the tiny test model, {QUICK_SCHEME} rows only, 1 pass of 1 decode of 16 new tokens a row; results only printed (tests)")
     options = parser.parse_args()
+    if options.quick and not options.worker:
+        options.passes, options.repeats, options.new_tokens = 1, 1, 16
     if options.worker:
         return worker(next(row for row in ROWS if row.name == options.worker), options)
     started = time.perf_counter()
-    rows = [row for row in ROWS if available(row)]
-    skipped = [row.name for row in ROWS if row not in rows]
+    candidates = [row for row in ROWS if not options.quick or row.scheme == QUICK_SCHEME]
+    rows = [row for row in candidates if available(row)]
+    skipped = [row.name for row in candidates if row not in rows]
     results: dict[str, list[dict]] = {row.name: [] for row in rows}
     for _ in tqdm(range(options.passes), desc="passes"):
         for row in tqdm(rows, desc="rows", leave=False):
@@ -138,9 +143,10 @@ def main() -> None:
         print(f"{row.name}: {speed:.1f} tok/s", flush=True)
     summary = {"bandwidth_bytes_s": bandwidth, "passes": options.passes, "repeats": options.repeats, "threads": options.threads, "prompt_tokens": options.prompt_tokens, "new_tokens": options.new_tokens, "skipped": skipped, "seconds": time.perf_counter() - started}
     command = command_line("decode_cpu_isa.py", parser, options)
-    RESULTS.mkdir(exist_ok=True)
-    write_plot(table, "decode_cpu_isa", "int4 and int8 decode on CPU by instruction set, default model")
-    write_result("decode_cpu_isa", command, {"summary": summary, "rows": table}, markdown(table, summary, command))
+    if not options.quick:
+        RESULTS.mkdir(exist_ok=True)
+        write_plot(table, "decode_cpu_isa", "int4 and int8 decode on CPU by instruction set, default model")
+    publish("decode_cpu_isa", command, {"summary": summary, "rows": table}, markdown(table, summary, command), options.quick)
 
 
 def markdown(rows: list[dict], summary: dict, command: str) -> list[str]:

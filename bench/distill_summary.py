@@ -4,11 +4,14 @@ token: (NLL_pruned - NLL_trained) / (NLL_pruned - NLL_teacher)), the KL the LoRA
 from the w4 model, the draft's acceptance before and after, and the student's decode speed-up
 over the teacher (bench/results/prune_default.json: the same shapes, same bundled decoder).
 
-    python bench/distill_summary.py      (after bash bench/distill_default.sh)
+    python bench/distill_summary.py [--quick]      (after bash bench/distill_default.sh)
+
+--quick (a test) summarizes the results as they are and only prints the summary.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 
@@ -22,6 +25,9 @@ def row(rows: list[dict], name: str) -> dict:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description="Adds the summary to bench/results/distill_default.{md,json}.")
+    parser.add_argument("--quick", action="store_true", help="only print the summary, writing nothing (tests)")
+    options = parser.parse_args()
     record = json.loads((RESULTS / "distill_default.json").read_text())
     rows = record["rows"]
     teacher, pruned = row(rows, "teacher"), row(rows, "pruned student")
@@ -55,6 +61,9 @@ def main() -> None:
         student = next(r for r in json.loads(prune_file.read_text())["rows"] if r["name"].startswith("student"))
         summary["student_decode_speedup"] = student["speedup_vs_unpruned"]
         lines.append(f"The student's shape decodes {student['speedup_vs_unpruned']:.2f}x as fast as the teacher in the bundled decoder (fp32, batch 1; `bench/results/prune_default.md`).")
+    if options.quick:
+        print("\n".join(lines))
+        return
     record["summary"] = summary
     (RESULTS / "distill_default.json").write_text(json.dumps(record, indent=2) + "\n")
     markdown = (RESULTS / "distill_default.md").read_text().split("\n## Summary\n")[0]  # rerunning replaces the summary

@@ -14,9 +14,10 @@ Each file is loaded in llama.cpp (llama-cpp-python, `pip install -e '.[bench]'`)
 same windows of WikiText-2 test token ids: perplexity and KL to the F32 file's logits.
 Writes bench/results/gguf_llamacpp.{md,json} for the default model, gguf_llamacpp_<model>.* for
 another model config (`--model qwen2.5-coder-0.5b`: the qwen2 family; `--samples` lowers GPTQ's
-calibration windows where a full run would take too long on a small machine).
+calibration windows where a full run would take too long on a small machine). --quick (a test)
+makes every file afresh from the tiny test model under bench/runs/gguf_llamacpp/quick/ and only prints.
 
-    python bench/gguf_llamacpp.py [--model smollm2-135m --windows 16 --window 2048 --threads 2 --samples N]
+    python bench/gguf_llamacpp.py [--model smollm2-135m --windows 16 --window 2048 --threads 2 --samples N] [--quick]
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from slimlm.gguf_export import export_gguf
 from slimlm.models import load_model, resolve_model
 from slimlm.rundir import machine_info
 
-from benchlib import REPO, check_llama_cpp, command_line, wikitext_ids, write_result
+from benchlib import REPO, check_llama_cpp, command_line, eval_ids, publish, quick_model_cfg
 
 RUNS = REPO / "bench" / "runs" / "gguf_llamacpp"
 DEFAULT_MODEL = "smollm2-135m"
@@ -61,11 +62,19 @@ def model_config(name: str, path: str | None):
     return merged
 
 
-def build_files(model: str, path: str | None, samples: int | None) -> dict[str, Path]:
-    """Every GGUF of the comparison; files made earlier are kept (delete the runs folder to redo them)."""
+def runs_folder(model: str, quick: bool) -> Path:
+    """Where the files are made: a --quick run's folder is emptied first, so it makes them all."""
+    if not quick:
+        return RUNS if model == DEFAULT_MODEL else RUNS / model
+    subprocess.run(["rm", "-rf", str(RUNS / "quick")], check=True)
+    return RUNS / "quick"
+
+
+def build_files(model: str, path: str | None, samples: int | None, runs: Path, data: str) -> dict[str, Path]:
+    """Every GGUF of the comparison in `runs`, GPTQ calibrated on `data` (a data config name);
+    files made earlier are kept (delete the runs folder to redo them)."""
     import llama_cpp
 
-    runs = RUNS if model == DEFAULT_MODEL else RUNS / model
     runs.mkdir(parents=True, exist_ok=True)
     files = {"f32": runs / "f32.gguf", "slimlm-gptq": runs / "w4-gptq-gguf" / "model.gguf", "slimlm-gptq-head-q8_0": runs / "w4-gptq-gguf" / "model-head-q8_0.gguf", "gguf-q4_0": runs / "gguf-q4_0.gguf", "llama.cpp-q4_0-pure": runs / "llama.cpp-q4_0-pure.gguf", "llama.cpp-q4_0": runs / "llama.cpp-q4_0.gguf"}
     model_cfg = model_config(model, path)
@@ -80,7 +89,7 @@ def build_files(model: str, path: str | None, samples: int | None) -> dict[str, 
         run_dir = files["slimlm-gptq"].parent
         subprocess.run(["rm", "-rf", str(run_dir)], check=True)
         overrides = [f"+recipe.stages.0.samples={samples}"] if samples else []  # "+": the recipe does not list samples
-        subprocess.run([str(REPO / ".venv" / "bin" / "slimlm"), "recipe=w4-gptq-gguf", *model_overrides(model, path), "data=shared", *overrides, f"hydra.run.dir={run_dir}"], check=True, cwd=REPO)
+        subprocess.run([str(REPO / ".venv" / "bin" / "slimlm"), "recipe=w4-gptq-gguf", *model_overrides(model, path), f"data={data}", *overrides, f"hydra.run.dir={run_dir}"], check=True, cwd=REPO)
     for name, pure in (("llama.cpp-q4_0-pure", True), ("llama.cpp-q4_0", False)):
         if not files[name].exists():
             params = llama_cpp.llama_model_quantize_default_params()
@@ -115,12 +124,16 @@ def main() -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL, help="a model config name (conf/model/)")
     parser.add_argument("--model-path", default=None, help="a local checkpoint or GGUF of --model (model=custom), where its config cannot fetch it")
     parser.add_argument("--samples", type=int, default=None, help="GPTQ calibration windows (the recipe's default when absent)")
+    parser.add_argument("--quick", action="store_true", help="the tiny test model (in place of --model), 4 GPTQ windows of the bundled data, 2 windows of 64 tokens; results only printed (tests)")
     options = parser.parse_args()
+    if options.quick:
+        options.windows, options.window, options.samples = 2, 64, 4
     started = time.perf_counter()
-    files = build_files(options.model, options.model_path, options.samples)
+    model_path = quick_model_cfg().path if options.quick else options.model_path
+    files = build_files(options.model, model_path, options.samples, runs_folder(options.model, options.quick), "demo" if options.quick else "shared")
     check_llama_cpp(files["llama.cpp-q4_0"], options.threads)
-    tokenizer = load_model(model_config(options.model, options.model_path), torch.device("cpu")).tokenizer
-    ids = wikitext_ids(tokenizer)[: options.windows * options.window]
+    tokenizer = load_model(model_config(options.model, model_path), torch.device("cpu")).tokenizer
+    ids = eval_ids(tokenizer, options.quick)[: options.windows * options.window]
     windows = ids.view(options.windows, options.window).numpy()
     names = list(files)
     totals = {name: {"nll": 0.0, "kl": 0.0, "top1": 0.0} for name in names}
@@ -144,7 +157,7 @@ def main() -> None:
     if options.model_path:  # the results name the model, never a path of the machine that ran it
         command = command.replace(options.model_path, f"<{options.model} checkpoint>")
     name = "gguf_llamacpp" if options.model == DEFAULT_MODEL else f"gguf_llamacpp_{options.model}"
-    write_result(name, command, {"summary": summary, "rows": rows}, markdown(rows, summary, command))
+    publish(name, command, {"summary": summary, "rows": rows}, markdown(rows, summary, command), options.quick)
 
 
 def markdown(rows: list[dict], summary: dict, command: str) -> list[str]:

@@ -18,9 +18,9 @@ each decodes exactly `--new-tokens` tokens (greedy) from that context once per r
 per-token KL from the fp32-cache decoder to the int8-cache one over the last `--kl-positions`
 tokens of the longest context's window, through each one's compiled decode step: what storing
 the cache in int8 costs, the weights' rounding aside.
-Writes bench/results/kv_cache_cpu.{md,json,png}.
+Writes bench/results/kv_cache_cpu.{md,json,png}; --quick (the tiny test model, a test) only prints.
 
-    python bench/kv_cache_cpu.py [--contexts 128 1024 4096 --new-tokens 64 --repeats 3 --threads 2]
+    python bench/kv_cache_cpu.py [--contexts 128 1024 4096 --new-tokens 64 --repeats 3 --threads 2] [--quick]
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -36,13 +37,14 @@ from tqdm import tqdm
 from slimlm.distill.losses import forward_kl
 from slimlm.eval.bandwidth import memory_bandwidth
 from slimlm.eval.plots import plt, save_figure
+from slimlm.gguf_export import export_gguf
 from slimlm.inference.build import build_decoder
 from slimlm.inference.decoder import Decoder
 from slimlm.models import resolve_model
 from slimlm.rundir import machine_info
 
-from benchlib import RESULTS, check_llama_cpp, command_line, llama_cpp_bytes, machine_line, wikitext_ids, write_result
-from decode_cpu import cache_cell, llama_cpp_file, load_default, quantized_copy, step_logprobs
+from benchlib import QUICK_RUNS, RESULTS, check_llama_cpp, command_line, eval_ids, llama_cpp_bytes, load_bench_model, machine_line, publish
+from decode_cpu import cache_cell, llama_cpp_file, quantized_copy, step_logprobs
 
 # slimlm rows: the cache's dtype and whether decode steps attend in slimlm's kernel
 SLIMLM_ROWS = {"fp32 cache": (None, True), "fp32 cache, compiled loop": (None, False), "int8 cache": (torch.int8, True)}
@@ -124,6 +126,17 @@ class LlamaCppRow(Row):
         return int(self.weights + self.cache_per_slot * context)
 
 
+def q4_0_file(cfg, loaded, quick: bool) -> Path:
+    """The Q4_0 GGUF llama.cpp decodes: decode_cpu's of the default model, or a --quick run's of
+    the tiny model (made afresh, apart from decode_cpu's)."""
+    if not quick:
+        return llama_cpp_file("default-q4_0", "Q4_0", loaded.model, loaded.tokenizer, resolve_model(cfg))
+    path = QUICK_RUNS / "kv_cache_cpu-q4_0.gguf"
+    path.unlink(missing_ok=True)
+    export_gguf(loaded.model, loaded.tokenizer, path, "Q4_0")
+    return path
+
+
 def cache_kl(reference: Decoder, rounded: Decoder, window: torch.Tensor, positions: int) -> float:
     """Mean per-token KL from `reference`'s next-token distribution to `rounded`'s over the last
     `positions` tokens of `window`, each through its own decode step."""
@@ -158,15 +171,18 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--kl-positions", type=int, default=64)
     parser.add_argument("--skip-llama-cpp", action="store_true", help="when llama-cpp-python is not installed (pip install -e '.[bench]')")
+    parser.add_argument("--quick", action="store_true", help="a tiny random-weight model, contexts of 16 and 64 tokens, 4 new tokens, 1 round; results only printed (tests)")
     options = parser.parse_args()
+    if options.quick:
+        options.contexts, options.new_tokens, options.repeats, options.kl_positions = [16, 64], 4, 1, 4
     torch.set_num_threads(options.threads)
     started = time.perf_counter()
-    cfg, loaded = load_default()
+    cfg, loaded = load_bench_model(options.quick)
     tokenizer, config = loaded.tokenizer, loaded.model.config
     slots = max(options.contexts) + options.new_tokens
     if slots > config.max_position_embeddings or min(options.contexts) < 2 or options.new_tokens < 2:
         parser.error(f"--contexts must be 2 to {config.max_position_embeddings - options.new_tokens} tokens and --new-tokens at least 2 (the model has {config.max_position_embeddings} positions)")
-    text = wikitext_ids(tokenizer)
+    text = eval_ids(tokenizer, options.quick)
     bandwidth = memory_bandwidth("cpu", refresh=True).bytes_per_s
     model = quantized_copy(cfg, dict(bits=4, group_size=64))
     rows: list[Row] = []
@@ -175,14 +191,15 @@ def main() -> None:
         rows.append(SlimlmRow(cache, model, tokenizer, dtype, kernel, slots))
     kl = cache_kl(rows[0].decoder, rows[2].decoder, text[: max(options.contexts)], min(options.kl_positions, max(options.contexts) - 1))
     if not options.skip_llama_cpp:
-        gguf = llama_cpp_file("default-q4_0", "Q4_0", loaded.model, tokenizer, resolve_model(cfg))
+        gguf = q4_0_file(cfg, loaded, options.quick)
         check_llama_cpp(gguf, options.threads)
         rows += [LlamaCppRow(cache, gguf, slots, options.threads, config, per_value, llama_options) for cache, (per_value, llama_options) in LLAMA_ROWS.items()]
     results = race(rows, options.contexts, text, options.new_tokens, options.repeats, bandwidth)
     summary = {"bandwidth_bytes_s": bandwidth, "new_tokens": options.new_tokens, "repeats": options.repeats, "threads": options.threads, "kl_int8_cache_vs_fp32_cache": kl, "kl_positions": options.kl_positions, "kl_context_tokens": max(options.contexts), "seconds": time.perf_counter() - started}
     command = command_line("kv_cache_cpu.py", parser, options)
-    write_plot(results)
-    write_result("kv_cache_cpu", command, {"summary": summary, "rows": results}, markdown(results, summary, command))
+    if not options.quick:
+        write_plot(results)
+    publish("kv_cache_cpu", command, {"summary": summary, "rows": results}, markdown(results, summary, command), options.quick)
 
 
 def write_plot(rows: list[dict]) -> None:

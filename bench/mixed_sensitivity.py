@@ -3,9 +3,10 @@
 For a sample of Linear layers (every kind, in decoder layers spread over the depth) and the
 bit widths 2, 3 and 4 (g64, symmetric RTN), compare the KL the Fisher proxy predicts
 (compress/mixed.py, from the calibration corpus) with the KL measured on WikiText-2 test when
-that layer alone is quantized. Writes bench/results/mixed_sensitivity.{md,json,png}.
+that layer alone is quantized. Writes bench/results/mixed_sensitivity.{md,json,png}; --quick (the
+tiny test model and the bundled data, a test) only prints.
 
-    python bench/mixed_sensitivity.py [--layers 0 10 20 29 --windows 2 --window 512]
+    python bench/mixed_sensitivity.py [--layers 0 10 20 29 --windows 2 --window 512] [--quick]
 """
 
 from __future__ import annotations
@@ -19,11 +20,10 @@ from slimlm.compress.calibration import calibration_samples
 from slimlm.compress.mixed import fisher_diagonal, measure_kl_sensitivity, predicted_loss
 from slimlm.data import load_text, tokenize_text
 from slimlm.eval.plots import plt, save_figure
-from slimlm.models import load_model
 from slimlm.qlinear import QuantScheme
 from slimlm.rundir import machine_info
 
-from benchlib import RESULTS, command_line, default_model_cfg, shared_data_cfg, wikitext_ids, write_result
+from benchlib import RESULTS, bench_data_cfg, command_line, eval_ids, load_bench_model, publish
 
 KINDS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 BITS = (2, 3, 4)
@@ -43,22 +43,25 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=512)
     parser.add_argument("--layers", type=int, nargs="+", default=[0, 10, 20, 29], help="decoder layers whose Linear layers are measured")
     parser.add_argument("--fisher-windows", type=int, default=32, help="calibration windows of 256 tokens for the Fisher (the recipe's default)")
+    parser.add_argument("--quick", action="store_true", help="a tiny random-weight model's 2 layers, 2 Fisher windows, 1 window of 64 tokens, the bundled data; results only printed (tests)")
     options = parser.parse_args()
+    if options.quick:
+        options.layers, options.fisher_windows, options.windows, options.window = [0, 1], 2, 1, 64
     started = time.perf_counter()
-    loaded = load_model(default_model_cfg(), torch.device("cpu"))
+    _, loaded = load_bench_model(options.quick)
     model, tokenizer = loaded.model, loaded.tokenizer
     names = [f"model.layers.{layer}.{kind}" for layer in options.layers for kind in KINDS]
-    calibration = calibration_samples(tokenize_text(tokenizer, load_text(shared_data_cfg().calibration, "calibration")), options.fisher_windows, 256, seed=1)
+    calibration = calibration_samples(tokenize_text(tokenizer, load_text(bench_data_cfg(options.quick).calibration, "calibration")), options.fisher_windows, 256, seed=1)
     fisher = fisher_diagonal(model, calibration, names)
-    eval_ids = wikitext_ids(tokenizer)[: options.windows * options.window].view(options.windows, options.window)
+    windows = eval_ids(tokenizer, options.quick)[: options.windows * options.window].view(options.windows, options.window)
     with torch.no_grad():
-        reference = torch.log_softmax(model(input_ids=eval_ids, use_cache=False).logits.float(), dim=-1)
+        reference = torch.log_softmax(model(input_ids=windows, use_cache=False).logits.float(), dim=-1)
     rows = []
     for name in names:
         for bits in BITS:
             scheme = QuantScheme(bits=bits, group_size=64)
             predicted = predicted_loss(model.get_submodule(name).weight, fisher[name], scheme, 256)
-            measured = measure_kl_sensitivity(model, eval_ids, name, scheme, reference)
+            measured = measure_kl_sensitivity(model, windows, name, scheme, reference)
             rows.append({"name": f"{name} int{bits}", "layer": name, "bits": bits, "predicted_kl": predicted, "measured_kl": measured})
             print(f"{name} int{bits}: predicted {predicted:.5f}, measured {measured:.5f}", flush=True)
     predicted = [r["predicted_kl"] for r in rows]
@@ -69,9 +72,10 @@ def main() -> None:
     ratio = sorted(p / m for p, m in zip(predicted, measured) if m > 0)[len(rows) // 2]
     summary = {"spearman": spearman, "log_pearson": log_pearson, "spearman_within_bits": within_bits, "median_predicted_over_measured": ratio, "seconds": time.perf_counter() - started}
     command = command_line("mixed_sensitivity.py", parser, options)
-    RESULTS.mkdir(exist_ok=True)
-    write_plot(rows, spearman)
-    write_result("mixed_sensitivity", command, {"summary": summary, "rows": rows}, markdown(rows, summary, command, options))
+    if not options.quick:
+        RESULTS.mkdir(exist_ok=True)
+        write_plot(rows, spearman)
+    publish("mixed_sensitivity", command, {"summary": summary, "rows": rows}, markdown(rows, summary, command, options), options.quick)
 
 
 def write_plot(rows: list[dict], spearman: float) -> None:

@@ -19,9 +19,9 @@ prompt's tokens, those found in the cache, the time to the first token, and whet
 is the one decoded without reuse; for the shared system prompt, the times to the first token
 and to the last answer; and how far the second turn's first logits are from those of a whole
 prefill, with fp32 and with bf16 activations. Writes
-bench/results/prefix_reuse_cpu.{md,json,png}.
+bench/results/prefix_reuse_cpu.{md,json,png}; --quick (the tiny test model, a test) only prints.
 
-    python bench/prefix_reuse_cpu.py [--turns 6 --threads 2]
+    python bench/prefix_reuse_cpu.py [--turns 6 --threads 2] [--quick]
 """
 
 from __future__ import annotations
@@ -40,8 +40,7 @@ from slimlm.inference.decoder import Decoder, Generation
 from slimlm.inference.sampling import SamplingParams
 from slimlm.rundir import machine_info
 
-from benchlib import RESULTS, command_line, machine_line, run_together, wikitext_ids, write_result
-from decode_cpu import default_int4
+from benchlib import RESULTS, bench_int4, command_line, eval_ids, machine_line, publish, run_together
 
 SYSTEM = "You are a careful assistant. Answer in plain English, briefly, and say so when a passage does not tell you something."
 SHARED_REQUESTS = 8
@@ -75,8 +74,8 @@ class Chat:
         self.turns.append({"prompt_tokens": len(ids), "cached_tokens": generation.cached_tokens, "first_token_ms": 1000 * first_s, "answer": generation.token_ids})
 
 
-def passages(tokenizer, count: int) -> list[str]:
-    ids = wikitext_ids(tokenizer)
+def passages(tokenizer, count: int, quick: bool) -> list[str]:
+    ids = eval_ids(tokenizer, quick)
     return [tokenizer.decode(ids[PASSAGE_TOKENS * i : PASSAGE_TOKENS * (i + 1)]).strip() for i in range(count)]
 
 
@@ -199,11 +198,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="a tiny random-weight model, 2 turns; results only printed (tests)")
     options = parser.parse_args()
+    if options.quick:
+        options.turns = 2
     started = time.perf_counter()
-    model, loaded = default_int4(options.threads)
+    model, loaded = bench_int4(options.threads, options.quick)
     tokenizer = loaded.tokenizer
-    texts = passages(tokenizer, options.turns * (CONVERSATIONS + 1) + SHARED_REQUESTS + REFERENCE_TOKENS // PASSAGE_TOKENS + 1)
+    texts = passages(tokenizer, options.turns * (CONVERSATIONS + 1) + SHARED_REQUESTS + REFERENCE_TOKENS // PASSAGE_TOKENS + 1, options.quick)
     own = [texts[options.turns * i : options.turns * (i + 1)] for i in range(CONVERSATIONS + 1)]
     gaps = [logit_gap(loaded.model, tokenizer, own[0], torch.float32), logit_gap(model, tokenizer, own[0], torch.bfloat16)]
     alone = {reuse: one_at_a_time(model, tokenizer, own[0], reuse) for reuse in (False, True)}
@@ -215,7 +217,7 @@ def main() -> None:
     reference = tokenizer.decode(tokenizer(reference, add_special_tokens=False)["input_ids"][:REFERENCE_TOKENS])
     questions = [tokenizer.decode(tokenizer(text, add_special_tokens=False)["input_ids"][:24]) for text in spare[:SHARED_REQUESTS]]
     shared = [shared_system(model, tokenizer, reference, questions, reuse) for reuse in (False, True)]
-    crowd_texts = passages(tokenizer, len(texts) + CROWD * CROWD_TURNS)[len(texts) :]
+    crowd_texts = passages(tokenizer, len(texts) + CROWD * CROWD_TURNS, options.quick)[len(texts) :]
     crowd_texts = [crowd_texts[CROWD_TURNS * i : CROWD_TURNS * (i + 1)] for i in range(CROWD)]
     crowd, crowd_s = [], {}
     for cache_rows in (CONVERSATIONS, CROWD):
@@ -245,7 +247,8 @@ def main() -> None:
         "![prefix_reuse_cpu](prefix_reuse_cpu.png)",
         "",
     ]
-    write_plot(rows)
+    if not options.quick:
+        write_plot(rows)
     lines[-2:-2] = [  # before the plot
         f"{SHARED_REQUESTS} requests sent at once, each a question after the same system prompt (a reference passage of {REFERENCE_TOKENS} tokens), 32 new tokens each, {SHARED_REQUESTS} rows:",
         "",
@@ -268,7 +271,7 @@ def main() -> None:
         *[f"| {g['activations']} | {g['cached_tokens']} | {g['max_logit_difference']:.2g} | {g['max_logit']:.1f} | {'yes' if g['same_argmax'] else 'no'} |" for g in gaps],
         "",
     ]
-    write_result("prefix_reuse_cpu", command, {"summary": summary, "rows": rows + shared + crowd, "logit_gaps": gaps}, lines)
+    publish("prefix_reuse_cpu", command, {"summary": summary, "rows": rows + shared + crowd, "logit_gaps": gaps}, lines, options.quick)
 
 
 if __name__ == "__main__":

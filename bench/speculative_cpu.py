@@ -5,9 +5,10 @@ to repeat or edit text it was given (where lookup guesses well) and an open ques
 guesses little). For each: the plain greedy tokens/s, the speculative tokens/s, the acceptance
 rate of the guesses, tokens per target pass, and whether the outputs are identical (they must be).
 With --temperature above 0 both sample (speculative sampling keeps the distribution, not the
-draws): bench/results/speculative_cpu_sampled.{md,json}. Writes bench/results/speculative_cpu.{md,json}.
+draws): bench/results/speculative_cpu_sampled.{md,json}. Writes bench/results/speculative_cpu.{md,json};
+--quick (the tiny test model, a test) only prints.
 
-    python bench/speculative_cpu.py [--new-tokens 96 --lookahead 4 --repeats 3 --temperature 0]
+    python bench/speculative_cpu.py [--new-tokens 96 --lookahead 4 --repeats 3 --temperature 0] [--quick]
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ from slimlm.inference.sampling import SamplingParams
 from slimlm.inference.speculative import generate_speculative
 from slimlm.rundir import machine_info
 
-from benchlib import command_line, kernel_and_torch_ms, machine_line, write_result
-from decode_cpu import load_default, quantized_copy
+from benchlib import command_line, kernel_and_torch_ms, load_bench_model, machine_line, publish
+from decode_cpu import quantized_copy
 
 PASSAGE = (
     "The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. It is named after "
@@ -48,6 +49,20 @@ def speculation_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lookahead", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="a tiny random-weight model, 16 new tokens, 1 repeat; results only printed (tests)")
+
+
+def parse_speculation(parser: argparse.ArgumentParser) -> argparse.Namespace:
+    """The options, a --quick run's shrunk."""
+    options = parser.parse_args()
+    if options.quick:
+        options.new_tokens, options.repeats = 16, 1
+    return options
+
+
+def random_ids(model: Transformer, count: int, generator: torch.Generator) -> torch.Tensor:
+    """[1, count] random token ids of the model's vocabulary above its first 100 (below 5,000)."""
+    return torch.randint(100, min(5000, model.args.vocab_size), (1, count), generator=generator)
 
 
 def verification_pass_costs(model: Transformer, lookahead: int, repeats: int = 9) -> list[dict]:
@@ -60,8 +75,8 @@ def verification_pass_costs(model: Transformer, lookahead: int, repeats: int = 9
         for context in (150, 1500, 4000):
             model.setup_cache(1, context + 1 + lookahead, cache_dtype)
             with torch.inference_mode():
-                model(torch.randint(100, 5000, (1, context), generator=generator), 0)
-                checked = torch.randint(100, 5000, (1, 1 + lookahead), generator=generator)
+                model(random_ids(model, context, generator), 0)
+                checked = random_ids(model, 1 + lookahead, generator)
                 kernel_ms, torch_ms = kernel_and_torch_ms(lambda: model(checked, context), repeats)
             rows.append({"name": f"{1 + lookahead} tokens after {context} cached, {'int8' if cache_dtype else 'float'} cache", "kernel_pass_ms": kernel_ms, "torch_pass_ms": torch_ms})
             print(f"{rows[-1]['name']}: kernel {kernel_ms:.1f} ms, torch {torch_ms:.1f} ms", flush=True)
@@ -73,10 +88,10 @@ def main() -> None:
     speculation_arguments(parser)
     parser.add_argument("--weights", choices=["int8", "fp32"], default="int8", help="int8 (bf16 activations, fast) or fp32 (fp32 activations, exact arithmetic)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above 0: both sample (seeded)")
-    options = parser.parse_args()
+    options = parse_speculation(parser)
     torch.set_num_threads(options.threads)
     started = time.perf_counter()
-    cfg, loaded = load_default()
+    cfg, loaded = load_bench_model(options.quick)
     tokenizer = loaded.tokenizer
     if options.weights == "int8":
         decoder = Decoder(build_decoder(quantized_copy(cfg, dict(bits=8)), dtype=torch.bfloat16), tokenizer, reuse_prefixes=False)  # both ways prefill the whole prompt
@@ -141,7 +156,7 @@ def main() -> None:
         *[f"| {r['name']} | {r['kernel_pass_ms']:.1f} | {r['torch_pass_ms']:.1f} | {r['torch_pass_ms'] / r['kernel_pass_ms']:.2f}x |" for r in costs],
         "",
     ]
-    write_result(name, command, {"summary": summary, "rows": rows + costs}, lines, notes="speculative_cpu")
+    publish(name, command, {"summary": summary, "rows": rows + costs}, lines, options.quick, notes="speculative_cpu")
 
 
 if __name__ == "__main__":

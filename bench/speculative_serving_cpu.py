@@ -8,9 +8,9 @@ then all three sent at once, the two batchers alternating. For each: tokens/s of
 whether every answer is the one without guesses (it must be); the share of guesses kept. Then
 the cost of one pass of three answers checking their guesses, the guesses attended as queries of
 the batched decode step (slimlm's CPU kernel) against an attention call per answer. Writes
-bench/results/speculative_serving_cpu.{md,json}.
+bench/results/speculative_serving_cpu.{md,json}; --quick (the tiny test model, a test) only prints.
 
-    python bench/speculative_serving_cpu.py [--new-tokens 96 --lookahead 4 --repeats 3]
+    python bench/speculative_serving_cpu.py [--new-tokens 96 --lookahead 4 --repeats 3] [--quick]
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from slimlm.inference.model import Segment, Transformer
 from slimlm.inference.sampling import SamplingParams
 from slimlm.rundir import machine_info
 
-from benchlib import command_line, kernel_and_torch_ms, machine_line, pass_table, run_together, write_result
-from decode_cpu import load_default, quantized_copy
-from speculative_cpu import PROMPTS, speculation_arguments
+from benchlib import command_line, kernel_and_torch_ms, load_bench_model, machine_line, pass_table, publish, run_together
+from decode_cpu import quantized_copy
+from speculative_cpu import PROMPTS, parse_speculation, random_ids, speculation_arguments
 
 
 def serve(batcher: ContinuousBatcher, requests: list[list[int]], params: SamplingParams, together: bool) -> list[tuple[list[int], float]]:
@@ -61,8 +61,8 @@ def guess_pass_costs(model: Transformer, lookahead: int, repeats: int = 7) -> li
         model.setup_cache(3, context + 1 + lookahead)
         with torch.inference_mode():
             for row in range(3):
-                model(torch.randint(100, 5000, (1, context), generator=generator), 0, first_row=row)
-            segments = [Segment(row, context, torch.randint(100, 5000, (1 + lookahead,), generator=generator).tolist()) for row in range(3)]
+                model(random_ids(model, context, generator), 0, first_row=row)
+            segments = [Segment(row, context, random_ids(model, 1 + lookahead, generator)[0].tolist()) for row in range(3)]
             costs = kernel_and_torch_ms(lambda: model.forward_segments(segments, [1 + lookahead] * 3), repeats)
         for pass_ms, how in zip(costs, ("guesses as queries of the batched step", "an attention call per answer")):
             rows.append({"name": f"3 answers x {1 + lookahead} tokens after {context} cached, {how}", "pass_ms": pass_ms})
@@ -73,10 +73,10 @@ def guess_pass_costs(model: Transformer, lookahead: int, repeats: int = 7) -> li
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     speculation_arguments(parser)
-    options = parser.parse_args()
+    options = parse_speculation(parser)
     torch.set_num_threads(options.threads)
     started = time.perf_counter()
-    cfg, loaded = load_default()
+    cfg, loaded = load_bench_model(options.quick)
     tokenizer = loaded.tokenizer
     model = quantized_copy(cfg, dict(bits=8))
     requests = [prompt_ids(tokenizer, text, chat_template=True)[0].tolist() for text in PROMPTS.values()]
@@ -123,7 +123,7 @@ def main() -> None:
         "",
         *pass_table("One packed pass checking guesses (`Transformer.forward_segments`), median of 7 alternating:", costs),
     ]
-    write_result("speculative_serving_cpu", command, {"summary": summary, "rows": rows + costs}, lines)
+    publish("speculative_serving_cpu", command, {"summary": summary, "rows": rows + costs}, lines, options.quick)
 
 
 if __name__ == "__main__":
