@@ -137,6 +137,8 @@ def render_markdown(report: dict[str, Any], plots: Sequence[str]) -> str:
         + (f", {machine['cuda']}" if machine.get("cuda") else ""),
         "",
     ]
+    if report.get("stages_done", 0) < report.get("stages", 0):
+        lines[-1:-1] = [f"- **incomplete**: {report['stages_done']} of {report['stages']} stages finished (the run is still going, or stopped); the rows below are those measured so far"]
     if report["rows"]:
         lines += ["## Results", "", *perplexity_note(report["rows"], report["eval_text"]), *markdown_tables(report["rows"])]
     lines += [f"![{Path(p).stem}]({p})" for p in plots]

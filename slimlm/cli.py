@@ -108,8 +108,11 @@ def execute(cfg: DictConfig, plan: Plan, run_dir: Path, resumes: bool) -> str:
     device = pick_device(cfg.hardware.device)
     source = plan.source
     state = RunState(cfg=cfg, run_dir=run_dir, model=None, tokenizer=None, source=source, source_sha256=source_sha256(source), device=device, resumes=resumes)
-    timings = []
-    for planned in plan.stages:
+    from slimlm.eval.report import write_report  # here, not at the top: its matplotlib adds half a second to every command's start
+
+    timings: list[tuple[str, float]] = []
+    markdown = ""
+    for done, planned in enumerate(plan.stages, start=1):
         log.info("%s: starting", planned.title)
         started = time.perf_counter()
         load_seconds = run_stage(state, planned)
@@ -117,7 +120,17 @@ def execute(cfg: DictConfig, plan: Plan, run_dir: Path, resumes: bool) -> str:
             timings.append(("load model", load_seconds))
         timings.append((f"{planned.index + 1}. {planned.stage.name}", time.perf_counter() - started - (load_seconds or 0.0)))
         log.info("%s: done in %.1f s", planned.title, timings[-1][1])
-    header = {
+        # After every stage, so that a run stopped later keeps what it measured (marked incomplete).
+        progress = {"stages_done": done, "stages": len(plan.stages)}
+        markdown = write_report(run_dir, {**report_header(cfg, state, run_dir), "stage_seconds": timings, **progress}, state.evaluations, state.sections)
+    for path in state.scratch:
+        shutil.rmtree(path, ignore_errors=True)
+    return markdown
+
+
+def report_header(cfg: DictConfig, state: RunState, run_dir: Path) -> dict:
+    """What the report says about the run itself."""
+    return {
         "recipe": cfg.recipe.name,
         "model": cfg.model.name,
         "model_path": cfg.model.path,
@@ -125,14 +138,7 @@ def execute(cfg: DictConfig, plan: Plan, run_dir: Path, resumes: bool) -> str:
         "eval_text": cfg.data.eval_text.path,
         "command": command_line(HydraConfig.get().overrides.task, cfg.recipe.file),
         "run_dir": display_path(run_dir),
-        "stage_seconds": timings,
     }
-    from slimlm.eval.report import write_report  # here, not at the top: its matplotlib adds half a second to every command's start
-
-    markdown = write_report(run_dir, header, state.evaluations, state.sections)
-    for path in state.scratch:
-        shutil.rmtree(path, ignore_errors=True)
-    return markdown
 
 
 @hydra.main(config_path=f"pkg://{CONFIG_MODULE}", config_name="config", version_base="1.3")

@@ -246,11 +246,14 @@ def test_a_failed_run_rerun_in_its_directory_replaces_its_outputs_and_reuses_its
     assert failed.returncode == 2 and "run/artifact' already exists" in failed.stderr.strip().splitlines()[-1]
     assert json.loads((run / "status.json").read_text())["status"] == "failed"
     assert (run / "quantized" / "manifest.json").is_file() and (run / "quantized-blocks" / "block-1.json").is_file()
+    report = json.loads((run / "report.json").read_text())  # what the finished quantize stage measured is kept
+    assert (report["stages_done"], report["stages"]) == (1, 3) and report["quantization"] and "**incomplete**: 1 of 3 stages" in (run / "report.md").read_text()
 
     rerun = slimlm(*args, "hydra.run.dir=run", cwd=tmp_path)
     said = rerun.stdout + rerun.stderr
     assert "run/quantized', written by the unfinished run" in said and "run/artifact', written by the unfinished run" in said and "going on from block 2" in said
     assert json.loads((run / "status.json").read_text())["status"] == "complete" and not (run / "quantized-blocks").exists()
+    assert json.loads((run / "report.json").read_text())["stages_done"] == 3 and "incomplete" not in (run / "report.md").read_text()
     slimlm(*args, "hydra.run.dir=clean", cwd=tmp_path)
     resumed, clean = (load_artifact(tmp_path / name / "artifact").model.state_dict() for name in ("run", "clean"))
     assert resumed.keys() == clean.keys() and all(torch.equal(resumed[key], clean[key]) for key in resumed)
