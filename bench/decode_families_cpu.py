@@ -8,11 +8,11 @@ Random-weight models built from transformers' own config classes, shaped as publ
   dense-active    a dense Llama with OLMoE's active shape: the same 4 layers, hidden size and
                   heads, and one MLP as wide as the 8 experts a token uses (8 x 1024): what
                   the mixture of experts decodes against, parameter for parameter read
-Each tool decodes its own 4.5-bit integer form of the same float weights: slimlm int4 g64 RTN
-of every Linear (the LM head too; bf16 scale and offset per 64 weights) with int8 activations
-and the decode step compiled, its fastest CPU path (slimlm's int8-activation kernel takes groups
-of 64 or more: int4 g32 runs in torch's tinygemm kernel instead); llama.cpp (llama-cpp-python)
-the float weights rounded to GGUF Q4_0 (fp16 scale per 32 weights) as its converter rounds them.
+Each tool decodes its own 4-bit integer form of the same float weights: slimlm int4 RTN of every
+Linear (the LM head too; a bf16 scale and offset per group, groups of 32 as Q4_0's by default,
+`--group-size 64` for the same bytes per weight as Q4_0) with int8 activations and the decode
+step compiled, its fastest CPU path; llama.cpp (llama-cpp-python) the float weights rounded to
+GGUF Q4_0 (an fp16 scale per 32 weights) as its converter rounds them.
 Batch 1, a 16-token random prompt, exactly 128 greedy new tokens, the same threads for both;
 every row decodes once per round for `--repeats` rounds (interleaved) and the median is kept.
 
@@ -20,7 +20,7 @@ The planner's CPU plan of the MoE model is checked against a measured run: the a
 by `slimlm generate` in a fresh process, its peak resident memory (GNU time) against the plan's
 peak for the same context.
 
-    python bench/decode_families_cpu.py [--repeats 5 --threads 2] [--quick]
+    python bench/decode_families_cpu.py [--repeats 5 --threads 2 --group-size 32] [--quick]
 
 Writes bench/results/decode_families_cpu.{md,json,png}; --quick (tiny shapes, a test) only prints.
 """
@@ -50,7 +50,7 @@ from decode_cpu import add_decode_options, llama_cpp_contender, race, slimlm_con
 
 RUNS = REPO / "bench" / "runs" / "decode_families_cpu"
 TIME = "/usr/bin/time"
-SCHEME = dict(bits=4, group_size=64, targets=[r"model\.layers\.\d+\..*", "lm_head"])
+TARGETS = [r"model\.layers\.\d+\..*", "lm_head"]
 OLMOE = dict(hidden_size=2048, num_attention_heads=16, num_key_value_heads=16, num_hidden_layers=4, vocab_size=50304, max_position_embeddings=4096, rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)
 SHAPES: dict[str, tuple[str, dict]] = {
     "qwen3-0.6b": ("qwen3", dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True)),
@@ -80,10 +80,10 @@ def random_model(model_type: str, settings: dict):
     return model
 
 
-def quantized(model, workdir: Path) -> dict:
-    """`model` quantized in place to int4 g64 RTN; returns the schemes."""
+def quantized(model, workdir: Path, group_size: int) -> dict:
+    """`model` quantized in place to int4 RTN in groups of `group_size`; returns the schemes."""
     state = RunState(cfg=None, run_dir=workdir, model=model, tokenizer=None, source=None, source_sha256=None, device=torch.device("cpu"))
-    quantize(state, QuantizeParams(**SCHEME))
+    quantize(state, QuantizeParams(bits=4, group_size=group_size, targets=TARGETS))
     return state.schemes
 
 
@@ -119,7 +119,7 @@ def llama_cpp_row(name: str, model, tokenizer, prompt: list[int], options, workd
 
 
 def slimlm_row(name: str, model, tokenizer, prompt: list[int], options):
-    row = slimlm_contender(f"{name}: slimlm int4 g64, int8 activations, compiled", model, tokenizer, prompt, options, torch.bfloat16, compiled=True, int8_activations=True)
+    row = slimlm_contender(f"{name}: slimlm int4 g{options.group_size}, int8 activations, compiled", model, tokenizer, prompt, options, torch.bfloat16, compiled=True, int8_activations=True)
     kernels = row.info.pop("kernels")
     row.info["kernels"] = ", ".join(f"{kernel} x{count}" for kernel, count in kernels.items())
     return row
@@ -133,6 +133,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_decode_options(parser)
     parser.add_argument("--skip-llama-cpp", action="store_true", help="when llama-cpp-python is not installed (pip install -e '.[bench]')")
+    parser.add_argument("--group-size", type=int, default=32, help="slimlm's int4 group size (32: llama.cpp Q4_0's; 64: the same bytes per weight as Q4_0)")
     parser.add_argument("--quick", action="store_true", help="tiny shapes, 2 rounds of 16 tokens; results only printed (tests)")
     options = parser.parse_args()
     if options.quick:
@@ -152,7 +153,7 @@ def main() -> None:
         print(f"preparing {name}", flush=True)
         model = random_model(model_type, settings)
         theirs = [] if options.skip_llama_cpp else [llama_cpp_row(name, model, tokenizer, prompt, options, workdir)]
-        schemes = quantized(model, workdir)
+        schemes = quantized(model, workdir, options.group_size)
         contenders += [slimlm_row(name, model, tokenizer, prompt, options), *theirs]
         if index == MOE:
             planned = measured_plan(name, model, tokenizer, schemes, options, workdir)
@@ -167,7 +168,7 @@ def main() -> None:
     moe["vs_dense_active"] = round(moe["decode_tok_s"] / next(r for r in rows if r["name"].startswith(f"{names[DENSE]}: slimlm"))["decode_tok_s"], 3)
     command = command_line("decode_families_cpu.py", parser, options)
     if not options.quick:
-        write_plot(rows, "decode_families_cpu", "Decode speed on CPU by family (random weights, 4.5-bit int4)")
+        write_plot(rows, "decode_families_cpu", f"Decode speed on CPU by family (random weights, int4 g{options.group_size} against Q4_0)")
     table = [
         "| model and decoder | decode tok/s | vs llama.cpp | time to first token ms | weights MB | warm-up s | kernels |",
         "|---|---:|---:|---:|---:|---:|---|",
@@ -181,7 +182,7 @@ def main() -> None:
         "",
         "![decode_families_cpu](decode_families_cpu.png)",
     ]
-    details = [f"- batch 1, a {options.prompt_tokens}-token random prompt, exactly {options.new_tokens} greedy new tokens, median of {options.repeats} interleaved rounds after a warm-up; random weights: slimlm int4 g64 RTN of every Linear and the head, llama.cpp the float weights rounded to Q4_0"]
+    details = [f"- batch 1, a {options.prompt_tokens}-token random prompt, exactly {options.new_tokens} greedy new tokens, median of {options.repeats} interleaved rounds after a warm-up; random weights: slimlm int4 g{options.group_size} RTN of every Linear and the head, llama.cpp the float weights rounded to Q4_0"]
     publish_table("decode_families_cpu", "decode_families_cpu", command, machine_info(), time.perf_counter() - started, details, table, [*rows, planned], options.quick)
 
 

@@ -41,7 +41,8 @@ ISAS = {
     "avx_vnni": (("avx2", "fma", "avx_vnni"), ["-march=x86-64-v3", "-mavxvnni"]),
     "avx2": (("avx2", "fma"), ["-march=x86-64-v3"]),
 }
-BLOCK = 64  # inputs per activation block; the kernels' group sizes are multiples of it
+BLOCK = 64  # inputs per activation block; the kernels' group sizes are multiples of it, or SEGMENT
+SEGMENT = 32  # the one smaller group: llama.cpp's Q4_0 and Q8_0 size
 TILE = 16  # output rows per vector: one lane each
 
 
@@ -116,12 +117,12 @@ def group_size(scheme: QuantScheme, in_features: int) -> int:
 
 def fits(scheme: Optional[QuantScheme], out_features: int, in_features: int) -> bool:
     """Whether a kernel's layout can hold a layer of this scheme and shape: int4 or int8, groups
-    (or whole rows) a multiple of 64 inputs, rows a multiple of 16 (the planner asks too, so it
-    needs no processor)."""
+    (or whole rows) of 32 inputs or a multiple of 64, inputs a multiple of 64, rows a multiple
+    of 16 (the planner asks too, so it needs no processor)."""
     if scheme is None or scheme.bits not in OPS:
         return False
     group = group_size(scheme, in_features)
-    return group % BLOCK == 0 and in_features % group == 0 and out_features % TILE == 0
+    return (group == SEGMENT or group % BLOCK == 0) and in_features % group == 0 and in_features % BLOCK == 0 and out_features % TILE == 0
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -175,7 +176,7 @@ def pack_adapter(down: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, to
     return down.detach().to(torch.bfloat16).contiguous(), torch.cat(columns).to(torch.bfloat16), torch.tensor(spans, dtype=torch.int64)
 
 
-def _output_shape(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group_size: int, lora_down: Optional[torch.Tensor] = None, lora_up: Optional[torch.Tensor] = None, lora_tiles: Optional[torch.Tensor] = None) -> torch.Tensor:
+def _output_shape(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, offsets: Optional[torch.Tensor], group_size: int, lora_down: Optional[torch.Tensor] = None, lora_up: Optional[torch.Tensor] = None, lora_tiles: Optional[torch.Tensor] = None) -> torch.Tensor:
     """What torch.compile traces in place of the kernel."""
     return x.new_empty(x.shape[0], packed.shape[0] * TILE)
 

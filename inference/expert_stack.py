@@ -23,12 +23,12 @@ from slimlm.inference.linear import Int8ActivationLinear
 
 @dataclass(frozen=True)
 class StackedProjection:
-    """One projection of every expert: packed codes, scales and offsets, each [E, ...] in the
-    int8-activation kernel's layout, and the group size."""
+    """One projection of every expert: packed codes, scales and offsets (none where the scheme is
+    symmetric), each [E, ...] in the int8-activation kernel's layout, and the group size."""
 
     packed: torch.Tensor
     scales: torch.Tensor
-    offsets: torch.Tensor
+    offsets: Optional[torch.Tensor]
     group: int
 
     @staticmethod
@@ -37,6 +37,9 @@ class StackedProjection:
         stack takes no memory of its own once the layers' former tensors are freed."""
         stacks = []
         for name in ("weight", "scales", "offsets"):
+            if getattr(layers[0], name) is None:
+                stacks.append(None)
+                continue
             stack = torch.stack([getattr(layer, name) for layer in layers])
             for layer, view in zip(layers, stack):
                 setattr(layer, name, view)
@@ -61,7 +64,7 @@ class ExpertStack:
         projections = [[expert.gate_up for expert in experts], [expert.down for expert in experts]]
         if not all(_plain(layer) for layers in projections for layer in layers):
             return None
-        if any(len({(layer.bits, layer.group_size, layer.weight.shape) for layer in layers}) > 1 for layers in projections):
+        if any(len({(layer.bits, layer.group_size, layer.weight.shape, layer.offsets is None) for layer in layers}) > 1 for layers in projections):
             return None
         if projections[0][0].bits != projections[1][0].bits:
             return None

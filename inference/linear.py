@@ -101,9 +101,9 @@ class Int4Linear(nn.Module):
 
 
 class Int8ActivationLinear(nn.Module):
-    """int4 or int8 weights times activations rounded to int8 per block of 64 inputs (x86 CPUs
-    with AVX512-VNNI, AVX-VNNI or AVX2; inference/cpu_kernels.py), and the layer's LoRA adapter
-    in the same call. Its layout can be read row by row, so a tied head also serves as the
+    """int4 or int8 weights (groups of 32 or multiples of 64) times activations rounded to int8
+    per block of 64 inputs (x86 CPUs with AVX512-VNNI, AVX-VNNI or AVX2; inference/cpu_kernels.py),
+    and the layer's LoRA adapter in the same call. Its layout can be read row by row, so a tied head also serves as the
     embedding table without a second copy."""
 
     def __init__(self, layer: QuantLinear, dtype: torch.dtype, device: torch.device):
@@ -111,12 +111,14 @@ class Int8ActivationLinear(nn.Module):
         scheme = layer.scheme
         self.in_features, self.out_features, self.dtype, self.bits = layer.in_features, layer.out_features, dtype, scheme.bits
         self.group_size = cpu_kernels.group_size(scheme, layer.in_features)
-        scales = layer.scales.to(device=device, dtype=torch.float32).view(layer.out_features, -1)
-        zeros = layer.zeros.to(device=device, dtype=torch.float32).view_as(scales) if layer.zeros is not None else torch.full_like(scales, scheme.symmetric_zero)
+        scales = layer.scales.to(device=device, dtype=torch.bfloat16).view(layer.out_features, -1)
         self.register_buffer("weight", cpu_kernels.pack(layer.codes().to(device), self.bits))
-        scales = scales.to(torch.bfloat16)  # the offsets from the rounded scales: exact for zero points 8 and 128
         self.register_buffer("scales", cpu_kernels.tile_groups(scales))
-        self.register_buffer("offsets", cpu_kernels.tile_groups((zeros * scales.float()).to(torch.bfloat16)))
+        # Offsets (zero point times scale) only where the zero points vary: a symmetric scheme's
+        # zero point is the kernel's constant, which saves 2 bytes a group.
+        offsets = None if layer.zeros is None else cpu_kernels.tile_groups((layer.zeros.to(device=device, dtype=torch.float32).view_as(scales) * scales.float()).to(torch.bfloat16))
+        self.register_buffer("offsets", offsets)
+        self.zero_point = scheme.symmetric_zero
         self.register_buffer("bias", None if layer.bias is None else layer.bias.detach().to(device=device, dtype=dtype))
         adapter = cpu_kernels.pack_adapter(layer.lora_a, layer.lora_b) if layer.adapter_rank else (None, None, None)
         for name, value in zip(("lora_down", "lora_up", "lora_tiles"), adapter):
@@ -140,7 +142,7 @@ class Int8ActivationLinear(nn.Module):
         """Weight rows `ids` dequantized (the embedding of a model whose head this is)."""
         codes = cpu_kernels.unpack_rows(self.weight, ids).to(dtype).view(len(ids), -1, self.group_size)
         scales = cpu_kernels.untile_groups(self.scales, ids).to(dtype).unsqueeze(-1)
-        offsets = cpu_kernels.untile_groups(self.offsets, ids).to(dtype).unsqueeze(-1)
+        offsets = scales * self.zero_point if self.offsets is None else cpu_kernels.untile_groups(self.offsets, ids).to(dtype).unsqueeze(-1)
         return (codes * scales - offsets).view(len(ids), self.in_features)
 
 

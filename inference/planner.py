@@ -86,13 +86,14 @@ def matvec_fits(scheme: Optional[QuantScheme], in_features: int) -> bool:
 def linear_bytes(out_features: int, in_features: int, scheme: Optional[QuantScheme], act_bytes: int, matvec: bool = False, int8_activations: bool = False) -> int:
     """Bytes of one linear layer as the decoder stores it (inference/linear.py); `matvec`: int4
     layers run in slimlm's Triton kernel, which keeps the stored packing; `int8_activations`:
-    int4 and int8 layers run in slimlm's CPU kernels (a bf16 scale and offset per group or row)."""
+    int4 and int8 layers run in slimlm's CPU kernels (a bf16 scale per group or row, and an
+    offset where the scheme is asymmetric)."""
     if scheme is None:
         return out_features * in_features * act_bytes
     if matvec and matvec_fits(scheme, in_features):
         return packed_bytes(out_features, in_features, scheme)
     if int8_activations and cpu_kernels.fits(scheme, out_features, in_features):
-        return out_features * in_features * scheme.bits // 8 + 2 * scheme.groups(in_features) * out_features * 2
+        return out_features * in_features * scheme.bits // 8 + (1 if scheme.symmetric else 2) * scheme.groups(in_features) * out_features * 2
     if tinygemm_fits(scheme, in_features):
         return out_features * in_features // 2 + 2 * scheme.groups(in_features) * out_features * act_bytes  # codes; (scale, zero) per group
     if int8pack_fits(scheme):  # int8 codes; a scale (and an offset) per row

@@ -13,7 +13,7 @@ def test_quick_decode_families_bench_runs_every_row():
     result = subprocess.run([sys.executable, "decode_families_cpu.py", "--quick", *skip], capture_output=True, text=True, cwd=REPO / "bench", timeout=900)
     assert result.returncode == 0, result.stderr[-2000:]
     for name in ("qwen3-tiny", "gemma-3-tiny", "olmoe-tiny", "dense-active-tiny"):
-        assert f"| {name}: slimlm int4 g64, int8 activations, compiled |" in result.stdout
+        assert f"| {name}: slimlm int4 g32, int8 activations, compiled |" in result.stdout
         assert not skip or f"| {name}: llama.cpp Q4_0 |" not in result.stdout
     assert "The mixture of experts against the dense model of its active shape" in result.stdout
     assert "| olmoe-tiny: planned against measured peak |" in result.stdout

@@ -39,15 +39,17 @@ def random_weights(rows, width, group, bits=4, seed=0):
 
 def emulate(x, codes, scales, offsets, group):
     """The kernel's arithmetic in torch: activations rounded per 64 inputs, integer dots per
-    block, the offsets times the sums of the rounded activations."""
+    segment of min(group, 64) inputs, the offsets times the sums of the rounded activations."""
     rows, width = codes.shape
+    step = min(group, 64)
     blocks = x.float().view(x.shape[0], width // 64, 64)
     block_scale = blocks.abs().amax(-1, keepdim=True) / 127
     block_scale = torch.where(block_scale > 0, block_scale, torch.ones_like(block_scale))
     q = torch.round(blocks * (1 / block_scale))
-    dots = torch.einsum("mbi,nbi->mnb", q.double(), codes.view(rows, width // 64, 64).double())
-    per_block = scales.double().repeat_interleave(group // 64, dim=1)
-    y = (dots * per_block[None] * block_scale.squeeze(-1).double()[:, None]).sum(-1)
+    dots = torch.einsum("msi,nsi->mns", q.double().view(x.shape[0], width // step, step), codes.view(rows, width // step, step).double())
+    per_segment = scales.double().repeat_interleave(group // step, dim=1)
+    segment_scale = block_scale.squeeze(-1).double().repeat_interleave(64 // step, dim=1)
+    y = (dots * per_segment[None] * segment_scale[:, None]).sum(-1)
     rounded = (q * block_scale).double().view(x.shape[0], width // group, group)
     return (y - rounded.sum(-1) @ offsets.double().t()).float()
 
@@ -64,7 +66,7 @@ def test_packing_round_trips_and_rows_read_back(bits):
 
 @needs_kernel
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("group", [64, 256], ids=["g64", "row"])
+@pytest.mark.parametrize("group", [32, 64, 256], ids=["g32", "g64", "row"])
 @pytest.mark.parametrize("tokens", [1, 3, 4, 9])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_kernel_matches_the_emulation_of_its_arithmetic(bits, group, tokens, dtype):
@@ -80,6 +82,20 @@ def test_kernel_matches_the_emulation_of_its_arithmetic(bits, group, tokens, dty
     weight = (codes.float().view(rows, -1, group) * scales.float()[..., None] - offsets.float()[..., None]).view(rows, width)
     exact = x.float() @ weight.t()
     assert (y.float() - exact).norm() / exact.norm() < 0.02  # what rounding the activations costs
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_symmetric_layer_runs_without_offsets(bits):
+    """A symmetric scheme's zero point (8 or 128) is the kernel's constant: no offsets stored,
+    the same outputs as with offsets of zero point times scale, and an op check of the fake."""
+    codes, scales, _ = random_weights(32, 128, 32, bits)
+    offsets = (scales.float() * 2 ** (bits - 1)).to(torch.bfloat16)  # exact: a power of two
+    x = torch.randn(3, 128)
+    op = getattr(cpu_kernels.ops(), cpu_kernels.OPS[bits])
+    packed, tiled = cpu_kernels.pack(codes, bits), cpu_kernels.tile_groups(scales)
+    torch.testing.assert_close(op(x, packed, tiled, None, 32), op(x, packed, tiled, cpu_kernels.tile_groups(offsets), 32), rtol=0, atol=0)
+    torch.library.opcheck(op, (x, packed, tiled, None, 32))
 
 
 @needs_kernel

@@ -14,9 +14,12 @@
 //           int8: [N/16, K/8, 128] uint8: the same two operands stored whole, byte 4r+j of the
 //           first 64 holding row r's input 8c+j and of the second 64 its input 8c+4+j
 //   scales  [N/16, K/G, 16] bfloat16: w = scale * code - offset for the G inputs of a group
-//   offsets [N/16, K/G, 16] bfloat16: scale * zero point
-// y[m, n] = sum_blocks scale * a_scale * dot(codes, a_int8) - sum_groups offset * sum(a)
-// where a_scale is the 64-input block's absmax / 127 and sum(a) the sum of the group's rounded
+//   offsets [N/16, K/G, 16] bfloat16: scale * zero point; none for a symmetric scheme, whose
+//           zero point is 8 (int4) or 128 (int8): the kernel multiplies it by the scale itself,
+//           and the layer reads 2 bytes less per group (4.5 bits a weight at g32, as Q4_0)
+// y[m, n] = sum_segments scale * a_scale * dot(codes, a_int8) - sum_groups offset * sum(a)
+// over segments of min(G, 64) inputs (groups of 32, as llama.cpp's Q4_0, put two weight scales in
+// one activation block), where a_scale is the 64-input block's absmax / 127 and sum(a) the sum of the group's rounded
 // inputs (a_scale * sum(a_int8) per block): the offset then cancels against the same rounded
 // inputs the codes met, and the result is the integer dot of (code - zero) and a_int8. With the
 // exact sum instead, the activations' rounding error would be multiplied by the zero point (128
@@ -60,7 +63,11 @@
 
 namespace {
 
-constexpr int64_t kBlock = 64;  // inputs per activation block and per dot-product step
+constexpr int64_t kBlock = 64;  // inputs per activation block (one int8 scale each)
+constexpr int64_t kSegment = 32;  // the one weight group smaller than a block: two scales per block
+
+// Weight groups the kernels take: 32 inputs (llama.cpp's Q4_0 and Q8_0 size) or a multiple of 64.
+inline bool valid_group(int64_t group, int64_t K) { return (group == kSegment || (group > 0 && group % kBlock == 0)) && K % group == 0 && K % kBlock == 0; }
 
 // Sixteen lanes, one per row of a tile (or per input when rounding activations), and the few
 // operations the kernel needs on them.
@@ -225,11 +232,11 @@ struct Problem {
   int64_t M, N, K, group;
   const uint8_t* packed;    // [N/16, K/8, 16 * Bits]
   const uint16_t* scales;   // [N/16, K/group, 16] bf16 bits
-  const uint16_t* offsets;  // [N/16, K/group, 16] bf16 bits
+  const uint16_t* offsets;  // [N/16, K/group, 16] bf16 bits, or null: the symmetric zero point times the scale
   int8_t* q;                // [M, K] activations rounded to int8
   float* block_scale;       // [M, K/64]
   float* group_sum;         // [M, K/group] sums of the rounded activations
-  int32_t* code_sum;        // [M, K/64] sums of the int8 activations
+  int32_t* code_sum;        // [M, K/step] sums of the int8 activations per segment
   // The LoRA adapter, if any (rank 0: none).
   int64_t rank = 0;
   const uint16_t* lora_down = nullptr;  // [rank, K] bf16 bits: A
@@ -237,11 +244,14 @@ struct Problem {
   const int64_t* lora_tiles = nullptr;  // [N/16, 3]: first, count, offset into lora_up
   float* low = nullptr;                 // [M, rank]: A x
   int64_t blocks() const { return K / kBlock; }
+  // Inputs per integer dot: a whole 64-input block, or a group of 32 (two weight scales in a block).
+  int64_t step() const { return std::min(group, kBlock); }
+  int64_t segments() const { return K / step(); }
   int64_t groups() const { return K / group; }
 };
 
 // Round each 64-input block of row m to int8 with its absmax scale; sum the rounded inputs per
-// block (as integers) and per group (scaled back).
+// segment (as integers) and per group (scaled back).
 template <typename In>
 void quantize_row(const Problem& p, const In* row, int64_t m) {
   const int64_t blocks = p.blocks();
@@ -258,14 +268,17 @@ void quantize_row(const Problem& p, const In* row, int64_t m) {
     int8_t* q = p.q + m * p.K + b * kBlock;
     for (int i = 0; i < kBlock / 16; ++i) store_int8(q + i * 16, mul(v[i], inverse));
     p.block_scale[m * blocks + b] = scale;
-    int32_t sum = 0;
-    for (int i = 0; i < kBlock; ++i) sum += q[i];
-    p.code_sum[m * blocks + b] = sum;
   }
-  const int64_t per_group = p.group / kBlock;
+  const int64_t step = p.step(), segments = p.segments(), per_group = p.group / step;
+  for (int64_t s = 0; s < segments; ++s) {
+    const int8_t* q = p.q + m * p.K + s * step;
+    int32_t sum = 0;
+    for (int64_t i = 0; i < step; ++i) sum += q[i];
+    p.code_sum[m * segments + s] = sum;
+  }
   for (int64_t g = 0; g < p.groups(); ++g) {
     float sum = 0.f;
-    for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) sum += p.block_scale[m * blocks + b] * static_cast<float>(p.code_sum[m * blocks + b]);
+    for (int64_t s = g * per_group; s < (g + 1) * per_group; ++s) sum += p.block_scale[m * blocks + s * step / kBlock] * static_cast<float>(p.code_sum[m * segments + s]);
     p.group_sum[m * p.groups() + g] = sum;
   }
 }
@@ -289,20 +302,21 @@ void project_row(const Problem& p, const In* row, int64_t m) {
 template <int Bits, int T, typename Out>
 void tile(const Problem& p, Out* y, int64_t i, int64_t m0) {
   constexpr int64_t chunk = 16 * Bits;  // bytes of 8 inputs of 16 rows
-  const int64_t blocks = p.blocks(), groups = p.groups(), per_group = p.group / kBlock;
+  const int64_t blocks = p.blocks(), groups = p.groups(), step = p.step(), segments = p.segments(), per_group = p.group / step;
   const uint8_t* w = p.packed + i * (p.K / 8) * chunk;
   Floats acc[T];
   for (int t = 0; t < T; ++t) acc[t] = zero_floats();
   for (int64_t g = 0; g < groups; ++g) {
     const Floats w_scale = load16(p.scales + (i * groups + g) * 16);
-    const Floats w_offset = load16(p.offsets + (i * groups + g) * 16);
-    for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
+    const Floats w_offset = p.offsets ? load16(p.offsets + (i * groups + g) * 16) : mul(w_scale, splat(Bits == 4 ? 8.f : 128.f));
+    for (int64_t s = g * per_group; s < (g + 1) * per_group; ++s) {
+      const int64_t b = s * step / kBlock;
       Ints even[T], odd[T];
       for (int t = 0; t < T; ++t) {
         even[t] = odd[t] = zero_ints();
-        if constexpr (Bits == 8 && kRecentredInt8) even[t] = splat_ints(128 * p.code_sum[(m0 + t) * blocks + b]);
+        if constexpr (Bits == 8 && kRecentredInt8) even[t] = splat_ints(128 * p.code_sum[(m0 + t) * segments + s]);
       }
-      for (int64_t c = b * (kBlock / 8); c < (b + 1) * (kBlock / 8); ++c) {
+      for (int64_t c = s * (step / 8); c < (s + 1) * (step / 8); ++c) {
         Ints first, second;
         unpack<Bits>(w + c * chunk, first, second);
         for (int t = 0; t < T; ++t) {
@@ -359,6 +373,14 @@ void run(Problem& p, const at::Tensor& x, at::Tensor& y) {
 
 using Optional = std::optional<at::Tensor>;
 
+// A layer's offsets: bf16 shaped as its scales, or none for a symmetric scheme (null: the kernel
+// takes the zero point times the scale).
+const uint16_t* offsets_of(const char* name, const Optional& offsets, const at::Tensor& scales) {
+  if (!offsets.has_value()) return nullptr;
+  TORCH_CHECK(offsets->scalar_type() == at::kBFloat16 && offsets->sizes() == scales.sizes() && offsets->is_contiguous(), name, ": contiguous bfloat16 offsets shaped as the scales expected (or none, for a symmetric scheme)");
+  return reinterpret_cast<const uint16_t*>(offsets->data_ptr<at::BFloat16>());
+}
+
 // The adapter's three tensors (all or none; cpu_kernels.pack_adapter lays them out), checked
 // against the layer; returns its rank (0: none).
 int64_t adapter_rank(const char* name, int64_t N, int64_t K, const Optional& down, const Optional& up, const Optional& tiles) {
@@ -379,16 +401,16 @@ int64_t adapter_rank(const char* name, int64_t N, int64_t K, const Optional& dow
 }
 
 template <int Bits>
-at::Tensor mm(const char* name, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& offsets, int64_t group_size,
+at::Tensor mm(const char* name, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const Optional& offsets, int64_t group_size,
               const Optional& lora_down, const Optional& lora_up, const Optional& lora_tiles) {
   constexpr int64_t chunk = 16 * Bits;
   TORCH_CHECK(x.dim() == 2 && packed.scalar_type() == at::kByte, name, ": x [M, K] and uint8 packed weights expected");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, name, ": float32 or bfloat16 activations expected");
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == chunk, name, ": packed weights [N/16, K/8, ", chunk, "] expected");
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * 16;
-  TORCH_CHECK(packed.size(1) * 8 == K && group_size > 0 && K % group_size == 0 && group_size % kBlock == 0, name, ": K=", K, " must match the packed width and be a multiple of the group size ", group_size, " (itself a multiple of 64)");
-  TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && offsets.scalar_type() == at::kBFloat16 && scales.dim() == 3 && scales.size(0) == N / 16 && scales.size(1) == K / group_size && scales.size(2) == 16 && offsets.sizes() == scales.sizes(), name, ": bfloat16 scales and offsets [N/16, K/group, 16] expected");
-  TORCH_CHECK(packed.is_contiguous() && scales.is_contiguous() && offsets.is_contiguous(), name, ": contiguous weights expected");
+  TORCH_CHECK(packed.size(1) * 8 == K && valid_group(group_size, K), name, ": K=", K, " must match the packed width and be a multiple of the group size ", group_size, " and of 64 (groups: 32 or a multiple of 64)");
+  TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && scales.dim() == 3 && scales.size(0) == N / 16 && scales.size(1) == K / group_size && scales.size(2) == 16, name, ": bfloat16 scales [N/16, K/group, 16] expected");
+  TORCH_CHECK(packed.is_contiguous() && scales.is_contiguous(), name, ": contiguous weights expected");
   const int64_t rank = adapter_rank(name, N, K, lora_down, lora_up, lora_tiles);
   const at::Tensor input = x.contiguous();
   // The rounded activations and their block scales and sums live in a per-thread scratch that
@@ -397,10 +419,10 @@ at::Tensor mm(const char* name, const at::Tensor& x, const at::Tensor& packed, c
   thread_local std::vector<int32_t> code_sums;
   const size_t floats = M * (K / kBlock + K / group_size + rank);
   scratch.resize(std::max(scratch.size(), floats + (M * K + 3) / 4));
-  code_sums.resize(std::max<size_t>(code_sums.size(), M * (K / kBlock)));
+  code_sums.resize(std::max<size_t>(code_sums.size(), M * (K / std::min(group_size, kBlock))));
   at::Tensor y = at::empty({M, N}, x.options());
   Problem p{M, N, K, group_size, packed.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>()),
-            reinterpret_cast<const uint16_t*>(offsets.data_ptr<at::BFloat16>()), reinterpret_cast<int8_t*>(scratch.data() + floats), scratch.data(), nullptr, code_sums.data()};
+            offsets_of(name, offsets, scales), reinterpret_cast<int8_t*>(scratch.data() + floats), scratch.data(), nullptr, code_sums.data()};
   p.group_sum = p.block_scale + M * (K / kBlock);
   if (rank) {
     p.rank = rank;
@@ -417,12 +439,12 @@ at::Tensor mm(const char* name, const at::Tensor& x, const at::Tensor& packed, c
   return y;
 }
 
-at::Tensor int4_int8_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& offsets, int64_t group_size,
+at::Tensor int4_int8_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const Optional& offsets, int64_t group_size,
                         const Optional& lora_down, const Optional& lora_up, const Optional& lora_tiles) {
   return mm<4>("int4_int8_mm", x, packed, scales, offsets, group_size, lora_down, lora_up, lora_tiles);
 }
 
-at::Tensor int8_int8_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& offsets, int64_t group_size,
+at::Tensor int8_int8_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const Optional& offsets, int64_t group_size,
                         const Optional& lora_down, const Optional& lora_up, const Optional& lora_tiles) {
   return mm<8>("int8_int8_mm", x, packed, scales, offsets, group_size, lora_down, lora_up, lora_tiles);
 }
@@ -436,7 +458,7 @@ at::Tensor int8_int8_mm(const at::Tensor& x, const at::Tensor& packed, const at:
 // int8 once per route, and one parallel pass covers every chosen expert's tiles of gate/up, then
 // one pass their down projections; the weighted sum of the routes is added up in float.
 //
-// Experts are stacked: packed [E, N/16, K/8, 16 * Bits], scales and offsets [E, N/16, K/G, 16],
+// Experts are stacked: packed [E, N/16, K/8, 16 * Bits], scales and offsets (if any) [E, N/16, K/G, 16],
 // each expert laid out as one layer above (inference/expert_stack.py builds the stack).
 
 struct Routed {
@@ -450,7 +472,7 @@ struct Rounded {
   std::vector<int8_t> q;
   Problem problem;  // its M rows against N outputs; weights unset (each expert sets its own)
   Rounded(int64_t M, int64_t N, int64_t K, int64_t group)
-      : floats(M * (K / kBlock + K / group)), sums(M * (K / kBlock)), q(M * K), problem{M, N, K, group, nullptr, nullptr, nullptr, q.data(), floats.data(), nullptr, sums.data()} {
+      : floats(M * (K / kBlock + K / group)), sums(M * (K / std::min(group, kBlock))), q(M * K), problem{M, N, K, group, nullptr, nullptr, nullptr, q.data(), floats.data(), nullptr, sums.data()} {
     problem.group_sum = problem.block_scale + M * (K / kBlock);
   }
 };
@@ -468,7 +490,7 @@ void round_rows(const Problem& p, const In* x, const int64_t* source) {
 struct Stack {
   const uint8_t* packed;
   const uint16_t* scales;
-  const uint16_t* offsets;
+  const uint16_t* offsets;  // or null (symmetric)
   int64_t group;
 };
 
@@ -482,10 +504,10 @@ void experts_matmul(const Problem& all, const std::vector<Routed>& routed, const
     p.M = r.count;
     p.packed = stack.packed + r.expert * count * (all.K / 8) * (16 * Bits);
     p.scales = stack.scales + r.expert * count * groups * 16;
-    p.offsets = stack.offsets + r.expert * count * groups * 16;
+    p.offsets = stack.offsets ? stack.offsets + r.expert * count * groups * 16 : nullptr;
     p.q += r.first * all.K;
     p.block_scale += r.first * blocks;
-    p.code_sum += r.first * blocks;
+    p.code_sum += r.first * all.segments();
     p.group_sum += r.first * groups;
     problems.push_back(p);
   }
@@ -498,19 +520,17 @@ void experts_matmul(const Problem& all, const std::vector<Routed>& routed, const
 }
 
 // The weights' layout checked against x [T, H]: gate/up [E, 2I/16, H/8, chunk], down [E, H/16,
-// I/8, chunk], each with bf16 scales and offsets [E, tiles, K/G, 16]. Returns I.
-int64_t expert_shapes(const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& gate_up_scales, const at::Tensor& gate_up_offsets, int64_t gate_up_group,
-                      const at::Tensor& down, const at::Tensor& down_scales, const at::Tensor& down_offsets, int64_t down_group) {
+// I/8, chunk], each with bf16 scales [E, tiles, K/G, 16] (offsets: offsets_of). Returns I.
+int64_t expert_shapes(const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& gate_up_scales, int64_t gate_up_group, const at::Tensor& down, const at::Tensor& down_scales, int64_t down_group) {
   const char* name = "routed_experts";
   TORCH_CHECK(gate_up.scalar_type() == at::kByte && down.scalar_type() == at::kByte && gate_up.dim() == 4 && down.dim() == 4 && gate_up.size(3) == down.size(3) && (gate_up.size(3) == 64 || gate_up.size(3) == 128),
               name, ": uint8 packed experts [E, N/16, K/8, 64 or 128] of one width expected");
   TORCH_CHECK(gate_up.size(0) == down.size(0) && gate_up.is_contiguous() && down.is_contiguous(), name, ": gate/up and down stacks of the same experts, contiguous, expected");
   const int64_t H = x.size(1), I = gate_up.size(1) * 8;
   TORCH_CHECK(gate_up.size(2) * 8 == H && down.size(1) * 16 == H && down.size(2) * 8 == I, name, ": gate/up [E, 2I/16, H/8, .] and down [E, H/16, I/8, .] do not match x's width ", H);
-  for (const auto& [K, group, scales, offsets] : {std::tuple{H, gate_up_group, &gate_up_scales, &gate_up_offsets}, std::tuple{I, down_group, &down_scales, &down_offsets}}) {
-    TORCH_CHECK(group > 0 && group % kBlock == 0 && K % group == 0, name, ": group size ", group, " must be a multiple of 64 dividing ", K);
-    TORCH_CHECK(scales->scalar_type() == at::kBFloat16 && offsets->scalar_type() == at::kBFloat16 && scales->dim() == 4 && scales->size(2) == K / group && scales->size(3) == 16 && scales->is_contiguous() && offsets->is_contiguous() && offsets->sizes() == scales->sizes(),
-                name, ": contiguous bfloat16 scales and offsets [E, tiles, K/group, 16] expected");
+  for (const auto& [K, group, scales] : {std::tuple{H, gate_up_group, &gate_up_scales}, std::tuple{I, down_group, &down_scales}}) {
+    TORCH_CHECK(valid_group(group, K), name, ": group size ", group, " must be 32 or a multiple of 64 dividing ", K, ", itself a multiple of 64");
+    TORCH_CHECK(scales->scalar_type() == at::kBFloat16 && scales->dim() == 4 && scales->size(2) == K / group && scales->size(3) == 16 && scales->is_contiguous(), name, ": contiguous bfloat16 scales [E, tiles, K/group, 16] expected");
   }
   TORCH_CHECK(gate_up_scales.size(0) == gate_up.size(0) && gate_up_scales.size(1) == gate_up.size(1) && down_scales.size(0) == down.size(0) && down_scales.size(1) == down.size(1), name, ": scales for every expert's tiles expected");
   return I;
@@ -569,19 +589,19 @@ at::Tensor experts_forward(const at::Tensor& x, const std::vector<Routed>& route
   return y.to(x.scalar_type());
 }
 
-at::Tensor routed_experts(const at::Tensor& x, const at::Tensor& chosen, const at::Tensor& weights, const at::Tensor& gate_up, const at::Tensor& gate_up_scales, const at::Tensor& gate_up_offsets,
-                          int64_t gate_up_group, const at::Tensor& down, const at::Tensor& down_scales, const at::Tensor& down_offsets, int64_t down_group, c10::string_view activation) {
+at::Tensor routed_experts(const at::Tensor& x, const at::Tensor& chosen, const at::Tensor& weights, const at::Tensor& gate_up, const at::Tensor& gate_up_scales, const Optional& gate_up_offsets,
+                          int64_t gate_up_group, const at::Tensor& down, const at::Tensor& down_scales, const Optional& down_offsets, int64_t down_group, c10::string_view activation) {
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16), "routed_experts: float32 or bfloat16 activations [T, H] expected");
   TORCH_CHECK(chosen.scalar_type() == at::kLong && weights.scalar_type() == at::kFloat && chosen.dim() == 2 && chosen.sizes() == weights.sizes() && chosen.size(0) == x.size(0),
               "routed_experts: int64 expert indices and float32 weights [T, k] expected");
   TORCH_CHECK(activation == "silu" || activation == "gelu_pytorch_tanh", "routed_experts: activation silu or gelu_pytorch_tanh expected");
-  const int64_t I = expert_shapes(x, gate_up, gate_up_scales, gate_up_offsets, gate_up_group, down, down_scales, down_offsets, down_group);
+  const int64_t I = expert_shapes(x, gate_up, gate_up_scales, gate_up_group, down, down_scales, down_group);
   std::vector<int64_t> token;
   std::vector<float> weight;
   const std::vector<Routed> routed = sort_routes(chosen.contiguous(), weights.contiguous(), gate_up.size(0), token, weight);
   const auto bf16 = [](const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); };
-  const Stack up{gate_up.data_ptr<uint8_t>(), bf16(gate_up_scales), bf16(gate_up_offsets), gate_up_group};
-  const Stack dn{down.data_ptr<uint8_t>(), bf16(down_scales), bf16(down_offsets), down_group};
+  const Stack up{gate_up.data_ptr<uint8_t>(), bf16(gate_up_scales), offsets_of("routed_experts", gate_up_offsets, gate_up_scales), gate_up_group};
+  const Stack dn{down.data_ptr<uint8_t>(), bf16(down_scales), offsets_of("routed_experts", down_offsets, down_scales), down_group};
   const at::Tensor input = x.contiguous();
   const bool gelu = activation != "silu", int4 = gate_up.size(3) == 64;
   if (input.scalar_type() == at::kFloat) {
@@ -593,9 +613,9 @@ at::Tensor routed_experts(const at::Tensor& x, const at::Tensor& chosen, const a
 }  // namespace
 
 SLIMLM_LIBRARY(m) {
-  m.def("int4_int8_mm(Tensor x, Tensor packed, Tensor scales, Tensor offsets, int group_size, Tensor? lora_down=None, Tensor? lora_up=None, Tensor? lora_tiles=None) -> Tensor");
-  m.def("int8_int8_mm(Tensor x, Tensor packed, Tensor scales, Tensor offsets, int group_size, Tensor? lora_down=None, Tensor? lora_up=None, Tensor? lora_tiles=None) -> Tensor");
-  m.def("routed_experts(Tensor x, Tensor chosen, Tensor weights, Tensor gate_up, Tensor gate_up_scales, Tensor gate_up_offsets, int gate_up_group, Tensor down, Tensor down_scales, Tensor down_offsets, int down_group, str activation) -> Tensor");
+  m.def("int4_int8_mm(Tensor x, Tensor packed, Tensor scales, Tensor? offsets, int group_size, Tensor? lora_down=None, Tensor? lora_up=None, Tensor? lora_tiles=None) -> Tensor");
+  m.def("int8_int8_mm(Tensor x, Tensor packed, Tensor scales, Tensor? offsets, int group_size, Tensor? lora_down=None, Tensor? lora_up=None, Tensor? lora_tiles=None) -> Tensor");
+  m.def("routed_experts(Tensor x, Tensor chosen, Tensor weights, Tensor gate_up, Tensor gate_up_scales, Tensor? gate_up_offsets, int gate_up_group, Tensor down, Tensor down_scales, Tensor? down_offsets, int down_group, str activation) -> Tensor");
 }
 
 SLIMLM_LIBRARY_IMPL(CPU, m) {
