@@ -10,6 +10,10 @@ scored by the summed log-probability of the continuation's tokens given the cont
 - `last_word` (LAMBADA): the context is the text up to its last space and the continuation the
   space plus the last word; acc = every continuation token is the greedy choice, ppl = exp of
   minus the mean per-example log-likelihood.
+- `fill_blank` (WinoGrande-style, the harness's partial evaluation): the text has a blank
+  marker; each choice's context is the text up to the blank with that choice in its place, and
+  the continuation, shared by all choices, is a space and the rest of the text after the blank.
+  acc = the answer's context makes the continuation most likely.
 
 Tokenization follows the harness: trailing whitespace of the context moves into the
 continuation, context + continuation is encoded as one string and split at the context's token
@@ -44,11 +48,12 @@ if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
 
 BUNDLED_TASKS = ("lambada", "arc_easy", "piqa", "hellaswag")
-KINDS = ("multiple_choice", "last_word")
-MULTIPLE_CHOICE_ONLY = ("choices", "continuation", "answer_field", "answer_labels", "answer_file")
+KINDS = ("multiple_choice", "last_word", "fill_blank")
+CHOICE_FIELDS = ("choices", "continuation", "answer_field", "answer_labels", "answer_file", "answer_style")  # not for last_word
+ANSWER_STYLES = ("index", "number", "letter")  # an answer as 0, 1, ...; as 1, 2, ...; as A, B, ...
 DATA_ROOT_ENV = "SLIMLM_DATA_DIR"
 DEFAULT_DATA_ROOT = "../shared/data"
-DATA_HINT = f"task data is read from the data root: ${DATA_ROOT_ENV}, default {DEFAULT_DATA_ROOT} (see its DATA.md)"
+DATA_HINT = f"task data is read from beside the task file, else from the data root: ${DATA_ROOT_ENV}, default {DEFAULT_DATA_ROOT} (see its DATA.md)"
 HEAD_CHUNK = 1024  # LM-head rows per matmul: bounds the (rows x vocab) logits in memory
 TEMPLATE_FIELD = re.compile(r"\{([A-Za-z_][\w.]*)\}")
 
@@ -58,7 +63,7 @@ class TaskSpec:
     """A task as its YAML file states it; paths are relative to the data root."""
 
     name: str
-    kind: str  # multiple_choice | last_word
+    kind: str  # multiple_choice | last_word | fill_blank
     data: str  # a jsonl file, one row per item
     context: str  # template over row fields, e.g. "Question: {question}\nAnswer:"; last_word: the whole text
     choices: Optional[Union[str, List[str]]] = None  # a field holding a list, or a list of templates
@@ -66,6 +71,8 @@ class TaskSpec:
     answer_field: Optional[str] = None  # field holding the answer: an index, or a label (see answer_labels)
     answer_labels: Optional[str] = None  # field holding the label list that answers are looked up in
     answer_file: Optional[str] = None  # or: a file with one answer per line, aligned with the rows
+    answer_style: str = "index"  # how answers count the choices: index (0, 1, ...), number (1, 2, ...) or letter (A, B, ...)
+    blank: str = "_"  # fill_blank: the marker where each choice goes; the text is split at its first one
     preprocess: Optional[str] = None  # a named row transform applied first (see PREPROCESSORS)
 
 
@@ -77,6 +84,14 @@ class Item:
     choices: tuple[str, ...]  # the choice texts; acc_norm divides by their UTF-8 byte lengths
     continuations: tuple[str, ...]  # what is scored after the context, one per choice
     answer: int
+    choice_contexts: tuple[str, ...] = ()  # fill_blank: each choice's own context; `context` is then unused
+
+    def scored_pairs(self) -> list[Item]:
+        """What is scored: the item itself (one context, its continuations), or for per-choice
+        contexts one single-continuation item per choice."""
+        if not self.choice_contexts:
+            return [self]
+        return [Item(context, (choice,), (continuation,), 0) for context, choice, continuation in zip(self.choice_contexts, self.choices, self.continuations)]
 
 
 @dataclass(frozen=True)
@@ -128,13 +143,17 @@ def default_data_root() -> Path:
 
 
 def load_task(name_or_path: str, data_root: Optional[Union[str, Path]] = None) -> Task:
-    """A bundled task by name (see BUNDLED_TASKS) or any task YAML by path, with its data read."""
+    """A bundled task by name (see BUNDLED_TASKS) or any task YAML by path, with its data read:
+    paths in a task file are relative to the data root, or to the file's own folder where the
+    data file is there."""
     file = _task_file(name_or_path)
     spec, keys = _read_spec(file)
     _check_spec(spec, keys, str(file))
     if spec.name in BUNDLED_TASKS and name_or_path != spec.name:
         raise SlimlmError(f"task file '{file}' is named '{spec.name}', as a bundled task is, and results are reported by name; give it another name: (or run the bundled task as '{spec.name}')")
     root = default_data_root() if data_root is None else Path(data_root)
+    if isinstance(file, Path) and (file.parent / spec.data).is_file():  # a task file's own data beside it
+        root = file.parent
     rows = _read_rows(root, spec)
     answers = _read_answer_file(root, spec, len(rows)) if spec.answer_file else None
     items = tuple(_make_item(spec, row, answers[i] if answers else None, f"task '{spec.name}', row {i + 1} of {spec.data}") for i, row in enumerate(rows))
@@ -199,12 +218,20 @@ def _check_spec(spec: TaskSpec, keys: set[str], source: str) -> None:
     if spec.preprocess is not None and spec.preprocess not in PREPROCESSORS:
         raise SlimlmError(f"task file '{source}': preprocess '{spec.preprocess}' is unknown; use one of {', '.join(PREPROCESSORS)}")
     if spec.kind == "last_word":
-        extra = [key for key in MULTIPLE_CHOICE_ONLY if key in keys]
+        extra = [key for key in (*CHOICE_FIELDS, "blank") if key in keys]
         if extra:
-            raise SlimlmError(f"task file '{source}': field '{extra[0]}' is for kind multiple_choice only; last_word scores the text's last word")
+            raise SlimlmError(f"task file '{source}': field '{extra[0]}' is for tasks with choices only; last_word scores the text's last word")
         return
+    if spec.kind == "fill_blank" and "continuation" in keys:
+        raise SlimlmError(f"task file '{source}': fill_blank's continuation is the text after the blank; drop the field 'continuation'")
+    if spec.kind == "multiple_choice" and "blank" in keys:
+        raise SlimlmError(f"task file '{source}': field 'blank' is for kind fill_blank only")
+    if spec.answer_style not in ANSWER_STYLES:
+        raise SlimlmError(f"task file '{source}': answer_style '{spec.answer_style}' is unknown; use one of {', '.join(ANSWER_STYLES)}")
+    if not spec.blank:
+        raise SlimlmError(f"task file '{source}': field 'blank' must be a non-empty marker, e.g. '_'")
     if spec.choices is None:
-        raise SlimlmError(f"task file '{source}': field 'choices' is required for kind multiple_choice (a list field, or a list of templates)")
+        raise SlimlmError(f"task file '{source}': field 'choices' is required for kind {spec.kind} (a list field, or a list of templates)")
     if (spec.answer_field is None) == (spec.answer_file is None):
         raise SlimlmError(f"task file '{source}': give exactly one of the fields 'answer_field' and 'answer_file'")
 
@@ -271,9 +298,16 @@ def _make_item(spec: TaskSpec, row: dict, file_answer: Optional[str], where: str
         context, _, word = text.rpartition(" ")
         return Item(context=context, choices=(word,), continuations=(" " + word,), answer=0)
     choices = _choices(spec, row, where)
-    continuations = tuple(_render(spec.continuation, {**row, "choice": choice}, where) for choice in choices)
     answer = _lookup(row, spec.answer_field, where) if file_answer is None else file_answer
-    return Item(context=text, choices=choices, continuations=continuations, answer=_answer_index(spec, row, answer, len(choices), where))
+    index = _answer_index(spec, row, answer, len(choices), where)
+    if spec.kind == "fill_blank":
+        before, marker, after = text.partition(spec.blank)
+        if not marker:
+            raise SlimlmError(f"{where}: the text has no blank marker {spec.blank!r}: {text!r}")
+        rest = " " + after.strip()
+        return Item(context="", choices=choices, continuations=(rest,) * len(choices), answer=index, choice_contexts=tuple(before + choice for choice in choices))
+    continuations = tuple(_render(spec.continuation, {**row, "choice": choice}, where) for choice in choices)
+    return Item(context=text, choices=choices, continuations=continuations, answer=index)
 
 
 def _choices(spec: TaskSpec, row: dict, where: str) -> tuple[str, ...]:
@@ -289,16 +323,19 @@ def _choices(spec: TaskSpec, row: dict, where: str) -> tuple[str, ...]:
 
 
 def _answer_index(spec: TaskSpec, row: dict, answer: Any, n_choices: int, where: str) -> int:
-    """The answer as a choice index: looked up in a label list, or read as an index."""
+    """The answer as a choice index: looked up in a label list, or read in the task's answer_style."""
+    text = str(int(answer)) if isinstance(answer, bool) else str(answer).strip()
     if spec.answer_labels is not None:
         labels = [str(label) for label in _lookup(row, spec.answer_labels, where)]
         if str(answer) not in labels:
             raise SlimlmError(f"{where}: answer {answer!r} is not among the labels in '{spec.answer_labels}' {labels}")
         index = labels.index(str(answer))
-    elif isinstance(answer, int) or (isinstance(answer, str) and answer.strip().isdigit()):
-        index = int(answer)
+    elif spec.answer_style == "letter" and len(text) == 1 and text.isalpha():
+        index = ord(text.upper()) - ord("A")
+    elif spec.answer_style != "letter" and isinstance(answer, (int, str)) and text.isdigit():
+        index = int(text) - (1 if spec.answer_style == "number" else 0)
     else:
-        raise SlimlmError(f"{where}: answer {answer!r} is not a choice index; set answer_labels to the field listing the labels")
+        raise SlimlmError(f"{where}: answer {answer!r} is not a choice {spec.answer_style}; set answer_style (index, number, letter) or answer_labels to the field listing the labels")
     if not 0 <= index < n_choices:
         raise SlimlmError(f"{where}: answer index {index} is out of range for {n_choices} choices")
     return index
@@ -449,7 +486,9 @@ def score_items(model, tokenizer, items: Sequence[Item], batch_size: int = 16, d
     `batch_size` items go through the model at once; the results do not depend on it."""
     if batch_size < 1:
         raise SlimlmError(f"batch_size={batch_size} must be at least 1")
-    return _score(model, _encode(tokenizer, items, desc), batch_size, desc)
+    parts = [item.scored_pairs() for item in items]
+    scores = iter(_score(model, _encode(tokenizer, [pair for pairs in parts for pair in pairs], desc), batch_size, desc))
+    return [[score for _ in pairs for score in next(scores)] for pairs in parts]
 
 
 # ---------------------------------------------------------------- metrics
@@ -472,6 +511,9 @@ def _metrics(task: Task, items: Sequence[Item], scores: list[list[tuple[float, b
         hits = [greedy for ((_, greedy),) in scores]
         mean_ll = sum(ll for ((ll, _),) in scores) / len(scores)
         return dict(acc=sum(hits) / len(hits), acc_stderr=_stderr(hits), ppl=math.exp(-mean_ll))
+    if task.spec.kind == "fill_blank":  # one shared continuation: acc only, as the harness reports
+        hits = [_argmax([ll for ll, _ in item_scores]) == item.answer for item, item_scores in zip(items, scores)]
+        return dict(acc=sum(hits) / len(hits), acc_stderr=_stderr(hits))
     hits, norm_hits = [], []
     for item, item_scores in zip(items, scores):
         lls = [ll for ll, _ in item_scores]

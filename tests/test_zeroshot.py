@@ -139,7 +139,8 @@ def test_a_bad_task_file_is_refused_naming_file_and_field(tmp_path, fields, mess
 
 def test_bad_data_is_refused_naming_the_file(tmp_path):
     path = write_task(tmp_path, mc_rows(2))
-    with pytest.raises(SlimlmError, match=r"mini\.jsonl' not found.*SLIMLM_DATA_DIR"):
+    (tmp_path / "mini.jsonl").unlink()
+    with pytest.raises(SlimlmError, match=r"mini\.jsonl' not found.*beside the task file.*SLIMLM_DATA_DIR"):
         load_task(str(path), tmp_path / "elsewhere")
     (tmp_path / "mini.jsonl").write_text("\n")
     with pytest.raises(SlimlmError, match="has no rows"):
@@ -202,3 +203,52 @@ def test_task_names_that_collide_are_refused(tmp_path):
     check_tasks([str(first)], tmp_path / "a")
     with pytest.raises(ConfigError, match="both named 'mini'"):
         check_tasks([str(first), str(second)], tmp_path / "a")
+
+
+def write_fill_blank(tmp_path, rows, **fields):
+    (tmp_path / "blank.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    spec = {"name": "blank", "kind": "fill_blank", "data": "blank.jsonl", "context": "{sentence}", "choices": ["{option1}", "{option2}"], "answer_field": "answer", "answer_style": "number", **fields}
+    path = tmp_path / "blank.yaml"
+    path.write_text("".join(f"{key}: {json.dumps(value)}\n" for key, value in spec.items()), encoding="utf-8")
+    return path
+
+
+SENTENCES = [
+    {"sentence": "The jar would not go on the shelf because the _ was too tall.", "option1": "jar", "option2": "shelf", "answer": "1"},
+    {"sentence": "Ada thanked Ben because _ had carried the bags home.", "option1": "Ada", "option2": "Ben", "answer": "2"},
+    {"sentence": "The sun dried the shirt because the _ was hot.", "option1": "sun", "option2": "shirt", "answer": 1},
+]
+
+
+def test_fill_blank_scores_each_choices_context_with_the_shared_rest(tmp_path, tiny_model, tiny_tokenizer):
+    """The harness's partial evaluation (WinoGrande): the context is the text up to the blank
+    with the choice in it, the continuation a space and the rest after the blank; the choice
+    under which the rest is most likely wins. Answers given as 1-based numbers."""
+    task = load_task(str(write_fill_blank(tmp_path, SENTENCES)), tmp_path)
+    first = task.items[0]
+    assert first.choice_contexts == ("The jar would not go on the shelf because the jar", "The jar would not go on the shelf because the shelf")
+    assert first.continuations == (" was too tall.", " was too tall.") and [item.answer for item in task.items] == [0, 1, 0]
+    scores = score_items(tiny_model, tiny_tokenizer, task.items, batch_size=2)
+    hand = [[hand_loglikelihood(tiny_model, tiny_tokenizer, context, item.continuations[0])[0] for context in item.choice_contexts] for item in task.items]
+    assert [[ll for ll, _ in item_scores] for item_scores in scores] == [pytest.approx(lls, abs=1e-4) for lls in hand]
+    result = evaluate_task(tiny_model, tiny_tokenizer, task, batch_size=2)
+    expected = [max(range(2), key=lambda j: lls[j]) == item.answer for lls, item in zip(hand, task.items)]
+    assert result.acc == pytest.approx(sum(expected) / 3) and result.acc_norm is None and result.n == 3
+
+
+def test_fill_blank_answers_as_letters_and_bad_files_are_refused(tmp_path):
+    lettered = [{**row, "answer": "AB"[int(row["answer"]) - 1]} for row in SENTENCES]
+    assert [item.answer for item in load_task(str(write_fill_blank(tmp_path, lettered, answer_style="letter")), tmp_path).items] == [0, 1, 0]
+    with pytest.raises(SlimlmError, match="no blank marker '#'"):
+        load_task(str(write_fill_blank(tmp_path, SENTENCES, blank="#")), tmp_path)
+    with pytest.raises(SlimlmError, match="drop the field 'continuation'"):
+        load_task(str(write_fill_blank(tmp_path, SENTENCES, continuation=" {choice}")), tmp_path)
+    with pytest.raises(SlimlmError, match="answer 'A' is not a choice number"):
+        load_task(str(write_fill_blank(tmp_path, lettered)), tmp_path)
+    with pytest.raises(SlimlmError, match="answer_style 'roman' is unknown"):
+        load_task(str(write_fill_blank(tmp_path, SENTENCES, answer_style="roman")), tmp_path)
+
+
+def test_the_example_fill_blank_task_loads_its_data_from_beside_it():
+    task = load_task(str(REPO / "examples" / "tasks" / "fill_blank_example.yaml"), "/nonexistent")
+    assert len(task.items) == 40 and all(len(item.choice_contexts) == 2 for item in task.items)
