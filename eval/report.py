@@ -41,6 +41,7 @@ TABLES: list[tuple[str, list[Column]]] = [
         ("calibration_peak_memory_bytes", "calibration peak", lambda v: f"{v / 2**20:,.0f} MiB"),
     ]),
     ("Speed and memory", [
+        ("speed_path", "decoded by", str),
         ("ttft_s", "TTFT s", decimals(3)),
         ("prefill_tok_s", "prefill tok/s", decimals(0)),
         ("decode_tok_s", "decode tok/s (b1)", decimals(1)),

@@ -1,9 +1,9 @@
 """Speed and memory of a causal LM: time to first token, prefill and decode throughput, peak memory.
 
-One code path for every model that behaves like a Hugging Face causal LM (fp32, bitsandbytes
-int8/NF4 loaded through transformers, slimlm's QuantLinear models): only its `forward` (and, for
-the peer comparison, its `generate`) is called, so the numbers of different compressions of the
-same model compare like with like. Protocol: the same fixed English prompt for every model,
+Two paths: slimlm's bundled decoder (measure_decoder_speed), which runs every model family it
+knows (float or with slimlm's quantized layers) as `slimlm generate` does, and the model's own
+transformers forward (measure_speed; `generate` for the peer comparison) for any other model,
+such as bitsandbytes int8/NF4 peers. Rows of one path compare like with like. Protocol: the same fixed English prompt for every model,
 `warmup` untimed runs, then `repeats` timed runs; every reported metric is the median over the
 timed runs (the per-run values are kept in `runs` to show the spread).
 """
@@ -15,7 +15,7 @@ import inspect
 import statistics
 import time
 from dataclasses import asdict, dataclass
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -23,6 +23,7 @@ from transformers import DynamicCache
 from transformers.generation.streamers import BaseStreamer
 
 from slimlm.errors import SlimlmError
+from slimlm.inference.sampling import SamplingParams
 from slimlm.memory import peak_memory
 
 # The benchmark prompt: real English (so attention and tokenization behave as on real input), the
@@ -59,7 +60,7 @@ class RunMetrics:
 
 @dataclass(frozen=True)
 class SpeedResult:
-    method: str  # "forward_loop" (measure_speed) or "generate" (measure_generate)
+    method: str  # "bundled_decoder" (measure_decoder_speed), "forward_loop" (measure_speed) or "generate" (measure_generate)
     device: str
     batch_size: int
     prompt_tokens: int  # per sequence
@@ -169,6 +170,27 @@ def generate_decode(model: nn.Module, input_ids: torch.Tensor, new_tokens: int, 
     )
     end = device_clock(device)
     return DecodeRun(tokens=output[:, input_ids.shape[1] :], ttft_s=clock.first_token_at - start, decode_s=end - clock.first_token_at)
+
+
+def bundled_decode(decoder: Any, model: nn.Module, input_ids: torch.Tensor, new_tokens: int) -> DecodeRun:
+    """Greedy decoding of the prompts through slimlm's bundled decoder, exactly `new_tokens`
+    each; its own clock splits the prefill (which gives the first token) from the steps."""
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    generations = decoder.generate_ids(input_ids.tolist(), params)
+    stats = decoder.last_stats
+    return DecodeRun(tokens=torch.tensor([g.token_ids for g in generations]), ttft_s=stats.prefill_s, decode_s=stats.decode_s)
+
+
+def measure_decoder_speed(model: nn.Module, tokenizer, prompt_tokens: int = 16, new_tokens: int = 128, batch_size: int = 1, warmup: int = 1, repeats: int = 3, prompt_text: Optional[str] = None) -> SpeedResult:
+    """The same measurement through slimlm's bundled decoder built from `model` (its packed
+    kernels, static cache and chunked prefill, as `slimlm generate` runs it), which is how a
+    compressed model is deployed: the transformers forward dequantizes each quantized layer's
+    whole weight on every call. The decoder holds the weights in its own layouts beside `model`."""
+    from slimlm.inference.build import build_decoder
+    from slimlm.inference.decoder import Decoder
+
+    decoder = Decoder(build_decoder(model, dtype=None), tokenizer)
+    return _measure("bundled_decoder", functools.partial(bundled_decode, decoder), model, tokenizer, prompt_tokens=prompt_tokens, new_tokens=new_tokens, batch_size=batch_size, warmup=warmup, repeats=repeats, prompt_text=prompt_text)
 
 
 def measure_speed(model: nn.Module, tokenizer, prompt_tokens: int = 16, new_tokens: int = 128, batch_size: int = 1, warmup: int = 1, repeats: int = 3, prompt_text: Optional[str] = None) -> SpeedResult:

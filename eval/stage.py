@@ -12,9 +12,11 @@ larger than memory gets its reference row without being loaded.
 from __future__ import annotations
 
 import gc
+import importlib.util
 import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, List, Optional
 
 from slimlm.checkpoint import checkpoint_tokenizer
@@ -205,19 +207,27 @@ def zeroshot_metrics(state: RunState) -> dict:
         task = load_task(name, state.cfg.data.benchmarks_root)
         result = evaluate_task(state.model, state.tokenizer, task, limit=cfg.limit, batch_size=cfg.batch_size).to_dict()
         flat.update({f"{task.spec.name}_{key}": value for key, value in result.items() if isinstance(value, (int, float)) and not isinstance(value, bool)})
+    if cfg.harness_tasks:
+        from slimlm.eval.harness import local_tasks, run_tasks
+        from slimlm.eval.zeroshot import default_data_root
+
+        root = default_data_root() if state.cfg.data.benchmarks_root is None else Path(state.cfg.data.benchmarks_root)
+        folder = local_tasks(root, state.run_dir / "harness-tasks")
+        flat.update(run_tasks(state.model, state.tokenizer, cfg.harness_tasks, folder, cfg.batch_size, cfg.limit))
     return flat
 
 
 def speed_metrics(state: RunState) -> dict:
     """Batch 1 under plain names (decode_tok_s, ttft_s, ...), other batches suffixed `_b<N>`."""
     from slimlm.eval.bandwidth import bandwidth_fraction, decode_bytes_per_token, memory_bandwidth
-    from slimlm.eval.speed import measure_speed
+    from slimlm.eval.speed import measure_decoder_speed
 
     cfg = state.cfg.eval.speed
     bandwidth = memory_bandwidth(state.device)
-    flat = {}
+    measure = speed_path(state)
+    flat: dict = {"speed_path": "bundled decoder" if measure is measure_decoder_speed else "transformers"}
     for batch_size in cfg.batch_sizes:
-        result = measure_speed(state.model, state.tokenizer, cfg.prompt_tokens, cfg.new_tokens, batch_size, cfg.warmup, cfg.repeats).to_dict()
+        result = measure(state.model, state.tokenizer, cfg.prompt_tokens, cfg.new_tokens, batch_size, cfg.warmup, cfg.repeats).to_dict()
         suffix = "" if batch_size == 1 else f"_b{batch_size}"
         flat.update({f"{key}{suffix}": result[key] for key in ("ttft_s", "prefill_tok_s", "decode_tok_s", "peak_memory_bytes")})
         if batch_size == 1:
@@ -228,6 +238,17 @@ def speed_metrics(state: RunState) -> dict:
     return flat
 
 
+def speed_path(state: RunState) -> Callable:
+    """The bundled decoder for a family it runs (how slimlm deploys a model); transformers'
+    forward for the rest, bitsandbytes peers included (its layers are not slimlm's)."""
+    from slimlm.eval.speed import measure_decoder_speed, measure_speed
+    from slimlm.inference.families import FAMILIES
+
+    if state.cfg.model.bnb is None and getattr(state.model.config, "model_type", None) in FAMILIES:
+        return measure_decoder_speed
+    return measure_speed
+
+
 def check(cfg, params: EvaluateParams, source) -> None:
     """The data this stage will read exists, windows fit the model, zero-shot tasks are valid."""
     metrics = metrics_of(cfg, params)
@@ -236,6 +257,8 @@ def check(cfg, params: EvaluateParams, source) -> None:
         check_window(cfg.eval.perplexity.window, source.context_length)
     if "zeroshot" in metrics:
         check_tasks(cfg.eval.zeroshot.tasks, cfg.data.benchmarks_root)
+        if cfg.eval.zeroshot.harness_tasks and importlib.util.find_spec("lm_eval") is None:
+            raise ConfigError(f"eval.zeroshot.harness_tasks={list(cfg.eval.zeroshot.harness_tasks)} needs lm-evaluation-harness: pip install -e '.[harness]', or drop them")
 
 
 def check_tasks(tasks: List[str], data_root) -> None:

@@ -322,7 +322,29 @@ def decoder_command(name: str):
     return command
 
 
-SUBCOMMANDS = {"compare": compare_command, "generate": decoder_command("generate"), "chat": decoder_command("chat"), "plan": decoder_command("plan"), "serve": decoder_command("serve")}
+def harness_command(args: Sequence[str]) -> None:
+    """slimlm lm-eval ARGS...: lm-evaluation-harness's own command line, with the model type
+    `slimlm` registered and the local_* tasks (slimlm/eval/harness.py) on its include path."""
+    import importlib
+
+    try:
+        importlib.import_module("slimlm.eval.harness_model")  # registers --model slimlm
+    except ImportError:
+        exit_with(SlimlmError("lm-evaluation-harness is not installed; pip install -e '.[harness]'"))
+    from lm_eval.__main__ import cli_evaluate
+
+    from slimlm.eval.harness import local_tasks
+    from slimlm.eval.zeroshot import default_data_root
+    from slimlm.resources import cache_dir
+
+    args = list(args)
+    if args and "--include_path" not in args and not {"-h", "--help"} & set(args):  # run, ls and validate all take it
+        args += ["--include_path", str(local_tasks(default_data_root(), cache_dir() / "harness-tasks"))]
+    sys.argv = ["slimlm lm-eval", *args]
+    cli_evaluate()
+
+
+SUBCOMMANDS = {"compare": compare_command, "lm-eval": harness_command, "generate": decoder_command("generate"), "chat": decoder_command("chat"), "plan": decoder_command("plan"), "serve": decoder_command("serve")}
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -110,6 +110,10 @@ class KLConfig:
 @dataclass
 class ZeroShotConfig:
     tasks: List[str] = field(default_factory=lambda: ["lambada", "arc_easy", "piqa", "hellaswag"])
+    # lm-evaluation-harness tasks run on the same model (pip install -e '.[harness]'): its own
+    # task names, or local_arc_easy, local_piqa, local_hellaswag, local_lambada_openai (the
+    # harness's tasks on the data root's files: slimlm/eval/harness.py)
+    harness_tasks: List[str] = field(default_factory=list)
     limit: Optional[int] = None  # the first N items of each task; None: all
     batch_size: int = 16
 

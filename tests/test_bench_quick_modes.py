@@ -28,7 +28,9 @@ SCRIPTS: dict[str, tuple[list[str], tuple[str, ...]]] = {
     "batching_cpu": ([], ("| run | new tokens/s in all |", "| static batch 16 |", "| continuous, 16 requests, 8 rows |", "| 4 1,024-token prompts, then 4 16-token prompts arrive |", "| 8 prompts of 30 tokens, one pass |")),
     "decode_cpu_isa": ([], ("| decoder | vector width | decode tok/s |", "| torch int4, bf16 activations, AVX-512 | widest |", *(("| slimlm int4 x int8, AVX2 | 256-bit |",) if HAS_AVX2 else ()))),
     "distill_summary": ([], ("| trained student | ppl | KL to teacher |", "| distilled (forward KL) |", "LoRA recovery of w4 g64 GPTQ")),
+    "eval_speed_path": ([], ("| speed metric through | whole metric s |", "| bundled decoder |", "| transformers forward |")),
     "fill_blank_harness": ([], ("| scorer | items | acc % |", "| slimlm fill_blank | 40 |", "| lm-evaluation-harness (winogrande functions) | 40 |", "Accuracies identical.")),
+    "harness_bridge": ([], ("| task | items | metric | slimlm | lm-eval --model slimlm | same |", "| arc_easy | 8 | acc |", "| lambada | 8 | ppl |", "8 of 8 numbers identical")),
     "gguf_llamacpp": ([], ("| file | ppl | KL to F32 |", "| F32 (reference) |", "| slimlm w4 g32 GPTQ → Q4_0 (written exactly) |", "| llama.cpp quantize MOSTLY_Q4_0, default mix (its LM head Q8_0) |")),
     "kv_cache_cpu": ([] if HAS_LLAMA_CPP else ["--skip-llama-cpp"], ("| decoder | context tokens | decode tok/s |", "| slimlm int4 x int8, fp32 cache | 16 |", "| slimlm int4 x int8, int8 cache | 64 |", *llama_cpp_rows("| llama.cpp Q4_0, q8_0 cache | 64 |"))),
     "lora_decode_cpu": ([], ("| decoder | decode tok/s | vs adapters dropped |", "| slimlm w4 g64 GPTQ + LoRA r2, int8 activations, compiled |", "| slimlm w4 g64 GPTQ, adapters dropped, int8 activations, compiled |", "| gate/up | 512 x 128 |")),
@@ -51,7 +53,7 @@ def results_of(script: str) -> dict:
 def test_quick_mode_measures_every_row(script: str):
     if script in NEEDS_LLAMA_CPP and not HAS_LLAMA_CPP:
         pytest.skip("llama-cpp-python is not installed (pip install -e '.[bench]')")
-    if script == "fill_blank_harness" and not HAS_HARNESS:
+    if script in ("fill_blank_harness", "harness_bridge") and not HAS_HARNESS:
         pytest.skip("lm-evaluation-harness is not installed (pip install -e '.[harness]')")
     extra, expected = SCRIPTS[script]
     results = results_of(script)

@@ -11,7 +11,9 @@ from slimlm import memory
 from slimlm.compress.rtn import quantize_rtn
 from slimlm.errors import SlimlmError
 from slimlm.eval.bandwidth import CACHE_FILE, bandwidth_fraction, decode_bytes_per_token, memory_bandwidth
-from slimlm.eval.speed import PASSAGE, benchmark_prompt, generate_decode, greedy_decode, measure_generate, measure_speed
+from slimlm.eval.speed import PASSAGE, benchmark_prompt, bundled_decode, generate_decode, greedy_decode, measure_decoder_speed, measure_generate, measure_speed
+from slimlm.inference.build import build_decoder
+from slimlm.inference.decoder import Decoder
 from slimlm.memory import peak_memory
 from slimlm.qlinear import QuantLinear, QuantScheme, set_submodule
 from tests.conftest import build_tiny_llama
@@ -78,6 +80,18 @@ def test_generate_is_timed_by_the_same_protocol(tiny_model, tiny_tokenizer):
     assert result.method == "generate" and len(result.runs) == 2
     assert result.decode_tok_s == statistics.median(run.decode_tok_s for run in result.runs)
     assert all(0 < run.ttft_s < run.total_s for run in result.runs)
+
+
+def test_the_bundled_decoder_is_timed_by_the_same_protocol_and_decodes_the_same_tokens(tiny_model, tiny_tokenizer):
+    """A family the decoder runs is measured as `slimlm generate` runs it; on the fp32 tiny
+    model it chooses the same greedy tokens as the transformers forward loop."""
+    result = measure_decoder_speed(tiny_model, tiny_tokenizer, prompt_tokens=8, new_tokens=6, batch_size=2, warmup=1, repeats=2)
+    assert result.method == "bundled_decoder" and len(result.runs) == 2
+    assert result.decode_tok_s == statistics.median(run.decode_tok_s for run in result.runs)
+    assert all(0 < run.ttft_s < run.total_s for run in result.runs)
+    prompt = benchmark_prompt(tiny_tokenizer, 8).repeat(2, 1)
+    ours = bundled_decode(Decoder(build_decoder(tiny_model), tiny_tokenizer), tiny_model, prompt, 6)
+    assert torch.equal(ours.tokens, greedy_decode(tiny_model, prompt, 6).tokens)
 
 
 def test_a_single_new_token_has_no_decode_rate(tiny_model, tiny_tokenizer):

@@ -187,7 +187,7 @@ def test_bundled_tasks_load_the_real_data(name):
 
 def test_a_task_file_is_reported_by_its_name(tmp_path, tiny_model, tiny_tokenizer):
     path = write_task(tmp_path, mc_rows(4), name="my_task")
-    zeroshot = SimpleNamespace(tasks=[str(path)], limit=None, batch_size=2)
+    zeroshot = SimpleNamespace(tasks=[str(path)], harness_tasks=[], limit=None, batch_size=2)
     state = SimpleNamespace(cfg=SimpleNamespace(eval=SimpleNamespace(zeroshot=zeroshot), data=SimpleNamespace(benchmarks_root=tmp_path)), model=tiny_model, tokenizer=tiny_tokenizer)
     metrics = zeroshot_metrics(state)
     assert {"my_task_acc", "my_task_acc_stderr", "my_task_acc_norm", "my_task_n"} <= set(metrics) and not any(str(tmp_path) in key for key in metrics)
