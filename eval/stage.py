@@ -16,7 +16,6 @@ import importlib.util
 import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, List, Optional
 
 from slimlm.checkpoint import checkpoint_tokenizer
@@ -211,8 +210,7 @@ def zeroshot_metrics(state: RunState) -> dict:
         from slimlm.eval.harness import local_tasks, run_tasks
         from slimlm.eval.zeroshot import default_data_root
 
-        root = default_data_root() if state.cfg.data.benchmarks_root is None else Path(state.cfg.data.benchmarks_root)
-        folder = local_tasks(root, state.run_dir / "harness-tasks")
+        folder = local_tasks(default_data_root(state.cfg.data.benchmarks_root), state.run_dir / "harness-tasks")
         flat.update(run_tasks(state.model, state.tokenizer, cfg.harness_tasks, folder, cfg.batch_size, cfg.limit))
     return flat
 
@@ -220,12 +218,11 @@ def zeroshot_metrics(state: RunState) -> dict:
 def speed_metrics(state: RunState) -> dict:
     """Batch 1 under plain names (decode_tok_s, ttft_s, ...), other batches suffixed `_b<N>`."""
     from slimlm.eval.bandwidth import bandwidth_fraction, decode_bytes_per_token, memory_bandwidth
-    from slimlm.eval.speed import measure_decoder_speed
 
     cfg = state.cfg.eval.speed
     bandwidth = memory_bandwidth(state.device)
-    measure = speed_path(state)
-    flat: dict = {"speed_path": "bundled decoder" if measure is measure_decoder_speed else "transformers"}
+    path, measure = speed_path(state)
+    flat: dict = {"speed_path": path}
     for batch_size in cfg.batch_sizes:
         result = measure(state.model, state.tokenizer, cfg.prompt_tokens, cfg.new_tokens, batch_size, cfg.warmup, cfg.repeats).to_dict()
         suffix = "" if batch_size == 1 else f"_b{batch_size}"
@@ -238,15 +235,16 @@ def speed_metrics(state: RunState) -> dict:
     return flat
 
 
-def speed_path(state: RunState) -> Callable:
-    """The bundled decoder for a family it runs (how slimlm deploys a model); transformers'
-    forward for the rest, bitsandbytes peers included (its layers are not slimlm's)."""
+def speed_path(state: RunState) -> tuple[str, Callable]:
+    """The path's name and measurement: the bundled decoder for a family it runs (how slimlm
+    deploys a model); transformers' forward for the rest, bitsandbytes peers included (its
+    layers are not slimlm's)."""
     from slimlm.eval.speed import measure_decoder_speed, measure_speed
     from slimlm.inference.families import FAMILIES
 
     if state.cfg.model.bnb is None and getattr(state.model.config, "model_type", None) in FAMILIES:
-        return measure_decoder_speed
-    return measure_speed
+        return "bundled decoder", measure_decoder_speed
+    return "transformers", measure_speed
 
 
 def check(cfg, params: EvaluateParams, source) -> None:

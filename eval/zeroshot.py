@@ -138,8 +138,9 @@ PREPROCESSORS: dict[str, Callable[[dict], dict]] = {"hellaswag": _hellaswag_row}
 # ---------------------------------------------------------------- task files
 
 
-def default_data_root() -> Path:
-    return Path(os.environ.get(DATA_ROOT_ENV, DEFAULT_DATA_ROOT)).expanduser()
+def default_data_root(given: Optional[Union[str, Path]] = None) -> Path:
+    """`given` when there is one, else $SLIMLM_DATA_DIR, else DEFAULT_DATA_ROOT."""
+    return Path(given) if given is not None else Path(os.environ.get(DATA_ROOT_ENV, DEFAULT_DATA_ROOT)).expanduser()
 
 
 def load_task(name_or_path: str, data_root: Optional[Union[str, Path]] = None) -> Task:
@@ -151,7 +152,7 @@ def load_task(name_or_path: str, data_root: Optional[Union[str, Path]] = None) -
     _check_spec(spec, keys, str(file))
     if spec.name in BUNDLED_TASKS and name_or_path != spec.name:
         raise SlimlmError(f"task file '{file}' is named '{spec.name}', as a bundled task is, and results are reported by name; give it another name: (or run the bundled task as '{spec.name}')")
-    root = default_data_root() if data_root is None else Path(data_root)
+    root = default_data_root(data_root)
     if isinstance(file, Path) and (file.parent / spec.data).is_file():  # a task file's own data beside it
         root = file.parent
     rows = _read_rows(root, spec)

@@ -110,6 +110,7 @@ def execute(cfg: DictConfig, plan: Plan, run_dir: Path, resumes: bool) -> str:
     state = RunState(cfg=cfg, run_dir=run_dir, model=None, tokenizer=None, source=source, source_sha256=source_sha256(source), device=device, resumes=resumes)
     from slimlm.eval.report import write_report  # here, not at the top: its matplotlib adds half a second to every command's start
 
+    header = report_header(cfg, state, run_dir)
     timings: list[tuple[str, float]] = []
     markdown = ""
     for done, planned in enumerate(plan.stages, start=1):
@@ -122,7 +123,7 @@ def execute(cfg: DictConfig, plan: Plan, run_dir: Path, resumes: bool) -> str:
         log.info("%s: done in %.1f s", planned.title, timings[-1][1])
         # After every stage, so that a run stopped later keeps what it measured (marked incomplete).
         progress = {"stages_done": done, "stages": len(plan.stages)}
-        markdown = write_report(run_dir, {**report_header(cfg, state, run_dir), "stage_seconds": timings, **progress}, state.evaluations, state.sections)
+        markdown = write_report(run_dir, {**header, "stage_seconds": timings, **progress}, state.evaluations, state.sections)
     for path in state.scratch:
         shutil.rmtree(path, ignore_errors=True)
     return markdown
@@ -327,13 +328,14 @@ def harness_command(args: Sequence[str]) -> None:
     `slimlm` registered and the local_* tasks (slimlm/eval/harness.py) on its include path."""
     import importlib
 
+    from slimlm.eval.harness import INSTALL_HINT, local_tasks
+
     try:
         importlib.import_module("slimlm.eval.harness_model")  # registers --model slimlm
     except ImportError:
-        exit_with(SlimlmError("lm-evaluation-harness is not installed; pip install -e '.[harness]'"))
+        exit_with(SlimlmError(INSTALL_HINT))
     from lm_eval.__main__ import cli_evaluate
 
-    from slimlm.eval.harness import local_tasks
     from slimlm.eval.zeroshot import default_data_root
     from slimlm.resources import cache_dir
 
