@@ -33,15 +33,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from benchlib import REPO, command_line, machine_line, run_together, wikitext_ids, write_result
+from decode_cpu import default_int4
 
 from slimlm.inference.batching import ContinuousBatcher
 from slimlm.inference.build import build_decoder
 from slimlm.inference.decoder import Decoder
 from slimlm.inference.sampling import SamplingParams
 from slimlm.rundir import machine_info
-
-from benchlib import REPO, command_line, machine_line, run_together, wikitext_ids, write_result
-from decode_cpu import default_int4
 
 ROWS = 8
 
@@ -74,7 +73,9 @@ class RecordingBatcher(ContinuousBatcher):
 
     def _take(self, sequence, logits: torch.Tensor, guesses: list[int]) -> int:
         if sequence.params.temperature == 0:
-            self.logits[self.prompt_index[tuple(sequence.ids)], len(sequence.tokens)] = logits[0].float().clone()
+            self.logits[self.prompt_index[tuple(sequence.ids)], len(sequence.tokens)] = (
+                logits[0].float().clone()
+            )
         return super()._take(sequence, logits, guesses)
 
 
@@ -90,7 +91,9 @@ def answers_together(decoder: Decoder, prompts: list[list[int]], params: Samplin
     answers: dict[int, list[int]] = {}
     requests = [(index, ids, params) for index, ids in enumerate(prompts)]
     for extra in range(sampled):
-        noisy = SamplingParams(max_new_tokens=params.max_new_tokens, temperature=1.0, seed=extra, ignore_eos=True)
+        noisy = SamplingParams(
+            max_new_tokens=params.max_new_tokens, temperature=1.0, seed=extra, ignore_eos=True
+        )
         requests.insert(2 * extra + 1, (-1 - extra, prompts[extra % len(prompts)], noisy))
     with RecordingBatcher(decoder, prompts, max(map(len, prompts)) + params.max_new_tokens) as batcher:
 
@@ -121,8 +124,12 @@ def differences(alone: Run, batched: Run) -> list[Difference]:
     for index, (reference, answer) in enumerate(zip(alone.answers, batched.answers)):
         if reference == answer:
             continue
-        token = next((i for i, (a, b) in enumerate(zip(reference, answer)) if a != b), min(len(reference), len(answer)))
-        lead = margin(alone.logits[index, token], reference[token]) if token < len(reference) else float("nan")
+        token = next(
+            (i for i, (a, b) in enumerate(zip(reference, answer)) if a != b), min(len(reference), len(answer))
+        )
+        lead = (
+            margin(alone.logits[index, token], reference[token]) if token < len(reference) else float("nan")
+        )
         found.append(Difference(index, token, lead))
     return found
 
@@ -133,7 +140,9 @@ def logit_gaps(alone: Run, batched: Run) -> tuple[int, int, float]:
     compared = identical = 0
     largest = 0.0
     for index, (reference, answer) in enumerate(zip(alone.answers, batched.answers)):
-        agree = next((i for i, (a, b) in enumerate(zip(reference, answer)) if a != b), min(len(reference), len(answer)))
+        agree = next(
+            (i for i, (a, b) in enumerate(zip(reference, answer)) if a != b), min(len(reference), len(answer))
+        )
         for token in range(agree + 1):
             if (index, token) in alone.logits and (index, token) in batched.logits:
                 gap = (alone.logits[index, token] - batched.logits[index, token]).abs().max().item()
@@ -144,7 +153,10 @@ def logit_gaps(alone: Run, batched: Run) -> tuple[int, int, float]:
 def near_ties(alone: Run, within: float) -> int:
     """Steps of the alone run whose two best logits lie within `within` of each other: where a
     batched run's logits, off by up to `within / 2` each, could choose the other token."""
-    return sum(int((top[0] - top[1]).item() <= within) for top in (logits.topk(2).values for logits in alone.logits.values()))
+    return sum(
+        int((top[0] - top[1]).item() <= within)
+        for top in (logits.topk(2).values for logits in alone.logits.values())
+    )
 
 
 def scenario_row(model_name: str, scenario: str, alone: Run, batched: Run, new_tokens: int) -> dict:
@@ -172,9 +184,16 @@ def measure(model_name: str, decoder: Decoder, prompts: list[list[int]], new_tok
     alone = answers_alone(decoder, prompts, params)
     rows = []
     for scenario, sampled in (("together", 0), ("beside sampled", len(prompts))):
-        rows.append(scenario_row(model_name, scenario, alone, answers_together(decoder, prompts, params, sampled), new_tokens))
+        rows.append(
+            scenario_row(
+                model_name, scenario, alone, answers_together(decoder, prompts, params, sampled), new_tokens
+            )
+        )
         row = rows[-1]
-        print(f"{row['name']}: {row['answered_differently']} of {len(prompts)} answered differently; {row['steps_bitwise_identical']} of {row['steps_compared']} steps' logits bitwise identical, largest difference {row['max_abs_logit_difference']:.3g}", flush=True)
+        print(
+            f"{row['name']}: {row['answered_differently']} of {len(prompts)} answered differently; {row['steps_bitwise_identical']} of {row['steps_compared']} steps' logits bitwise identical, largest difference {row['max_abs_logit_difference']:.3g}",
+            flush=True,
+        )
     return rows
 
 
@@ -218,7 +237,10 @@ def markdown(rows: list[dict], model: str, command: str, seconds: float, threads
         "",
         "| model, batch | prompts answered differently | first differing token of each | largest margin there (log-prob) | steps with bitwise the same logits | largest logit difference | alone steps whose top two logits are closer than twice that |",
         "|---|---:|---|---:|---:|---:|---:|",
-        *(f"| {r['name']} | {r['answered_differently']} of {r['prompts']} | {firsts(r)} | {lead(r)} | {r['steps_bitwise_identical']} of {r['steps_compared']} | {r['max_abs_logit_difference']:.3g} | {r['alone_steps_within_twice_that']} of {r['alone_steps']} |" for r in rows),
+        *(
+            f"| {r['name']} | {r['answered_differently']} of {r['prompts']} | {firsts(r)} | {lead(r)} | {r['steps_bitwise_identical']} of {r['steps_compared']} | {r['max_abs_logit_difference']:.3g} | {r['alone_steps_within_twice_that']} of {r['alone_steps']} |"
+            for r in rows
+        ),
         "",
     ]
 
@@ -230,7 +252,11 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--workdir", type=Path, default=REPO / "bench" / "runs" / "batch_variance")
-    parser.add_argument("--quick", action="store_true", help="the tiny test model, 4 prompts of 8 tokens; results in --workdir only")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="the tiny test model, 4 prompts of 8 tokens; results in --workdir only",
+    )
     options = parser.parse_args()
     if options.quick:
         options.prompts, options.prompt_tokens, options.new_tokens = 4, 8, 8
@@ -241,7 +267,13 @@ def main() -> None:
         prompts = real_prompts(decoder.tokenizer, options.prompts, options.prompt_tokens)
         rows.extend(measure(name, decoder, prompts, options.new_tokens))
     command = command_line("batch_variance.py", parser, options).replace(str(options.workdir), "<workdir>")
-    lines = markdown(rows, "the tiny test model" if options.quick else "the default model", command, time.perf_counter() - started, options.threads)
+    lines = markdown(
+        rows,
+        "the tiny test model" if options.quick else "the default model",
+        command,
+        time.perf_counter() - started,
+        options.threads,
+    )
     if options.quick:
         options.workdir.mkdir(parents=True, exist_ok=True)
         (options.workdir / "batch_variance.json").write_text(json.dumps({"rows": rows}, indent=2))

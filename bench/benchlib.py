@@ -23,15 +23,21 @@ from slimlm.rundir import machine_info
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
-QUICK_RUNS = REPO / "bench" / "runs" / "quick"  # --quick runs' files, apart from the full runs' (bench/runs/<bench>/)
+QUICK_RUNS = (
+    REPO / "bench" / "runs" / "quick"
+)  # --quick runs' files, apart from the full runs' (bench/runs/<bench>/)
 
 
 def default_model_cfg():
-    from omegaconf import OmegaConf  # here, not above: bench/decode_gpu.py runs where the config stack is absent
+    from omegaconf import (
+        OmegaConf,
+    )  # here, not above: bench/decode_gpu.py runs where the config stack is absent
 
     from slimlm.config import ModelConfig
 
-    return OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(REPO / "conf" / "model" / "smollm2-135m.yaml"))
+    return OmegaConf.merge(
+        OmegaConf.structured(ModelConfig), OmegaConf.load(REPO / "conf" / "model" / "smollm2-135m.yaml")
+    )
 
 
 def shared_data_cfg():
@@ -40,7 +46,9 @@ def shared_data_cfg():
 
     from slimlm.config import DataConfig
 
-    return OmegaConf.merge(OmegaConf.structured(DataConfig), OmegaConf.load(REPO / "conf" / "data" / "shared.yaml"))
+    return OmegaConf.merge(
+        OmegaConf.structured(DataConfig), OmegaConf.load(REPO / "conf" / "data" / "shared.yaml")
+    )
 
 
 def quick_model_cfg():
@@ -58,15 +66,27 @@ def quick_model_cfg():
         from tests.conftest import build_tiny_llama, build_tokenizer
 
         QUICK_RUNS.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(dir=QUICK_RUNS))  # renamed whole: another quick run may be building it too
+        staging = Path(
+            tempfile.mkdtemp(dir=QUICK_RUNS)
+        )  # renamed whole: another quick run may be building it too
         tokenizer = build_tokenizer()
-        build_tiny_llama(len(tokenizer), initializer_range=0.2, hidden_size=128, intermediate_size=256, max_position_embeddings=4096).save_pretrained(staging)
+        build_tiny_llama(
+            len(tokenizer),
+            initializer_range=0.2,
+            hidden_size=128,
+            intermediate_size=256,
+            max_position_embeddings=4096,
+        ).save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         try:
             staging.rename(directory)
         except OSError:
             shutil.rmtree(staging)
-    return OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(REPO / "conf" / "model" / "custom.yaml"), {"path": str(directory)})
+    return OmegaConf.merge(
+        OmegaConf.structured(ModelConfig),
+        OmegaConf.load(REPO / "conf" / "model" / "custom.yaml"),
+        {"path": str(directory)},
+    )
 
 
 def bench_model_cfg(quick: bool):
@@ -82,7 +102,9 @@ def bench_data_cfg(quick: bool):
 
     from slimlm.config import DataConfig
 
-    return OmegaConf.merge(OmegaConf.structured(DataConfig), OmegaConf.load(REPO / "conf" / "data" / "demo.yaml"))
+    return OmegaConf.merge(
+        OmegaConf.structured(DataConfig), OmegaConf.load(REPO / "conf" / "data" / "demo.yaml")
+    )
 
 
 def load_bench_model(quick: bool):
@@ -126,22 +148,37 @@ def command_line(script: str, parser: argparse.ArgumentParser, options: argparse
         if value == parser.get_default(key):
             continue
         flag = f"--{key.replace('_', '-')}"
-        parts.append(flag if value is True else f"{flag} {' '.join(map(str, value)) if isinstance(value, list) else value}")
+        parts.append(
+            flag
+            if value is True
+            else f"{flag} {' '.join(map(str, value)) if isinstance(value, list) else value}"
+        )
     return " ".join(parts)
 
 
-def write_result(name: str, command: str, record: dict, lines: list[str], notes: Optional[str] = None, machine: Optional[dict] = None) -> None:
+def write_result(
+    name: str,
+    command: str,
+    record: dict,
+    lines: list[str],
+    notes: Optional[str] = None,
+    machine: Optional[dict] = None,
+) -> None:
     """bench/results/<name>.json (`machine`, by default this one's machine_info(), the command and
     `record`) and <name>.md (`lines`, then bench/<notes or name>.notes.md when it exists)."""
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{name}.json").write_text(json.dumps({"machine": machine or machine_info(), "command": command, **record}, indent=2) + "\n")
+    (RESULTS / f"{name}.json").write_text(
+        json.dumps({"machine": machine or machine_info(), "command": command, **record}, indent=2) + "\n"
+    )
     notes_file = REPO / "bench" / f"{notes or name}.notes.md"
     if notes_file.is_file():
         lines = [*lines, notes_file.read_text().strip(), ""]
     (RESULTS / f"{name}.md").write_text("\n".join(lines))
 
 
-def publish(name: str, command: str, record: dict, lines: list[str], quick: bool, notes: Optional[str] = None) -> None:
+def publish(
+    name: str, command: str, record: dict, lines: list[str], quick: bool, notes: Optional[str] = None
+) -> None:
     """write_result, or for a --quick run (a test) only print the Markdown lines."""
     if quick:
         print("\n".join(lines))
@@ -149,7 +186,9 @@ def publish(name: str, command: str, record: dict, lines: list[str], quick: bool
         write_result(name, command, record, lines, notes)
 
 
-def call_us(layer: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, calls: int = 100, blocks: int = 6) -> float:
+def call_us(
+    layer: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, calls: int = 100, blocks: int = 6
+) -> float:
     """Median microseconds of one call of `layer` on `x` over `blocks` blocks of `calls` calls
     (the first block a warm-up): a layer's time with its weights warm in cache."""
     times = []
@@ -161,7 +200,9 @@ def call_us(layer: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, call
     return 1e6 * statistics.median(times[1:])
 
 
-def local_request(port: int, method: str, route: str, body: Optional[bytes] = None, timeout: float = 120) -> tuple[int, bytes]:
+def local_request(
+    port: int, method: str, route: str, body: Optional[bytes] = None, timeout: float = 120
+) -> tuple[int, bytes]:
     """One HTTP request to a server on 127.0.0.1:`port` (a JSON body, when given): its status
     and body. Connection errors are the caller's to name."""
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
@@ -203,7 +244,14 @@ def kernel_and_torch_ms(run: Callable[[], object], repeats: int) -> tuple[float,
 
 def pass_table(heading: str, costs: list[dict]) -> list[str]:
     """Markdown lines of a table of one-pass costs (rows with a name and pass_ms)."""
-    return [heading, "", "| pass | ms |", "|---|---:|", *[f"| {r['name']} | {r['pass_ms']:.0f} |" for r in costs], ""]
+    return [
+        heading,
+        "",
+        "| pass | ms |",
+        "|---|---:|",
+        *[f"| {r['name']} | {r['pass_ms']:.0f} |" for r in costs],
+        "",
+    ]
 
 
 def machine_line(machine: dict, threads: str, seconds: float) -> str:
@@ -219,7 +267,10 @@ def llama_cpp_bytes(path: Path, config, cache_bytes_per_value: float) -> tuple[i
 
     weights = sum(int(t.n_bytes) for t in GGUFReader(path).tensors)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return weights, 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * cache_bytes_per_value
+    return (
+        weights,
+        2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * cache_bytes_per_value,
+    )
 
 
 def check_llama_cpp(gguf: Path, threads: int) -> None:
@@ -233,7 +284,9 @@ def check_llama_cpp(gguf: Path, threads: int) -> None:
         return
     if result.returncode > 0:
         error = result.stderr.strip().splitlines()[-1] if result.stderr.strip() else "no message"
-        raise SystemExit(f"llama-cpp-python could not evaluate {gguf.name} (exit {result.returncode}): {error}")
+        raise SystemExit(
+            f"llama-cpp-python could not evaluate {gguf.name} (exit {result.returncode}): {error}"
+        )
     raise SystemExit(
         f"llama-cpp-python died of {signal.Signals(-result.returncode).name} evaluating {gguf.name} on this processor. If the processor "
         "has AMX, rebuild llama-cpp-python without it: CMAKE_ARGS=\"-DCMAKE_C_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16' "
@@ -242,10 +295,29 @@ def check_llama_cpp(gguf: Path, threads: int) -> None:
     )
 
 
-def publish_table(name: str, title: str, command: str, machine: dict, seconds: float, details: list[str], table: list[str], rows: list[dict], quick: bool) -> None:
+def publish_table(
+    name: str,
+    title: str,
+    command: str,
+    machine: dict,
+    seconds: float,
+    details: list[str],
+    table: list[str],
+    rows: list[dict],
+    quick: bool,
+) -> None:
     """A benchmark's Markdown page (title, command, machine, `details` lines, `table`) and its
     rows: written to bench/results/<name>.* , or only printed by a --quick run (tests)."""
-    lines = [f"# {title}", "", f"- command: `{command}`", machine_line(machine, f"{torch.get_num_threads()} torch threads", seconds), *details, "", *table, ""]
+    lines = [
+        f"# {title}",
+        "",
+        f"- command: `{command}`",
+        machine_line(machine, f"{torch.get_num_threads()} torch threads", seconds),
+        *details,
+        "",
+        *table,
+        "",
+    ]
     if quick:
         print("\n".join(lines))
     else:

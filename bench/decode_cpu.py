@@ -30,9 +30,22 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from benchlib import (
+    REPO,
+    RESULTS,
+    call_us,
+    check_llama_cpp,
+    command_line,
+    default_model_cfg,
+    llama_cpp_bytes,
+    machine_line,
+    wikitext_ids,
+    write_result,
+)
 from tqdm import tqdm
 
-from slimlm.compress.quantize import QuantizeParams, run as quantize
+from slimlm.compress.quantize import QuantizeParams
+from slimlm.compress.quantize import run as quantize
 from slimlm.distill.losses import forward_kl
 from slimlm.eval.bandwidth import decode_bytes_per_token, memory_bandwidth
 from slimlm.eval.plots import plt, save_figure
@@ -44,8 +57,6 @@ from slimlm.inference.sampling import SamplingParams
 from slimlm.models import load_model, resolve_model
 from slimlm.pipeline import RunState
 from slimlm.rundir import machine_info
-
-from benchlib import REPO, RESULTS, call_us, check_llama_cpp, command_line, default_model_cfg, llama_cpp_bytes, machine_line, wikitext_ids, write_result
 
 RUNS = REPO / "bench" / "runs" / "decode_cpu"
 SCHEMES = {"int8": dict(bits=8), "int4 g64": dict(bits=4, group_size=64)}
@@ -65,7 +76,15 @@ def load_default():
 
 def quantized_copy(cfg, bits_params: dict):
     loaded = load_model(cfg, torch.device("cpu"))
-    state = RunState(cfg=None, run_dir=RUNS, model=loaded.model, tokenizer=loaded.tokenizer, source=None, source_sha256=None, device=torch.device("cpu"))
+    state = RunState(
+        cfg=None,
+        run_dir=RUNS,
+        model=loaded.model,
+        tokenizer=loaded.tokenizer,
+        source=None,
+        source_sha256=None,
+        device=torch.device("cpu"),
+    )
     quantize(state, QuantizeParams(targets=[r"model\.layers\.\d+\..*", "lm_head"], **bits_params))
     return loaded.model
 
@@ -91,16 +110,32 @@ def step_logprobs(decoder: Decoder, ids: torch.Tensor, positions: int) -> torch.
     decoder.prefill(ids[None, :start])
     # Each token a tensor made in inference mode, as generation passes them: a view of `ids` is an
     # ordinary tensor, for which the compiled step would be compiled again.
-    return torch.stack([torch.log_softmax(decoder.step(torch.tensor([[int(ids[p])]]), p)[0, -1].float(), dim=-1) for p in range(start, len(ids))])
+    return torch.stack(
+        [
+            torch.log_softmax(decoder.step(torch.tensor([[int(ids[p])]]), p)[0, -1].float(), dim=-1)
+            for p in range(start, len(ids))
+        ]
+    )
 
 
-def decode_kl(decoder: Decoder, windows: torch.Tensor, reference: torch.Tensor, positions: int = 128) -> float:
+def decode_kl(
+    decoder: Decoder, windows: torch.Tensor, reference: torch.Tensor, positions: int = 128
+) -> float:
     """Mean per-token KL(fp32 model || decoder) over the last `positions` tokens of each window,
     each from the row's own decode step (compiled where the row compiles it). The decode step's
     arithmetic is what the row's speed is measured with: compiled kernels fuse the norms
     differently, and with int8 activations a last-bit change can move a rounded code."""
     start = windows.shape[1] - positions
-    return torch.cat([forward_kl(reference[row, start:], step_logprobs(decoder, ids, positions)) for row, ids in enumerate(windows)]).mean().item()
+    return (
+        torch.cat(
+            [
+                forward_kl(reference[row, start:], step_logprobs(decoder, ids, positions))
+                for row, ids in enumerate(windows)
+            ]
+        )
+        .mean()
+        .item()
+    )
 
 
 @dataclass
@@ -113,9 +148,29 @@ class Contender:
     info: dict
 
 
-def slimlm_contender(name: str, model, tokenizer, prompt: list[int], options, dtype: torch.dtype, compiled: bool = False, int8_activations: bool = False, quality=None, cache_dtype=None) -> Contender:
-    decoder = Decoder(build_decoder(model, dtype=dtype, int8_activations=int8_activations), tokenizer, cache_dtype=cache_dtype, reuse_prefixes=False)  # each repeat prefills its prompt
-    slots = len(prompt) + options.new_tokens if quality is None else max(len(prompt) + options.new_tokens, quality[0].shape[1])
+def slimlm_contender(
+    name: str,
+    model,
+    tokenizer,
+    prompt: list[int],
+    options,
+    dtype: torch.dtype,
+    compiled: bool = False,
+    int8_activations: bool = False,
+    quality=None,
+    cache_dtype=None,
+) -> Contender:
+    decoder = Decoder(
+        build_decoder(model, dtype=dtype, int8_activations=int8_activations),
+        tokenizer,
+        cache_dtype=cache_dtype,
+        reuse_prefixes=False,
+    )  # each repeat prefills its prompt
+    slots = (
+        len(prompt) + options.new_tokens
+        if quality is None
+        else max(len(prompt) + options.new_tokens, quality[0].shape[1])
+    )
     decoder.model.setup_cache(1, slots, cache_dtype)  # once: the compiled step is specialized to its size
     if compiled:
         decoder.compile_decode_step()
@@ -130,7 +185,13 @@ def slimlm_contender(name: str, model, tokenizer, prompt: list[int], options, dt
         return decoder.last_stats.decode_tok_s, decoder.last_stats.prefill_s
 
     context = len(prompt) + options.new_tokens // 2
-    info = {"bytes_per_token": decoder.model.bytes_per_token(context), "weight_bytes": decoder.model.weight_bytes(), "kernels": describe_kernels(decoder.model), "warmup_s": warm_s, "kl_mean": kl}
+    info = {
+        "bytes_per_token": decoder.model.bytes_per_token(context),
+        "weight_bytes": decoder.model.weight_bytes(),
+        "kernels": describe_kernels(decoder.model),
+        "warmup_s": warm_s,
+        "kl_mean": kl,
+    }
     return Contender(name, run, info)
 
 
@@ -146,8 +207,17 @@ def llama_cpp_file(name: str, gguf_type: str, model, tokenizer, source) -> Path:
 def kernel_table(model, scheme: str) -> list[dict]:
     """Batch-1 time of each layer shape of the quantized model in torch's kernel (bf16
     activations) and in slimlm's kernel for int8 activations, weights warm in cache: the matmuls alone."""
-    decoders = {"torch": build_decoder(model, dtype=torch.bfloat16), "slimlm": build_decoder(model, dtype=torch.bfloat16, int8_activations=True)}
-    shapes = {"q/k/v": lambda d: d.layers[0].attention.qkv, "o": lambda d: d.layers[0].attention.o_proj, "gate/up": lambda d: d.layers[0].feed_forward.gate_up, "down": lambda d: d.layers[0].feed_forward.down, "tied head": lambda d: d.output}
+    decoders = {
+        "torch": build_decoder(model, dtype=torch.bfloat16),
+        "slimlm": build_decoder(model, dtype=torch.bfloat16, int8_activations=True),
+    }
+    shapes = {
+        "q/k/v": lambda d: d.layers[0].attention.qkv,
+        "o": lambda d: d.layers[0].attention.o_proj,
+        "gate/up": lambda d: d.layers[0].feed_forward.gate_up,
+        "down": lambda d: d.layers[0].feed_forward.down,
+        "tied head": lambda d: d.output,
+    }
     table = []
     for shape, pick in shapes.items():
         row = {"name": f"{scheme} {shape}"}
@@ -164,7 +234,15 @@ def llama_cpp_contender(name: str, path: Path, prompt: list[int], options, confi
     import numpy as np
     from llama_cpp import Llama
 
-    llm = Llama(model_path=str(path), n_ctx=len(prompt) + options.new_tokens + 8, n_batch=64, n_threads=options.threads, n_threads_batch=options.threads, logits_all=True, verbose=False)
+    llm = Llama(
+        model_path=str(path),
+        n_ctx=len(prompt) + options.new_tokens + 8,
+        n_batch=64,
+        n_threads=options.threads,
+        n_threads_batch=options.threads,
+        logits_all=True,
+        verbose=False,
+    )
 
     def run() -> tuple[float, float]:
         llm.reset()
@@ -179,17 +257,38 @@ def llama_cpp_contender(name: str, path: Path, prompt: list[int], options, confi
 
     run()  # warm-up
     weights, cache_per_slot = llama_cpp_bytes(path, config, 2)  # f16 cache
-    return Contender(name, run, {"bytes_per_token": int(weights + cache_per_slot * (len(prompt) + options.new_tokens // 2)), "weight_bytes": weights})
+    return Contender(
+        name,
+        run,
+        {
+            "bytes_per_token": int(weights + cache_per_slot * (len(prompt) + options.new_tokens // 2)),
+            "weight_bytes": weights,
+        },
+    )
 
 
 def transformers_contender(model, tokenizer, options) -> Contender:
     def run() -> tuple[float, float]:
-        result = measure_generate(model, tokenizer, prompt_tokens=options.prompt_tokens, new_tokens=options.new_tokens, warmup=0, repeats=1)
+        result = measure_generate(
+            model,
+            tokenizer,
+            prompt_tokens=options.prompt_tokens,
+            new_tokens=options.new_tokens,
+            warmup=0,
+            repeats=1,
+        )
         return result.decode_tok_s, result.ttft_s
 
     run()  # warm-up
     context = options.prompt_tokens + options.new_tokens // 2
-    return Contender("transformers fp32 generate", run, {"bytes_per_token": decode_bytes_per_token(model, context), "weight_bytes": decode_bytes_per_token(model, 0)})
+    return Contender(
+        "transformers fp32 generate",
+        run,
+        {
+            "bytes_per_token": decode_bytes_per_token(model, context),
+            "weight_bytes": decode_bytes_per_token(model, 0),
+        },
+    )
 
 
 def race(contenders: list[Contender], repeats: int) -> list[dict]:
@@ -200,30 +299,52 @@ def race(contenders: list[Contender], repeats: int) -> list[dict]:
     for _ in tqdm(range(repeats), desc="rounds"):
         for contender in contenders:
             runs[contender.name].append(contender.run())
-    return [{"name": c.name, "decode_tok_s": statistics.median(r[0] for r in runs[c.name]), "ttft_s": statistics.median(r[1] for r in runs[c.name]), **c.info} for c in contenders]
+    return [
+        {
+            "name": c.name,
+            "decode_tok_s": statistics.median(r[0] for r in runs[c.name]),
+            "ttft_s": statistics.median(r[1] for r in runs[c.name]),
+            **c.info,
+        }
+        for c in contenders
+    ]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_decode_options(parser)
-    parser.add_argument("--skip-llama-cpp", action="store_true", help="when llama-cpp-python is not installed (pip install -e '.[bench]')")
+    parser.add_argument(
+        "--skip-llama-cpp",
+        action="store_true",
+        help="when llama-cpp-python is not installed (pip install -e '.[bench]')",
+    )
     options = parser.parse_args()
     torch.set_num_threads(options.threads)
     started = time.perf_counter()
     cfg, loaded = load_default()
     model, tokenizer = loaded.model, loaded.tokenizer
     prompt = benchmark_prompt(tokenizer, options.prompt_tokens).tolist()
-    bandwidth = memory_bandwidth("cpu", refresh=True).bytes_per_s  # afresh: a shared machine's bandwidth drifts between runs
-    contenders = [transformers_contender(model, tokenizer, options), slimlm_contender("slimlm fp32", model, tokenizer, prompt, options, torch.float32)]
+    bandwidth = memory_bandwidth(
+        "cpu", refresh=True
+    ).bytes_per_s  # afresh: a shared machine's bandwidth drifts between runs
+    contenders = [
+        transformers_contender(model, tokenizer, options),
+        slimlm_contender("slimlm fp32", model, tokenizer, prompt, options, torch.float32),
+    ]
     if not options.skip_llama_cpp:
         source = resolve_model(cfg)
         for gguf_type in ("Q8_0", "Q4_0"):
             path = llama_cpp_file(f"default-{gguf_type.lower()}", gguf_type, model, tokenizer, source)
             check_llama_cpp(path, options.threads)
-            contenders.append(llama_cpp_contender(f"llama.cpp {gguf_type}", path, prompt, options, model.config))
+            contenders.append(
+                llama_cpp_contender(f"llama.cpp {gguf_type}", path, prompt, options, model.config)
+            )
     windows = eval_windows(tokenizer)
     with torch.inference_mode():
-        quality = (windows, torch.stack([torch.log_softmax(model(ids[None]).logits[0].float(), dim=-1) for ids in windows]))
+        quality = (
+            windows,
+            torch.stack([torch.log_softmax(model(ids[None]).logits[0].float(), dim=-1) for ids in windows]),
+        )
     kernels: list[dict] = []
     for name, scheme in SCHEMES.items():
         quantized = quantized_copy(cfg, scheme)
@@ -232,28 +353,55 @@ def main() -> None:
             (f"slimlm {name}, bf16 activations, eager", dict(quality=quality)),
             (f"slimlm {name}, bf16 activations, compiled", dict(compiled=True, quality=quality)),
             (f"slimlm {name}, int8 activations, eager", dict(int8_activations=True, quality=quality)),
-            (f"slimlm {name}, int8 activations, compiled", dict(compiled=True, int8_activations=True, quality=quality)),
+            (
+                f"slimlm {name}, int8 activations, compiled",
+                dict(compiled=True, int8_activations=True, quality=quality),
+            ),
         ]
         if scheme["bits"] == 4:
-            rows_of.append((f"slimlm {name}, int8 activations, int8 KV cache, compiled", dict(compiled=True, int8_activations=True, quality=quality, cache_dtype=torch.int8)))
+            rows_of.append(
+                (
+                    f"slimlm {name}, int8 activations, int8 KV cache, compiled",
+                    dict(compiled=True, int8_activations=True, quality=quality, cache_dtype=torch.int8),
+                )
+            )
         for row_name, settings in rows_of:
             print(f"preparing {row_name}", flush=True)
-            contenders.append(slimlm_contender(row_name, quantized, tokenizer, prompt, options, torch.bfloat16, **settings))
+            contenders.append(
+                slimlm_contender(row_name, quantized, tokenizer, prompt, options, torch.bfloat16, **settings)
+            )
     rows = race(contenders, options.repeats)
     for row in rows:
         row["bandwidth_fraction"] = row["decode_tok_s"] * row["bytes_per_token"] / bandwidth
-        print(f"{row['name']}: {row['decode_tok_s']:.1f} tok/s, {100 * row['bandwidth_fraction']:.0f}% of bandwidth", flush=True)
+        print(
+            f"{row['name']}: {row['decode_tok_s']:.1f} tok/s, {100 * row['bandwidth_fraction']:.0f}% of bandwidth",
+            flush=True,
+        )
     reference = rows[0]["decode_tok_s"]
     for row in rows:
         row["speedup_vs_transformers"] = row["decode_tok_s"] / reference
-    summary = {"bandwidth_bytes_s": bandwidth, "prompt_tokens": options.prompt_tokens, "new_tokens": options.new_tokens, "repeats": options.repeats, "threads": options.threads, "seconds": time.perf_counter() - started}
+    summary = {
+        "bandwidth_bytes_s": bandwidth,
+        "prompt_tokens": options.prompt_tokens,
+        "new_tokens": options.new_tokens,
+        "repeats": options.repeats,
+        "threads": options.threads,
+        "seconds": time.perf_counter() - started,
+    }
     command = command_line("decode_cpu.py", parser, options)
     RESULTS.mkdir(exist_ok=True)
     write_plot(rows)
-    write_result("decode_cpu", command, {"summary": summary, "rows": rows, "kernels": kernels}, markdown(rows, summary, command, kernels))
+    write_result(
+        "decode_cpu",
+        command,
+        {"summary": summary, "rows": rows, "kernels": kernels},
+        markdown(rows, summary, command, kernels),
+    )
 
 
-def write_plot(rows: list[dict], name: str = "decode_cpu", title: str = "Decode speed on CPU, default model") -> None:
+def write_plot(
+    rows: list[dict], name: str = "decode_cpu", title: str = "Decode speed on CPU, default model"
+) -> None:
     """bench/results/<name>.png: decode tokens/s per row, slimlm's rows in blue."""
     figure, axis = plt.subplots(figsize=(8, 0.45 * len(rows) + 1.2))
     names = [row["name"] for row in rows][::-1]
@@ -291,7 +439,10 @@ def markdown(rows: list[dict], summary: dict, command: str, kernels: list[dict])
         "",
         "| decoder | decode tok/s | vs transformers fp32 | time to first token ms | weights MB | bandwidth used | KL to fp32 |",
         "|---|---:|---:|---:|---:|---:|---:|",
-        *[f"| {r['name']} | {r['decode_tok_s']:.1f} | {r['speedup_vs_transformers']:.2f}x | {1000 * r['ttft_s']:.1f} | {r['weight_bytes'] / 1e6:.1f} | {100 * r['bandwidth_fraction']:.0f}% | {kl_cell(r)} |" for r in rows],
+        *[
+            f"| {r['name']} | {r['decode_tok_s']:.1f} | {r['speedup_vs_transformers']:.2f}x | {1000 * r['ttft_s']:.1f} | {r['weight_bytes'] / 1e6:.1f} | {100 * r['bandwidth_fraction']:.0f}% | {kl_cell(r)} |"
+            for r in rows
+        ],
         "",
         "![decode_cpu](decode_cpu.png)",
         "",
@@ -299,7 +450,10 @@ def markdown(rows: list[dict], summary: dict, command: str, kernels: list[dict])
         "",
         "| layer (out x in) | torch's kernel, bf16 activations (us) | slimlm's kernel, int8 activations (us) | speedup |",
         "|---|---:|---:|---:|",
-        *[f"| {k['name']} ({k['out_features']} x {k['in_features']}) | {k['torch_us']:.1f} | {k['slimlm_us']:.1f} | {k['torch_us'] / k['slimlm_us']:.2f}x |" for k in kernels],
+        *[
+            f"| {k['name']} ({k['out_features']} x {k['in_features']}) | {k['torch_us']:.1f} | {k['slimlm_us']:.1f} | {k['torch_us'] / k['slimlm_us']:.2f}x |"
+            for k in kernels
+        ],
         "",
     ]
 

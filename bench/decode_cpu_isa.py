@@ -31,15 +31,21 @@ import time
 from dataclasses import dataclass
 
 import torch
+from benchlib import RESULTS, command_line, load_bench_model, machine_line, publish
+from decode_cpu import (
+    DECODE_OPTIONS,
+    SCHEMES,
+    add_decode_options,
+    quantized_copy,
+    slimlm_contender,
+    write_plot,
+)
 from tqdm import tqdm
 
 from slimlm.eval.bandwidth import memory_bandwidth
 from slimlm.eval.speed import benchmark_prompt
 from slimlm.inference import cpu_kernels
 from slimlm.rundir import machine_info
-
-from benchlib import RESULTS, command_line, load_bench_model, machine_line, publish
-from decode_cpu import DECODE_OPTIONS, SCHEMES, add_decode_options, quantized_copy, slimlm_contender, write_plot
 
 MARK = "decode_cpu_isa result: "
 QUICK_SCHEME = "int4 g64"  # --quick runs this scheme's rows only
@@ -73,18 +79,42 @@ def worker(row: Row, options) -> None:
     cfg, loaded = load_bench_model(options.quick)
     model = quantized_copy(cfg, SCHEMES[row.scheme])
     prompt = benchmark_prompt(loaded.tokenizer, options.prompt_tokens).tolist()
-    contender = slimlm_contender(row.name, model, loaded.tokenizer, prompt, options, torch.bfloat16, compiled=True, int8_activations=row.isa is not None)
+    contender = slimlm_contender(
+        row.name,
+        model,
+        loaded.tokenizer,
+        prompt,
+        options,
+        torch.bfloat16,
+        compiled=True,
+        int8_activations=row.isa is not None,
+    )
     speeds = [contender.run()[0] for _ in range(options.repeats)]
     built = cpu_kernels.kernel_isa() if row.isa else None
     print(MARK + json.dumps({"decode_tok_s": speeds, "kernel_isa": built, **contender.info}), flush=True)
 
 
 def run_row(row: Row, options) -> dict:
-    env = {key: value for key, value in os.environ.items() if key not in (cpu_kernels.ISA_ENV, "ATEN_CPU_CAPABILITY")}
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if key not in (cpu_kernels.ISA_ENV, "ATEN_CPU_CAPABILITY")
+    }
     env.update({cpu_kernels.ISA_ENV: row.isa} if row.isa else {})
     env.update({"ATEN_CPU_CAPABILITY": row.aten} if row.aten else {})
-    forwarded = [part for name in DECODE_OPTIONS for part in (f"--{name.replace('_', '-')}", str(getattr(options, name)))]
-    args = [sys.executable, __file__, "--worker", row.name, *forwarded, *(["--quick"] if options.quick else [])]
+    forwarded = [
+        part
+        for name in DECODE_OPTIONS
+        for part in (f"--{name.replace('_', '-')}", str(getattr(options, name)))
+    ]
+    args = [
+        sys.executable,
+        __file__,
+        "--worker",
+        row.name,
+        *forwarded,
+        *(["--quick"] if options.quick else []),
+    ]
     done = subprocess.run(args, env=env, capture_output=True, text=True)
     lines = [line for line in done.stdout.splitlines() if line.startswith(MARK)]
     if done.returncode != 0 or not lines:
@@ -92,13 +122,17 @@ def run_row(row: Row, options) -> dict:
     result = json.loads(lines[-1][len(MARK) :])
     kernel = f"int{SCHEMES[row.scheme]['bits']}-int8act"
     if result["kernel_isa"] != row.isa or (row.isa and not any(kernel in name for name in result["kernels"])):
-        raise SystemExit(f"row '{row.name}' ran {result['kernel_isa']} with kernels {result['kernels']}, not {row.isa}")
+        raise SystemExit(
+            f"row '{row.name}' ran {result['kernel_isa']} with kernels {result['kernels']}, not {row.isa}"
+        )
     return result
 
 
 def available(row: Row) -> bool:
     """Whether this processor has the row's kernel build and, for a row limited to AVX2, AVX2."""
-    return not any(cpu_kernels.missing_flags(isa) for isa in (row.isa, "avx2" if row.aten == "avx2" else None) if isa)
+    return not any(
+        cpu_kernels.missing_flags(isa) for isa in (row.isa, "avx2" if row.aten == "avx2" else None) if isa
+    )
 
 
 def main() -> None:
@@ -106,7 +140,11 @@ def main() -> None:
     add_decode_options(parser)
     parser.add_argument("--passes", type=int, default=2)
     parser.add_argument("--worker", choices=[row.name for row in ROWS], help=argparse.SUPPRESS)
-    parser.add_argument("--quick", action="store_true", help=f"the tiny test model, {QUICK_SCHEME} rows only, 1 pass of 1 decode of 16 new tokens a row; results only printed (tests)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"the tiny test model, {QUICK_SCHEME} rows only, 1 pass of 1 decode of 16 new tokens a row; results only printed (tests)",
+    )
     options = parser.parse_args()
     if options.quick and not options.worker:
         options.passes, options.repeats, options.new_tokens = 1, 1, 16
@@ -125,7 +163,17 @@ def main() -> None:
     for row in rows:
         first = results[row.name][0]
         speed = statistics.median(s for result in results[row.name] for s in result["decode_tok_s"])
-        baseline = next(r for r in table if r["scheme"] == row.scheme and r["kernel_isa"] is None and r["aten_cpu_capability"] == (row.aten or "default")) if row.isa else None
+        baseline = (
+            next(
+                r
+                for r in table
+                if r["scheme"] == row.scheme
+                and r["kernel_isa"] is None
+                and r["aten_cpu_capability"] == (row.aten or "default")
+            )
+            if row.isa
+            else None
+        )
         table.append(
             {
                 "name": row.name,
@@ -141,12 +189,27 @@ def main() -> None:
             }
         )
         print(f"{row.name}: {speed:.1f} tok/s", flush=True)
-    summary = {"bandwidth_bytes_s": bandwidth, "passes": options.passes, "repeats": options.repeats, "threads": options.threads, "prompt_tokens": options.prompt_tokens, "new_tokens": options.new_tokens, "skipped": skipped, "seconds": time.perf_counter() - started}
+    summary = {
+        "bandwidth_bytes_s": bandwidth,
+        "passes": options.passes,
+        "repeats": options.repeats,
+        "threads": options.threads,
+        "prompt_tokens": options.prompt_tokens,
+        "new_tokens": options.new_tokens,
+        "skipped": skipped,
+        "seconds": time.perf_counter() - started,
+    }
     command = command_line("decode_cpu_isa.py", parser, options)
     if not options.quick:
         RESULTS.mkdir(exist_ok=True)
         write_plot(table, "decode_cpu_isa", "int4 and int8 decode on CPU by instruction set, default model")
-    publish("decode_cpu_isa", command, {"summary": summary, "rows": table}, markdown(table, summary, command), options.quick)
+    publish(
+        "decode_cpu_isa",
+        command,
+        {"summary": summary, "rows": table},
+        markdown(table, summary, command),
+        options.quick,
+    )
 
 
 def markdown(rows: list[dict], summary: dict, command: str) -> list[str]:
@@ -160,11 +223,18 @@ def markdown(rows: list[dict], summary: dict, command: str) -> list[str]:
         f"median of {summary['passes']} passes x {summary['repeats']} decodes, one process per row and pass, rows taking turns",
         "- a row limited to AVX2 runs with ATEN_CPU_CAPABILITY=avx2 (torch's own kernels use 256-bit vectors; the compiled step's generated code does in every row) and, for slimlm's kernel, SLIMLM_CPU_ISA naming its build; "
         f"bandwidth used = bytes per token x tokens/s / this machine's {summary['bandwidth_bytes_s'] / 1e9:.1f} GB/s (a laptop's memory differs: compare rows, not tokens/s)",
-        *([f"- not run (the processor lacks them): {', '.join(summary['skipped'])}"] if summary["skipped"] else []),
+        *(
+            [f"- not run (the processor lacks them): {', '.join(summary['skipped'])}"]
+            if summary["skipped"]
+            else []
+        ),
         "",
         "| decoder | vector width | decode tok/s | vs torch's kernel for those weights at that width | bandwidth used |",
         "|---|---|---:|---:|---:|",
-        *[f"| {r['name']} | {'256-bit' if r['aten_cpu_capability'] == 'avx2' else 'widest'} | {r['decode_tok_s']:.1f} | {r['speedup_vs_torch']:.2f}x | {100 * r['bandwidth_fraction']:.0f}% |" for r in rows],
+        *[
+            f"| {r['name']} | {'256-bit' if r['aten_cpu_capability'] == 'avx2' else 'widest'} | {r['decode_tok_s']:.1f} | {r['speedup_vs_torch']:.2f}x | {100 * r['bandwidth_fraction']:.0f}% |"
+            for r in rows
+        ],
         "",
         "![decode_cpu_isa](decode_cpu_isa.png)",
         "",

@@ -39,22 +39,32 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from benchlib import RESULTS, command_line, write_result
 
 from slimlm.eval.speed import device_clock, generate_decode
 from slimlm.inference.build import describe_kernels
 from slimlm.inference.decoder import Decoder
 from slimlm.inference.model import ModelArgs
-from slimlm.inference.planner import GiB, HARDWARE, make_plan, preset_config, uniform_schemes
+from slimlm.inference.planner import HARDWARE, GiB, make_plan, preset_config, uniform_schemes
 from slimlm.inference.sampling import SamplingParams
 from slimlm.inference.synthetic import random_decoder, transformers_config
 from slimlm.qlinear import QuantScheme
 from slimlm.rundir import machine_info
 
-from benchlib import RESULTS, command_line, write_result
-
 SCHEME = QuantScheme(bits=4, group_size=64)
 # A Llama-shaped model small enough for a CPU dry run of every section (tests/test_bench_gpu.py).
-TINY = {"model_type": "llama", "vocab_size": 1024, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "max_position_embeddings": 1024, "hidden_act": "silu"}
+TINY = {
+    "model_type": "llama",
+    "vocab_size": 1024,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "max_position_embeddings": 1024,
+    "hidden_act": "silu",
+}
 
 
 class IdsOnly:
@@ -104,7 +114,9 @@ def slimlm_rows(shape: str, kernel: str, device: torch.device, options) -> list[
     model = random_decoder(config, SCHEME, SCHEME, torch.bfloat16, device, gpu_int4=kernel)
     build_s = time.perf_counter() - started
     if f"int4-{kernel}" not in describe_kernels(model):
-        raise SystemExit(f"the {kernel} kernel took no layer here ({describe_kernels(model)}); it needs a CUDA GPU (and Triton for triton)")
+        raise SystemExit(
+            f"the {kernel} kernel took no layer here ({describe_kernels(model)}); it needs a CUDA GPU (and Triton for triton)"
+        )
     decoder = Decoder(model, IdsOnly(), reuse_prefixes=False)  # each repeat prefills its prompt
     slots = options.prompt_tokens + options.new_tokens
     model.setup_cache(1, slots)
@@ -115,7 +127,13 @@ def slimlm_rows(shape: str, kernel: str, device: torch.device, options) -> list[
         decoder.generate_ids([prompt], params)
         return decoder.last_stats.decode_tok_s, decoder.last_stats.prefill_s
 
-    info = {"shape": shape, "weight_bytes": model.weight_bytes(), "bytes_per_token": model.bytes_per_token(options.prompt_tokens + options.new_tokens // 2), "kernels": describe_kernels(model), "build_s": build_s}
+    info = {
+        "shape": shape,
+        "weight_bytes": model.weight_bytes(),
+        "bytes_per_token": model.bytes_per_token(options.prompt_tokens + options.new_tokens // 2),
+        "kernels": describe_kernels(model),
+        "build_s": build_s,
+    }
     rows = []
     for compiled in (False, True) if kernel == "tinygemm" else (True,):
         started = time.perf_counter()
@@ -126,7 +144,16 @@ def slimlm_rows(shape: str, kernel: str, device: torch.device, options) -> list[
         warm_s = time.perf_counter() - started
         speed, ttft, speeds = median_runs(run, options.repeats)
         name = f"slimlm int4 g64 {shape}, {kernel}, {'compiled (CUDA graph)' if compiled and device.type == 'cuda' else 'compiled' if compiled else 'eager'}"
-        rows.append({"name": name, **info, "decode_tok_s": speed, "ttft_ms": 1000 * ttft, "runs_tok_s": speeds, "warmup_s": warm_s})
+        rows.append(
+            {
+                "name": name,
+                **info,
+                "decode_tok_s": speed,
+                "ttft_ms": 1000 * ttft,
+                "runs_tok_s": speeds,
+                "warmup_s": warm_s,
+            }
+        )
         print(f"{name}: {speed:.1f} tok/s", flush=True)
     return rows
 
@@ -155,10 +182,29 @@ def transformers_rows(shape: str, device: torch.device, options) -> list[dict]:
     weights = sum(p.nbytes for p in model.parameters())
     args = ModelArgs.from_hf_config(config)
     table = 0 if args.tie_embeddings else args.vocab_size * args.dim * 2
-    kv = 2 * args.n_layers * args.n_kv_heads * args.head_dim * 2 * (options.prompt_tokens + options.new_tokens // 2)
+    kv = (
+        2
+        * args.n_layers
+        * args.n_kv_heads
+        * args.head_dim
+        * 2
+        * (options.prompt_tokens + options.new_tokens // 2)
+    )
     name = f"transformers bf16 {shape}, static cache, generate"
     print(f"{name}: {speed:.1f} tok/s", flush=True)
-    return [{"name": name, "shape": shape, "weight_bytes": weights, "bytes_per_token": weights - table + args.dim * 2 + kv, "decode_tok_s": speed, "ttft_ms": 1000 * ttft, "runs_tok_s": speeds, "warmup_s": warm_s, "build_s": build_s}]
+    return [
+        {
+            "name": name,
+            "shape": shape,
+            "weight_bytes": weights,
+            "bytes_per_token": weights - table + args.dim * 2 + kv,
+            "decode_tok_s": speed,
+            "ttft_ms": 1000 * ttft,
+            "runs_tok_s": speeds,
+            "warmup_s": warm_s,
+            "build_s": build_s,
+        }
+    ]
 
 
 def host_link_bandwidth(device: torch.device) -> float:
@@ -186,19 +232,31 @@ def capped_rows(shape: str, cap_gib: str, context: str, device: torch.device, op
     args = ModelArgs.from_hf_config(config)
     context = min(int(context), args.max_position_embeddings)
     on_gpu = device.type == "cuda"
-    hardware = dataclasses.replace(HARDWARE["laptop-8gb"], memory_bytes=int(float(cap_gib) * GiB)) if on_gpu else HARDWARE["cpu"]
+    hardware = (
+        dataclasses.replace(HARDWARE["laptop-8gb"], memory_bytes=int(float(cap_gib) * GiB))
+        if on_gpu
+        else HARDWARE["cpu"]
+    )
     schemes = uniform_schemes(args, SCHEME, SCHEME)
     plan = make_plan(args, schemes, hardware, context)
     runtime_bytes, bound = 0, None
     if on_gpu:
-        torch.ones(64, 64, device=device) @ torch.ones(64, 64, device=device)  # the context and cuBLAS's workspace
+        torch.ones(64, 64, device=device) @ torch.ones(
+            64, 64, device=device
+        )  # the context and cuBLAS's workspace
         free, total = torch.cuda.mem_get_info(device)
         runtime_bytes = total - free
         if plan.kind == "stream":  # the plan's speed bound at this machine's measured bandwidths
-            measured = dataclasses.replace(hardware, bandwidth_bytes_s=copy_bandwidth(device, options)[0]["bandwidth_bytes_s"], host_link_bytes_s=host_link_bandwidth(device))
+            measured = dataclasses.replace(
+                hardware,
+                bandwidth_bytes_s=copy_bandwidth(device, options)[0]["bandwidth_bytes_s"],
+                host_link_bytes_s=host_link_bandwidth(device),
+            )
             bound = dataclasses.replace(plan, hardware=measured).decode_tok_s_bound()
             torch.cuda.empty_cache()
-        torch.cuda.set_per_process_memory_fraction((plan.hardware.memory_bytes - runtime_bytes) / total, device)
+        torch.cuda.set_per_process_memory_fraction(
+            (plan.hardware.memory_bytes - runtime_bytes) / total, device
+        )
         torch.cuda.reset_peak_memory_stats(device)
     new_tokens = 32
     with peak_memory(device) as peak:
@@ -209,13 +267,36 @@ def capped_rows(shape: str, cap_gib: str, context: str, device: torch.device, op
         decoder.generate_ids([prompt], SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
     measured_peak = runtime_bytes + torch.cuda.max_memory_reserved(device) if on_gpu else peak.bytes
     predicted = plan.device_bytes()
-    where = f"{plan.streamed_layers} of {args.n_layers} layers streamed" if plan.kind == "stream" else plan.kind
-    name = f"slimlm int4 g64 {shape}, {context} context, {float(cap_gib):g} GiB cap, {where}" if on_gpu else f"slimlm int4 g64 {shape}, {context} context (CPU: no cap)"
+    where = (
+        f"{plan.streamed_layers} of {args.n_layers} layers streamed" if plan.kind == "stream" else plan.kind
+    )
+    name = (
+        f"slimlm int4 g64 {shape}, {context} context, {float(cap_gib):g} GiB cap, {where}"
+        if on_gpu
+        else f"slimlm int4 g64 {shape}, {context} context (CPU: no cap)"
+    )
     stats = decoder.last_stats
-    print(f"{name}: predicted {predicted / GiB:.2f} GiB, measured {measured_peak / GiB:.2f} GiB, {stats.decode_tok_s:.1f} tok/s", flush=True)
-    return [{"name": name, "shape": shape, "context": context, "plan": plan.kind, "streamed_layers": plan.streamed_layers, "predicted_peak_bytes": predicted, "measured_peak_bytes": measured_peak,
-             "runtime_bytes": runtime_bytes, "allocated_peak_bytes": torch.cuda.max_memory_allocated(device) if on_gpu else None, "prediction_error": predicted / measured_peak - 1,
-             "prefill_s": stats.prefill_s, "decode_tok_s": stats.decode_tok_s, "stream_bound_tok_s": bound}]
+    print(
+        f"{name}: predicted {predicted / GiB:.2f} GiB, measured {measured_peak / GiB:.2f} GiB, {stats.decode_tok_s:.1f} tok/s",
+        flush=True,
+    )
+    return [
+        {
+            "name": name,
+            "shape": shape,
+            "context": context,
+            "plan": plan.kind,
+            "streamed_layers": plan.streamed_layers,
+            "predicted_peak_bytes": predicted,
+            "measured_peak_bytes": measured_peak,
+            "runtime_bytes": runtime_bytes,
+            "allocated_peak_bytes": torch.cuda.max_memory_allocated(device) if on_gpu else None,
+            "prediction_error": predicted / measured_peak - 1,
+            "prefill_s": stats.prefill_s,
+            "decode_tok_s": stats.decode_tok_s,
+            "stream_bound_tok_s": bound,
+        }
+    ]
 
 
 def sections(options) -> list[tuple[str, list[str]]]:
@@ -224,14 +305,31 @@ def sections(options) -> list[tuple[str, list[str]]]:
     for index, shape in enumerate(options.shapes):
         kernels = [(f"slimlm {shape} {kernel}", ["slimlm", shape, kernel]) for kernel in options.kernels]
         order.append(kernels[0])
-        if index == 0:  # the acceptance's sections before the slower comparisons (transformers compiles for minutes)
-            order.append((f"cap {options.cap_shape} {options.cap_gib:g} GiB", ["cap", options.cap_shape, str(options.cap_gib), str(options.cap_context)]))
-            order.append((f"cap {options.cap_shape} {options.stream_cap_gib:g} GiB (streaming)", ["cap", options.cap_shape, str(options.stream_cap_gib), str(options.stream_context)]))
+        if (
+            index == 0
+        ):  # the acceptance's sections before the slower comparisons (transformers compiles for minutes)
+            order.append(
+                (
+                    f"cap {options.cap_shape} {options.cap_gib:g} GiB",
+                    ["cap", options.cap_shape, str(options.cap_gib), str(options.cap_context)],
+                )
+            )
+            order.append(
+                (
+                    f"cap {options.cap_shape} {options.stream_cap_gib:g} GiB (streaming)",
+                    ["cap", options.cap_shape, str(options.stream_cap_gib), str(options.stream_context)],
+                )
+            )
         order += [(f"transformers {shape}", ["transformers", shape]), *kernels[1:]]
     return order
 
 
-SECTIONS: dict[str, Callable[..., list[dict]]] = {"bandwidth": copy_bandwidth, "slimlm": slimlm_rows, "transformers": transformers_rows, "cap": capped_rows}
+SECTIONS: dict[str, Callable[..., list[dict]]] = {
+    "bandwidth": copy_bandwidth,
+    "slimlm": slimlm_rows,
+    "transformers": transformers_rows,
+    "cap": capped_rows,
+}
 
 
 def run_section(kind: str, arguments: list[str], options) -> None:
@@ -252,14 +350,18 @@ def report(rows: list[dict], failures: list[str], options, command: str, elapsed
             row["bandwidth_fraction"] = row["decode_tok_s"] / row["bound_tok_s"]
         if row["name"].startswith("slimlm") and row.get("shape") in peers and "context" not in row:
             row["vs_transformers"] = row["decode_tok_s"] / peers[row["shape"]]
-    gpu = next((row["gpu"] for row in rows if "gpu" in row), "no GPU (dry run)")  # from a section: this process makes no CUDA context
+    gpu = next(
+        (row["gpu"] for row in rows if "gpu" in row), "no GPU (dry run)"
+    )  # from a section: this process makes no CUDA context
     lines = [
         "# decode_gpu",
         "",
         f"- command: `{command}`",
         f"- machine: {gpu}; torch {torch.__version__}; {elapsed_s / 60:.1f} min",
         f"- batch 1, {options.prompt_tokens}-token random prompt, exactly {options.new_tokens} new tokens (greedy), median of {options.repeats} runs after warm-ups; random weights of each preset shape",
-        f"- bandwidth: a device-to-device copy, {bandwidth / 1e9:.0f} GB/s (bytes read + written); bound = bandwidth / (weights read per token + KV cache at the mean context)" if bandwidth else "- bandwidth: not measured",
+        f"- bandwidth: a device-to-device copy, {bandwidth / 1e9:.0f} GB/s (bytes read + written); bound = bandwidth / (weights read per token + KV cache at the mean context)"
+        if bandwidth
+        else "- bandwidth: not measured",
         "",
         "| row | decode tok/s | vs transformers bf16 | time to first token ms | weights GB | bound tok/s | bandwidth used |",
         "|---|---:|---:|---:|---:|---:|---:|",
@@ -270,13 +372,21 @@ def report(rows: list[dict], failures: list[str], options, command: str, elapsed
         ratio = f"{row['vs_transformers']:.2f}x" if "vs_transformers" in row else ""
         bound = f"{row['bound_tok_s']:.0f}" if "bound_tok_s" in row else ""
         used = f"{row['bandwidth_fraction']:.0%}" if "bandwidth_fraction" in row else ""
-        lines.append(f"| {row['name']} | {row['decode_tok_s']:.1f} | {ratio} | {row['ttft_ms']:.1f} | {row['weight_bytes'] / 1e9:.2f} | {bound} | {used} |")
+        lines.append(
+            f"| {row['name']} | {row['decode_tok_s']:.1f} | {ratio} | {row['ttft_ms']:.1f} | {row['weight_bytes'] / 1e9:.2f} | {bound} | {used} |"
+        )
     capped = [row for row in rows if "context" in row]
     if capped:
-        lines += ["", "| memory cap row | plan | predicted peak GiB | measured peak GiB | prediction error | CUDA context GiB | prefill s | decode tok/s | streaming bound tok/s |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [
+            "",
+            "| memory cap row | plan | predicted peak GiB | measured peak GiB | prediction error | CUDA context GiB | prefill s | decode tok/s | streaming bound tok/s |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        ]
         for row in capped:
             bound = f"{row['stream_bound_tok_s']:.1f}" if row.get("stream_bound_tok_s") else ""
-            lines.append(f"| {row['name']} | {row['plan']} | {row['predicted_peak_bytes'] / GiB:.2f} | {row['measured_peak_bytes'] / GiB:.2f} | {row['prediction_error']:+.1%} | {row['runtime_bytes'] / GiB:.2f} | {row['prefill_s']:.1f} | {row['decode_tok_s']:.1f} | {bound} |")
+            lines.append(
+                f"| {row['name']} | {row['plan']} | {row['predicted_peak_bytes'] / GiB:.2f} | {row['measured_peak_bytes'] / GiB:.2f} | {row['prediction_error']:+.1%} | {row['runtime_bytes'] / GiB:.2f} | {row['prefill_s']:.1f} | {row['decode_tok_s']:.1f} | {bound} |"
+            )
     if failures:
         lines += ["", "Sections that did not finish:", "", *[f"- {failure}" for failure in failures]]
     lines.append("")
@@ -286,14 +396,27 @@ def report(rows: list[dict], failures: list[str], options, command: str, elapsed
         write_result("decode_gpu", command, record, lines, machine=machine)
     else:
         options.out.mkdir(parents=True, exist_ok=True)
-        (options.out / "decode_gpu.json").write_text(json.dumps({"machine": machine, "command": command, **record}, indent=2) + "\n")
+        (options.out / "decode_gpu.json").write_text(
+            json.dumps({"machine": machine, "command": command, **record}, indent=2) + "\n"
+        )
         (options.out / "decode_gpu.md").write_text("\n".join(lines))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shapes", nargs="+", default=["llama-3-8b", "llama-3.2-1b"], help="preset shapes, most important first (the memory cap section follows the first)")
-    parser.add_argument("--kernels", nargs="+", choices=("tinygemm", "triton"), default=["tinygemm", "triton"], help="GPU int4 kernels to time")
+    parser.add_argument(
+        "--shapes",
+        nargs="+",
+        default=["llama-3-8b", "llama-3.2-1b"],
+        help="preset shapes, most important first (the memory cap section follows the first)",
+    )
+    parser.add_argument(
+        "--kernels",
+        nargs="+",
+        choices=("tinygemm", "triton"),
+        default=["tinygemm", "triton"],
+        help="GPU int4 kernels to time",
+    )
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--prompt-tokens", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=128)
@@ -301,12 +424,28 @@ def main() -> None:
     parser.add_argument("--cap-shape", default="llama-3-8b")
     parser.add_argument("--cap-context", type=int, default=8192)
     parser.add_argument("--cap-gib", type=float, default=8.0)
-    parser.add_argument("--stream-cap-gib", type=float, default=4.0, help="a cap the model does not fit: the planner streams layers from host memory")
+    parser.add_argument(
+        "--stream-cap-gib",
+        type=float,
+        default=4.0,
+        help="a cap the model does not fit: the planner streams layers from host memory",
+    )
     parser.add_argument("--stream-context", type=int, default=1024)
-    parser.add_argument("--budget-s", type=float, default=480.0, help="no section starts after this many seconds; a running one is stopped at it")
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=480.0,
+        help="no section starts after this many seconds; a running one is stopped at it",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS, help="where decode_gpu.{md,json} go")
-    parser.add_argument("--tiny", action="store_true", help="every shape is a tiny Llama (a dry run of every path, e.g. on a CPU)")
-    parser.add_argument("--section", nargs="+", help=argparse.SUPPRESS)  # internal: run one section in this process
+    parser.add_argument(
+        "--tiny",
+        action="store_true",
+        help="every shape is a tiny Llama (a dry run of every path, e.g. on a CPU)",
+    )
+    parser.add_argument(
+        "--section", nargs="+", help=argparse.SUPPRESS
+    )  # internal: run one section in this process
     options = parser.parse_args()
     command = command_line("decode_gpu.py", parser, options)
     if options.tiny:
@@ -317,7 +456,9 @@ def main() -> None:
         run_section(options.section[0], options.section[1:], options)
         return
     if options.device == "cuda" and not torch.cuda.is_available():
-        sys.exit("decode_gpu: no CUDA device here; run it on a GPU machine (bash bench/gpu.sh), or --tiny --device cpu for a dry run")
+        sys.exit(
+            "decode_gpu: no CUDA device here; run it on a GPU machine (bash bench/gpu.sh), or --tiny --device cpu for a dry run"
+        )
     started = time.perf_counter()
     rows: list[dict] = []
     failures: list[str] = []
@@ -335,7 +476,9 @@ def main() -> None:
         sys.stderr.write(result.stderr[-4000:] if result.returncode else "")
         lines = result.stdout.strip().splitlines()
         if result.returncode or not lines:
-            failures.append(f"{label}: exit {result.returncode}: {(result.stderr.strip().splitlines() or ['no output'])[-1][:300]}")
+            failures.append(
+                f"{label}: exit {result.returncode}: {(result.stderr.strip().splitlines() or ['no output'])[-1][:300]}"
+            )
         else:
             rows += json.loads(lines[-1])
             print("\n".join(lines[:-1]), flush=True)

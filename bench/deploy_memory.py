@@ -53,13 +53,30 @@ def run_recipe(label: str, recipe: Path, model_args: list[str], workdir: Path) -
     run_dir = workdir / label.replace(" ", "-")
     peak_file = workdir / f"{label.replace(' ', '-')}.maxrss"
     shutil.rmtree(run_dir, ignore_errors=True)  # an earlier run's exports would be refused, never overwritten
-    argv = [TIME, "-f", "%M", "-o", str(peak_file), sys.executable, "-m", "slimlm.cli", f"recipe={recipe}", *model_args, f"hydra.run.dir={run_dir}"]
+    argv = [
+        TIME,
+        "-f",
+        "%M",
+        "-o",
+        str(peak_file),
+        sys.executable,
+        "-m",
+        "slimlm.cli",
+        f"recipe={recipe}",
+        *model_args,
+        f"hydra.run.dir={run_dir}",
+    ]
     print(f"{label} ...", file=sys.stderr, flush=True)
     started = time.perf_counter()
     if subprocess.run(argv, cwd=REPO).returncode != 0:
         raise SystemExit(f"the {label} run failed; its log is in {run_dir}/slimlm.log")
     report = json.loads((run_dir / "report.json").read_text())
-    return {"peak_kib": int(peak_file.read_text().split()[-1]), "report": report, "wall_s": time.perf_counter() - started, "run_dir": run_dir}
+    return {
+        "peak_kib": int(peak_file.read_text().split()[-1]),
+        "report": report,
+        "wall_s": time.perf_counter() - started,
+        "run_dir": run_dir,
+    }
 
 
 def parameters_of(run_dir: Path) -> int:
@@ -103,10 +120,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="qwen2.5-coder-0.5b", help="a model config name (conf/model)")
     parser.add_argument("--workdir", type=Path, default=REPO / "bench" / "runs" / "deploy_memory")
-    parser.add_argument("--quick", action="store_true", help="a tiny random-weight model; results only printed")
+    parser.add_argument(
+        "--quick", action="store_true", help="a tiny random-weight model; results only printed"
+    )
     options = parser.parse_args()
     if not Path(TIME).is_file():
-        raise SystemExit(f"{TIME} (GNU time) is needed to measure the peak memory from outside: install the 'time' package")
+        raise SystemExit(
+            f"{TIME} (GNU time) is needed to measure the peak memory from outside: install the 'time' package"
+        )
     options.workdir.mkdir(parents=True, exist_ok=True)
     model_args = tiny_model(options.workdir) if options.quick else [f"model={options.model}", "data=shared"]
     started = time.perf_counter()
@@ -131,7 +152,17 @@ def main() -> None:
         f"- model: `{' '.join(model_args)}`, {parameters:,} parameters: bf16 weights {bf16_bytes / GB:.3f} GB, goal peak <= {GOAL}x = {GOAL * bf16_bytes / GB:.2f} GB",
         f"- recipe: `{RECIPE.relative_to(REPO)}` (quantize rtn w8 with the head, export slimlm + reload, generate, export hf); peak RSS of the whole `slimlm` process by GNU time",
     ]
-    publish_table("deploy_memory", "Deploy memory: a w8 recipe's peak RSS against the bf16 weights", command_line("deploy_memory.py", parser, options), machine_info(), time.perf_counter() - started, details, table, rows, options.quick)
+    publish_table(
+        "deploy_memory",
+        "Deploy memory: a w8 recipe's peak RSS against the bf16 weights",
+        command_line("deploy_memory.py", parser, options),
+        machine_info(),
+        time.perf_counter() - started,
+        details,
+        table,
+        rows,
+        options.quick,
+    )
     if options.quick:
         print(json.dumps({"rows": rows}))
 

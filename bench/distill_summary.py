@@ -25,15 +25,24 @@ def row(rows: list[dict], name: str) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="Adds the summary to bench/results/distill_default.{md,json}.")
-    parser.add_argument("--quick", action="store_true", help="only print the summary, writing nothing (tests)")
+    parser = argparse.ArgumentParser(
+        description="Adds the summary to bench/results/distill_default.{md,json}."
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="only print the summary, writing nothing (tests)"
+    )
     options = parser.parse_args()
     record = json.loads((RESULTS / "distill_default.json").read_text())
     rows = record["rows"]
     teacher, pruned = row(rows, "teacher"), row(rows, "pruned student")
     gap = math.log(pruned["ppl"]) - math.log(teacher["ppl"])
     summary: dict = {"gap_recovered": {}}
-    lines = ["## Summary", "", "| trained student | ppl | KL to teacher | share of the log-perplexity gap closed |", "|---|---:|---:|---:|"]
+    lines = [
+        "## Summary",
+        "",
+        "| trained student | ppl | KL to teacher | share of the log-perplexity gap closed |",
+        "|---|---:|---:|---:|",
+    ]
     lines.append(f"| pruned, before training | {pruned['ppl']:.2f} | {pruned['kl_mean']:.3f} | 0% |")
     for name in ("distilled (forward KL)", "fine-tuned (cross-entropy)"):
         trained = row(rows, name)
@@ -43,7 +52,10 @@ def main() -> None:
     lines.append(f"| teacher | {teacher['ppl']:.2f} | 0 | 100% |")
     quantized, recovered = row(rows, "w4-g64-gptq"), row(rows, "w4-g64-gptq + LoRA (distilled)")
     summary["lora_kl"] = {"before": quantized["kl_mean"], "after": recovered["kl_mean"]}
-    lines += ["", f"LoRA recovery of w4 g64 GPTQ: KL to the fp32 model {quantized['kl_mean']:.4f} → {recovered['kl_mean']:.4f}, perplexity {quantized['ppl']:.2f} → {recovered['ppl']:.2f}."]
+    lines += [
+        "",
+        f"LoRA recovery of w4 g64 GPTQ: KL to the fp32 model {quantized['kl_mean']:.4f} → {recovered['kl_mean']:.4f}, perplexity {quantized['ppl']:.2f} → {recovered['ppl']:.2f}.",
+    ]
     for recipe in ("prune-distill", "draft"):
         if not (RUNS / recipe / "report.json").is_file():
             continue
@@ -58,15 +70,21 @@ def main() -> None:
             )
     prune_file = RESULTS / "prune_default.json"
     if prune_file.is_file():
-        student = next(r for r in json.loads(prune_file.read_text())["rows"] if r["name"].startswith("student"))
+        student = next(
+            r for r in json.loads(prune_file.read_text())["rows"] if r["name"].startswith("student")
+        )
         summary["student_decode_speedup"] = student["speedup_vs_unpruned"]
-        lines.append(f"The student's shape decodes {student['speedup_vs_unpruned']:.2f}x as fast as the teacher in the bundled decoder (fp32, batch 1; `bench/results/prune_default.md`).")
+        lines.append(
+            f"The student's shape decodes {student['speedup_vs_unpruned']:.2f}x as fast as the teacher in the bundled decoder (fp32, batch 1; `bench/results/prune_default.md`)."
+        )
     if options.quick:
         print("\n".join(lines))
         return
     record["summary"] = summary
     (RESULTS / "distill_default.json").write_text(json.dumps(record, indent=2) + "\n")
-    markdown = (RESULTS / "distill_default.md").read_text().split("\n## Summary\n")[0]  # rerunning replaces the summary
+    markdown = (
+        (RESULTS / "distill_default.md").read_text().split("\n## Summary\n")[0]
+    )  # rerunning replaces the summary
     (RESULTS / "distill_default.md").write_text(markdown.rstrip() + "\n\n" + "\n".join(lines) + "\n")
 
 

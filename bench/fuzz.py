@@ -64,7 +64,32 @@ class Outcome:
 
 # --- mutations ------------------------------------------------------------------------------
 
-ODD_VALUES: tuple[Any, ...] = (None, True, False, 0, -1, 1, 2**31, 2**63, 10**9, 10**30, -(10**9), 1e308, -1e-300, 0.5, "", "x", "A" * 4096, [], [1, 2, 3], {}, {"a": 1}, [[[]]], "float64x", "../../etc/passwd")
+ODD_VALUES: tuple[Any, ...] = (
+    None,
+    True,
+    False,
+    0,
+    -1,
+    1,
+    2**31,
+    2**63,
+    10**9,
+    10**30,
+    -(10**9),
+    1e308,
+    -1e-300,
+    0.5,
+    "",
+    "x",
+    "A" * 4096,
+    [],
+    [1, 2, 3],
+    {},
+    {"a": 1},
+    [[[]]],
+    "float64x",
+    "../../etc/passwd",
+)
 
 
 def json_paths(value: Any, path: tuple = ()) -> list[tuple]:
@@ -146,7 +171,14 @@ def mutate_safetensors(data: bytes, rng: random.Random) -> tuple[bytes, str]:
         field = rng.choice(("data_offsets", "shape", "dtype"))
         entry[field] = rng.choice(
             {
-                "data_offsets": ([0, 0], [entry["data_offsets"][1], entry["data_offsets"][0]], [0, len(body) + 4096], [2**62, 2**62 + 8], [-8, 0], [0, 2**64]),
+                "data_offsets": (
+                    [0, 0],
+                    [entry["data_offsets"][1], entry["data_offsets"][0]],
+                    [0, len(body) + 4096],
+                    [2**62, 2**62 + 8],
+                    [-8, 0],
+                    [0, 2**64],
+                ),
                 "shape": ([], [0], [2**31, 2**31], [-1, 4], [10**12], [1] * 64, "4"),
                 "dtype": ("F64", "I64", "BOOL", "F8_E4M3", "Q4", "", 4),
             }[field]
@@ -187,12 +219,12 @@ def seed_files(workdir: Path) -> tuple[Path, Path]:
     import torch
 
     sys.path.insert(0, str(REPO))
-    from tests.conftest import build_tiny_llama, build_tokenizer
-
     from slimlm.artifact import save_artifact
-    from slimlm.compress.quantize import QuantizeParams, run as quantize
+    from slimlm.compress.quantize import QuantizeParams
+    from slimlm.compress.quantize import run as quantize
     from slimlm.gguf_export import export_gguf
     from slimlm.pipeline import RunState
+    from tests.conftest import build_tiny_llama, build_tokenizer
 
     artifact, gguf = workdir / "seed-artifact", workdir / "seed" / "tiny.gguf"
     if artifact.is_dir() and gguf.is_file():
@@ -202,7 +234,15 @@ def seed_files(workdir: Path) -> tuple[Path, Path]:
     model = build_tiny_llama(len(tokenizer), initializer_range=0.2)
     gguf.parent.mkdir(parents=True, exist_ok=True)
     export_gguf(model, tokenizer, gguf, "F32")
-    state = RunState(cfg=None, run_dir=workdir, model=model, tokenizer=tokenizer, source=None, source_sha256=None, device=torch.device("cpu"))
+    state = RunState(
+        cfg=None,
+        run_dir=workdir,
+        model=model,
+        tokenizer=tokenizer,
+        source=None,
+        source_sha256=None,
+        device=torch.device("cpu"),
+    )
     quantize(state, QuantizeParams(bits=4, group_size=32))
     save_artifact(state.model, state.tokenizer, artifact, state.schemes, source={"id": "fuzz seed"})
     return artifact, gguf
@@ -210,7 +250,12 @@ def seed_files(workdir: Path) -> tuple[Path, Path]:
 
 # --- running file cases ---------------------------------------------------------------------
 
-ARTIFACT_TARGETS = {"manifest": ("manifest.json",), "config": ("config.json",), "tokenizer": ("tokenizer.json", "tokenizer_config.json"), "safetensors": ("model.safetensors",)}
+ARTIFACT_TARGETS = {
+    "manifest": ("manifest.json",),
+    "config": ("config.json",),
+    "tokenizer": ("tokenizer.json", "tokenizer_config.json"),
+    "safetensors": ("model.safetensors",),
+}
 
 
 def artifact_case(surface: str, seed: Path, rng: random.Random, workdir: Path) -> tuple[Path, str]:
@@ -248,7 +293,9 @@ def load_gguf(path: Path) -> None:
     checkpoint_directory(source, source_sha256(source))
 
 
-def run_file_case(surface: str, index: int, seed_artifact: Path, seed_gguf: Path, seed: int, memory_bytes: int, send) -> None:
+def run_file_case(
+    surface: str, index: int, seed_artifact: Path, seed_gguf: Path, seed: int, memory_bytes: int, send
+) -> None:
     """In a forked child: build the case, load it, send (mutation, result, detail) back."""
     from slimlm.errors import SlimlmError
 
@@ -272,11 +319,21 @@ def run_file_case(surface: str, index: int, seed_artifact: Path, seed_gguf: Path
             send.send((mutation, "accepted", ""))
         except SlimlmError as error:
             line = str(error).replace(str(workdir), "<case>")
-            send.send((mutation, "refused", line) if "\n" not in line else (mutation, "failed", f"a refusal of several lines: {line!r}"))
+            send.send(
+                (mutation, "refused", line)
+                if "\n" not in line
+                else (mutation, "failed", f"a refusal of several lines: {line!r}")
+            )
         except BaseException as error:  # a traceback in the CLI: exactly what the fuzzer looks for
             where = traceback.extract_tb(error.__traceback__)[-1]
             message = str(error).replace(str(workdir), "<case>").strip()
-            send.send((mutation, "failed", f"{type(error).__name__}: {message.splitlines()[0][:200] if message else ''} ({Path(where.filename).name}:{where.lineno})"))
+            send.send(
+                (
+                    mutation,
+                    "failed",
+                    f"{type(error).__name__}: {message.splitlines()[0][:200] if message else ''} ({Path(where.filename).name}:{where.lineno})",
+                )
+            )
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
@@ -322,8 +379,23 @@ def warm_up(seeds: tuple[Path, Path], workdir: Path) -> None:
 VALID_REQUESTS = (
     ("/v1/completions", {"prompt": "the story of", "max_tokens": 4, "temperature": 0}),
     ("/v1/completions", {"prompt": ["a", "b"], "max_tokens": 4, "stream": True, "stop": ["x"]}),
-    ("/v1/chat/completions", {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello <|user|> there"}], "max_tokens": 4, "temperature": 0.7, "top_p": 0.9, "seed": 1}),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True}),
+    (
+        "/v1/chat/completions",
+        {
+            "messages": [
+                {"role": "system", "content": "be brief"},
+                {"role": "user", "content": "hello <|user|> there"},
+            ],
+            "max_tokens": 4,
+            "temperature": 0.7,
+            "top_p": 0.9,
+            "seed": 1,
+        },
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True},
+    ),
 )
 
 
@@ -348,7 +420,14 @@ def request_outcome(port: int, index: int, options: argparse.Namespace) -> Outco
     try:
         status, answer = local_request(port, "POST", route, body, options.timeout)
     except (OSError, http.client.HTTPException) as error:
-        return Outcome("request", index, f"{route} {mutation}", "failed", f"{type(error).__name__}: {error}", time.perf_counter() - started)
+        return Outcome(
+            "request",
+            index,
+            f"{route} {mutation}",
+            "failed",
+            f"{type(error).__name__}: {error}",
+            time.perf_counter() - started,
+        )
     seconds = time.perf_counter() - started
     if status == 200:
         return Outcome("request", index, f"{route} {mutation}", "accepted", "", seconds)
@@ -357,8 +436,12 @@ def request_outcome(port: int, index: int, options: argparse.Namespace) -> Outco
     except (ValueError, KeyError, TypeError):
         message = None
     if 400 <= status < 500 and isinstance(message, str):
-        return Outcome("request", index, f"{route} {mutation}", "refused", f"{status} {message[:200]}", seconds)
-    return Outcome("request", index, f"{route} {mutation}", "failed", f"HTTP {status}: {answer[:200]!r}", seconds)
+        return Outcome(
+            "request", index, f"{route} {mutation}", "refused", f"{status} {message[:200]}", seconds
+        )
+    return Outcome(
+        "request", index, f"{route} {mutation}", "failed", f"HTTP {status}: {answer[:200]!r}", seconds
+    )
 
 
 def serve(artifact: Path):
@@ -374,7 +457,9 @@ def serve(artifact: Path):
     limits = ServerLimits(max_prompt_tokens=128, max_new_tokens=16, max_concurrent=4)
     listening = socket.socket()
     listening.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(create_app(decoder, "fuzz", limits), host="127.0.0.1", log_level="critical"))
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(decoder, "fuzz", limits), host="127.0.0.1", log_level="critical")
+    )
     thread = threading.Thread(target=server.run, kwargs={"sockets": [listening]}, daemon=True)
     thread.start()
     deadline = time.time() + 30
@@ -404,12 +489,24 @@ def summary_rows(outcomes: list[Outcome]) -> list[dict]:
     for surface in SURFACES:
         mine = [outcome for outcome in outcomes if outcome.surface == surface]
         if mine:
-            counts = {result: sum(outcome.result == result for outcome in mine) for result in ("accepted", "refused", "failed")}
-            rows.append({"name": surface, "cases": len(mine), **counts, "max_case_s": round(max(outcome.seconds for outcome in mine), 2)})
+            counts = {
+                result: sum(outcome.result == result for outcome in mine)
+                for result in ("accepted", "refused", "failed")
+            }
+            rows.append(
+                {
+                    "name": surface,
+                    "cases": len(mine),
+                    **counts,
+                    "max_case_s": round(max(outcome.seconds for outcome in mine), 2),
+                }
+            )
     return rows
 
 
-def markdown(rows: list[dict], outcomes: list[Outcome], command: str, seconds: float, options: argparse.Namespace) -> list[str]:
+def markdown(
+    rows: list[dict], outcomes: list[Outcome], command: str, seconds: float, options: argparse.Namespace
+) -> list[str]:
     lines = [
         "# Fuzz: seeded mutations of artifacts, GGUF files and server requests",
         "",
@@ -419,18 +516,34 @@ def markdown(rows: list[dict], outcomes: list[Outcome], command: str, seconds: f
         "",
         "| surface | cases | accepted | refused in one line | failed | slowest case s |",
         "|---|---:|---:|---:|---:|---:|",
-        *(f"| {row['name']} | {row['cases']} | {row['accepted']} | {row['refused']} | {row['failed']} | {row['max_case_s']:.2f} |" for row in rows),
+        *(
+            f"| {row['name']} | {row['cases']} | {row['accepted']} | {row['refused']} | {row['failed']} | {row['max_case_s']:.2f} |"
+            for row in rows
+        ),
         "",
     ]
     failures = [outcome for outcome in outcomes if outcome.result == "failed"]
     if failures:
-        lines += ["## Failures", "", *(f"- {outcome.surface} #{outcome.case}: {outcome.mutation}: {outcome.detail}" for outcome in failures[:100]), ""]
+        lines += [
+            "## Failures",
+            "",
+            *(
+                f"- {outcome.surface} #{outcome.case}: {outcome.mutation}: {outcome.detail}"
+                for outcome in failures[:100]
+            ),
+            "",
+        ]
     refusals: dict[str, int] = {}
     for outcome in outcomes:
         if outcome.result == "refused":
             key = f"{outcome.surface}: {outcome.detail.split(':')[0][:80]}"
             refusals[key] = refusals.get(key, 0) + 1
-    lines += ["## Most frequent refusals", "", *(f"- {count} x {key}" for key, count in sorted(refusals.items(), key=lambda item: -item[1])[:15]), ""]
+    lines += [
+        "## Most frequent refusals",
+        "",
+        *(f"- {count} x {key}" for key, count in sorted(refusals.items(), key=lambda item: -item[1])[:15]),
+        "",
+    ]
     return lines
 
 
@@ -442,11 +555,15 @@ def main() -> None:
     parser.add_argument("--memory-gb", type=float, default=4.0, help="address space a file case may add")
     parser.add_argument("--surfaces", nargs="+", default=list(SURFACES), choices=SURFACES)
     parser.add_argument("--workdir", type=Path, default=REPO / "bench" / "runs" / "fuzz")
-    parser.add_argument("--quick", action="store_true", help=f"{QUICK_CASES} cases per surface; results in --workdir only")
+    parser.add_argument(
+        "--quick", action="store_true", help=f"{QUICK_CASES} cases per surface; results in --workdir only"
+    )
     options = parser.parse_args()
     import torch
 
-    torch.set_num_threads(1)  # before any parallel region: a forked child of a process with an OpenMP pool can hang in its first one
+    torch.set_num_threads(
+        1
+    )  # before any parallel region: a forked child of a process with an OpenMP pool can hang in its first one
     cases = QUICK_CASES if options.quick else options.cases
     options.workdir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
@@ -456,19 +573,37 @@ def main() -> None:
     from tqdm import tqdm
 
     for surface in [s for s in options.surfaces if s in FILE_SURFACES]:
-        outcomes += [file_outcome(surface, index, seeds, options) for index in tqdm(range(cases), desc=surface, unit="case")]
+        outcomes += [
+            file_outcome(surface, index, seeds, options)
+            for index in tqdm(range(cases), desc=surface, unit="case")
+        ]
     if "request" in options.surfaces:
         port, stop = serve(seeds[0])
         try:
-            outcomes += [request_outcome(port, index, options) for index in tqdm(range(cases), desc="request", unit="case")]
+            outcomes += [
+                request_outcome(port, index, options)
+                for index in tqdm(range(cases), desc="request", unit="case")
+            ]
             if not healthy(port):
-                outcomes.append(Outcome("request", cases, "after every case", "failed", "the server no longer answers /health", 0.0))
+                outcomes.append(
+                    Outcome(
+                        "request",
+                        cases,
+                        "after every case",
+                        "failed",
+                        "the server no longer answers /health",
+                        0.0,
+                    )
+                )
         finally:
             stop()
     rows = summary_rows(outcomes)
     command = command_line("fuzz.py", parser, options).replace(str(options.workdir), "<workdir>")
     lines = markdown(rows, outcomes, command, time.perf_counter() - started, options)
-    record = {"rows": rows, "outcomes": [asdict(outcome) for outcome in outcomes if outcome.result == "failed"]}
+    record = {
+        "rows": rows,
+        "outcomes": [asdict(outcome) for outcome in outcomes if outcome.result == "failed"],
+    }
     if options.quick:
         (options.workdir / "fuzz.json").write_text(json.dumps(record, indent=2))
         print("\n".join(lines))

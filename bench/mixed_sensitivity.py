@@ -15,6 +15,7 @@ import argparse
 import time
 
 import torch
+from benchlib import RESULTS, bench_data_cfg, command_line, eval_ids, load_bench_model, publish
 
 from slimlm.compress.calibration import calibration_samples
 from slimlm.compress.mixed import fisher_diagonal, measure_kl_sensitivity, predicted_loss
@@ -23,9 +24,15 @@ from slimlm.eval.plots import plt, save_figure
 from slimlm.qlinear import QuantScheme
 from slimlm.rundir import machine_info
 
-from benchlib import RESULTS, bench_data_cfg, command_line, eval_ids, load_bench_model, publish
-
-KINDS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+KINDS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
 BITS = (2, 3, 4)
 
 
@@ -41,9 +48,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--windows", type=int, default=2, help="WikiText-2 windows the KL is measured on")
     parser.add_argument("--window", type=int, default=512)
-    parser.add_argument("--layers", type=int, nargs="+", default=[0, 10, 20, 29], help="decoder layers whose Linear layers are measured")
-    parser.add_argument("--fisher-windows", type=int, default=32, help="calibration windows of 256 tokens for the Fisher (the recipe's default)")
-    parser.add_argument("--quick", action="store_true", help="a tiny random-weight model's 2 layers, 2 Fisher windows, 1 window of 64 tokens, the bundled data; results only printed (tests)")
+    parser.add_argument(
+        "--layers",
+        type=int,
+        nargs="+",
+        default=[0, 10, 20, 29],
+        help="decoder layers whose Linear layers are measured",
+    )
+    parser.add_argument(
+        "--fisher-windows",
+        type=int,
+        default=32,
+        help="calibration windows of 256 tokens for the Fisher (the recipe's default)",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a tiny random-weight model's 2 layers, 2 Fisher windows, 1 window of 64 tokens, the bundled data; results only printed (tests)",
+    )
     options = parser.parse_args()
     if options.quick:
         options.layers, options.fisher_windows, options.windows, options.window = [0, 1], 2, 1, 64
@@ -51,9 +73,16 @@ def main() -> None:
     _, loaded = load_bench_model(options.quick)
     model, tokenizer = loaded.model, loaded.tokenizer
     names = [f"model.layers.{layer}.{kind}" for layer in options.layers for kind in KINDS]
-    calibration = calibration_samples(tokenize_text(tokenizer, load_text(bench_data_cfg(options.quick).calibration, "calibration")), options.fisher_windows, 256, seed=1)
+    calibration = calibration_samples(
+        tokenize_text(tokenizer, load_text(bench_data_cfg(options.quick).calibration, "calibration")),
+        options.fisher_windows,
+        256,
+        seed=1,
+    )
     fisher = fisher_diagonal(model, calibration, names)
-    windows = eval_ids(tokenizer, options.quick)[: options.windows * options.window].view(options.windows, options.window)
+    windows = eval_ids(tokenizer, options.quick)[: options.windows * options.window].view(
+        options.windows, options.window
+    )
     with torch.no_grad():
         reference = torch.log_softmax(model(input_ids=windows, use_cache=False).logits.float(), dim=-1)
     rows = []
@@ -62,27 +91,59 @@ def main() -> None:
             scheme = QuantScheme(bits=bits, group_size=64)
             predicted = predicted_loss(model.get_submodule(name).weight, fisher[name], scheme, 256)
             measured = measure_kl_sensitivity(model, windows, name, scheme, reference)
-            rows.append({"name": f"{name} int{bits}", "layer": name, "bits": bits, "predicted_kl": predicted, "measured_kl": measured})
+            rows.append(
+                {
+                    "name": f"{name} int{bits}",
+                    "layer": name,
+                    "bits": bits,
+                    "predicted_kl": predicted,
+                    "measured_kl": measured,
+                }
+            )
             print(f"{name} int{bits}: predicted {predicted:.5f}, measured {measured:.5f}", flush=True)
     predicted = [r["predicted_kl"] for r in rows]
     measured = [r["measured_kl"] for r in rows]
     spearman = correlation(ranks(predicted), ranks(measured))
     log_pearson = correlation(torch.tensor(predicted).log(), torch.tensor(measured).clamp(min=1e-9).log())
-    within_bits = {bits: correlation(ranks([r["predicted_kl"] for r in rows if r["bits"] == bits]), ranks([r["measured_kl"] for r in rows if r["bits"] == bits])) for bits in BITS}
+    within_bits = {
+        bits: correlation(
+            ranks([r["predicted_kl"] for r in rows if r["bits"] == bits]),
+            ranks([r["measured_kl"] for r in rows if r["bits"] == bits]),
+        )
+        for bits in BITS
+    }
     ratio = sorted(p / m for p, m in zip(predicted, measured) if m > 0)[len(rows) // 2]
-    summary = {"spearman": spearman, "log_pearson": log_pearson, "spearman_within_bits": within_bits, "median_predicted_over_measured": ratio, "seconds": time.perf_counter() - started}
+    summary = {
+        "spearman": spearman,
+        "log_pearson": log_pearson,
+        "spearman_within_bits": within_bits,
+        "median_predicted_over_measured": ratio,
+        "seconds": time.perf_counter() - started,
+    }
     command = command_line("mixed_sensitivity.py", parser, options)
     if not options.quick:
         RESULTS.mkdir(exist_ok=True)
         write_plot(rows, spearman)
-    publish("mixed_sensitivity", command, {"summary": summary, "rows": rows}, markdown(rows, summary, command, options), options.quick)
+    publish(
+        "mixed_sensitivity",
+        command,
+        {"summary": summary, "rows": rows},
+        markdown(rows, summary, command, options),
+        options.quick,
+    )
 
 
 def write_plot(rows: list[dict], spearman: float) -> None:
     figure, axis = plt.subplots(figsize=(6.5, 5))
     for bits, color in zip(BITS, ("tab:red", "tab:orange", "tab:blue")):
         chosen = [r for r in rows if r["bits"] == bits]
-        axis.scatter([r["predicted_kl"] for r in chosen], [max(r["measured_kl"], 1e-6) for r in chosen], s=14, color=color, label=f"int{bits} g64")
+        axis.scatter(
+            [r["predicted_kl"] for r in chosen],
+            [max(r["measured_kl"], 1e-6) for r in chosen],
+            s=14,
+            color=color,
+            label=f"int{bits} g64",
+        )
     low = min(min(r["predicted_kl"], max(r["measured_kl"], 1e-6)) for r in rows)
     high = max(max(r["predicted_kl"], r["measured_kl"]) for r in rows)
     axis.plot([low, high], [low, high], color="gray", linestyle="--", linewidth=1, label="y = x")
@@ -101,7 +162,10 @@ def markdown(rows: list[dict], summary: dict, command: str, options) -> list[str
     by_kind = {}
     for kind in KINDS:
         chosen = [r for r in rows if r["layer"].endswith(kind) and r["bits"] == 3]
-        by_kind[kind] = (sum(r["predicted_kl"] for r in chosen) / len(chosen), sum(r["measured_kl"] for r in chosen) / len(chosen))
+        by_kind[kind] = (
+            sum(r["predicted_kl"] for r in chosen) / len(chosen),
+            sum(r["measured_kl"] for r in chosen) / len(chosen),
+        )
     return [
         "# mixed_sensitivity",
         "",

@@ -32,6 +32,7 @@ import time
 from typing import Optional
 
 import torch
+from benchlib import RESULTS, bench_int4, command_line, eval_ids, machine_line, publish, run_together
 
 from slimlm.eval.plots import plt, save_figure
 from slimlm.inference.batching import ContinuousBatcher
@@ -40,20 +41,24 @@ from slimlm.inference.decoder import Decoder, Generation
 from slimlm.inference.sampling import SamplingParams
 from slimlm.rundir import machine_info
 
-from benchlib import RESULTS, bench_int4, command_line, eval_ids, machine_line, publish, run_together
-
 SYSTEM = "You are a careful assistant. Answer in plain English, briefly, and say so when a passage does not tell you something."
 SHARED_REQUESTS = 8
 REFERENCE_TOKENS = 450
 PARAMS = SamplingParams(max_new_tokens=64, ignore_eos=True)
 PASSAGE_TOKENS = 150
 CONVERSATIONS = 4  # batched
-CROWD, CROWD_TURNS = 8, 4  # more conversations than rows: conversations, turns each (decoding CONVERSATIONS at a time)
+CROWD, CROWD_TURNS = (
+    8,
+    4,
+)  # more conversations than rows: conversations, turns each (decoding CONVERSATIONS at a time)
 
 
 def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
     """The prompt's token ids for `messages` under the tokenizer's chat template, as `slimlm chat` and the server make them."""
-    return tokenizer(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+    return tokenizer(
+        tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+        add_special_tokens=False,
+    )["input_ids"]
 
 
 class Chat:
@@ -66,36 +71,64 @@ class Chat:
 
     def next_prompt(self) -> list[int]:
         passage = self.passages[len(self.turns)]
-        self.messages.append({"role": "user", "content": f"{passage}\n\nWhat is this passage about, and how does it relate to the earlier ones?"})
+        self.messages.append(
+            {
+                "role": "user",
+                "content": f"{passage}\n\nWhat is this passage about, and how does it relate to the earlier ones?",
+            }
+        )
         return chat_ids(self.tokenizer, self.messages)
 
     def answered(self, ids: list[int], generation: Generation, first_s: float) -> None:
         self.messages.append({"role": "assistant", "content": generation.text})
-        self.turns.append({"prompt_tokens": len(ids), "cached_tokens": generation.cached_tokens, "first_token_ms": 1000 * first_s, "answer": generation.token_ids})
+        self.turns.append(
+            {
+                "prompt_tokens": len(ids),
+                "cached_tokens": generation.cached_tokens,
+                "first_token_ms": 1000 * first_s,
+                "answer": generation.token_ids,
+            }
+        )
 
 
 def passages(tokenizer, count: int, quick: bool) -> list[str]:
     ids = eval_ids(tokenizer, quick)
-    return [tokenizer.decode(ids[PASSAGE_TOKENS * i : PASSAGE_TOKENS * (i + 1)]).strip() for i in range(count)]
+    return [
+        tokenizer.decode(ids[PASSAGE_TOKENS * i : PASSAGE_TOKENS * (i + 1)]).strip() for i in range(count)
+    ]
 
 
 def one_at_a_time(model, tokenizer, texts: list[str], reuse: bool) -> list[dict]:
     decoder = Decoder(build_decoder(model, dtype=torch.bfloat16), tokenizer, reuse_prefixes=reuse)
-    decoder.generate_ids([tokenizer("warm up")["input_ids"]], SamplingParams(max_new_tokens=4))  # shares no start with the chat's prompts
+    decoder.generate_ids(
+        [tokenizer("warm up")["input_ids"]], SamplingParams(max_new_tokens=4)
+    )  # shares no start with the chat's prompts
     chat = Chat(tokenizer, texts)
     for _ in texts:
         ids = chat.next_prompt()
         generation = decoder.generate_ids([ids], PARAMS)[0]
         chat.answered(ids, generation, decoder.last_stats.prefill_s)
-        print(f"one at a time, reuse {reuse}: turn {len(chat.turns)}: {len(ids)} prompt tokens, {generation.cached_tokens} cached, first token {chat.turns[-1]['first_token_ms']:.0f} ms", flush=True)
+        print(
+            f"one at a time, reuse {reuse}: turn {len(chat.turns)}: {len(ids)} prompt tokens, {generation.cached_tokens} cached, first token {chat.turns[-1]['first_token_ms']:.0f} ms",
+            flush=True,
+        )
     return chat.turns
 
 
-def batched(model, tokenizer, texts: list[list[str]], reuse: bool, max_batch: Optional[int] = None, cache_rows: Optional[int] = None) -> list[list[dict]]:
+def batched(
+    model,
+    tokenizer,
+    texts: list[list[str]],
+    reuse: bool,
+    max_batch: Optional[int] = None,
+    cache_rows: Optional[int] = None,
+) -> list[list[dict]]:
     """Each conversation in `texts` sends its turns one after the other, all conversations at
     once, through a batcher decoding `max_batch` (default: all) at a time."""
     decoder = Decoder(build_decoder(model, dtype=torch.bfloat16), tokenizer, reuse_prefixes=reuse)
-    batcher = ContinuousBatcher(decoder, max_batch=max_batch or len(texts), max_seq=2048, cache_rows=cache_rows)
+    batcher = ContinuousBatcher(
+        decoder, max_batch=max_batch or len(texts), max_seq=2048, cache_rows=cache_rows
+    )
     chats = [Chat(tokenizer, own) for own in texts]
 
     def converse(chat: Chat) -> None:
@@ -111,7 +144,10 @@ def batched(model, tokenizer, texts: list[list[str]], reuse: bool, max_batch: Op
     run_together(converse, [(chat,) for chat in chats])
     batcher.close()
     for turn in range(len(texts[0])):
-        print(f"batched, reuse {reuse}, {batcher.max_batch} at a time, {decoder.model.max_batch} rows: turn {turn + 1}: first token {statistics.median(c.turns[turn]['first_token_ms'] for c in chats):.0f} ms median", flush=True)
+        print(
+            f"batched, reuse {reuse}, {batcher.max_batch} at a time, {decoder.model.max_batch} rows: turn {turn + 1}: first token {statistics.median(c.turns[turn]['first_token_ms'] for c in chats):.0f} ms median",
+            flush=True,
+        )
     return [chat.turns for chat in chats]
 
 
@@ -130,16 +166,31 @@ def logit_gap(model, tokenizer, texts: list[str], dtype: torch.dtype) -> dict:
     cached = reusing.reusable(0, ids)
     reused = reusing.prefill(torch.tensor([ids[cached:]]), cached).float()
     prefilled = whole.prefill(torch.tensor([ids])).float()
-    return {"activations": str(dtype).removeprefix("torch."), "cached_tokens": cached, "max_logit_difference": float((reused - prefilled).abs().max()),
-            "max_logit": float(prefilled.abs().max()), "same_argmax": bool(reused.argmax() == prefilled.argmax())}
+    return {
+        "activations": str(dtype).removeprefix("torch."),
+        "cached_tokens": cached,
+        "max_logit_difference": float((reused - prefilled).abs().max()),
+        "max_logit": float(prefilled.abs().max()),
+        "same_argmax": bool(reused.argmax() == prefilled.argmax()),
+    }
 
 
 def shared_system(model, tokenizer, reference: str, questions: list[str], reuse: bool) -> dict:
     """`questions` sent at once, each after the same system prompt holding `reference`: ms from
     sending to each request's first piece, and to the last answer."""
     system = {"role": "system", "content": f"{SYSTEM}\n\nReference:\n{reference}"}
-    prompts = [chat_ids(tokenizer, [system, {"role": "user", "content": f"Does the reference say anything about this? {question}"}]) for question in questions]
-    batcher = ContinuousBatcher(Decoder(build_decoder(model, dtype=torch.bfloat16), tokenizer, reuse_prefixes=reuse), max_batch=len(prompts), max_seq=max(map(len, prompts)) + 32)
+    prompts = [
+        chat_ids(
+            tokenizer,
+            [system, {"role": "user", "content": f"Does the reference say anything about this? {question}"}],
+        )
+        for question in questions
+    ]
+    batcher = ContinuousBatcher(
+        Decoder(build_decoder(model, dtype=torch.bfloat16), tokenizer, reuse_prefixes=reuse),
+        max_batch=len(prompts),
+        max_seq=max(map(len, prompts)) + 32,
+    )
     params = SamplingParams(max_new_tokens=32, ignore_eos=True)
     firsts, cached = [0.0] * len(prompts), [0] * len(prompts)
     begin = time.perf_counter()
@@ -154,9 +205,18 @@ def shared_system(model, tokenizer, reference: str, questions: list[str], reuse:
     run_together(client, [(index,) for index in range(len(prompts))])
     seconds = time.perf_counter() - begin
     batcher.close()
-    row = {"name": f"shared system prompt, {len(prompts)} requests, reuse {'on' if reuse else 'off'}", "prompt_tokens": statistics.median(map(len, prompts)),
-           "cached_tokens": statistics.median(cached), "first_token_ms": statistics.median(firsts), "first_token_max_ms": max(firsts), "seconds": seconds}
-    print(f"{row['name']}: first piece {row['first_token_ms']:.0f} ms median, {row['first_token_max_ms']:.0f} ms longest, all answers in {seconds:.1f} s", flush=True)
+    row = {
+        "name": f"shared system prompt, {len(prompts)} requests, reuse {'on' if reuse else 'off'}",
+        "prompt_tokens": statistics.median(map(len, prompts)),
+        "cached_tokens": statistics.median(cached),
+        "first_token_ms": statistics.median(firsts),
+        "first_token_max_ms": max(firsts),
+        "seconds": seconds,
+    }
+    print(
+        f"{row['name']}: first piece {row['first_token_ms']:.0f} ms median, {row['first_token_max_ms']:.0f} ms longest, all answers in {seconds:.1f} s",
+        flush=True,
+    )
     return row
 
 
@@ -166,16 +226,28 @@ def table_row(name: str, turn: int, reused: list[dict], fresh: list[dict]) -> di
     def median(turns: list[dict], key: str) -> float:
         return statistics.median(t[key] for t in turns)
 
-    return {"name": f"{name}, turn {turn}", "prompt_tokens": median(reused, "prompt_tokens"), "cached_tokens": median(reused, "cached_tokens"),
-            "first_token_ms": median(reused, "first_token_ms"), "first_token_ms_without_reuse": median(fresh, "first_token_ms"),
-            "same_answers": sum(r["answer"] == f["answer"] for r, f in zip(reused, fresh)), "conversations": len(reused)}
+    return {
+        "name": f"{name}, turn {turn}",
+        "prompt_tokens": median(reused, "prompt_tokens"),
+        "cached_tokens": median(reused, "cached_tokens"),
+        "first_token_ms": median(reused, "first_token_ms"),
+        "first_token_ms_without_reuse": median(fresh, "first_token_ms"),
+        "same_answers": sum(r["answer"] == f["answer"] for r, f in zip(reused, fresh)),
+        "conversations": len(reused),
+    }
 
 
 def crowd_row(turn: int, chats: list[list[dict]], rows: int) -> dict:
     """Turn `turn` (1-based) of the more-conversations-than-rows run with `rows` cache rows (medians over conversations)."""
     turns = [chat[turn - 1] for chat in chats]
-    return {"name": f"{len(chats)} conversations, {CONVERSATIONS} at a time, {rows} cache rows, turn {turn}", "cache_rows": rows,
-            **{key: statistics.median(t[key] for t in turns) for key in ("prompt_tokens", "cached_tokens", "first_token_ms")}}
+    return {
+        "name": f"{len(chats)} conversations, {CONVERSATIONS} at a time, {rows} cache rows, turn {turn}",
+        "cache_rows": rows,
+        **{
+            key: statistics.median(t[key] for t in turns)
+            for key in ("prompt_tokens", "cached_tokens", "first_token_ms")
+        },
+    }
 
 
 def write_plot(rows: list[dict]) -> None:
@@ -183,9 +255,19 @@ def write_plot(rows: list[dict]) -> None:
     for axis, name in zip(axes, ("one at a time", "batched")):
         mine = [row for row in rows if row["name"].startswith(name)]
         turns = range(1, len(mine) + 1)
-        axis.plot(turns, [row["first_token_ms_without_reuse"] for row in mine], "o-", color="tab:gray", label="whole prompt prefilled")
-        axis.plot(turns, [row["first_token_ms"] for row in mine], "o-", color="tab:blue", label="prefix reused")
-        axis.set_title(f"{name} ({mine[0]['conversations']} conversation{'s' if mine[0]['conversations'] > 1 else ''})")
+        axis.plot(
+            turns,
+            [row["first_token_ms_without_reuse"] for row in mine],
+            "o-",
+            color="tab:gray",
+            label="whole prompt prefilled",
+        )
+        axis.plot(
+            turns, [row["first_token_ms"] for row in mine], "o-", color="tab:blue", label="prefix reused"
+        )
+        axis.set_title(
+            f"{name} ({mine[0]['conversations']} conversation{'s' if mine[0]['conversations'] > 1 else ''})"
+        )
         axis.set_xlabel("turn")
         axis.set_xticks(list(turns))
     axes[0].set_ylabel("ms to the first token (median)")
@@ -198,24 +280,46 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--quick", action="store_true", help="a tiny random-weight model, 2 turns; results only printed (tests)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a tiny random-weight model, 2 turns; results only printed (tests)",
+    )
     options = parser.parse_args()
     if options.quick:
         options.turns = 2
     started = time.perf_counter()
     model, loaded = bench_int4(options.threads, options.quick)
     tokenizer = loaded.tokenizer
-    texts = passages(tokenizer, options.turns * (CONVERSATIONS + 1) + SHARED_REQUESTS + REFERENCE_TOKENS // PASSAGE_TOKENS + 1, options.quick)
+    texts = passages(
+        tokenizer,
+        options.turns * (CONVERSATIONS + 1) + SHARED_REQUESTS + REFERENCE_TOKENS // PASSAGE_TOKENS + 1,
+        options.quick,
+    )
     own = [texts[options.turns * i : options.turns * (i + 1)] for i in range(CONVERSATIONS + 1)]
-    gaps = [logit_gap(loaded.model, tokenizer, own[0], torch.float32), logit_gap(model, tokenizer, own[0], torch.bfloat16)]
+    gaps = [
+        logit_gap(loaded.model, tokenizer, own[0], torch.float32),
+        logit_gap(model, tokenizer, own[0], torch.bfloat16),
+    ]
     alone = {reuse: one_at_a_time(model, tokenizer, own[0], reuse) for reuse in (False, True)}
     together = {reuse: batched(model, tokenizer, own[1:], reuse) for reuse in (False, True)}
-    rows = [table_row("one at a time", turn + 1, [alone[True][turn]], [alone[False][turn]]) for turn in range(options.turns)]
-    rows += [table_row("batched", turn + 1, [c[turn] for c in together[True]], [c[turn] for c in together[False]]) for turn in range(options.turns)]
+    rows = [
+        table_row("one at a time", turn + 1, [alone[True][turn]], [alone[False][turn]])
+        for turn in range(options.turns)
+    ]
+    rows += [
+        table_row("batched", turn + 1, [c[turn] for c in together[True]], [c[turn] for c in together[False]])
+        for turn in range(options.turns)
+    ]
     spare = texts[options.turns * (CONVERSATIONS + 1) :]
     reference = " ".join(spare[SHARED_REQUESTS:])
-    reference = tokenizer.decode(tokenizer(reference, add_special_tokens=False)["input_ids"][:REFERENCE_TOKENS])
-    questions = [tokenizer.decode(tokenizer(text, add_special_tokens=False)["input_ids"][:24]) for text in spare[:SHARED_REQUESTS]]
+    reference = tokenizer.decode(
+        tokenizer(reference, add_special_tokens=False)["input_ids"][:REFERENCE_TOKENS]
+    )
+    questions = [
+        tokenizer.decode(tokenizer(text, add_special_tokens=False)["input_ids"][:24])
+        for text in spare[:SHARED_REQUESTS]
+    ]
     shared = [shared_system(model, tokenizer, reference, questions, reuse) for reuse in (False, True)]
     crowd_texts = passages(tokenizer, len(texts) + CROWD * CROWD_TURNS, options.quick)[len(texts) :]
     crowd_texts = [crowd_texts[CROWD_TURNS * i : CROWD_TURNS * (i + 1)] for i in range(CROWD)]
@@ -225,7 +329,15 @@ def main() -> None:
         chats = batched(model, tokenizer, crowd_texts, True, max_batch=CONVERSATIONS, cache_rows=cache_rows)
         crowd_s[cache_rows] = time.perf_counter() - begin
         crowd += [crowd_row(turn + 1, chats, cache_rows) for turn in range(CROWD_TURNS)]
-    summary = {"crowd_seconds": {f"{count}_rows": seconds for count, seconds in crowd_s.items()}, "turns": options.turns, "conversations_batched": CONVERSATIONS, "shared_system_requests": SHARED_REQUESTS, "new_tokens": PARAMS.max_new_tokens, "threads": options.threads, "seconds": time.perf_counter() - started}
+    summary = {
+        "crowd_seconds": {f"{count}_rows": seconds for count, seconds in crowd_s.items()},
+        "turns": options.turns,
+        "conversations_batched": CONVERSATIONS,
+        "shared_system_requests": SHARED_REQUESTS,
+        "new_tokens": PARAMS.max_new_tokens,
+        "threads": options.threads,
+        "seconds": time.perf_counter() - started,
+    }
     command = command_line("prefix_reuse_cpu.py", parser, options)
     machine = machine_info()
     lines = [
@@ -241,8 +353,11 @@ def main() -> None:
         "",
         "| run | prompt tokens | found in the cache | ms to the first token: reused | whole prompt | speed-up | same answer as without reuse |",
         "|---|---:|---:|---:|---:|---:|---:|",
-        *[f"| {r['name']} | {r['prompt_tokens']:.0f} | {r['cached_tokens']:.0f} | {r['first_token_ms']:.0f} | {r['first_token_ms_without_reuse']:.0f} |"
-          f" {r['first_token_ms_without_reuse'] / r['first_token_ms']:.1f}x | {r['same_answers']} of {r['conversations']} |" for r in rows],
+        *[
+            f"| {r['name']} | {r['prompt_tokens']:.0f} | {r['cached_tokens']:.0f} | {r['first_token_ms']:.0f} | {r['first_token_ms_without_reuse']:.0f} |"
+            f" {r['first_token_ms_without_reuse'] / r['first_token_ms']:.1f}x | {r['same_answers']} of {r['conversations']} |"
+            for r in rows
+        ],
         "",
         "![prefix_reuse_cpu](prefix_reuse_cpu.png)",
         "",
@@ -254,7 +369,10 @@ def main() -> None:
         "",
         "| run | prompt tokens | found in the cache or copied | ms to the first piece: median | longest | s to the last answer |",
         "|---|---:|---:|---:|---:|---:|",
-        *[f"| {r['name']} | {r['prompt_tokens']:.0f} | {r['cached_tokens']:.0f} | {r['first_token_ms']:.0f} | {r['first_token_max_ms']:.0f} | {r['seconds']:.1f} |" for r in shared],
+        *[
+            f"| {r['name']} | {r['prompt_tokens']:.0f} | {r['cached_tokens']:.0f} | {r['first_token_ms']:.0f} | {r['first_token_max_ms']:.0f} | {r['seconds']:.1f} |"
+            for r in shared
+        ],
         "",
         f"{CROWD} conversations at once, {CROWD_TURNS} turns each (as above), through a batcher decoding {CONVERSATIONS} at a time (`slimlm serve --max-concurrent {CONVERSATIONS}`),"
         f" its cache of {CONVERSATIONS} rows (the default) or {CROWD} (`--cache-rows {CROWD}`); all {CROWD * CROWD_TURNS} answers took"
@@ -262,16 +380,28 @@ def main() -> None:
         "",
         "| run | prompt tokens | found in the cache or copied | ms from sending to the first piece (waiting for a free row included) |",
         "|---|---:|---:|---:|",
-        *[f"| {r['name']} | {r['prompt_tokens']:.0f} | {r['cached_tokens']:.0f} | {r['first_token_ms']:.0f} |" for r in crowd],
+        *[
+            f"| {r['name']} | {r['prompt_tokens']:.0f} | {r['cached_tokens']:.0f} | {r['first_token_ms']:.0f} |"
+            for r in crowd
+        ],
         "",
         "The second turn's first next-token logits, the first turn taken from the cache against the whole prompt prefilled (unquantized model in fp32; int4 in bf16):",
         "",
         "| activations | tokens from the cache | largest logit difference | largest logit | same top token |",
         "|---|---:|---:|---:|---|",
-        *[f"| {g['activations']} | {g['cached_tokens']} | {g['max_logit_difference']:.2g} | {g['max_logit']:.1f} | {'yes' if g['same_argmax'] else 'no'} |" for g in gaps],
+        *[
+            f"| {g['activations']} | {g['cached_tokens']} | {g['max_logit_difference']:.2g} | {g['max_logit']:.1f} | {'yes' if g['same_argmax'] else 'no'} |"
+            for g in gaps
+        ],
         "",
     ]
-    publish("prefix_reuse_cpu", command, {"summary": summary, "rows": rows + shared + crowd, "logit_gaps": gaps}, lines, options.quick)
+    publish(
+        "prefix_reuse_cpu",
+        command,
+        {"summary": summary, "rows": rows + shared + crowd, "logit_gaps": gaps},
+        lines,
+        options.quick,
+    )
 
 
 if __name__ == "__main__":

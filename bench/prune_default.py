@@ -20,6 +20,17 @@ import argparse
 import time
 
 import torch
+from benchlib import (
+    REPO,
+    RESULTS,
+    bench_data_cfg,
+    command_line,
+    eval_ids,
+    load_bench_model,
+    machine_line,
+    publish,
+)
+from decode_cpu import race, slimlm_contender
 
 from slimlm.compress.calibration import calibration_samples
 from slimlm.compress.prune import PruneParams, Shape, parameter_count, prune_model
@@ -29,14 +40,13 @@ from slimlm.eval.plots import plt, save_figure
 from slimlm.eval.speed import benchmark_prompt
 from slimlm.rundir import machine_info
 
-from benchlib import REPO, RESULTS, bench_data_cfg, command_line, eval_ids, load_bench_model, machine_line, publish
-from decode_cpu import race, slimlm_contender
-
 RUNS = REPO / "bench" / "runs" / "prune_default"
 VARIANTS = {
     "depth-6": PruneParams(layers=6),
     "width-half": PruneParams(hidden_size=384, intermediate_size=1024, kv_heads=2),
-    "student (depth 6 + width half)": PruneParams(layers=6, hidden_size=384, intermediate_size=1024, kv_heads=2),
+    "student (depth 6 + width half)": PruneParams(
+        layers=6, hidden_size=384, intermediate_size=1024, kv_heads=2
+    ),
 }
 WINDOW = 2048  # perplexity window, tokens
 # --quick: the tiny test model (2 layers, hidden 128, MLP 256, 2 key/value groups) pruned alike
@@ -44,7 +54,9 @@ QUICK_CALIBRATION = dict(samples=2, seq_len=64)
 QUICK_VARIANTS = {
     "depth-1": PruneParams(layers=1, **QUICK_CALIBRATION),
     "width-half": PruneParams(hidden_size=64, intermediate_size=128, kv_heads=1, **QUICK_CALIBRATION),
-    "student (depth 1 + width half)": PruneParams(layers=1, hidden_size=64, intermediate_size=128, kv_heads=1, **QUICK_CALIBRATION),
+    "student (depth 1 + width half)": PruneParams(
+        layers=1, hidden_size=64, intermediate_size=128, kv_heads=1, **QUICK_CALIBRATION
+    ),
 }
 QUICK_WINDOW = 64
 
@@ -56,9 +68,22 @@ def directory_name(name: str) -> str:
 def measure(name: str, model, tokenizer, ids: torch.Tensor, prompt: list[int], options, window: int) -> dict:
     shape = Shape.of(model.config)
     result = perplexity(model, ids, window=window, max_windows=options.windows, desc=f"perplexity [{name}]")
-    (speed,) = race([slimlm_contender(name, model, tokenizer, prompt, options, torch.float32)], options.repeats)
-    row = {"name": name, **vars(shape), "parameters": parameter_count(model), "ppl": result.ppl, "tokens_scored": result.tokens_scored, "decode_tok_s": speed["decode_tok_s"], "weight_bytes": speed["weight_bytes"]}
-    print(f"{name}: {row['parameters'] / 1e6:.1f}M parameters, ppl {row['ppl']:.2f}, {row['decode_tok_s']:.1f} tok/s", flush=True)
+    (speed,) = race(
+        [slimlm_contender(name, model, tokenizer, prompt, options, torch.float32)], options.repeats
+    )
+    row = {
+        "name": name,
+        **vars(shape),
+        "parameters": parameter_count(model),
+        "ppl": result.ppl,
+        "tokens_scored": result.tokens_scored,
+        "decode_tok_s": speed["decode_tok_s"],
+        "weight_bytes": speed["weight_bytes"],
+    }
+    print(
+        f"{name}: {row['parameters'] / 1e6:.1f}M parameters, ppl {row['ppl']:.2f}, {row['decode_tok_s']:.1f} tok/s",
+        flush=True,
+    )
     return row
 
 
@@ -69,23 +94,46 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--prompt-tokens", type=int, default=16)
-    parser.add_argument("--quick", action="store_true", help="the tiny test model pruned to 1 layer and half its width, 2 windows of 64 tokens, 16 new tokens, 1 repeat; results only printed (tests)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="the tiny test model pruned to 1 layer and half its width, 2 windows of 64 tokens, 16 new tokens, 1 repeat; results only printed (tests)",
+    )
     options = parser.parse_args()
     if options.quick:
         options.windows, options.new_tokens, options.repeats = 2, 16, 1
-    variants, window, runs = (QUICK_VARIANTS, QUICK_WINDOW, RUNS / "quick") if options.quick else (VARIANTS, WINDOW, RUNS)
+    variants, window, runs = (
+        (QUICK_VARIANTS, QUICK_WINDOW, RUNS / "quick") if options.quick else (VARIANTS, WINDOW, RUNS)
+    )
     torch.set_num_threads(options.threads)
     started = time.perf_counter()
     _, loaded = load_bench_model(options.quick)
     teacher, tokenizer = loaded.model, loaded.tokenizer
     ids = eval_ids(tokenizer, options.quick)
     prompt = benchmark_prompt(tokenizer, options.prompt_tokens).tolist()
-    calibration = tokenize_text(tokenizer, load_text(bench_data_cfg(options.quick).calibration, "calibration"))
-    rows = [measure(f"unpruned ({teacher.config.num_hidden_layers} layers)", teacher, tokenizer, ids, prompt, options, window)]
+    calibration = tokenize_text(
+        tokenizer, load_text(bench_data_cfg(options.quick).calibration, "calibration")
+    )
+    rows = [
+        measure(
+            f"unpruned ({teacher.config.num_hidden_layers} layers)",
+            teacher,
+            tokenizer,
+            ids,
+            prompt,
+            options,
+            window,
+        )
+    ]
     for name, params in variants.items():
         samples = calibration_samples(calibration, params.samples, params.seq_len, params.seed)
         pruned, section = prune_model(teacher, samples, params)
-        rows.append({**measure(name, pruned, tokenizer, ids, prompt, options, window), "removed_layers": section.get("removed_layers")})
+        rows.append(
+            {
+                **measure(name, pruned, tokenizer, ids, prompt, options, window),
+                "removed_layers": section.get("removed_layers"),
+            }
+        )
         out = runs / directory_name(name)
         pruned.save_pretrained(out)
         tokenizer.save_pretrained(out)
@@ -93,12 +141,26 @@ def main() -> None:
     for row in rows:
         row["parameters_fraction"] = row["parameters"] / rows[0]["parameters"]
         row["speedup_vs_unpruned"] = row["decode_tok_s"] / rows[0]["decode_tok_s"]
-    summary = {"windows": options.windows, "window": window, "prompt_tokens": options.prompt_tokens, "new_tokens": options.new_tokens, "repeats": options.repeats, "threads": options.threads, "seconds": time.perf_counter() - started}
+    summary = {
+        "windows": options.windows,
+        "window": window,
+        "prompt_tokens": options.prompt_tokens,
+        "new_tokens": options.new_tokens,
+        "repeats": options.repeats,
+        "threads": options.threads,
+        "seconds": time.perf_counter() - started,
+    }
     command = command_line("prune_default.py", parser, options)
     if not options.quick:
         RESULTS.mkdir(exist_ok=True)
         write_plot(rows)
-    publish("prune_default", command, {"summary": summary, "rows": rows}, markdown(rows, summary, command), options.quick)
+    publish(
+        "prune_default",
+        command,
+        {"summary": summary, "rows": rows},
+        markdown(rows, summary, command),
+        options.quick,
+    )
 
 
 def write_plot(rows: list[dict]) -> None:

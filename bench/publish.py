@@ -14,7 +14,12 @@ import shutil
 from pathlib import Path
 
 from slimlm.eval.plots import plot_size_quality
-from slimlm.eval.report import artifact_and_generation_lines, compression_stage_lines, markdown_tables, perplexity_note
+from slimlm.eval.report import (
+    artifact_and_generation_lines,
+    compression_stage_lines,
+    markdown_tables,
+    perplexity_note,
+)
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -35,11 +40,21 @@ def publish(name: str, run_dirs: list[Path], command: str, notes: Path | None) -
     reports = [json.loads((run_dir / "report.json").read_text()) for run_dir in run_dirs]
     RESULTS.mkdir(exist_ok=True)
     rows = joined_rows(reports)
-    stage_seconds = [(f"{report['recipe']}: {stage}" if len(reports) > 1 else stage, seconds) for report in reports for stage, seconds in report.get("stage_seconds", [])]
+    stage_seconds = [
+        (f"{report['recipe']}: {stage}" if len(reports) > 1 else stage, seconds)
+        for report in reports
+        for stage, seconds in report.get("stage_seconds", [])
+    ]
     total_s = sum(seconds for _, seconds in stage_seconds)
     machine = reports[0]["machine"]
     runs = [report["command"] for report in reports]
-    record = {"machine": machine, "command": command, "slimlm_commands": runs, "wall_s": round(total_s, 1), "rows": rows}
+    record = {
+        "machine": machine,
+        "command": command,
+        "slimlm_commands": runs,
+        "wall_s": round(total_s, 1),
+        "rows": rows,
+    }
     (RESULTS / f"{name}.json").write_text(json.dumps(record, indent=2) + "\n")
     lines = [
         f"# {name}",
@@ -61,7 +76,9 @@ def publish(name: str, run_dirs: list[Path], command: str, notes: Path | None) -
     lines += [f"![{Path(plot).stem}]({Path(plot).name})\n" for plot in plots if plot is not None]
     for report in reports:
         stage_lines = compression_stage_lines(report) + artifact_and_generation_lines(report)
-        lines += [f"## {report['recipe']}", "", *stage_lines] if len(reports) > 1 and stage_lines else stage_lines
+        lines += (
+            [f"## {report['recipe']}", "", *stage_lines] if len(reports) > 1 and stage_lines else stage_lines
+        )
     lines += ["## Time per stage", "", "| stage | seconds |", "|---|---:|"]
     lines += [f"| {stage} | {seconds:.1f} |" for stage, seconds in stage_seconds]
     lines.append("")

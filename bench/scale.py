@@ -41,18 +41,40 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-
 from benchlib import REPO, command_line, machine_line, write_result
 
 from slimlm.rundir import machine_info
 from slimlm.shards import DEFAULT_SHARD_BYTES
 
 LLAMA_3_8B = dict(
-    hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
-    rope_theta=500000.0, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-    max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=0, eos_token_id=1,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=128256,
+    rope_theta=500000.0,
+    rope_scaling={
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+    max_position_embeddings=131072,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+    bos_token_id=0,
+    eos_token_id=1,
 )
-QUICK = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=1024)
+QUICK = dict(
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=1024,
+)
 QUICK_SHARD_BYTES = 2**19  # several shards even for the quick shapes
 TARGETS = [r"model\.layers\.\d+\..*", "lm_head"]
 NEW_TOKENS = 8
@@ -100,7 +122,9 @@ def write_checkpoint(run: Run, config) -> None:
         if all(stored.get(key) == value for key, value in wanted.items()):
             Checkpoint(run.checkpoint)  # complete and readable, or refused
             return
-        raise SystemExit(f"{run.checkpoint} holds a checkpoint of another shape; remove it or give another --workdir")
+        raise SystemExit(
+            f"{run.checkpoint} holds a checkpoint of another shape; remove it or give another --workdir"
+        )
     from transformers import AutoModelForCausalLM
     from transformers.initialization import no_init_weights
 
@@ -127,7 +151,11 @@ def byte_tokenizer():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {"<s>": 0, "</s>": 1, **{char: index + 2 for index, char in enumerate(pre_tokenizers.ByteLevel.alphabet())}}
+    vocab = {
+        "<s>": 0,
+        "</s>": 1,
+        **{char: index + 2 for index, char in enumerate(pre_tokenizers.ByteLevel.alphabet())},
+    }
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -143,11 +171,21 @@ def step_rtn(run: Run) -> dict:
 
     shutil.rmtree(run.artifact, ignore_errors=True)
     started = time.perf_counter()
-    stream_rtn(run.checkpoint, run.artifact, QuantScheme(bits=4, group_size=128, symmetric=True), TARGETS, max_shard_bytes=run.max_shard_bytes)
+    stream_rtn(
+        run.checkpoint,
+        run.artifact,
+        QuantScheme(bits=4, group_size=128, symmetric=True),
+        TARGETS,
+        max_shard_bytes=run.max_shard_bytes,
+    )
     seconds = time.perf_counter() - started
     manifest = read_manifest(run.artifact)
     shards = [name for name in manifest["files"] if name.endswith(".safetensors")]
-    return {"seconds": round(seconds, 1), "artifact_weight_bytes": manifest["size"]["weights_file_bytes"], "shards": len(shards)}
+    return {
+        "seconds": round(seconds, 1),
+        "artifact_weight_bytes": manifest["size"]["weights_file_bytes"],
+        "shards": len(shards),
+    }
 
 
 def step_generate(run: Run) -> dict:
@@ -157,7 +195,9 @@ def step_generate(run: Run) -> dict:
     from slimlm.inference.sampling import SamplingParams
 
     started = time.perf_counter()
-    transformer, _ = load_decoder(run.artifact, dtype=None)  # build.default_dtype: bf16 activations for a quantized model on a CPU
+    transformer, _ = load_decoder(
+        run.artifact, dtype=None
+    )  # build.default_dtype: bf16 activations for a quantized model on a CPU
     load_seconds = time.perf_counter() - started
     tokenizer = artifact_tokenizer(run.artifact)
     decoder = Decoder(transformer, tokenizer)
@@ -191,7 +231,9 @@ def step_plan(run: Run) -> dict:
     schemes, ranks = planner_inputs(manifest)
     args = ModelArgs.from_hf_config(read_json_object(run.artifact / "config.json", "re-run the rtn step"))
     cpu = make_plan(args, schemes, HARDWARE["cpu"], PLAN_CONTEXT, 1, adapter_ranks=ranks)
-    stored = make_plan(args, schemes, HARDWARE["h200"], PLAN_CONTEXT, 1, gpu_int4="triton", adapter_ranks=ranks)
+    stored = make_plan(
+        args, schemes, HARDWARE["h200"], PLAN_CONTEXT, 1, gpu_int4="triton", adapter_ranks=ranks
+    )
     artifact_bytes = manifest["size"]["weights_file_bytes"]
     return {
         "artifact_weight_bytes": artifact_bytes,
@@ -216,10 +258,16 @@ def step_gptq(run: Run) -> dict:
     config = json.loads((run.checkpoint / "config.json").read_text())
     blocks = min(int(os.environ.get("SCALE_GPTQ_BLOCKS", GPTQ_BLOCKS)), config["num_hidden_layers"])
     targets = [rf"model\.layers\.({'|'.join(map(str, range(blocks)))})\..*"]
-    params = QuantizeParams(method="gptq", bits=4, group_size=128, samples=GPTQ_SAMPLES, seq_len=GPTQ_SEQ_LEN, targets=targets)
-    samples = torch.randint(0, config["vocab_size"], (GPTQ_SAMPLES, GPTQ_SEQ_LEN), generator=torch.Generator().manual_seed(0))
+    params = QuantizeParams(
+        method="gptq", bits=4, group_size=128, samples=GPTQ_SAMPLES, seq_len=GPTQ_SEQ_LEN, targets=targets
+    )
+    samples = torch.randint(
+        0, config["vocab_size"], (GPTQ_SAMPLES, GPTQ_SEQ_LEN), generator=torch.Generator().manual_seed(0)
+    )
     started = time.perf_counter()
-    result = quantize_checkpoint(run.checkpoint, params, samples, lambda name, block: None, dtype=torch.bfloat16)
+    result = quantize_checkpoint(
+        run.checkpoint, params, samples, lambda name, block: None, dtype=torch.bfloat16
+    )
     per_block = sum(result.block_seconds.values()) / len(result.block_seconds)
     return {
         "seconds": round(time.perf_counter() - started, 1),
@@ -239,10 +287,17 @@ def step_ppl(run: Run) -> dict:
     from slimlm.eval.offloaded import score_checkpoint
 
     config = json.loads((run.checkpoint / "config.json").read_text())
-    tokens = torch.randint(0, config["vocab_size"], (PPL_WINDOWS * PPL_WINDOW,), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(
+        0, config["vocab_size"], (PPL_WINDOWS * PPL_WINDOW,), generator=torch.Generator().manual_seed(0)
+    )
     started = time.perf_counter()
     scores = score_checkpoint(run.checkpoint, tokens, PPL_WINDOW, dtype=torch.bfloat16)
-    return {"seconds": round(time.perf_counter() - started, 1), "windows": scores.perplexity.windows, "tokens_scored": scores.perplexity.tokens_scored, "ppl": round(scores.perplexity.ppl, 1)}
+    return {
+        "seconds": round(time.perf_counter() - started, 1),
+        "windows": scores.perplexity.windows,
+        "tokens_scored": scores.perplexity.tokens_scored,
+        "ppl": round(scores.perplexity.ppl, 1),
+    }
 
 
 FORWARD_TOKENS = 512
@@ -259,16 +314,23 @@ def step_forward(run: Run) -> dict:
     layer, rotary, cpu = model.model.layers[0], model.model.rotary_emb, torch.device("cpu")
     checkpoint.materialize(layer, "model.layers.0.", cpu)
     checkpoint.materialize(rotary, "model.rotary_emb.", cpu)
-    hidden = torch.randn(1, FORWARD_TOKENS, model.config.hidden_size, generator=torch.Generator().manual_seed(0)).bfloat16()
+    hidden = torch.randn(
+        1, FORWARD_TOKENS, model.config.hidden_size, generator=torch.Generator().manual_seed(0)
+    ).bfloat16()
     rope = rotary(hidden, torch.arange(FORWARD_TOKENS)[None])
     seconds, outputs = {}, {}
-    for name, context in (("slimlm_s", float32_linears(torch.bfloat16, cpu)), ("torch_bf16_s", contextlib.nullcontext())):
+    for name, context in (
+        ("slimlm_s", float32_linears(torch.bfloat16, cpu)),
+        ("torch_bf16_s", contextlib.nullcontext()),
+    ):
         started = time.perf_counter()
         with torch.no_grad(), context:
             output = layer(hidden, position_embeddings=rope, attention_mask=None)
         outputs[name] = (output[0] if isinstance(output, tuple) else output).float()
         seconds[name] = round(time.perf_counter() - started, 2)
-    difference = float((outputs["torch_bf16_s"] - outputs["slimlm_s"]).abs().max() / outputs["torch_bf16_s"].abs().max())
+    difference = float(
+        (outputs["torch_bf16_s"] - outputs["slimlm_s"]).abs().max() / outputs["torch_bf16_s"].abs().max()
+    )
     return {
         **seconds,
         "seconds": round(sum(seconds.values()), 1),
@@ -292,7 +354,11 @@ STEPS = [
     Step("slimlm plan on the artifact", "plan", step_plan),
     Step("w4 g128 GPTQ of the first blocks, offloaded", "gptq", step_gptq),
     Step(f"perplexity, offloaded ({PPL_WINDOWS} x {PPL_WINDOW} tokens)", "ppl", step_ppl),
-    Step(f"one block's bf16 forward ({FORWARD_TOKENS} tokens): torch's bf16 products, slimlm's", "forward", step_forward),
+    Step(
+        f"one block's bf16 forward ({FORWARD_TOKENS} tokens): torch's bf16 products, slimlm's",
+        "forward",
+        step_forward,
+    ),
 ]
 
 
@@ -301,9 +367,23 @@ def measure(step: Step, options: argparse.Namespace, run: Run) -> dict:
     kernel kept it. (This process's own os.wait4 would not do: a child started by vfork and exec
     inherits this process's high-water mark.)"""
     if not Path(TIME).is_file():
-        raise SystemExit(f"{TIME} (GNU time) is needed to measure each step's peak memory from outside: install the 'time' package")
+        raise SystemExit(
+            f"{TIME} (GNU time) is needed to measure each step's peak memory from outside: install the 'time' package"
+        )
     peak_file = run.workdir / f"{step.key}.maxrss"
-    argv = [TIME, "-f", "%M", "-o", str(peak_file), sys.executable, str(Path(__file__).resolve()), "--step", step.key, "--workdir", str(run.workdir)]
+    argv = [
+        TIME,
+        "-f",
+        "%M",
+        "-o",
+        str(peak_file),
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--step",
+        step.key,
+        "--workdir",
+        str(run.workdir),
+    ]
     argv += ["--quick"] if options.quick else ["--layers", str(options.layers)]
     print(f"step {step.key} ...", file=sys.stderr, flush=True)
     if subprocess.run(argv, cwd=REPO).returncode != 0:
@@ -313,7 +393,9 @@ def measure(step: Step, options: argparse.Namespace, run: Run) -> dict:
     return {"name": step.name, **metrics, "peak_rss_gb": round(peak_kib * 1024 / GB, 2)}
 
 
-def markdown(rows: list[dict], options: argparse.Namespace, command: str, machine: dict, seconds: float, config) -> list[str]:
+def markdown(
+    rows: list[dict], options: argparse.Namespace, command: str, machine: dict, seconds: float, config
+) -> list[str]:
     rtn, generate, plan = (next(row for row in rows if row["name"] == step.name) for step in STEPS[:3])
     shape = f"{config.num_hidden_layers} layers, hidden {config.hidden_size}, intermediate {config.intermediate_size}, vocab {config.vocab_size}"
     return [
@@ -330,14 +412,22 @@ def markdown(rows: list[dict], options: argparse.Namespace, command: str, machin
         f"| {plan['name']} | | {plan['peak_rss_gb']:.2f} | weights in the artifact's packing (h200, triton) {plan['plan_stored_layout_weight_bytes'] / GB:.3f} GB: {plan['plan_stored_layout_to_artifact']:.4f}x the artifact's {plan['artifact_weight_bytes'] / GB:.3f} GB; "
         f"in the CPU layouts {plan['plan_cpu_weight_bytes'] / GB:.3f} GB: {plan['plan_cpu_to_decoder']:.4f}x the loaded decoder's, {plan['plan_cpu_to_artifact']:.4f}x the artifact's |",
         *(gptq_line(row) for row in rows if row["name"] == STEPS[3].name),
-        *(f"| {row['name']} | {row['seconds']:.1f} | {row['peak_rss_gb']:.2f} | {row['tokens_scored']} tokens scored, one block in memory at a time (random weights: ppl {row['ppl']:,.0f}) |" for row in rows if row["name"] == STEPS[4].name),
+        *(
+            f"| {row['name']} | {row['seconds']:.1f} | {row['peak_rss_gb']:.2f} | {row['tokens_scored']} tokens scored, one block in memory at a time (random weights: ppl {row['ppl']:,.0f}) |"
+            for row in rows
+            if row["name"] == STEPS[4].name
+        ),
         *(forward_line(row) for row in rows if row["name"] == STEPS[5].name),
         "",
     ]
 
 
 def forward_line(row: dict) -> str:
-    how = "float32 products (this CPU multiplies bf16 slowly)" if row["float32_products"] else "bf16 products (this CPU multiplies bf16 fast)"
+    how = (
+        "float32 products (this CPU multiplies bf16 slowly)"
+        if row["float32_products"]
+        else "bf16 products (this CPU multiplies bf16 fast)"
+    )
     return (
         f"| {row['name']} | {row['seconds']:.1f} | {row['peak_rss_gb']:.2f} | torch {row['torch_bf16_s']:.2f} s, slimlm {row['slimlm_s']:.2f} s with {how}: "
         f"{row['speedup']:.1f}x; outputs differ by {row['max_rel_difference']:.1e} of their largest value |"
@@ -353,11 +443,30 @@ def gptq_line(row: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=32, help="decoder layers (32: the real 8B; fewer for a quicker run)")
-    parser.add_argument("--workdir", type=Path, default=REPO / "bench" / "runs" / "scale", help="where the checkpoint (reused) and the artifact go")
-    parser.add_argument("--quick", action="store_true", help="small shapes (2 layers, hidden 256, vocab 1024): results stay in --workdir")
-    parser.add_argument("--only", nargs="+", choices=[step.key for step in STEPS], default=None, help="run these steps and merge their rows into the last results (the others are kept)")
-    parser.add_argument("--step", choices=[step.key for step in STEPS], help=argparse.SUPPRESS)  # a child process's one step
+    parser.add_argument(
+        "--layers", type=int, default=32, help="decoder layers (32: the real 8B; fewer for a quicker run)"
+    )
+    parser.add_argument(
+        "--workdir",
+        type=Path,
+        default=REPO / "bench" / "runs" / "scale",
+        help="where the checkpoint (reused) and the artifact go",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="small shapes (2 layers, hidden 256, vocab 1024): results stay in --workdir",
+    )
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        choices=[step.key for step in STEPS],
+        default=None,
+        help="run these steps and merge their rows into the last results (the others are kept)",
+    )
+    parser.add_argument(
+        "--step", choices=[step.key for step in STEPS], help=argparse.SUPPRESS
+    )  # a child process's one step
     options = parser.parse_args()
     run = Run(options.workdir, QUICK_SHARD_BYTES if options.quick else DEFAULT_SHARD_BYTES)
     torch.set_num_threads(min(2, os.cpu_count() or 1))
@@ -372,7 +481,11 @@ def main() -> None:
     from slimlm.checkpoint import Checkpoint
 
     results = run.workdir / "scale.json" if options.quick else REPO / "bench" / "results" / "scale.json"
-    kept = {row["name"]: row for row in json.loads(results.read_text())["rows"]} if options.only and results.is_file() else {}
+    kept = (
+        {row["name"]: row for row in json.loads(results.read_text())["rows"]}
+        if options.only and results.is_file()
+        else {}
+    )
     rows = []
     for step in STEPS:
         if options.only is None or step.key in options.only:
@@ -388,7 +501,9 @@ def main() -> None:
     record = {"rows": rows}
     lines = markdown(rows, options, command, machine, time.perf_counter() - started, config)
     if options.quick:
-        (run.workdir / "scale.json").write_text(json.dumps({"machine": machine, "command": command, **record}, indent=2) + "\n")
+        (run.workdir / "scale.json").write_text(
+            json.dumps({"machine": machine, "command": command, **record}, indent=2) + "\n"
+        )
         print("\n".join(lines))
     else:
         write_result("scale", command, record, lines, machine=machine)

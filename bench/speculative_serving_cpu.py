@@ -20,6 +20,17 @@ import statistics
 import time
 
 import torch
+from benchlib import (
+    command_line,
+    kernel_and_torch_ms,
+    load_bench_model,
+    machine_line,
+    pass_table,
+    publish,
+    run_together,
+)
+from decode_cpu import quantized_copy
+from speculative_cpu import PROMPTS, parse_speculation, random_ids, speculation_arguments
 
 from slimlm.inference.batching import ContinuousBatcher
 from slimlm.inference.build import build_decoder
@@ -29,12 +40,10 @@ from slimlm.inference.model import Segment, Transformer
 from slimlm.inference.sampling import SamplingParams
 from slimlm.rundir import machine_info
 
-from benchlib import command_line, kernel_and_torch_ms, load_bench_model, machine_line, pass_table, publish, run_together
-from decode_cpu import quantized_copy
-from speculative_cpu import PROMPTS, parse_speculation, random_ids, speculation_arguments
 
-
-def serve(batcher: ContinuousBatcher, requests: list[list[int]], params: SamplingParams, together: bool) -> list[tuple[list[int], float]]:
+def serve(
+    batcher: ContinuousBatcher, requests: list[list[int]], params: SamplingParams, together: bool
+) -> list[tuple[list[int], float]]:
     """Each request's answer and seconds from sending to its end: one after another, or all at once."""
     results: list = [None] * len(requests)
 
@@ -62,10 +71,22 @@ def guess_pass_costs(model: Transformer, lookahead: int, repeats: int = 7) -> li
         with torch.inference_mode():
             for row in range(3):
                 model(random_ids(model, context, generator), 0, first_row=row)
-            segments = [Segment(row, context, random_ids(model, 1 + lookahead, generator)[0].tolist()) for row in range(3)]
-            costs = kernel_and_torch_ms(lambda: model.forward_segments(segments, [1 + lookahead] * 3), repeats)
-        for pass_ms, how in zip(costs, ("guesses as queries of the batched step", "an attention call per answer")):
-            rows.append({"name": f"3 answers x {1 + lookahead} tokens after {context} cached, {how}", "pass_ms": pass_ms})
+            segments = [
+                Segment(row, context, random_ids(model, 1 + lookahead, generator)[0].tolist())
+                for row in range(3)
+            ]
+            costs = kernel_and_torch_ms(
+                lambda: model.forward_segments(segments, [1 + lookahead] * 3), repeats
+            )
+        for pass_ms, how in zip(
+            costs, ("guesses as queries of the batched step", "an attention call per answer")
+        ):
+            rows.append(
+                {
+                    "name": f"3 answers x {1 + lookahead} tokens after {context} cached, {how}",
+                    "pass_ms": pass_ms,
+                }
+            )
             print(f"{rows[-1]['name']}: {pass_ms:.0f} ms", flush=True)
     return rows
 
@@ -84,7 +105,12 @@ def main() -> None:
     max_seq = max(map(len, requests)) + options.new_tokens
     batchers = {}
     for lookahead in (0, options.lookahead):  # each prefills every prompt whole
-        batchers[lookahead] = ContinuousBatcher(Decoder(build_decoder(model, dtype=torch.bfloat16), tokenizer, reuse_prefixes=False), max_batch=len(requests), max_seq=max_seq, lookahead=lookahead)
+        batchers[lookahead] = ContinuousBatcher(
+            Decoder(build_decoder(model, dtype=torch.bfloat16), tokenizer, reuse_prefixes=False),
+            max_batch=len(requests),
+            max_seq=max_seq,
+            lookahead=lookahead,
+        )
         serve(batchers[lookahead], requests[:1], SamplingParams(max_new_tokens=4), together=False)  # warm-up
     runs: dict = {}  # (together, lookahead) -> each repeat's answers and seconds; repeats alternate the two, the machine's drift shared
     for _ in range(options.repeats):
@@ -97,14 +123,29 @@ def main() -> None:
     rows = []
     for together in (False, True):
         for index, name in enumerate(PROMPTS):
-            plain, fast = ([run[index] for run in runs[(together, lookahead)]] for lookahead in (0, options.lookahead))
-            row = {"name": f"{name}, {'all three at once' if together else 'alone'}", "new_tokens": len(plain[0][0]),
-                   "plain_tok_s": statistics.median(len(ids) / seconds for ids, seconds in plain), "lookup_tok_s": statistics.median(len(ids) / seconds for ids, seconds in fast),
-                   "identical": all(ids == plain[0][0] for ids, _ in plain + fast)}
+            plain, fast = (
+                [run[index] for run in runs[(together, lookahead)]] for lookahead in (0, options.lookahead)
+            )
+            row = {
+                "name": f"{name}, {'all three at once' if together else 'alone'}",
+                "new_tokens": len(plain[0][0]),
+                "plain_tok_s": statistics.median(len(ids) / seconds for ids, seconds in plain),
+                "lookup_tok_s": statistics.median(len(ids) / seconds for ids, seconds in fast),
+                "identical": all(ids == plain[0][0] for ids, _ in plain + fast),
+            }
             row["speedup"] = row["lookup_tok_s"] / row["plain_tok_s"]
             rows.append(row)
-            print(f"{row['name']}: {row['plain_tok_s']:.1f} -> {row['lookup_tok_s']:.1f} tok/s ({row['speedup']:.2f}x), identical {row['identical']}", flush=True)
-    summary = {"lookahead": options.lookahead, "repeats": options.repeats, "guesses_kept": kept, "threads": options.threads, "seconds": time.perf_counter() - started}
+            print(
+                f"{row['name']}: {row['plain_tok_s']:.1f} -> {row['lookup_tok_s']:.1f} tok/s ({row['speedup']:.2f}x), identical {row['identical']}",
+                flush=True,
+            )
+    summary = {
+        "lookahead": options.lookahead,
+        "repeats": options.repeats,
+        "guesses_kept": kept,
+        "threads": options.threads,
+        "seconds": time.perf_counter() - started,
+    }
     costs = guess_pass_costs(build_decoder(model, dtype=torch.bfloat16), options.lookahead)
     summary["seconds"] = time.perf_counter() - started
     command = command_line("speculative_serving_cpu.py", parser, options)
@@ -119,11 +160,19 @@ def main() -> None:
         "",
         "| request | new tokens | tok/s without guesses | tok/s with prompt lookup | speedup | identical output (every run) |",
         "|---|---:|---:|---:|---:|---|",
-        *[f"| {r['name']} | {r['new_tokens']} | {r['plain_tok_s']:.1f} | {r['lookup_tok_s']:.1f} | {r['speedup']:.2f}x | {'yes' if r['identical'] else 'NO'} |" for r in rows],
+        *[
+            f"| {r['name']} | {r['new_tokens']} | {r['plain_tok_s']:.1f} | {r['lookup_tok_s']:.1f} | {r['speedup']:.2f}x | {'yes' if r['identical'] else 'NO'} |"
+            for r in rows
+        ],
         "",
-        *pass_table("One packed pass checking guesses (`Transformer.forward_segments`), median of 7 alternating:", costs),
+        *pass_table(
+            "One packed pass checking guesses (`Transformer.forward_segments`), median of 7 alternating:",
+            costs,
+        ),
     ]
-    publish("speculative_serving_cpu", command, {"summary": summary, "rows": rows + costs}, lines, options.quick)
+    publish(
+        "speculative_serving_cpu", command, {"summary": summary, "rows": rows + costs}, lines, options.quick
+    )
 
 
 if __name__ == "__main__":

@@ -47,7 +47,9 @@ class AWQOptions:
     clip: bool = True  # run the clipping search after scaling
 
 
-def search_scale(weights: list[torch.Tensor], schemes: list[QuantScheme], stats: HessianAccumulator, options: AWQOptions) -> tuple[torch.Tensor, float, float]:
+def search_scale(
+    weights: list[torch.Tensor], schemes: list[QuantScheme], stats: HessianAccumulator, options: AWQOptions
+) -> tuple[torch.Tensor, float, float]:
     """The per-input-channel scale s for Linear layers reading the same input; returns s, the
     output error with it, and the output error of plain RTN (s = 1)."""
     weights = [weight.detach().float() for weight in weights]
@@ -56,7 +58,10 @@ def search_scale(weights: list[torch.Tensor], schemes: list[QuantScheme], stats:
     w_mean = torch.cat([_normalised_magnitude(w, scheme) for w, scheme in zip(weights, schemes)]).mean(dim=0)
 
     def error(scale: torch.Tensor) -> float:
-        return sum(float(output_error(w - fake_quantize(w * scale, scheme) / scale, hessian)) for w, scheme in zip(weights, schemes))
+        return sum(
+            float(output_error(w - fake_quantize(w * scale, scheme) / scale, hessian))
+            for w, scheme in zip(weights, schemes)
+        )
 
     best_scale = torch.ones_like(x_mean)
     rtn_error = best_error = error(best_scale)
@@ -77,7 +82,9 @@ def _normalised_magnitude(weight: torch.Tensor, scheme: QuantScheme) -> torch.Te
     return (grouped / (grouped.amax(dim=1, keepdim=True) + 1e-6)).reshape(weight.shape)
 
 
-def apply_scale(previous: nn.Module, rows: slice, linears: list[nn.Linear], scale: torch.Tensor, norm_offset: float = 0.0) -> None:
+def apply_scale(
+    previous: nn.Module, rows: slice, linears: list[nn.Linear], scale: torch.Tensor, norm_offset: float = 0.0
+) -> None:
     """Divide `previous`'s output `rows` by `scale` and multiply the Linear layers' input columns by it."""
     scale = scale.to(previous.weight.device)
     if isinstance(previous, nn.Linear):
@@ -105,7 +112,11 @@ def expand_experts(mappings: tuple[ScaleMapping, ...], layer: nn.Module) -> Iter
     for mapping in mappings:
         experts = range(len(present)) if "{e}" in mapping.previous else [None]
         for expert in experts:
-            written = dataclasses.replace(mapping, previous=mapping.previous.format(e=expert), linears=tuple(n.format(e=expert) for n in mapping.linears))
+            written = dataclasses.replace(
+                mapping,
+                previous=mapping.previous.format(e=expert),
+                linears=tuple(n.format(e=expert) for n in mapping.linears),
+            )
             if not {written.previous, *written.linears} <= present:
                 break
             yield written
@@ -134,7 +145,9 @@ def awq_quantize_layer(
         rows = feeding_rows(previous, linears[0].in_features, mapping)
         if rows is None:
             continue
-        scale, error, rtn_error = search_scale([l.weight for l in linears], [schemes[n] for n in names], stats[names[0]], options)
+        scale, error, rtn_error = search_scale(
+            [l.weight for l in linears], [schemes[n] for n in names], stats[names[0]], options
+        )
         apply_scale(previous, rows, linears, scale, mapping.norm_offset)
         for accumulator in {id(stats[n]): stats[n] for n in names}.values():  # q/k/v share one
             accumulator.divide_inputs(scale)

@@ -43,7 +43,9 @@ class BlockFacts:
     awq_output_error: dict[str, list[float]]
 
 
-def calibration_fingerprint(checkpoint: Checkpoint, params: object, samples: torch.Tensor, dtype: Optional[torch.dtype]) -> dict:
+def calibration_fingerprint(
+    checkpoint: Checkpoint, params: object, samples: torch.Tensor, dtype: Optional[torch.dtype]
+) -> dict:
     """What a resumed calibration must share with the run that wrote the blocks: the checkpoint
     (its config and the names and sizes of its weights files), the settings, the calibration
     windows and the dtype."""
@@ -75,7 +77,13 @@ class BlockProgress:
         except ValueError:
             earlier = {}
         if earlier != fingerprint:
-            differs = sorted(key for key in set(earlier) | set(fingerprint) if earlier.get(key) != fingerprint.get(key)) if isinstance(earlier, dict) else ["all"]
+            differs = (
+                sorted(
+                    key for key in set(earlier) | set(fingerprint) if earlier.get(key) != fingerprint.get(key)
+                )
+                if isinstance(earlier, dict)
+                else ["all"]
+            )
             raise SlimlmError(
                 f"'{self.directory}' holds the blocks of another calibration (it differs in {', '.join(differs)}); "
                 "rerun with the settings, checkpoint and data that wrote it to resume, or remove it to start over"
@@ -92,15 +100,24 @@ class BlockProgress:
             hidden = [handle.get_tensor(key) for key in chunks]
         missing = [index for index in range(start) if not self._facts_path(index).is_file()]
         if missing:
-            raise SlimlmError(f"'{self.directory}' lacks block {missing[0]}, which it says is finished; remove it to start over")
-        log.info("'%s' holds %d finished block(s) of this calibration from an earlier run: going on from block %d", self.directory, start, start)
+            raise SlimlmError(
+                f"'{self.directory}' lacks block {missing[0]}, which it says is finished; remove it to start over"
+            )
+        log.info(
+            "'%s' holds %d finished block(s) of this calibration from an earlier run: going on from block %d",
+            self.directory,
+            start,
+            start,
+        )
         return start, hidden
 
     def finished(self, count: int) -> list[BlockFacts]:
         """The facts of blocks 0 .. count-1."""
         return [BlockFacts(**json.loads(self._facts_path(index).read_text())) for index in range(count)]
 
-    def save(self, index: int, tensors: dict[str, torch.Tensor], facts: BlockFacts, next_inputs: list[torch.Tensor]) -> None:
+    def save(
+        self, index: int, tensors: dict[str, torch.Tensor], facts: BlockFacts, next_inputs: list[torch.Tensor]
+    ) -> None:
         """Block `index` is done: its tensors and facts, then the next block's inputs."""
         save_tensors_atomic(self.directory / f"block-{index}.safetensors", tensors)
         write_atomic(self._facts_path(index), json.dumps(dataclasses.asdict(facts)) + "\n")

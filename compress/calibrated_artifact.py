@@ -22,7 +22,13 @@ import torch
 from safetensors import safe_open
 
 from slimlm.architecture import decoder_blocks
-from slimlm.artifact import WEIGHTS_METADATA, ManifestFacts, generation_config_of, save_model_files, write_manifest
+from slimlm.artifact import (
+    WEIGHTS_METADATA,
+    ManifestFacts,
+    generation_config_of,
+    save_model_files,
+    write_manifest,
+)
 from slimlm.checkpoint import Checkpoint, checkpoint_tokenizer, open_checkpoint
 from slimlm.compress.block_progress import finished_tensor_files
 from slimlm.compress.offload import OffloadedCalibration, quantize_checkpoint
@@ -44,7 +50,11 @@ def targets_outside_blocks(directory: Path, params: QuantizeParams) -> list[str]
     block-by-block calibration does not reach; read from the checkpoint's config alone."""
     _, skeleton = open_checkpoint(directory)
     prefix, _ = decoder_blocks(skeleton)
-    return [name for name in select_linear_modules(skeleton, params.targets, params.ignore) if not name.startswith(prefix + ".")]
+    return [
+        name
+        for name in select_linear_modules(skeleton, params.targets, params.ignore)
+        if not name.startswith(prefix + ".")
+    ]
 
 
 def calibrate_into_artifact(
@@ -69,11 +79,21 @@ def calibrate_into_artifact(
     names = select_linear_modules(skeleton, params.targets, params.ignore)
     check_shapes(skeleton, names, params.scheme)
     install_meta_layers(skeleton, names, params.scheme, checkpoint_dir)
-    specs = artifact_specs(skeleton, checkpoint, dtype)  # before calibrating: a checkpoint that lacks a tensor is refused now
+    specs = artifact_specs(
+        skeleton, checkpoint, dtype
+    )  # before calibrating: a checkpoint that lacks a tensor is refused now
     tokenizer, generation_config = checkpoint_tokenizer(checkpoint_dir), generation_config_of(checkpoint_dir)
     with staged_directory(out_dir, "artifacts") as staging:
-        calibration = quantize_checkpoint(checkpoint_dir, params, samples, lambda name, block: None, device, dtype, progress)
-        write_weights(staging, specs, CalibratedOrCheckpoint(finished_tensor_files(progress), checkpoint), max_shard_bytes, WEIGHTS_METADATA)
+        calibration = quantize_checkpoint(
+            checkpoint_dir, params, samples, lambda name, block: None, device, dtype, progress
+        )
+        write_weights(
+            staging,
+            specs,
+            CalibratedOrCheckpoint(finished_tensor_files(progress), checkpoint),
+            max_shard_bytes,
+            WEIGHTS_METADATA,
+        )
         save_model_files(staging, skeleton.config, generation_config, tokenizer)
         write_manifest(staging, skeleton, specs, ManifestFacts(source, recipe, None, calibration.records, {}))
     return CalibratedArtifact(Path(out_dir), calibration)

@@ -20,7 +20,9 @@ from slimlm.errors import ConfigError, SlimlmError
 from slimlm.half_linear import float32_linears
 from slimlm.memory import peak_memory
 
-Captured = list[tuple[torch.Tensor, dict[str, Any]]]  # per chunk: one layer's hidden states and its other arguments
+Captured = list[
+    tuple[torch.Tensor, dict[str, Any]]
+]  # per chunk: one layer's hidden states and its other arguments
 # Tokens a calibration pass runs at once (8 windows of 256; fewer windows when they are longer):
 # the pass's temporaries sit beside the block's Hessians, an 8B down projection's alone 1.6 GB.
 CHUNK_TOKENS = 2048
@@ -37,7 +39,9 @@ class CalibrationParams:
 
     def check_calibration(self, stage: str) -> None:
         if self.samples < 1 or self.seq_len < 2:
-            raise ConfigError(f"{stage}: samples ({self.samples}) must be at least 1 and seq_len ({self.seq_len}) at least 2")
+            raise ConfigError(
+                f"{stage}: samples ({self.samples}) must be at least 1 and seq_len ({self.seq_len}) at least 2"
+            )
 
 
 def calibration_samples(token_ids: torch.Tensor, samples: int, seq_len: int, seed: int) -> torch.Tensor:
@@ -128,7 +132,10 @@ def capture_layer_inputs(model: nn.Module, samples: torch.Tensor, chunk_size: in
     may not even be in memory yet)."""
     _, layers = decoder_blocks(model)
     records: list[list] = [[] for _ in layers]
-    recorders = [_ArgumentRecorder(layer, record, last=index == len(layers) - 1) for index, (layer, record) in enumerate(zip(layers, records))]
+    recorders = [
+        _ArgumentRecorder(layer, record, last=index == len(layers) - 1)
+        for index, (layer, record) in enumerate(zip(layers, records))
+    ]
     with layers_replaced(layers, recorders):
         device = next(model.parameters()).device
         for chunk in samples.split(chunk_size):
@@ -136,7 +143,10 @@ def capture_layer_inputs(model: nn.Module, samples: torch.Tensor, chunk_size: in
                 model(input_ids=chunk.to(device), use_cache=False)
             except _Stop:
                 pass
-    return LayerInputs(hidden=[hidden for hidden, _ in records[0]], arguments=[[kwargs for _, kwargs in record] for record in records])
+    return LayerInputs(
+        hidden=[hidden for hidden, _ in records[0]],
+        arguments=[[kwargs for _, kwargs in record] for record in records],
+    )
 
 
 @torch.no_grad()
@@ -161,7 +171,9 @@ def calibrate_sequentially(
     prefix, layers = decoder_blocks(model)
     outside = [name for name in targets if not name.startswith(prefix + ".")]
     if outside:
-        raise SlimlmError(f"calibration handles Linear layers inside decoder layers; {outside[0]} is outside them: leave it out of this stage's targets (quantize it in a separate rtn stage)")
+        raise SlimlmError(
+            f"calibration handles Linear layers inside decoder layers; {outside[0]} is outside them: leave it out of this stage's targets (quantize it in a separate rtn stage)"
+        )
     first = next(model.parameters())
 
     def forward():  # the passes only: the mode would slow the many small operations of GPTQ and AWQ
@@ -190,7 +202,13 @@ def calibrate_sequentially(
     return peak.bytes
 
 
-def observe_layer(model: nn.Module, layer: nn.Module, names: list[str], captured: Captured, observe: Callable[[str, torch.Tensor], None]) -> None:
+def observe_layer(
+    model: nn.Module,
+    layer: nn.Module,
+    names: list[str],
+    captured: Captured,
+    observe: Callable[[str, torch.Tensor], None],
+) -> None:
     """Run the layer on its inputs with each target Linear's inputs shown to `observe`."""
     handles = [_observer(model.get_submodule(name), name, observe) for name in names]
     try:

@@ -23,7 +23,9 @@ def output_error(delta: torch.Tensor, hessian: torch.Tensor) -> torch.Tensor:
 ROWS = 1024  # output rows searched together
 
 
-def search_clip(weight: torch.Tensor, scheme: QuantScheme, hessian: torch.Tensor, grid: int = 20, max_shrink: float = 0.5) -> torch.Tensor:
+def search_clip(
+    weight: torch.Tensor, scheme: QuantScheme, hessian: torch.Tensor, grid: int = 20, max_shrink: float = 0.5
+) -> torch.Tensor:
     """The weight clipped, group by group, to the range that minimises that group's output error
     (each group's error through its own block of the Hessian). Ratios 1, 1 - 1/grid, ... down to
     1 - max_shrink of the group's range are tried; 1 (no clipping) is always among them. Rows are
@@ -32,12 +34,19 @@ def search_clip(weight: torch.Tensor, scheme: QuantScheme, hessian: torch.Tensor
     out_features, in_features = w.shape
     group = scheme.group_size or in_features
     groups = in_features // group
-    blocks = torch.stack([hessian[g * group : (g + 1) * group, g * group : (g + 1) * group] for g in range(groups)]).to(w.device, torch.float32)
-    bands = [_clip_rows(rows.reshape(rows.shape[0], groups, group), scheme, blocks, grid, max_shrink) for rows in w.split(ROWS)]
+    blocks = torch.stack(
+        [hessian[g * group : (g + 1) * group, g * group : (g + 1) * group] for g in range(groups)]
+    ).to(w.device, torch.float32)
+    bands = [
+        _clip_rows(rows.reshape(rows.shape[0], groups, group), scheme, blocks, grid, max_shrink)
+        for rows in w.split(ROWS)
+    ]
     return torch.cat(bands).reshape(out_features, in_features)
 
 
-def _clip_rows(grouped: torch.Tensor, scheme: QuantScheme, blocks: torch.Tensor, grid: int, max_shrink: float) -> torch.Tensor:
+def _clip_rows(
+    grouped: torch.Tensor, scheme: QuantScheme, blocks: torch.Tensor, grid: int, max_shrink: float
+) -> torch.Tensor:
     """search_clip for a band of rows, [rows, groups, group]."""
     high = grouped.amax(dim=2, keepdim=True)
     low = grouped.amin(dim=2, keepdim=True)

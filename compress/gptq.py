@@ -51,7 +51,9 @@ def calibration_rows(inputs: torch.Tensor) -> torch.Tensor:
     """A Linear layer's calibration inputs as float32 rows [n, in_features], refused if not finite."""
     x = inputs.detach().reshape(-1, inputs.shape[-1]).float()
     if not torch.isfinite(x).all():
-        raise SlimlmError("calibration activations contain NaN or Inf; the model or calibration text is broken (check the fp32 perplexity first)")
+        raise SlimlmError(
+            "calibration activations contain NaN or Inf; the model or calibration text is broken (check the fp32 perplexity first)"
+        )
     return x
 
 
@@ -145,26 +147,42 @@ def inverse_hessian_factor(H: torch.Tensor, damp: float, name: str) -> torch.Ten
             try:
                 return torch.linalg.cholesky(H, upper=True, out=H)
             except torch.linalg.LinAlgError as error:
-                raise SlimlmError(f"{name}: the inverse Hessian is not positive definite at damping {damping:.3g}; raise quantize.damp") from error
+                raise SlimlmError(
+                    f"{name}: the inverse Hessian is not positive definite at damping {damping:.3g}; raise quantize.damp"
+                ) from error
         del lower
         log.warning("%s: Hessian not positive definite at damping %.3g; raising it", name, damping)
-    raise SlimlmError(f"{name}: the Hessian stayed singular with damping up to {damp * 1000:g} of its mean diagonal; use more or longer calibration samples")
+    raise SlimlmError(
+        f"{name}: the Hessian stayed singular with damping up to {damp * 1000:g} of its mean diagonal; use more or longer calibration samples"
+    )
 
 
-def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, scheme: QuantScheme, options: GPTQOptions = GPTQOptions(), name: str = "layer") -> QuantizedWeight:
+def gptq_quantize(
+    weight: torch.Tensor,
+    hessian: torch.Tensor,
+    scheme: QuantScheme,
+    options: GPTQOptions = GPTQOptions(),
+    name: str = "layer",
+) -> QuantizedWeight:
     """`weight` quantized by GPTQ against `hessian`, which it overwrites when it is already in the
     layer's solve_dtype on the weight's device (pass a copy to keep it; LayerInputStatistics.take_hessian decides)."""
     out_features, in_features = weight.shape
     group = scheme.group_size or in_features
     device = weight.device  # every tensor below lives where the weight does (a block on a GPU)
-    pruned = weight.detach() == 0  # exact zeros (a sparsify stage's work) stay zero; their error is spread like any other
+    pruned = (
+        weight.detach() == 0
+    )  # exact zeros (a sparsify stage's work) stay zero; their error is spread like any other
     H = hessian.to(device, solve_dtype(in_features))  # consumed: reordered and factorized in place
     dead = H.diagonal() == 0  # inputs that were always zero carry no information
     # Group parameters: from the original weights up front when act-order reorders columns (or one
     # group spans the row); otherwise from the updated weights when a group's first column is reached.
     static = options.act_order or scheme.group_size is None
     scales = torch.zeros(out_features, in_features // group, dtype=torch.float16, device=device)
-    zeros = None if scheme.symmetric else torch.zeros(out_features, in_features // group, dtype=torch.uint8, device=device)
+    zeros = (
+        None
+        if scheme.symmetric
+        else torch.zeros(out_features, in_features // group, dtype=torch.uint8, device=device)
+    )
     if static:
         W = _working_weight(weight, None, dead)
         ranges = search_clip(W, scheme, H) if options.clip_search else W
@@ -196,7 +214,9 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, scheme: QuantSche
             if any_pruned:
                 q = keep_zeros(q, ~pruned[:, start + i : start + i + 1], zero, scheme)
             codes[:, column] = q[:, 0]
-            error = (W1[:, i] - dequantize_codes(q, scale, zero, scheme)[:, 0].to(W1.dtype)) / Hinv[start + i, start + i]
+            error = (W1[:, i] - dequantize_codes(q, scale, zero, scheme)[:, 0].to(W1.dtype)) / Hinv[
+                start + i, start + i
+            ]
             W1[:, i:] -= error.unsqueeze(1) @ Hinv[start + i, start + i : end].unsqueeze(0)
             errors[:, i] = error
         W[:, end:] -= errors @ Hinv[start:end, end:]

@@ -52,7 +52,9 @@ def fisher_diagonal(model: nn.Module, samples: torch.Tensor, names: Sequence[str
             ids = window[None].to(device)
             loss = model(input_ids=ids, labels=ids, use_cache=False).loss
             if not torch.isfinite(loss):
-                raise SlimlmError("the model's loss on a calibration window is NaN or Inf; check the model's fp32 perplexity first")
+                raise SlimlmError(
+                    "the model's loss on a calibration window is NaN or Inf; check the model's fp32 perplexity first"
+                )
             loss.backward()
             for name, weight in weights.items():
                 fisher[name] += weight.grad.float().pow(2) / len(samples)
@@ -63,7 +65,9 @@ def fisher_diagonal(model: nn.Module, samples: torch.Tensor, names: Sequence[str
     return fisher
 
 
-def predicted_loss(weight: torch.Tensor, fisher: torch.Tensor, scheme: QuantScheme, tokens_per_window: int) -> float:
+def predicted_loss(
+    weight: torch.Tensor, fisher: torch.Tensor, scheme: QuantScheme, tokens_per_window: int
+) -> float:
     """Predicted KL per token, in nats, from rounding `weight` with `scheme` (RTN).
 
     The Fisher was taken of a window's mean loss; a single token's Fisher is `tokens_per_window`
@@ -79,18 +83,25 @@ class Allocation:
     predicted_loss: float  # sum over layers
 
 
-def choose_bits(costs: dict[str, dict[int, float]], sizes: dict[str, tuple[int, dict[int, float]]], budget_bpw: float) -> Allocation:
+def choose_bits(
+    costs: dict[str, dict[int, float]], sizes: dict[str, tuple[int, dict[int, float]]], budget_bpw: float
+) -> Allocation:
     """Pick a bit width per layer: `costs[name][bits]` is its predicted loss, `sizes[name]` its
     weight count and bits per weight for each candidate; the weighted average stays within
     `budget_bpw`."""
     total_weights = sum(count for count, _ in sizes.values())
     budget = budget_bpw * total_weights
-    hulls = {name: _lower_hull([(sizes[name][0] * sizes[name][1][b], costs[name][b], b) for b in costs[name]]) for name in costs}
+    hulls = {
+        name: _lower_hull([(sizes[name][0] * sizes[name][1][b], costs[name][b], b) for b in costs[name]])
+        for name in costs
+    }
     position = {name: 0 for name in hulls}
     used = sum(hull[0][0] for hull in hulls.values())
     if used > budget + 1e-6:
         smallest = min(min(per_bits.values()) for _, per_bits in sizes.values())
-        raise SlimlmError(f"a budget of {budget_bpw} bits per weight is below what the smallest candidate needs ({used / total_weights:.3f}; {smallest:.3f} per weight at best); raise quantize.bpw or add smaller bit widths to quantize.candidate_bits")
+        raise SlimlmError(
+            f"a budget of {budget_bpw} bits per weight is below what the smallest candidate needs ({used / total_weights:.3f}; {smallest:.3f} per weight at best); raise quantize.bpw or add smaller bit widths to quantize.candidate_bits"
+        )
     heap = [_upgrade(name, hulls[name], 0) for name in hulls if len(hulls[name]) > 1]
     heapq.heapify(heap)
     while heap:
@@ -132,7 +143,13 @@ def _upgrade(name: str, hull: list[tuple[float, float, int]], step: int) -> tupl
 
 
 @torch.no_grad()
-def measure_kl_sensitivity(model: nn.Module, token_ids: torch.Tensor, name: str, scheme: QuantScheme, reference_log_probs: torch.Tensor) -> float:
+def measure_kl_sensitivity(
+    model: nn.Module,
+    token_ids: torch.Tensor,
+    name: str,
+    scheme: QuantScheme,
+    reference_log_probs: torch.Tensor,
+) -> float:
     """Mean per-token KL(original || model with only `name` rounded by `scheme`), on `token_ids`
     [batch, seq]; `reference_log_probs` are the original model's log-probabilities there."""
     linear = model.get_submodule(name)

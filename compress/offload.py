@@ -25,7 +25,13 @@ from slimlm.artifact import quantized_module_record
 from slimlm.checkpoint import Checkpoint, open_checkpoint
 from slimlm.compress.block_progress import BlockFacts, BlockProgress, calibration_fingerprint
 from slimlm.compress.calibration import calibrate_sequentially
-from slimlm.compress.quantize import CalibratedQuantizer, QuantizeParams, check_shapes, describe_bits, layer_error
+from slimlm.compress.quantize import (
+    CalibratedQuantizer,
+    QuantizeParams,
+    check_shapes,
+    describe_bits,
+    layer_error,
+)
 from slimlm.compress.rtn import QuantizedWeight
 from slimlm.compress.targets import select_linear_modules
 from slimlm.qlinear import QuantLinear, QuantScheme, set_submodule
@@ -66,7 +72,10 @@ class CheckpointBlocks:
         self.on_block(name, block)
         facts = self.describe(name, block, round(time.perf_counter() - self._started, 3))
         if self.progress is not None:
-            tensors = {f"{name}.{key}": value.detach().cpu().contiguous() for key, value in block.state_dict().items()}
+            tensors = {
+                f"{name}.{key}": value.detach().cpu().contiguous()
+                for key, value in block.state_dict().items()
+            }
             self.progress.save(len(self.facts), tensors, facts, next_inputs)
         self.facts.append(facts)
         self.checkpoint.release(block)
@@ -125,8 +134,14 @@ def quantize_checkpoint(
     from an earlier, killed run with the same inputs goes on from the first unfinished one."""
     checkpoint, model = open_checkpoint(directory, dtype)
     prefix, _ = decoder_blocks(model)
-    before_blocks = materialize_outside_blocks(checkpoint, model, prefix, device, skip=model.get_output_embeddings())
-    names = [name for name in select_linear_modules(model, params.targets, params.ignore) if name.startswith(prefix + ".")]
+    before_blocks = materialize_outside_blocks(
+        checkpoint, model, prefix, device, skip=model.get_output_embeddings()
+    )
+    names = [
+        name
+        for name in select_linear_modules(model, params.targets, params.ignore)
+        if name.startswith(prefix + ".")
+    ]
     schemes = {name: params.scheme for name in names}
     check_shapes(model, names, params.scheme)
 
@@ -134,7 +149,9 @@ def quantize_checkpoint(
 
     def replace(name: str, quantized: QuantizedWeight, scheme: QuantScheme) -> None:
         linear = model.get_submodule(name)
-        layer = QuantLinear.from_codes(quantized.codes, quantized.scales, quantized.zeros, scheme, linear.bias)
+        layer = QuantLinear.from_codes(
+            quantized.codes, quantized.scales, quantized.zeros, scheme, linear.bias
+        )
         errors[name] = layer_error(linear.weight, layer)
         set_submodule(model, name, layer)
 
@@ -142,19 +159,37 @@ def quantize_checkpoint(
 
     def describe(name: str, block: nn.Module, seconds: float) -> BlockFacts:
         inside = f"{name}."
-        records = {inside + key: quantized_module_record(inside + key, layer, layer.scheme.to_dict(), {}) for key, layer in block.named_modules() if isinstance(layer, QuantLinear)}
+        records = {
+            inside + key: quantized_module_record(inside + key, layer, layer.scheme.to_dict(), {})
+            for key, layer in block.named_modules()
+            if isinstance(layer, QuantLinear)
+        }
         return BlockFacts(
             name=name,
             seconds=seconds,
             records=records,
             weight_rel_error={layer: errors[layer] for layer in records},
             uncalibrated=[layer for layer in quantizer.unseen if layer.startswith(inside)],
-            awq_output_error={key: value for key, value in quantizer.awq_errors.items() if key.startswith(inside)},
+            awq_output_error={
+                key: value for key, value in quantizer.awq_errors.items() if key.startswith(inside)
+            },
         )
 
-    store = BlockProgress(progress, calibration_fingerprint(checkpoint, params, samples, dtype)) if progress is not None else None
+    store = (
+        BlockProgress(progress, calibration_fingerprint(checkpoint, params, samples, dtype))
+        if progress is not None
+        else None
+    )
     blocks = CheckpointBlocks(checkpoint, device, dtype, on_block, describe, store, before_blocks)
-    peak = calibrate_sequentially(model, samples, names, quantizer.hessians.observe, quantizer, desc=f"{params.method} {describe_bits(schemes)} (offloaded)", blocks=blocks)
+    peak = calibrate_sequentially(
+        model,
+        samples,
+        names,
+        quantizer.hessians.observe,
+        quantizer,
+        desc=f"{params.method} {describe_bits(schemes)} (offloaded)",
+        blocks=blocks,
+    )
     return OffloadedCalibration(blocks.facts, peak)
 
 
@@ -164,13 +199,17 @@ def modules_outside_blocks(model: nn.Module, prefix: str) -> list[tuple[str, nn.
     outside = []
     for name, module in model.named_modules():
         inside = name == prefix or name.startswith(prefix + ".")
-        owns = any(True for _ in module.parameters(recurse=False)) or any(True for _ in module.buffers(recurse=False))
+        owns = any(True for _ in module.parameters(recurse=False)) or any(
+            True for _ in module.buffers(recurse=False)
+        )
         if owns and not inside:
             outside.append((name, module))
     return outside
 
 
-def materialize_outside_blocks(checkpoint: Checkpoint, model: nn.Module, prefix: str, device: torch.device, skip: Optional[nn.Module]) -> list[nn.Module]:
+def materialize_outside_blocks(
+    checkpoint: Checkpoint, model: nn.Module, prefix: str, device: torch.device, skip: Optional[nn.Module]
+) -> list[nn.Module]:
     """Read every module outside the blocks but `skip` (the one the caller's pass never
     reaches: the LM head before the blocks, the embedding after them; None: read them all);
     returns them."""

@@ -44,9 +44,16 @@ class PruneParams(CalibrationParams):
     samples: int = 32
 
     def __post_init__(self) -> None:
-        targets = {"layers": self.layers, "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size, "kv_heads": self.kv_heads}
+        targets = {
+            "layers": self.layers,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "kv_heads": self.kv_heads,
+        }
         if all(value is None for value in targets.values()):
-            raise ConfigError("prune: give at least one of layers, hidden_size, intermediate_size, kv_heads (the sizes to keep)")
+            raise ConfigError(
+                "prune: give at least one of layers, hidden_size, intermediate_size, kv_heads (the sizes to keep)"
+            )
         for key, value in targets.items():
             if value is not None and value < 1:
                 raise ConfigError(f"prune.{key}={value} would remove every one of them; keep at least 1")
@@ -79,14 +86,23 @@ class Shape:
 
 def check_targets(shape: Shape, params: PruneParams) -> None:
     """Refuse sizes that do not shrink the model before any work."""
-    for key, current in (("layers", shape.layers), ("hidden_size", shape.hidden_size), ("intermediate_size", shape.intermediate_size), ("kv_heads", shape.kv_heads)):
+    for key, current in (
+        ("layers", shape.layers),
+        ("hidden_size", shape.hidden_size),
+        ("intermediate_size", shape.intermediate_size),
+        ("kv_heads", shape.kv_heads),
+    ):
         wanted = getattr(params, key)
         if wanted is not None and wanted > current:
-            raise SlimlmError(f"prune.{key}={wanted} is larger than the model's {current}; pruning only removes")
+            raise SlimlmError(
+                f"prune.{key}={wanted} is larger than the model's {current}; pruning only removes"
+            )
     heads = (params.kv_heads or shape.kv_heads) * (shape.heads // shape.kv_heads)
     hidden = params.hidden_size or shape.hidden_size
     if hidden % heads:
-        raise SlimlmError(f"the pruned model would have hidden_size {hidden} and {heads} attention heads; transformers requires the hidden size to be a multiple of the heads: choose prune.hidden_size (or kv_heads) to match")
+        raise SlimlmError(
+            f"the pruned model would have hidden_size {hidden} and {heads} attention heads; transformers requires the hidden size to be a multiple of the heads: choose prune.hidden_size (or kv_heads) to match"
+        )
 
 
 # ---- importance -------------------------------------------------------------------------
@@ -105,6 +121,7 @@ def block_influence(model: nn.Module, samples: torch.Tensor, chunk_size: int = 8
             hidden_out = output[0] if isinstance(output, tuple) else output
             cosine = torch.nn.functional.cosine_similarity(hidden_in.float(), hidden_out.float(), dim=-1)
             totals[index] += float(cosine.sum())
+
         return record
 
     handles = [layer.register_forward_hook(hook(i), with_kwargs=True) for i, layer in enumerate(layers)]
@@ -124,7 +141,9 @@ class WidthImportance:
 
 
 @torch.no_grad()
-def width_importance(model: nn.Module, samples: torch.Tensor, shape: Shape, chunk_size: int = 8) -> WidthImportance:
+def width_importance(
+    model: nn.Module, samples: torch.Tensor, shape: Shape, chunk_size: int = 8
+) -> WidthImportance:
     """Root-mean-square activations: of each hidden channel after every RMSNorm (summed), of
     each MLP channel entering down_proj, of each attention head entering o_proj (summed over
     the query heads of a key/value group)."""
@@ -141,14 +160,22 @@ def width_importance(model: nn.Module, samples: torch.Tensor, shape: Shape, chun
         hidden.add_(squares(output))
 
     handles = []
-    norms = [m for name, m in model.named_modules() if name.endswith(("input_layernorm", "post_attention_layernorm")) or name == "model.norm"]
+    norms = [
+        m
+        for name, m in model.named_modules()
+        if name.endswith(("input_layernorm", "post_attention_layernorm")) or name == "model.norm"
+    ]
     if len(norms) != 2 * len(layers) + 1:
-        raise SlimlmError(f"{type(model).__name__}: expected input/post-attention RMSNorms in every layer and a final model.norm; width pruning supports Llama-family models")
+        raise SlimlmError(
+            f"{type(model).__name__}: expected input/post-attention RMSNorms in every layer and a final model.norm; width pruning supports Llama-family models"
+        )
     handles += [norm.register_forward_hook(add_hidden) for norm in norms]
+
     def add_to(totals: torch.Tensor, per_head: bool):
         def hook(module, args) -> None:  # a pre-hook that returned a value would replace the input
             x = squares(args[0])
             totals.add_(x.view(shape.heads, shape.head_dim).sum(dim=1) if per_head else x)
+
         return hook
 
     for i, layer in enumerate(layers):
@@ -167,7 +194,9 @@ def width_importance(model: nn.Module, samples: torch.Tensor, shape: Shape, chun
     )
 
 
-def run_chunks(model: nn.Module, samples: torch.Tensor, chunk_size: int, tokens: list[int], desc: str) -> None:
+def run_chunks(
+    model: nn.Module, samples: torch.Tensor, chunk_size: int, tokens: list[int], desc: str
+) -> None:
     device = next(model.parameters()).device
     for chunk in tqdm(samples.split(chunk_size), desc=desc, unit="chunk"):
         model(input_ids=chunk.to(device), use_cache=False)
@@ -195,7 +224,9 @@ class Keep:
 
 def sliced_state_dict(model: nn.Module, keep: Keep, shape: Shape) -> dict[str, torch.Tensor]:
     """The pruned model's tensors under its new names (layers renumbered from 0)."""
-    state = {key: tensor.detach().cpu() for key, tensor in model.state_dict().items()}  # slicing indices live on the CPU
+    state = {
+        key: tensor.detach().cpu() for key, tensor in model.state_dict().items()
+    }  # slicing indices live on the CPU
     out: dict[str, torch.Tensor] = {}
     hidden = keep.hidden
 
@@ -218,7 +249,7 @@ def sliced_state_dict(model: nn.Module, keep: Keep, shape: Shape) -> dict[str, t
         for key, tensor in state.items():
             if not key.startswith(prefix):
                 continue
-            local = key[len(prefix):]
+            local = key[len(prefix) :]
             if local.endswith("layernorm.weight"):
                 tensor = take(tensor, 0, hidden)
             elif local.startswith(("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")):
@@ -226,14 +257,22 @@ def sliced_state_dict(model: nn.Module, keep: Keep, shape: Shape) -> dict[str, t
                 tensor = take(tensor, 0, rows)
                 tensor = take(tensor, 1, hidden) if tensor.dim() == 2 else tensor
             elif local.startswith("self_attn.o_proj"):
-                tensor = take(take(tensor, 1, q_rows), 0, hidden) if tensor.dim() == 2 else take(tensor, 0, hidden)
+                tensor = (
+                    take(take(tensor, 1, q_rows), 0, hidden) if tensor.dim() == 2 else take(tensor, 0, hidden)
+                )
             elif local.startswith(("mlp.gate_proj", "mlp.up_proj")):
                 tensor = take(tensor, 0, channels)
                 tensor = take(tensor, 1, hidden) if tensor.dim() == 2 else tensor
             elif local.startswith("mlp.down_proj"):
-                tensor = take(take(tensor, 1, channels), 0, hidden) if tensor.dim() == 2 else take(tensor, 0, hidden)
+                tensor = (
+                    take(take(tensor, 1, channels), 0, hidden)
+                    if tensor.dim() == 2
+                    else take(tensor, 0, hidden)
+                )
             else:
-                raise SlimlmError(f"cannot prune {key}: slimlm prunes Llama-family layers (q/k/v/o_proj, gate/up/down_proj, two RMSNorms)")
+                raise SlimlmError(
+                    f"cannot prune {key}: slimlm prunes Llama-family layers (q/k/v/o_proj, gate/up/down_proj, two RMSNorms)"
+                )
             out[new_prefix + local] = tensor.clone()
     return out
 
@@ -254,7 +293,10 @@ def pruned_config(config, keep: Keep, shape: Shape):
         kv = int(keep.kv_groups[0].numel())
         config.num_attention_heads = kv * (shape.heads // shape.kv_heads)
         config.num_key_value_heads = kv
-    for key, value in config.to_dict().items():  # per-layer settings (layer_types, ...) follow the kept layers
+    for (
+        key,
+        value,
+    ) in config.to_dict().items():  # per-layer settings (layer_types, ...) follow the kept layers
         if isinstance(value, list) and len(value) == shape.layers and key != "architectures":
             setattr(config, key, [value[i] for i in keep.layers])
     return config
@@ -274,7 +316,9 @@ def rebuild(model: nn.Module, keep: Keep, shape: Shape) -> nn.Module:
     result = pruned.load_state_dict(tensors, strict=False)
     missing = set(result.missing_keys) - ({"lm_head.weight"} if tied else set())
     if missing or result.unexpected_keys:
-        raise SlimlmError(f"the pruned weights do not fit the pruned config: missing {sorted(missing)[:3]}, unexpected {sorted(result.unexpected_keys)[:3]}")
+        raise SlimlmError(
+            f"the pruned weights do not fit the pruned config: missing {sorted(missing)[:3]}, unexpected {sorted(result.unexpected_keys)[:3]}"
+        )
     if tied:
         pruned.tie_weights()
     if getattr(model, "generation_config", None) is not None:
@@ -292,7 +336,9 @@ def parameter_count(model: nn.Module) -> int:
 def prune_model(model: nn.Module, samples: torch.Tensor, params: PruneParams) -> tuple[nn.Module, dict]:
     """The pruned model and what the report says about it (scores, what was removed, sizes)."""
     if any(isinstance(m, QuantLinear) for m in model.modules()):
-        raise SlimlmError("the model is already quantized: put the prune stage before any quantize stage (prune, distill, then quantize)")
+        raise SlimlmError(
+            "the model is already quantized: put the prune stage before any quantize stage (prune, distill, then quantize)"
+        )
     shape = Shape.of(model.config)
     check_targets(shape, params)
     section: dict = {"parameters_before": parameter_count(model), "shape_before": vars(shape).copy()}
@@ -303,14 +349,20 @@ def prune_model(model: nn.Module, samples: torch.Tensor, params: PruneParams) ->
         section["removed_layers"] = [i for i in range(shape.layers) if i not in kept]
         model = rebuild(model, Keep(layers=kept), shape)
         shape = Shape.of(model.config)
-    widths = {"hidden_size": params.hidden_size, "intermediate_size": params.intermediate_size, "kv_heads": params.kv_heads}
+    widths = {
+        "hidden_size": params.hidden_size,
+        "intermediate_size": params.intermediate_size,
+        "kv_heads": params.kv_heads,
+    }
     if any(value is not None and value < getattr(shape, key) for key, value in widths.items()):
         importance = width_importance(model, samples, shape)
         keep = Keep(layers=list(range(shape.layers)))
         if params.hidden_size is not None and params.hidden_size < shape.hidden_size:
             keep.hidden = top_indices(importance.hidden, params.hidden_size)
         if params.intermediate_size is not None and params.intermediate_size < shape.intermediate_size:
-            keep.intermediate = [top_indices(scores, params.intermediate_size) for scores in importance.intermediate]
+            keep.intermediate = [
+                top_indices(scores, params.intermediate_size) for scores in importance.intermediate
+            ]
         if params.kv_heads is not None and params.kv_heads < shape.kv_heads:
             keep.kv_groups = [top_indices(scores, params.kv_heads) for scores in importance.kv_groups]
             section["kept_kv_groups"] = [g.tolist() for g in keep.kv_groups]
@@ -326,7 +378,9 @@ def run(state: RunState, params: PruneParams) -> None:
     samples = calibration_windows(state, params.samples, params.seq_len, params.seed)
     state.model, section = prune_model(state.model, samples, params)
     after = section["shape_after"]
-    state.mark_changed(f"pruned to {after['layers']} layers, hidden {after['hidden_size']}, MLP {after['intermediate_size']}, {after['kv_heads']} kv heads")
+    state.mark_changed(
+        f"pruned to {after['layers']} layers, hidden {after['hidden_size']}, MLP {after['intermediate_size']}, {after['kv_heads']} kv heads"
+    )
     section["seconds"] = round(time.perf_counter() - started, 2)
     state.sections.setdefault("pruning", []).append(section)
 
@@ -340,7 +394,9 @@ def check(cfg, params: PruneParams, source) -> None:
 def require_prunable(architecture: Optional[str]) -> None:
     if not require_family(architecture, "prune").prunable:
         prunable = sorted(name for name, family in FAMILIES.items() if family.prunable)
-        raise SlimlmError(f"prune slices Llama-style blocks ({', '.join(prunable)}); '{architecture}' has other width-dependent tensors, so it cannot be pruned yet")
+        raise SlimlmError(
+            f"prune slices Llama-style blocks ({', '.join(prunable)}); '{architecture}' has other width-dependent tensors, so it cannot be pruned yet"
+        )
 
 
 PRUNE = Stage(name="prune", params=PruneParams, run=run, check=check)

@@ -27,8 +27,8 @@ import torch
 from tqdm import tqdm
 
 from slimlm.architecture import decoder_blocks, model_type, require_family, untied_table
-from slimlm.compress.awq import AWQOptions, awq_quantize_layer
 from slimlm.checkpoint import checkpoint_tokenizer
+from slimlm.compress.awq import AWQOptions, awq_quantize_layer
 from slimlm.compress.calibration import CalibrationParams, calibrate_sequentially, calibration_samples
 from slimlm.compress.gptq import GPTQOptions, LayerInputStatistics, gptq_quantize
 from slimlm.compress.mixed import bits_per_weight, choose_bits, fisher_diagonal, predicted_loss
@@ -43,7 +43,14 @@ from slimlm.memory import peak_memory
 from slimlm.models import DTYPES, checkpoint_directory
 from slimlm.packing import PACKABLE_BITS
 from slimlm.pipeline import DiskRun, RunState, Stage
-from slimlm.qlinear import QuantLinear, QuantScheme, QuantTable, embedding_scale, set_submodule, tie_quantized_head
+from slimlm.qlinear import (
+    QuantLinear,
+    QuantScheme,
+    QuantTable,
+    embedding_scale,
+    set_submodule,
+    tie_quantized_head,
+)
 
 log = logging.getLogger(__name__)
 
@@ -82,27 +89,41 @@ class QuantizeParams(CalibrationParams):
         if self.method not in METHODS:
             raise ConfigError(f"quantize.method='{self.method}' is unknown; available: {', '.join(METHODS)}")
         if self.bits is not None and self.bpw is not None:
-            raise ConfigError("quantize: give bits (one width for every layer) or bpw (a mixed-precision budget), not both")
+            raise ConfigError(
+                "quantize: give bits (one width for every layer) or bpw (a mixed-precision budget), not both"
+            )
         for bits in [self.bits] if self.bpw is None else self.candidate_bits:
             if bits is not None and bits not in PACKABLE_BITS:
-                raise ConfigError(f"quantize: {bits}-bit weights are not supported; choose from {', '.join(map(str, PACKABLE_BITS))}")
+                raise ConfigError(
+                    f"quantize: {bits}-bit weights are not supported; choose from {', '.join(map(str, PACKABLE_BITS))}"
+                )
         if self.bpw is not None and len(set(self.candidate_bits)) < 2:
-            raise ConfigError(f"quantize.candidate_bits={self.candidate_bits}: mixed precision needs at least two bit widths to choose from")
+            raise ConfigError(
+                f"quantize.candidate_bits={self.candidate_bits}: mixed precision needs at least two bit widths to choose from"
+            )
         if self.group_size is not None and self.group_size < 8:
-            raise ConfigError(f"quantize.group_size={self.group_size} must be at least 8 (or null for one scale per output channel)")
+            raise ConfigError(
+                f"quantize.group_size={self.group_size} must be at least 8 (or null for one scale per output channel)"
+            )
         self.check_calibration("quantize")
         if self.sensitivity_samples < 1:
             raise ConfigError(f"quantize.sensitivity_samples={self.sensitivity_samples} must be at least 1")
         if not 0 < self.damp < 1:
             raise ConfigError(f"quantize.damp={self.damp} must lie between 0 and 1 (0.01 is usual)")
         if self.block_size < 1 or self.awq_grid < 1 or self.awq_clip_grid < 2:
-            raise ConfigError("quantize: block_size and awq_grid must be at least 1, awq_clip_grid at least 2")
+            raise ConfigError(
+                "quantize: block_size and awq_grid must be at least 1, awq_clip_grid at least 2"
+            )
         if not self.targets:
-            raise ConfigError("quantize.targets is empty: give at least one regex over module names, e.g. 'model\\.layers\\.\\d+\\..*'")
+            raise ConfigError(
+                "quantize.targets is empty: give at least one regex over module names, e.g. 'model\\.layers\\.\\d+\\..*'"
+            )
         compile_patterns([*self.targets, *self.ignore])
 
     def scheme_for(self, bits: int) -> QuantScheme:
-        return QuantScheme(bits=bits, group_size=self.group_size, symmetric=self.symmetric, method=self.method)
+        return QuantScheme(
+            bits=bits, group_size=self.group_size, symmetric=self.symmetric, method=self.method
+        )
 
     @property
     def scheme(self) -> QuantScheme:
@@ -115,13 +136,17 @@ def check_shapes(model, names: list[str], scheme: QuantScheme) -> None:
     for name in names:
         problem = scheme.shape_problem(model.get_submodule(name).in_features)
         if problem:
-            raise SlimlmError(f"cannot quantize {name}: {problem}; change the stage's group_size or exclude the layer with its ignore list (+recipe.stages.N.ignore=[...] on the command line)")
+            raise SlimlmError(
+                f"cannot quantize {name}: {problem}; change the stage's group_size or exclude the layer with its ignore list (+recipe.stages.N.ignore=[...] on the command line)"
+            )
 
 
 @torch.no_grad()
 def run(state: RunState, params: QuantizeParams) -> None:
     started = time.perf_counter()
-    split_experts(state.model)  # a transformers model given directly: its fused experts become Linear layers, as slimlm's loaders make them
+    split_experts(
+        state.model
+    )  # a transformers model given directly: its fused experts become Linear layers, as slimlm's loaders make them
     names = select_linear_modules(state.model, params.targets, params.ignore)
     check_shapes(state.model, names, params.scheme)
     section = section_header(params, len(names))
@@ -133,7 +158,9 @@ def run(state: RunState, params: QuantizeParams) -> None:
 
     def replace(name: str, quantized: QuantizedWeight, scheme: QuantScheme) -> None:
         linear = state.model.get_submodule(name)
-        layer = QuantLinear.from_codes(quantized.codes, quantized.scales, quantized.zeros, scheme, linear.bias)
+        layer = QuantLinear.from_codes(
+            quantized.codes, quantized.scales, quantized.zeros, scheme, linear.bias
+        )
         errors[name] = layer_error(linear.weight, layer)
         head = linear is state.model.get_output_embeddings()
         table = untied_table(state.model) if head else None
@@ -153,7 +180,11 @@ def run(state: RunState, params: QuantizeParams) -> None:
         section.update(run_calibrated(state, params, {name: schemes[name] for name in inside}, replace))
     rounded = [name for name in names if name not in inside]
     if inside and rounded:
-        log.info("%d layer(s) outside the decoder layers (%s) are rounded with RTN", len(rounded), ", ".join(rounded[:3]))
+        log.info(
+            "%d layer(s) outside the decoder layers (%s) are rounded with RTN",
+            len(rounded),
+            ", ".join(rounded[:3]),
+        )
     for name in tqdm(rounded, desc="quantize rtn", unit="layer", disable=not rounded):
         scheme = dataclasses.replace(schemes[name], method="rtn")
         replace(name, quantize_rtn(state.model.get_submodule(name).weight, scheme), scheme)
@@ -163,7 +194,13 @@ def run(state: RunState, params: QuantizeParams) -> None:
 
 def section_header(params: QuantizeParams, layers: int) -> dict:
     """The start of the report's quantization section: how, and how many layers."""
-    return {"method": params.method, "bits": params.bits, "group_size": params.group_size, "symmetric": params.symmetric, "layers": layers}
+    return {
+        "method": params.method,
+        "bits": params.bits,
+        "group_size": params.group_size,
+        "symmetric": params.symmetric,
+        "layers": layers,
+    }
 
 
 def streams(state: RunState, params: QuantizeParams) -> bool:
@@ -188,10 +225,23 @@ def run_streamed(state: RunState, params: QuantizeParams) -> None:
     started = time.perf_counter()
     directory = checkpoint_directory(state.source, state.source_sha256)
     path = state.output_path(STREAMED_ARTIFACT)
-    streamed = stream_rtn(directory, path, params.scheme, params.targets, params.ignore, source=state.provenance(), recipe=state.recipe(), dtype=DTYPES[state.cfg.model.dtype])
+    streamed = stream_rtn(
+        directory,
+        path,
+        params.scheme,
+        params.targets,
+        params.ignore,
+        source=state.provenance(),
+        recipe=state.recipe(),
+        dtype=DTYPES[state.cfg.model.dtype],
+    )
     state.lies_in(streamed.path, f"streamed into {STREAMED_ARTIFACT}/")
     section = section_header(params, len(streamed.weight_rel_error))
-    section.update(streamed=f"{STREAMED_ARTIFACT}/", seconds=round(time.perf_counter() - started, 2), weight_rel_error=streamed.weight_rel_error)
+    section.update(
+        streamed=f"{STREAMED_ARTIFACT}/",
+        seconds=round(time.perf_counter() - started, 2),
+        weight_rel_error=streamed.weight_rel_error,
+    )
     state.sections.setdefault("quantization", []).append(section)
 
 
@@ -203,15 +253,36 @@ def run_calibrated_from_disk(state: RunState, params: QuantizeParams) -> None:
 
     started = time.perf_counter()
     directory = checkpoint_directory(state.source, state.source_sha256)
-    samples = calibration_samples(calibration_token_ids(state, checkpoint_tokenizer(directory)), params.samples, params.seq_len, params.seed)
+    samples = calibration_samples(
+        calibration_token_ids(state, checkpoint_tokenizer(directory)),
+        params.samples,
+        params.seq_len,
+        params.seed,
+    )
     path = state.output_path(STREAMED_ARTIFACT)
     progress = state.run_dir / f"{STREAMED_ARTIFACT}-blocks"
     state.scratch.append(progress)  # a rerun of this run, killed later, rewrites the artifact from it
-    made = calibrate_into_artifact(directory, path, progress, params, samples, state.provenance(), state.recipe(), DTYPES[state.cfg.model.dtype], state.device)
+    made = calibrate_into_artifact(
+        directory,
+        path,
+        progress,
+        params,
+        samples,
+        state.provenance(),
+        state.recipe(),
+        DTYPES[state.cfg.model.dtype],
+        state.device,
+    )
     state.lies_in(made.path, f"calibrated block by block into {STREAMED_ARTIFACT}/")
     section = section_header(params, made.calibration.quantized_layers)
-    section.update(calibration_facts(samples, params, made.calibration.peak_memory_bytes, made.calibration.report()))
-    section.update(streamed=f"{STREAMED_ARTIFACT}/", seconds=round(time.perf_counter() - started, 2), weight_rel_error=made.calibration.weight_rel_error)
+    section.update(
+        calibration_facts(samples, params, made.calibration.peak_memory_bytes, made.calibration.report())
+    )
+    section.update(
+        streamed=f"{STREAMED_ARTIFACT}/",
+        seconds=round(time.perf_counter() - started, 2),
+        weight_rel_error=made.calibration.weight_rel_error,
+    )
     state.sections.setdefault("quantization", []).append(section)
 
 
@@ -227,17 +298,32 @@ def quantize_table(model, scheme: QuantScheme) -> QuantScheme:
     return rounded
 
 
-def run_calibrated(state: RunState, params: QuantizeParams, schemes: dict[str, QuantScheme], replace: Callable) -> dict:
+def run_calibrated(
+    state: RunState, params: QuantizeParams, schemes: dict[str, QuantScheme], replace: Callable
+) -> dict:
     """GPTQ or AWQ layer by layer on calibration windows; returns what the report states about it."""
     samples = calibration_windows(state, params.samples, params.seq_len, params.seed)
     quantizer = CalibratedQuantizer(state.model, params, schemes, replace)
-    peak = calibrate_sequentially(state.model, samples, list(schemes), quantizer.hessians.observe, quantizer, desc=f"{params.method} {describe_bits(schemes)}")
+    peak = calibrate_sequentially(
+        state.model,
+        samples,
+        list(schemes),
+        quantizer.hessians.observe,
+        quantizer,
+        desc=f"{params.method} {describe_bits(schemes)}",
+    )
     return calibration_facts(samples, params, peak, quantizer.report())
 
 
 def calibration_facts(samples: torch.Tensor, params: QuantizeParams, peak_bytes: int, report: dict) -> dict:
     """What the report states about a calibrated quantization."""
-    return {"calibration_tokens": samples.numel(), "samples": params.samples, "seq_len": params.seq_len, "calibration_peak_memory_bytes": peak_bytes, **report}
+    return {
+        "calibration_tokens": samples.numel(),
+        "samples": params.samples,
+        "seq_len": params.seq_len,
+        "calibration_peak_memory_bytes": peak_bytes,
+        **report,
+    }
 
 
 @dataclass
@@ -255,7 +341,9 @@ class CalibratedQuantizer:
     unseen: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.mappings = require_family(model_type(self.model), "AWQ").mappings if self.params.method == "awq" else ()
+        self.mappings = (
+            require_family(model_type(self.model), "AWQ").mappings if self.params.method == "awq" else ()
+        )
 
     def __call__(self, block: str, layer_names: list[str]) -> None:
         seen = [name for name in layer_names if name in self.hessians]
@@ -272,10 +360,19 @@ class CalibratedQuantizer:
 
     def _gptq(self, names: list[str]) -> None:
         params = self.params
-        options = GPTQOptions(damp=params.damp, block_size=params.block_size, act_order=params.act_order, clip_search=params.clip_search)
+        options = GPTQOptions(
+            damp=params.damp,
+            block_size=params.block_size,
+            act_order=params.act_order,
+            clip_search=params.clip_search,
+        )
         for name in names:
             weight = self.model.get_submodule(name).weight
-            self.replace(name, gptq_quantize(weight, self.hessians.take_hessian(name), self.schemes[name], options, name), self.schemes[name])
+            self.replace(
+                name,
+                gptq_quantize(weight, self.hessians.take_hessian(name), self.schemes[name], options, name),
+                self.schemes[name],
+            )
 
     def _awq(self, block: str, names: list[str]) -> None:
         params = self.params
@@ -283,9 +380,15 @@ class CalibratedQuantizer:
         first = next(module.parameters())
         with float32_linears(first.dtype, first.device):  # its search runs the block's layers many times
             quantized = awq_quantize_layer(
-                module, block, {n: self.schemes[n] for n in names}, self.hessians, self.mappings,
+                module,
+                block,
+                {n: self.schemes[n] for n in names},
+                self.hessians,
+                self.mappings,
                 AWQOptions(grid=params.awq_grid, clip_grid=params.awq_clip_grid, clip=params.clip_search),
-                on_scaled=lambda name, error, rtn: self.awq_errors.__setitem__(name, [round(error, 6), round(rtn, 6)]),
+                on_scaled=lambda name, error, rtn: self.awq_errors.__setitem__(
+                    name, [round(error, 6), round(rtn, 6)]
+                ),
             )
         for name, weight in quantized.items():
             self.replace(name, weight, self.schemes[name])
@@ -293,10 +396,15 @@ class CalibratedQuantizer:
     def report(self) -> dict:
         result: dict[str, Any] = {}
         if self.unseen:
-            log.info("%d layer(s) saw no calibration token (experts nothing was routed to) and were rounded with RTN", len(self.unseen))
+            log.info(
+                "%d layer(s) saw no calibration token (experts nothing was routed to) and were rounded with RTN",
+                len(self.unseen),
+            )
             result["uncalibrated_layers"] = self.unseen
         if self.awq_errors:
-            result["awq_output_error"] = self.awq_errors  # per scaled mapping: [with the chosen scale, plain RTN]
+            result["awq_output_error"] = (
+                self.awq_errors
+            )  # per scaled mapping: [with the chosen scale, plain RTN]
         return result
 
 
@@ -309,7 +417,9 @@ def calibration_token_ids(state: RunState, tokenizer: Any = None) -> torch.Tenso
     """data.calibration as token ids, tokenized once per run (by `tokenizer` while no model is
     loaded: the one of the files the model lies in)."""
     if "calibration_ids" not in state.memo:
-        state.memo["calibration_ids"] = tokenize_text(tokenizer or state.tokenizer, load_text(state.cfg.data.calibration, "calibration"))
+        state.memo["calibration_ids"] = tokenize_text(
+            tokenizer or state.tokenizer, load_text(state.cfg.data.calibration, "calibration")
+        )
     return state.memo["calibration_ids"]
 
 
@@ -318,7 +428,9 @@ def calibration_windows(state: RunState, samples: int, seq_len: int, seed: int) 
     return calibration_samples(calibration_token_ids(state), samples, seq_len, seed)
 
 
-def mixed_schemes(state: RunState, params: QuantizeParams, names: list[str]) -> tuple[dict[str, QuantScheme], dict]:
+def mixed_schemes(
+    state: RunState, params: QuantizeParams, names: list[str]
+) -> tuple[dict[str, QuantScheme], dict]:
     """Each layer's scheme under the bpw budget, and the report section that explains the choice."""
     windows = calibration_windows(state, params.sensitivity_samples, params.seq_len, params.seed + 1)
     with torch.enable_grad(), peak_memory(state.device) as peak:
@@ -327,8 +439,14 @@ def mixed_schemes(state: RunState, params: QuantizeParams, names: list[str]) -> 
     costs, sizes = {}, {}
     for name in tqdm(names, desc="sensitivity per layer", unit="layer"):
         linear = state.model.get_submodule(name)
-        costs[name] = {b: predicted_loss(linear.weight, fisher[name], params.scheme_for(b), params.seq_len) for b in candidates}
-        sizes[name] = (linear.weight.numel(), {b: bits_per_weight(params.scheme_for(b), linear.in_features) for b in candidates})
+        costs[name] = {
+            b: predicted_loss(linear.weight, fisher[name], params.scheme_for(b), params.seq_len)
+            for b in candidates
+        }
+        sizes[name] = (
+            linear.weight.numel(),
+            {b: bits_per_weight(params.scheme_for(b), linear.in_features) for b in candidates},
+        )
     allocation = choose_bits(costs, sizes, params.bpw)
     section = {
         "budget_bpw": params.bpw,
@@ -338,7 +456,9 @@ def mixed_schemes(state: RunState, params: QuantizeParams, names: list[str]) -> 
         "sensitivity_windows": params.sensitivity_samples,
         "sensitivity_peak_memory_bytes": peak.bytes,
         "bits": allocation.bits,
-        "predicted_kl_per_layer": {name: {str(b): cost for b, cost in per_bits.items()} for name, per_bits in costs.items()},
+        "predicted_kl_per_layer": {
+            name: {str(b): cost for b, cost in per_bits.items()} for name, per_bits in costs.items()
+        },
     }
     return {name: params.scheme_for(allocation.bits[name]) for name in names}, section
 
@@ -363,4 +483,10 @@ def layer_error(weight: torch.Tensor, layer: QuantLinear) -> float:
     return (error / max(norm, 1e-24)) ** 0.5
 
 
-QUANTIZE = Stage(name="quantize", params=QuantizeParams, run=run, check=check, on_disk=(DiskRun(streams, run_streamed), DiskRun(calibrates_from_disk, run_calibrated_from_disk)))
+QUANTIZE = Stage(
+    name="quantize",
+    params=QuantizeParams,
+    run=run,
+    check=check,
+    on_disk=(DiskRun(streams, run_streamed), DiskRun(calibrates_from_disk, run_calibrated_from_disk)),
+)

@@ -39,21 +39,31 @@ def group_params(weight: torch.Tensor, scheme: QuantScheme) -> tuple[torch.Tenso
     return scale, zero
 
 
-def quantize_to_codes(weight: torch.Tensor, scale: torch.Tensor, zero: Optional[torch.Tensor], scheme: QuantScheme) -> torch.Tensor:
+def quantize_to_codes(
+    weight: torch.Tensor, scale: torch.Tensor, zero: Optional[torch.Tensor], scheme: QuantScheme
+) -> torch.Tensor:
     """Codes of `weight` [rows, cols] on the grid given by per-row `scale` and `zero`."""
     offset = scheme.symmetric_zero if zero is None else zero.float().unsqueeze(1)
     codes = torch.round(weight.detach().float() / scale.float().unsqueeze(1)) + offset
     return codes.clamp(0, scheme.max_code).to(torch.uint8)
 
 
-def keep_zeros(codes: torch.Tensor, keep: torch.Tensor, zero: Optional[torch.Tensor], scheme: QuantScheme) -> torch.Tensor:
+def keep_zeros(
+    codes: torch.Tensor, keep: torch.Tensor, zero: Optional[torch.Tensor], scheme: QuantScheme
+) -> torch.Tensor:
     """`codes` [rows, cols] with the entries outside `keep` set to the code of 0.0 (per-row `zero`),
     so that pruned weights stay exactly zero after quantization."""
-    offset = torch.full_like(codes, scheme.symmetric_zero) if zero is None else zero.to(codes.dtype).unsqueeze(1).expand_as(codes)
+    offset = (
+        torch.full_like(codes, scheme.symmetric_zero)
+        if zero is None
+        else zero.to(codes.dtype).unsqueeze(1).expand_as(codes)
+    )
     return torch.where(keep, codes, offset)
 
 
-def dequantize_codes(codes: torch.Tensor, scale: torch.Tensor, zero: Optional[torch.Tensor], scheme: QuantScheme) -> torch.Tensor:
+def dequantize_codes(
+    codes: torch.Tensor, scale: torch.Tensor, zero: Optional[torch.Tensor], scheme: QuantScheme
+) -> torch.Tensor:
     offset = scheme.symmetric_zero if zero is None else zero.float().unsqueeze(1)
     return (codes.float() - offset) * scale.float().unsqueeze(1)
 
@@ -78,7 +88,9 @@ def dequantize_weight(quantized: QuantizedWeight, scheme: QuantScheme) -> torch.
     groups = quantized.scales.shape[1]
     codes = quantized.codes.reshape(out_features * groups, in_features // groups)
     zeros = None if quantized.zeros is None else quantized.zeros.reshape(-1)
-    return dequantize_codes(codes, quantized.scales.reshape(-1), zeros, scheme).reshape(out_features, in_features)
+    return dequantize_codes(codes, quantized.scales.reshape(-1), zeros, scheme).reshape(
+        out_features, in_features
+    )
 
 
 def fake_quantize(weight: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:

@@ -24,7 +24,15 @@ from tqdm import tqdm
 from slimlm.compress.calibration import CalibrationParams, calibrate_sequentially
 from slimlm.compress.gptq import LayerInputStatistics
 from slimlm.compress.quantize import calibration_windows
-from slimlm.compress.sparsity import SparsityPattern, magnitude_mask, outlier_ratio, owl_ratios, sparsegpt_prune, wanda_mask, wanda_scores
+from slimlm.compress.sparsity import (
+    SparsityPattern,
+    magnitude_mask,
+    outlier_ratio,
+    owl_ratios,
+    sparsegpt_prune,
+    wanda_mask,
+    wanda_scores,
+)
 from slimlm.compress.targets import compile_patterns, select_linear_modules
 from slimlm.data import check_text_source
 from slimlm.errors import ConfigError, SlimlmError
@@ -56,12 +64,18 @@ class SparsifyParams(CalibrationParams):
             raise ConfigError(f"sparsify.method='{self.method}' is unknown; available: {', '.join(METHODS)}")
         pattern = self.parsed_pattern  # checks sparsity and pattern
         if self.owl and (pattern.is_nm or self.method == "magnitude"):
-            raise ConfigError("sparsify.owl sets per-layer unstructured ratios from activations: use it with method wanda or sparsegpt and pattern 'unstructured'")
+            raise ConfigError(
+                "sparsify.owl sets per-layer unstructured ratios from activations: use it with method wanda or sparsegpt and pattern 'unstructured'"
+            )
         if self.owl and not 0 <= 2 * self.owl_spread <= min(self.sparsity, 1 - self.sparsity):
             # the ratios span 2 x spread around their mean, so one layer can sit up to 2 x spread from the target
-            raise ConfigError(f"sparsify.owl_spread={self.owl_spread} must keep every layer's ratio within [0, 1): at most {min(self.sparsity, 1 - self.sparsity) / 2:g} here")
+            raise ConfigError(
+                f"sparsify.owl_spread={self.owl_spread} must keep every layer's ratio within [0, 1): at most {min(self.sparsity, 1 - self.sparsity) / 2:g} here"
+            )
         if self.owl_threshold <= 0:
-            raise ConfigError(f"sparsify.owl_threshold={self.owl_threshold} must be positive (5 in the OWL paper)")
+            raise ConfigError(
+                f"sparsify.owl_threshold={self.owl_threshold} must be positive (5 in the OWL paper)"
+            )
         self.check_calibration("sparsify")
         if not 0 < self.damp < 1 or self.block_size < 1:
             raise ConfigError("sparsify: damp must lie between 0 and 1 and block_size be at least 1")
@@ -88,17 +102,32 @@ def run(state: RunState, params: SparsifyParams) -> None:
     for name in names:
         problem = pattern.shape_problem(state.model.get_submodule(name).in_features)
         if problem:
-            raise SlimlmError(f"cannot sparsify {name}: {problem}; choose another pattern or exclude it with sparsify.ignore")
-    section: dict = {"method": params.method, "pattern": str(pattern), "sparsity": pattern.ratio, "owl": params.owl, "layers": len(names)}
+            raise SlimlmError(
+                f"cannot sparsify {name}: {problem}; choose another pattern or exclude it with sparsify.ignore"
+            )
+    section: dict = {
+        "method": params.method,
+        "pattern": str(pattern),
+        "sparsity": pattern.ratio,
+        "owl": params.owl,
+        "layers": len(names),
+    }
     if params.method == "magnitude":
         for name in tqdm(names, desc="sparsify magnitude", unit="layer"):
-            prune_in_place(state.model.get_submodule(name).weight, magnitude_mask(state.model.get_submodule(name).weight, pattern))
+            prune_in_place(
+                state.model.get_submodule(name).weight,
+                magnitude_mask(state.model.get_submodule(name).weight, pattern),
+            )
     else:
         section.update(run_calibrated(state, params, names, pattern))
     state.mark_changed(f"sparsified ({params.label})")
-    zeros = {name: round(float((state.model.get_submodule(name).weight == 0).float().mean()), 6) for name in names}
+    zeros = {
+        name: round(float((state.model.get_submodule(name).weight == 0).float().mean()), 6) for name in names
+    }
     total = sum(state.model.get_submodule(n).weight.numel() for n in names)
-    section["achieved_sparsity"] = round(sum(zeros[n] * state.model.get_submodule(n).weight.numel() for n in names) / total, 6)
+    section["achieved_sparsity"] = round(
+        sum(zeros[n] * state.model.get_submodule(n).weight.numel() for n in names) / total, 6
+    )
     section["layer_sparsity"] = zeros
     section["seconds"] = round(time.perf_counter() - started, 2)
     state.sections.setdefault("sparsity", []).append(section)
@@ -108,12 +137,16 @@ def prune_in_place(weight: torch.Tensor, keep: torch.Tensor) -> None:
     weight.mul_(keep.to(weight.dtype))
 
 
-def run_calibrated(state: RunState, params: SparsifyParams, names: list[str], pattern: SparsityPattern) -> dict:
+def run_calibrated(
+    state: RunState, params: SparsifyParams, names: list[str], pattern: SparsityPattern
+) -> dict:
     """Wanda or SparseGPT layer by layer; OWL first measures every layer of the dense model."""
     samples = calibration_windows(state, params.samples, params.seq_len, params.seed)
     ratios, outliers = owl_layer_ratios(state, samples, names, params) if params.owl else ({}, {})
     wanda = params.method == "wanda"
-    statistics = LayerInputStatistics(square_sums=wanda)  # Wanda reads the inputs' norms, SparseGPT the whole Hessian
+    statistics = LayerInputStatistics(
+        square_sums=wanda
+    )  # Wanda reads the inputs' norms, SparseGPT the whole Hessian
 
     unseen: list[str] = []
 
@@ -125,13 +158,26 @@ def run_calibrated(state: RunState, params: SparsifyParams, names: list[str], pa
                 unseen.append(name)
                 prune_in_place(weight, magnitude_mask(weight, layer_pattern))
             elif wanda:
-                prune_in_place(weight, wanda_mask(weight, statistics.pop(name).sums.to(weight.device), layer_pattern))
+                prune_in_place(
+                    weight, wanda_mask(weight, statistics.pop(name).sums.to(weight.device), layer_pattern)
+                )
             else:
                 hessian = statistics.take_hessian(name).to(weight.device)
-                weight.copy_(sparsegpt_prune(weight, hessian, layer_pattern, params.block_size, params.damp, name).to(weight.dtype))
+                weight.copy_(
+                    sparsegpt_prune(weight, hessian, layer_pattern, params.block_size, params.damp, name).to(
+                        weight.dtype
+                    )
+                )
 
-    peak = calibrate_sequentially(state.model, samples, names, statistics.observe, finish_layer, desc=params.label)
-    result = {"calibration_tokens": samples.numel(), "samples": params.samples, "seq_len": params.seq_len, "calibration_peak_memory_bytes": peak}
+    peak = calibrate_sequentially(
+        state.model, samples, names, statistics.observe, finish_layer, desc=params.label
+    )
+    result = {
+        "calibration_tokens": samples.numel(),
+        "samples": params.samples,
+        "seq_len": params.seq_len,
+        "calibration_peak_memory_bytes": peak,
+    }
     if unseen:
         result["uncalibrated_layers"] = unseen
     if ratios:
@@ -140,24 +186,38 @@ def run_calibrated(state: RunState, params: SparsifyParams, names: list[str], pa
     return result
 
 
-def owl_layer_ratios(state: RunState, samples: torch.Tensor, names: list[str], params: SparsifyParams) -> tuple[dict[str, float], dict[str, float]]:
+def owl_layer_ratios(
+    state: RunState, samples: torch.Tensor, names: list[str], params: SparsifyParams
+) -> tuple[dict[str, float], dict[str, float]]:
     """Each decoder layer's sparsity, and the outlier ratio it comes from (measured on the dense model)."""
     outliers: dict[str, float] = {}
     statistics = LayerInputStatistics(square_sums=True)
 
     def finish_layer(block: str, layer_names: list[str]) -> None:
-        scores = [wanda_scores(state.model.get_submodule(n).weight, statistics.pop(n).sums) for n in layer_names if n in statistics]
+        scores = [
+            wanda_scores(state.model.get_submodule(n).weight, statistics.pop(n).sums)
+            for n in layer_names
+            if n in statistics
+        ]
         outliers[block] = outlier_ratio(scores, params.owl_threshold)
 
     calibrate_sequentially(state.model, samples, names, statistics.observe, finish_layer, desc="owl outliers")
     layers = list(outliers)
-    return dict(zip(layers, owl_ratios([outliers[layer] for layer in layers], params.sparsity, params.owl_spread))), outliers
+    return dict(
+        zip(layers, owl_ratios([outliers[layer] for layer in layers], params.sparsity, params.owl_spread))
+    ), outliers
 
 
 def check_not_quantized(state: RunState, targets: list[str]) -> None:
-    quantized = [n for n, m in state.model.named_modules() if isinstance(m, QuantLinear) and any(re.fullmatch(p, n) for p in targets)]
+    quantized = [
+        n
+        for n, m in state.model.named_modules()
+        if isinstance(m, QuantLinear) and any(re.fullmatch(p, n) for p in targets)
+    ]
     if quantized:
-        raise SlimlmError(f"{quantized[0]} is already quantized: put the sparsify stage before the quantize stage (prune, then quantize the survivors)")
+        raise SlimlmError(
+            f"{quantized[0]} is already quantized: put the sparsify stage before the quantize stage (prune, then quantize the survivors)"
+        )
 
 
 def check(cfg, params: SparsifyParams, source) -> None:

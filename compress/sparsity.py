@@ -41,14 +41,20 @@ class SparsityPattern:
         """From a recipe's `sparsity` and `pattern` ('unstructured', '2:4', '4:8', ...)."""
         if pattern == "unstructured":
             if not 0 <= sparsity < 1:
-                raise ConfigError(f"sparsity={sparsity} must lie in [0, 1): the fraction of weights set to zero")
+                raise ConfigError(
+                    f"sparsity={sparsity} must lie in [0, 1): the fraction of weights set to zero"
+                )
             return cls(ratio=float(sparsity))
         match = re.fullmatch(r"(\d+):(\d+)", pattern)
         if not match or not 0 < int(match[1]) < int(match[2]):
-            raise ConfigError(f"pattern='{pattern}' is neither 'unstructured' nor N:M with 0 < N < M (e.g. '2:4')")
+            raise ConfigError(
+                f"pattern='{pattern}' is neither 'unstructured' nor N:M with 0 < N < M (e.g. '2:4')"
+            )
         n, m = int(match[1]), int(match[2])
         if abs(sparsity - (1 - n / m)) > 1e-9:
-            raise ConfigError(f"sparsity={sparsity} disagrees with pattern '{pattern}', which zeroes {1 - n / m:g} of the weights; set sparsity: {1 - n / m:g}")
+            raise ConfigError(
+                f"sparsity={sparsity} disagrees with pattern '{pattern}', which zeroes {1 - n / m:g} of the weights; set sparsity: {1 - n / m:g}"
+            )
         return cls(ratio=1 - n / m, n=n, m=m)
 
     @property
@@ -116,7 +122,14 @@ def owl_ratios(outliers: Sequence[float], target: float, spread: float) -> list[
     return [float(r) for r in ratios]
 
 
-def sparsegpt_prune(weight: torch.Tensor, hessian: torch.Tensor, pattern: SparsityPattern, block_size: int = 128, damp: float = 0.01, name: str = "layer") -> torch.Tensor:
+def sparsegpt_prune(
+    weight: torch.Tensor,
+    hessian: torch.Tensor,
+    pattern: SparsityPattern,
+    block_size: int = 128,
+    damp: float = 0.01,
+    name: str = "layer",
+) -> torch.Tensor:
     """The weight with `pattern` pruned SparseGPT's way (float32, zeros in place). `hessian` is
     overwritten when it is already in the layer's solve_dtype on the weight's device, as in gptq_quantize.
 

@@ -23,7 +23,16 @@ import torch
 from tqdm import tqdm
 
 from slimlm.architecture import untied_table
-from slimlm.artifact import WEIGHTS_METADATA, ManifestFacts, generation_config_of, install_quantized_layers, module_record, save_model_files, unique_state, write_manifest
+from slimlm.artifact import (
+    WEIGHTS_METADATA,
+    ManifestFacts,
+    generation_config_of,
+    install_quantized_layers,
+    module_record,
+    save_model_files,
+    unique_state,
+    write_manifest,
+)
 from slimlm.checkpoint import Checkpoint, checkpoint_tokenizer, open_checkpoint
 from slimlm.compress.rtn import quantize_rtn
 from slimlm.compress.targets import select_linear_modules
@@ -42,7 +51,17 @@ class StreamedArtifact:
     weight_rel_error: dict[str, float]  # ||W - Q(W)|| / ||W|| of each quantized module, as reports plot it
 
 
-def stream_rtn(checkpoint_dir: Path, out_dir: Path, scheme: QuantScheme, targets: Sequence[str], ignore: Sequence[str] = (), max_shard_bytes: int = DEFAULT_SHARD_BYTES, source: Optional[dict] = None, recipe: Optional[dict] = None, dtype: Optional[torch.dtype] = None) -> StreamedArtifact:
+def stream_rtn(
+    checkpoint_dir: Path,
+    out_dir: Path,
+    scheme: QuantScheme,
+    targets: Sequence[str],
+    ignore: Sequence[str] = (),
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    source: Optional[dict] = None,
+    recipe: Optional[dict] = None,
+    dtype: Optional[torch.dtype] = None,
+) -> StreamedArtifact:
     """Quantize the Linear layers of the checkpoint at `checkpoint_dir` that match `targets` and
     no `ignore` pattern (regexes over module names) with RTN in `scheme`, and write the artifact
     to `out_dir` (atomically; an existing one is refused). `dtype`: the model's dtype, as a model
@@ -54,32 +73,57 @@ def stream_rtn(checkpoint_dir: Path, out_dir: Path, scheme: QuantScheme, targets
     for name in names:
         problem = scheme.shape_problem(skeleton.get_submodule(name).in_features)
         if problem:
-            raise SlimlmError(f"cannot quantize {name}: {problem}; change the group size or add the layer to the ignore patterns")
+            raise SlimlmError(
+                f"cannot quantize {name}: {problem}; change the group size or add the layer to the ignore patterns"
+            )
     table = untied_table(skeleton)
-    if table is not None and any(skeleton.get_submodule(name) is skeleton.get_output_embeddings() for name in names):
+    if table is not None and any(
+        skeleton.get_submodule(name) is skeleton.get_output_embeddings() for name in names
+    ):
         names.append(table)  # the embedding is rounded with its head, as compress/quantize.py does
     install_meta_layers(skeleton, names, scheme, checkpoint_dir)
     tokenizer, generation_config = checkpoint_tokenizer(checkpoint_dir), generation_config_of(checkpoint_dir)
     specs = artifact_specs(skeleton, checkpoint, dtype)
     rounding = StreamedRounding(checkpoint, {name: skeleton.get_submodule(name) for name in names}, dtype)
-    with staged_directory(out_dir, "artifacts") as staging, tqdm(total=sum(spec.nbytes for spec in specs), unit="B", unit_scale=True, desc="stream rtn") as bar:
+    with (
+        staged_directory(out_dir, "artifacts") as staging,
+        tqdm(total=sum(spec.nbytes for spec in specs), unit="B", unit_scale=True, desc="stream rtn") as bar,
+    ):
         write_weights(staging, specs, rounding, max_shard_bytes, WEIGHTS_METADATA, bar.update)
         save_model_files(staging, skeleton.config, generation_config, tokenizer)
-        modules = {name: module_record(skeleton.get_submodule(name), scheme.to_dict(), rounding.sparsity[name], "dense") for name in names}
-        write_manifest(staging, skeleton, specs, ManifestFacts(source or {"path": str(checkpoint_dir)}, recipe, None, modules, {}))
+        modules = {
+            name: module_record(
+                skeleton.get_submodule(name), scheme.to_dict(), rounding.sparsity[name], "dense"
+            )
+            for name in names
+        }
+        write_manifest(
+            staging,
+            skeleton,
+            specs,
+            ManifestFacts(source or {"path": str(checkpoint_dir)}, recipe, None, modules, {}),
+        )
     return StreamedArtifact(Path(out_dir), rounding.errors)
 
 
-def install_meta_layers(skeleton: torch.nn.Module, names: Sequence[str], scheme: QuantScheme, checkpoint_dir: Path) -> None:
+def install_meta_layers(
+    skeleton: torch.nn.Module, names: Sequence[str], scheme: QuantScheme, checkpoint_dir: Path
+) -> None:
     """Puts empty (meta) QuantLinear layers in `scheme` in place of the modules `names` (Linear
     layers, or an embedding rounded with its head), as loading the artifact will: the layout an
     out-of-core writer plans the artifact's tensors on."""
-    records = {name: {**scheme.to_dict(), "shape": list(skeleton.get_submodule(name).weight.shape)} for name in names}
+    records = {
+        name: {**scheme.to_dict(), "shape": list(skeleton.get_submodule(name).weight.shape)} for name in names
+    }
     with torch.device("meta"):
-        install_quantized_layers(skeleton, records, bool(getattr(skeleton.config, "tie_word_embeddings", False)), checkpoint_dir)
+        install_quantized_layers(
+            skeleton, records, bool(getattr(skeleton.config, "tie_word_embeddings", False)), checkpoint_dir
+        )
 
 
-def artifact_specs(skeleton: torch.nn.Module, checkpoint: Checkpoint, dtype: Optional[torch.dtype] = None) -> list[TensorSpec]:
+def artifact_specs(
+    skeleton: torch.nn.Module, checkpoint: Checkpoint, dtype: Optional[torch.dtype] = None
+) -> list[TensorSpec]:
     """The artifact's tensors, in the skeleton's order: QuantLinear buffers as the layer holds
     them, everything else as the checkpoint stores it (floating ones in `dtype` when given)."""
     quantized = {name for name, module in skeleton.named_modules() if isinstance(module, QuantLinear)}
@@ -89,12 +133,22 @@ def artifact_specs(skeleton: torch.nn.Module, checkpoint: Checkpoint, dtype: Opt
         if module in quantized and field != "bias":
             specs.append(TensorSpec.of(key, meta))
         elif not checkpoint.has(key):
-            raise SlimlmError(f"checkpoint '{checkpoint.directory}' has no tensor {key}, which its config.json needs")
+            raise SlimlmError(
+                f"checkpoint '{checkpoint.directory}' has no tensor {key}, which its config.json needs"
+            )
         elif checkpoint.shape(key) != tuple(meta.shape):
-            raise SlimlmError(f"checkpoint '{checkpoint.directory}': {key} has the shape {list(checkpoint.shape(key))}, its config.json gives {list(meta.shape)}")
+            raise SlimlmError(
+                f"checkpoint '{checkpoint.directory}': {key} has the shape {list(checkpoint.shape(key))}, its config.json gives {list(meta.shape)}"
+            )
         else:
             stored = checkpoint.dtype(key)
-            specs.append(TensorSpec(key, dtype if dtype is not None and stored.is_floating_point else stored, tuple(meta.shape)))
+            specs.append(
+                TensorSpec(
+                    key,
+                    dtype if dtype is not None and stored.is_floating_point else stored,
+                    tuple(meta.shape),
+                )
+            )
     return specs
 
 
@@ -103,7 +157,9 @@ class StreamedRounding:
     layer's buffers from its weight, rounded when the first of them is asked for and kept until
     the next layer's are; any other tensor read from the checkpoint."""
 
-    def __init__(self, checkpoint: Checkpoint, layers: dict[str, QuantLinear], dtype: Optional[torch.dtype] = None):
+    def __init__(
+        self, checkpoint: Checkpoint, layers: dict[str, QuantLinear], dtype: Optional[torch.dtype] = None
+    ):
         self.checkpoint = checkpoint
         self.layers = layers
         self.dtype = dtype
@@ -117,7 +173,9 @@ class StreamedRounding:
             return self.checkpoint.tensor(spec.name, spec.dtype)
         if self._current[0] != module:
             self._current = (None, {})  # the previous layer's codes go before this one's are made
-            rounded = round_weight(self.checkpoint.tensor(f"{module}.weight", self.dtype), self.layers[module].scheme)
+            rounded = round_weight(
+                self.checkpoint.tensor(f"{module}.weight", self.dtype), self.layers[module].scheme
+            )
             self.sparsity[module], self.errors[module] = rounded.zero_fraction, rounded.relative_error
             self._current = (module, dict(rounded.layer.named_buffers()))
         return self._current[1][field]
@@ -147,4 +205,3 @@ def round_weight(weight: torch.Tensor, scheme: QuantScheme) -> RoundedWeight:
         error += float(torch.sum((rows - part.dequantize()) ** 2))
         norm += float(torch.sum(rows**2))
     return RoundedWeight(layer, zero / weight.numel(), (error / max(norm, 1e-24)) ** 0.5)
-

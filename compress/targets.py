@@ -36,5 +36,6 @@ def select_linear_modules(model: nn.Module, targets: Sequence[str], ignore: Sequ
     return [
         name
         for name in linear_names
-        if any(compiled[p].fullmatch(name) for p in targets) and not any(compiled[p].fullmatch(name) for p in ignore)
+        if any(compiled[p].fullmatch(name) for p in targets)
+        and not any(compiled[p].fullmatch(name) for p in ignore)
     ]

@@ -46,7 +46,12 @@ class BatchOrder:
         """Window indices of one micro-batch."""
         start = ((step * self.accumulation + micro) * self.world + rank) * self.batch_size
         positions = range(start, start + self.batch_size)
-        return torch.tensor([int(_permutation(self.windows, self.seed, p // self.windows)[p % self.windows]) for p in positions])
+        return torch.tensor(
+            [
+                int(_permutation(self.windows, self.seed, p // self.windows)[p % self.windows])
+                for p in positions
+            ]
+        )
 
     def used(self, steps: int) -> torch.Tensor:
         """Every window index some process visits in `steps` optimizer steps (sorted, unique)."""

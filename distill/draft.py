@@ -21,8 +21,17 @@ from slimlm.inference.speculative import generate_speculative
 
 
 @torch.inference_mode()
-def draft_report(teacher: nn.Module, student: nn.Module, tokenizer, prompts: list[list[int]], new_tokens: int = 48, lookahead: int = 4) -> dict:
-    target = Decoder(build_decoder(teacher, dtype=torch.float32), tokenizer, reuse_prefixes=False)  # both ways prefill each prompt whole
+def draft_report(
+    teacher: nn.Module,
+    student: nn.Module,
+    tokenizer,
+    prompts: list[list[int]],
+    new_tokens: int = 48,
+    lookahead: int = 4,
+) -> dict:
+    target = Decoder(
+        build_decoder(teacher, dtype=torch.float32), tokenizer, reuse_prefixes=False
+    )  # both ways prefill each prompt whole
     draft = Decoder(build_decoder(student, dtype=torch.float32), tokenizer, reuse_prefixes=False)
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     target.generate_ids([prompts[0]], params)  # warm-up: both caches allocated once
@@ -38,7 +47,12 @@ def draft_report(teacher: nn.Module, student: nn.Module, tokenizer, prompts: lis
         fast, stats = generate_speculative(target, prompt, params, draft=draft, lookahead=lookahead)
         speculative_s += time.perf_counter() - start
         identical &= fast.token_ids == plain.token_ids
-        proposed, accepted, passes, produced = proposed + stats.proposed, accepted + stats.accepted, passes + stats.target_passes, produced + stats.new_tokens
+        proposed, accepted, passes, produced = (
+            proposed + stats.proposed,
+            accepted + stats.accepted,
+            passes + stats.target_passes,
+            produced + stats.new_tokens,
+        )
     return {
         "prompts": len(prompts),
         "new_tokens": new_tokens,

@@ -63,7 +63,9 @@ def skew_kl(teacher_logp: torch.Tensor, student_logp: torch.Tensor, alpha: float
     return forward_kl(teacher_logp, _log_mixture(teacher_logp, student_logp, alpha))
 
 
-def divergence(name: str, teacher_logp: torch.Tensor, student_logp: torch.Tensor, beta: float = 0.5) -> torch.Tensor:
+def divergence(
+    name: str, teacher_logp: torch.Tensor, student_logp: torch.Tensor, beta: float = 0.5
+) -> torch.Tensor:
     """The named divergence per position; `beta` is JSD's beta or skew KL's alpha."""
     if name == "forward_kl":
         return forward_kl(teacher_logp, student_logp)
@@ -119,7 +121,14 @@ class HiddenProjector(nn.Module):
     teacher's width (learned, trained with the student), against the teacher layer at the same
     relative depth; mean squared error or 1 - cosine similarity."""
 
-    def __init__(self, student_width: int, teacher_width: int, student_layers: int, teacher_layers: int, kind: str = "mse"):
+    def __init__(
+        self,
+        student_width: int,
+        teacher_width: int,
+        student_layers: int,
+        teacher_layers: int,
+        kind: str = "mse",
+    ):
         super().__init__()
         if kind not in ("mse", "cosine"):
             raise ConfigError(f"hidden-state loss '{kind}' is unknown; choose mse or cosine")
@@ -127,10 +136,15 @@ class HiddenProjector(nn.Module):
         # Student layer i (output i + 1 of the hidden states) matches teacher layer round((i + 1) * Lt / Ls).
         self.pairs = [(i, round(i * teacher_layers / student_layers)) for i in range(1, student_layers + 1)]
         self.projections = nn.ModuleList(
-            nn.Identity() if student_width == teacher_width else nn.Linear(student_width, teacher_width, bias=False) for _ in self.pairs
+            nn.Identity()
+            if student_width == teacher_width
+            else nn.Linear(student_width, teacher_width, bias=False)
+            for _ in self.pairs
         )
 
-    def forward(self, student_hidden: tuple[torch.Tensor, ...], teacher_hidden: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    def forward(
+        self, student_hidden: tuple[torch.Tensor, ...], teacher_hidden: tuple[torch.Tensor, ...]
+    ) -> torch.Tensor:
         """Per-position loss averaged over the matched layers."""
         losses = []
         for (s, t), projection in zip(self.pairs, self.projections):

@@ -72,32 +72,62 @@ class DistillParams:
 
     def __post_init__(self) -> None:
         if self.loss not in (*LOSSES, "ce"):
-            raise ConfigError(f"distill.loss='{self.loss}' is unknown; choose one of {', '.join((*LOSSES, 'ce'))}")
+            raise ConfigError(
+                f"distill.loss='{self.loss}' is unknown; choose one of {', '.join((*LOSSES, 'ce'))}"
+            )
         if self.hidden_loss not in ("mse", "cosine"):
             raise ConfigError(f"distill.hidden_loss='{self.hidden_loss}' is unknown; choose mse or cosine")
         if self.temperature <= 0 or not 0 <= self.ce_weight <= 1 or self.hidden_weight < 0:
-            raise ConfigError("distill: temperature must be positive, ce_weight within [0, 1], hidden_weight at least 0")
+            raise ConfigError(
+                "distill: temperature must be positive, ce_weight within [0, 1], hidden_weight at least 0"
+            )
         if self.beta is not None and not (0 < self.beta < 1 if self.loss == "jsd" else 0 <= self.beta < 1):
-            raise ConfigError(f"distill.beta={self.beta}: JSD needs 0 < beta < 1 and skew KL 0 <= alpha < 1 (at the ends the student gets no gradient)")
+            raise ConfigError(
+                f"distill.beta={self.beta}: JSD needs 0 < beta < 1 and skew KL 0 <= alpha < 1 (at the ends the student gets no gradient)"
+            )
         if not 0 <= self.on_policy_fraction <= 1:
             raise ConfigError(f"distill.on_policy_fraction={self.on_policy_fraction} must lie within [0, 1]")
         needs_online = self.on_policy_fraction > 0 or self.hidden_weight > 0
         if needs_online and self.top_k is not None:
-            raise ConfigError("distill: on-policy samples and hidden-state losses need the teacher online; set distill.top_k: null")
+            raise ConfigError(
+                "distill: on-policy samples and hidden-state losses need the teacher online; set distill.top_k: null"
+            )
         if self.loss == "ce" and (needs_online or self.ce_weight):
-            raise ConfigError("distill.loss=ce is plain fine-tuning without a teacher: drop ce_weight, hidden_weight and on_policy_fraction")
+            raise ConfigError(
+                "distill.loss=ce is plain fine-tuning without a teacher: drop ce_weight, hidden_weight and on_policy_fraction"
+            )
         if self.top_k is not None and self.top_k < 1:
-            raise ConfigError(f"distill.top_k={self.top_k} must be at least 1 (or null for an online teacher)")
-        if min(self.seq_len, self.batch_size, self.accumulation, self.eval_windows, self.checkpoint_every) < 1 or self.seq_len < 2:
-            raise ConfigError("distill: seq_len (at least 2), batch_size, accumulation, eval_windows and checkpoint_every must be positive")
+            raise ConfigError(
+                f"distill.top_k={self.top_k} must be at least 1 (or null for an online teacher)"
+            )
+        if (
+            min(self.seq_len, self.batch_size, self.accumulation, self.eval_windows, self.checkpoint_every)
+            < 1
+            or self.seq_len < 2
+        ):
+            raise ConfigError(
+                "distill: seq_len (at least 2), batch_size, accumulation, eval_windows and checkpoint_every must be positive"
+            )
         if self.tokens < self.seq_len * self.batch_size * self.accumulation:
-            raise ConfigError(f"distill.tokens={self.tokens} is less than one optimizer step ({self.seq_len * self.batch_size * self.accumulation} tokens)")
+            raise ConfigError(
+                f"distill.tokens={self.tokens} is less than one optimizer step ({self.seq_len * self.batch_size * self.accumulation} tokens)"
+            )
         if not 0 < self.lr < math.inf or not 0 <= self.warmup_fraction < 1:
-            raise ConfigError(f"distill: lr={self.lr} must be a positive number and warmup_fraction={self.warmup_fraction} within [0, 1)")
-        if not 0 <= self.draft_prompts <= self.eval_windows or self.draft_new_tokens < 1 or (self.draft_prompts and self.seq_len < 33):
-            raise ConfigError(f"distill.draft_prompts={self.draft_prompts} must lie within [0, eval_windows={self.eval_windows}] (prompts come from the held-out windows, which need seq_len above 32) and draft_new_tokens be at least 1")
+            raise ConfigError(
+                f"distill: lr={self.lr} must be a positive number and warmup_fraction={self.warmup_fraction} within [0, 1)"
+            )
+        if (
+            not 0 <= self.draft_prompts <= self.eval_windows
+            or self.draft_new_tokens < 1
+            or (self.draft_prompts and self.seq_len < 33)
+        ):
+            raise ConfigError(
+                f"distill.draft_prompts={self.draft_prompts} must lie within [0, eval_windows={self.eval_windows}] (prompts come from the held-out windows, which need seq_len above 32) and draft_new_tokens be at least 1"
+            )
         if self.lora_rank is not None and (self.lora_rank < 1 or not self.lora_targets):
-            raise ConfigError("distill.lora_rank must be at least 1 and lora_targets name at least one module")
+            raise ConfigError(
+                "distill.lora_rank must be at least 1 and lora_targets name at least one module"
+            )
 
 
 def loss_beta(params: DistillParams) -> float:
@@ -109,42 +139,100 @@ def run(state: RunState, params: DistillParams) -> None:
 
     started = time.perf_counter()
     if state.sections.get("sparsity"):
-        raise SlimlmError("the model was sparsified: training would fill its zeros again; put the distill stage before sparsify (prune, distill, then sparsify or quantize)")
-    index = len(state.sections.get("distillation", [])) + 1  # each distill stage of a recipe trains in its own directory
+        raise SlimlmError(
+            "the model was sparsified: training would fill its zeros again; put the distill stage before sparsify (prune, distill, then sparsify or quantize)"
+        )
+    index = (
+        len(state.sections.get("distillation", [])) + 1
+    )  # each distill stage of a recipe trains in its own directory
     out_dir = state.run_dir / ("distill" if index == 1 else f"distill-{index}")
     tracker = "tensorboard" if importlib.util.find_spec("tensorboard") else None
     precision = "no"
     if state.device.type == "cuda":
         precision = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
-    accelerator = Accelerator(gradient_accumulation_steps=params.accumulation, mixed_precision=precision, cpu=state.device.type == "cpu", log_with=tracker, project_dir=str(out_dir))
+    accelerator = Accelerator(
+        gradient_accumulation_steps=params.accumulation,
+        mixed_precision=precision,
+        cpu=state.device.type == "cpu",
+        log_with=tracker,
+        project_dir=str(out_dir),
+    )
     if tracker:
         accelerator.init_trackers("distill")
     if params.student is not None:
-        state.adopt(load_model(OmegaConf.merge(state.cfg.model, {"path": params.student, "bnb": None}), state.device), f"student {params.student}")
+        state.adopt(
+            load_model(OmegaConf.merge(state.cfg.model, {"path": params.student, "bnb": None}), state.device),
+            f"student {params.student}",
+        )
     if params.lora_rank is not None:
         check_lora_targets(state.model, params.lora_targets)  # before the teacher's cache is computed
-    teacher_cfg = state.original_model_cfg() if params.teacher is None else OmegaConf.merge(state.cfg.model, {"path": params.teacher, "bnb": None})
-    teacher = None if params.loss == "ce" and not params.draft_prompts else load_model(teacher_cfg, state.device)
+    teacher_cfg = (
+        state.original_model_cfg()
+        if params.teacher is None
+        else OmegaConf.merge(state.cfg.model, {"path": params.teacher, "bnb": None})
+    )
+    teacher = (
+        None if params.loss == "ce" and not params.draft_prompts else load_model(teacher_cfg, state.device)
+    )
     if teacher is not None:
         check_same_vocabulary(state.tokenizer, teacher.tokenizer, state.model, teacher.model)
-    windows = cut_windows(calibration_token_ids(state), params.seq_len, params.eval_windows, params.batch_size)
-    order = BatchOrder(windows=windows.train.shape[0], batch_size=params.batch_size, accumulation=params.accumulation, world=accelerator.num_processes, seed=params.seed)
-    steps = params.tokens // (params.seq_len * params.batch_size * params.accumulation * accelerator.num_processes)
+    windows = cut_windows(
+        calibration_token_ids(state), params.seq_len, params.eval_windows, params.batch_size
+    )
+    order = BatchOrder(
+        windows=windows.train.shape[0],
+        batch_size=params.batch_size,
+        accumulation=params.accumulation,
+        world=accelerator.num_processes,
+        seed=params.seed,
+    )
+    steps = params.tokens // (
+        params.seq_len * params.batch_size * params.accumulation * accelerator.num_processes
+    )
     if steps < 1:
-        raise SlimlmError(f"distill.tokens={params.tokens} is less than one optimizer step over {accelerator.num_processes} processes; raise it")
-    section: dict = {"loss": params.loss, "steps": steps, "tokens": steps * params.seq_len * params.batch_size * params.accumulation * accelerator.num_processes, "processes": accelerator.num_processes}
+        raise SlimlmError(
+            f"distill.tokens={params.tokens} is less than one optimizer step over {accelerator.num_processes} processes; raise it"
+        )
+    section: dict = {
+        "loss": params.loss,
+        "steps": steps,
+        "tokens": steps
+        * params.seq_len
+        * params.batch_size
+        * params.accumulation
+        * accelerator.num_processes,
+        "processes": accelerator.num_processes,
+    }
     prompts = [window[:32].tolist() for window in windows.held_out[: params.draft_prompts]]
     draft_teacher = teacher.model if prompts else None
     if prompts:
-        section["draft_before"] = draft_report(draft_teacher, state.model, state.tokenizer, prompts, params.draft_new_tokens)
+        section["draft_before"] = draft_report(
+            draft_teacher, state.model, state.tokenizer, prompts, params.draft_new_tokens
+        )
     signal = None
     if params.loss != "ce" and params.top_k is not None:
         if params.top_k > state.model.config.vocab_size:
-            raise ConfigError(f"distill.top_k={params.top_k} exceeds the vocabulary ({state.model.config.vocab_size})")
+            raise ConfigError(
+                f"distill.top_k={params.top_k} exceeds the vocabulary ({state.model.config.vocab_size})"
+            )
         teacher_key = teacher.sha256 or f"id:{teacher.source.id}"
         with accelerator.main_process_first():  # the main process computes the cache; the others then read it
-            signal, cache, reused = offline_teacher(teacher.model, teacher_key, windows.train, order.used(steps), params.top_k, params.temperature, params.batch_size)
-        section.update({"teacher_signal": f"offline top-{params.top_k}", "teacher_cache": cache.name, "teacher_cache_reused": reused})
+            signal, cache, reused = offline_teacher(
+                teacher.model,
+                teacher_key,
+                windows.train,
+                order.used(steps),
+                params.top_k,
+                params.temperature,
+                params.batch_size,
+            )
+        section.update(
+            {
+                "teacher_signal": f"offline top-{params.top_k}",
+                "teacher_cache": cache.name,
+                "teacher_cache_reused": reused,
+            }
+        )
         teacher = None  # never runs again (unless it judges drafts): free its memory for training
         gc.collect()
     elif params.loss != "ce":
@@ -156,26 +244,58 @@ def run(state: RunState, params: DistillParams) -> None:
     projector = None
     if params.hidden_weight > 0:
         s, t = student.config, teacher.model.config
-        projector = HiddenProjector(s.hidden_size, t.hidden_size, s.num_hidden_layers, t.num_hidden_layers, params.hidden_loss).to(state.device)
+        projector = HiddenProjector(
+            s.hidden_size, t.hidden_size, s.num_hidden_layers, t.num_hidden_layers, params.hidden_loss
+        ).to(state.device)
     settings = TrainSettings(
-        steps=steps, loss=params.loss, temperature=params.temperature, beta=loss_beta(params), ce_weight=params.ce_weight, hidden_weight=params.hidden_weight,
-        on_policy_fraction=params.on_policy_fraction, lr=params.lr, weight_decay=params.weight_decay, warmup_fraction=params.warmup_fraction,
-        max_grad_norm=params.max_grad_norm, eval_every=params.eval_every, checkpoint_every=params.checkpoint_every, seed=params.seed,
+        steps=steps,
+        loss=params.loss,
+        temperature=params.temperature,
+        beta=loss_beta(params),
+        ce_weight=params.ce_weight,
+        hidden_weight=params.hidden_weight,
+        on_policy_fraction=params.on_policy_fraction,
+        lr=params.lr,
+        weight_decay=params.weight_decay,
+        warmup_fraction=params.warmup_fraction,
+        max_grad_norm=params.max_grad_norm,
+        eval_every=params.eval_every,
+        checkpoint_every=params.checkpoint_every,
+        seed=params.seed,
     )
-    fingerprint = {"stages": OmegaConf.to_container(state.cfg.recipe.stages, resolve=True), "distill_stage": index, "model": str(state.cfg.model.path), "data": str(state.cfg.data.calibration.path), "processes": accelerator.num_processes}
+    fingerprint = {
+        "stages": OmegaConf.to_container(state.cfg.recipe.stages, resolve=True),
+        "distill_stage": index,
+        "model": str(state.cfg.model.path),
+        "data": str(state.cfg.data.calibration.path),
+        "processes": accelerator.num_processes,
+    }
     trainer = Trainer(student, signal, windows, order, settings, out_dir, fingerprint, accelerator, projector)
     result = trainer.run()
-    trained = accelerator.unwrap_model(trainer.student, keep_fp32_wrapper=False)  # later stages run in the model's own precision
+    trained = accelerator.unwrap_model(
+        trainer.student, keep_fp32_wrapper=False
+    )  # later stages run in the model's own precision
     if params.lora_rank is not None:
         trained = finish_lora(trained)
     state.model = trained.eval()
     if prompts:
-        section["draft_after"] = draft_report(draft_teacher, state.model, state.tokenizer, prompts, params.draft_new_tokens)
+        section["draft_after"] = draft_report(
+            draft_teacher, state.model, state.tokenizer, prompts, params.draft_new_tokens
+        )
     accelerator.end_training()
     del trainer, signal, teacher, draft_teacher
     gc.collect()
     state.mark_changed(f"distilled ({params.loss}, {section['tokens']:,} tokens)")
-    section.update({"resumed_from_step": result.resumed_from, "history": result.history, "evals": result.evals, "train_seconds": round(result.seconds, 1), "seconds": round(time.perf_counter() - started, 1), "settings": asdict(settings)})
+    section.update(
+        {
+            "resumed_from_step": result.resumed_from,
+            "history": result.history,
+            "evals": result.evals,
+            "train_seconds": round(result.seconds, 1),
+            "seconds": round(time.perf_counter() - started, 1),
+            "settings": asdict(settings),
+        }
+    )
     state.sections.setdefault("distillation", []).append(section)
 
 
@@ -185,8 +305,15 @@ def with_lora(model, params: DistillParams):
     from peft import LoraConfig, get_peft_model
     from peft.tuners.lora.layer import Linear as LoraLinear
 
-    config = LoraConfig(r=params.lora_rank, lora_alpha=params.lora_alpha, target_modules=list(params.lora_targets), lora_dropout=0.0)
-    config._register_custom_module({QuantLinear: LoraLinear})  # QuantLinear has in/out_features and a forward: peft's Linear wraps it
+    config = LoraConfig(
+        r=params.lora_rank,
+        lora_alpha=params.lora_alpha,
+        target_modules=list(params.lora_targets),
+        lora_dropout=0.0,
+    )
+    config._register_custom_module(
+        {QuantLinear: LoraLinear}
+    )  # QuantLinear has in/out_features and a forward: peft's Linear wraps it
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Unsupported layer type")
         return get_peft_model(model, config)
@@ -199,8 +326,12 @@ def check_lora_targets(model, targets: List[str]) -> None:
     if not isinstance(embedding, QuantEmbedding):
         return
     head = next(name for name, module in model.named_modules() if module is embedding.head)
-    if any(head == target or head.endswith(f".{target}") for target in targets):  # peft matches names by suffix
-        raise ConfigError(f"distill.lora_targets names the LM head ({head}), which is quantized and tied to the embedding: an adapter there would part the two; leave it out")
+    if any(
+        head == target or head.endswith(f".{target}") for target in targets
+    ):  # peft matches names by suffix
+        raise ConfigError(
+            f"distill.lora_targets names the LM head ({head}), which is quantized and tied to the embedding: an adapter there would part the two; leave it out"
+        )
 
 
 def finish_lora(model):

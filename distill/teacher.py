@@ -34,7 +34,9 @@ class TeacherOutput:
     hidden_states: Optional[tuple[torch.Tensor, ...]] = None  # online, when asked for
 
 
-def check_same_vocabulary(student_tokenizer, teacher_tokenizer, student: nn.Module, teacher: nn.Module) -> None:
+def check_same_vocabulary(
+    student_tokenizer, teacher_tokenizer, student: nn.Module, teacher: nn.Module
+) -> None:
     """Refuse a teacher whose tokens are not the student's: distributions over different
     vocabularies cannot be compared position by position."""
     student_vocab, teacher_vocab = student_tokenizer.get_vocab(), teacher_tokenizer.get_vocab()
@@ -46,7 +48,9 @@ def check_same_vocabulary(student_tokenizer, teacher_tokenizer, student: nn.Modu
         )
     rows = [m.config.vocab_size for m in (student, teacher)]
     if rows[0] != rows[1]:
-        raise SlimlmError(f"the student's vocabulary has {rows[0]:,} entries and the teacher's {rows[1]:,}; they must share one")
+        raise SlimlmError(
+            f"the student's vocabulary has {rows[0]:,} entries and the teacher's {rows[1]:,}; they must share one"
+        )
 
 
 class OnlineTeacher:
@@ -54,9 +58,17 @@ class OnlineTeacher:
         self.model = model.eval().requires_grad_(False)
 
     @torch.no_grad()
-    def __call__(self, ids: torch.Tensor, window_indices: torch.Tensor, hidden: bool = False) -> TeacherOutput:
-        output = self.model(input_ids=ids.to(next(self.model.parameters()).device), output_hidden_states=hidden, use_cache=False)
-        return TeacherOutput(logits=output.logits[:, :-1], hidden_states=output.hidden_states if hidden else None)
+    def __call__(
+        self, ids: torch.Tensor, window_indices: torch.Tensor, hidden: bool = False
+    ) -> TeacherOutput:
+        output = self.model(
+            input_ids=ids.to(next(self.model.parameters()).device),
+            output_hidden_states=hidden,
+            use_cache=False,
+        )
+        return TeacherOutput(
+            logits=output.logits[:, :-1], hidden_states=output.hidden_states if hidden else None
+        )
 
 
 class OfflineTeacher:
@@ -66,7 +78,9 @@ class OfflineTeacher:
         self.log_probs, self.indices = log_probs, indices
         self.row_of = {int(w): row for row, w in enumerate(windows)}
 
-    def __call__(self, ids: torch.Tensor, window_indices: torch.Tensor, hidden: bool = False) -> TeacherOutput:
+    def __call__(
+        self, ids: torch.Tensor, window_indices: torch.Tensor, hidden: bool = False
+    ) -> TeacherOutput:
         rows = torch.tensor([self.row_of[int(w)] for w in window_indices])
         return TeacherOutput(log_probs=self.log_probs[rows].float(), indices=self.indices[rows].long())
 
@@ -80,7 +94,15 @@ def cache_path(teacher_key: str, windows: torch.Tensor, top_k: int, temperature:
 
 
 @torch.no_grad()
-def offline_teacher(teacher: nn.Module, teacher_key: str, train: torch.Tensor, used: torch.Tensor, top_k: int, temperature: float, batch_size: int) -> tuple[OfflineTeacher, Path, bool]:
+def offline_teacher(
+    teacher: nn.Module,
+    teacher_key: str,
+    train: torch.Tensor,
+    used: torch.Tensor,
+    top_k: int,
+    temperature: float,
+    batch_size: int,
+) -> tuple[OfflineTeacher, Path, bool]:
     """The cached signal for the windows `used`, computing and storing it if absent.
     Returns the teacher signal, the cache file and whether it was already there."""
     from safetensors.torch import load_file
@@ -96,7 +118,9 @@ def offline_teacher(teacher: nn.Module, teacher_key: str, train: torch.Tensor, u
     device = next(teacher.parameters()).device
     log_probs, indices = [], []
     for chunk in tqdm(windows.split(batch_size), desc=f"teacher top-{top_k} cache", unit="batch"):
-        logp = F.log_softmax(teacher(input_ids=chunk.to(device), use_cache=False).logits[:, :-1].float() / temperature, dim=-1)
+        logp = F.log_softmax(
+            teacher(input_ids=chunk.to(device), use_cache=False).logits[:, :-1].float() / temperature, dim=-1
+        )
         top = logp.topk(top_k, dim=-1).indices
         log_probs.append(bucketed(logp, top).cpu())
         indices.append(top.to(torch.int32).cpu())

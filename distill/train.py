@@ -67,21 +67,42 @@ Teacher = Callable[..., TeacherOutput]
 
 
 class Trainer:
-    def __init__(self, student: nn.Module, teacher: Optional[Teacher], windows: Windows, order: BatchOrder, settings: TrainSettings, out_dir: Path, fingerprint: dict, accelerator, projector: Optional[HiddenProjector] = None):
+    def __init__(
+        self,
+        student: nn.Module,
+        teacher: Optional[Teacher],
+        windows: Windows,
+        order: BatchOrder,
+        settings: TrainSettings,
+        out_dir: Path,
+        fingerprint: dict,
+        accelerator,
+        projector: Optional[HiddenProjector] = None,
+    ):
         self.teacher, self.windows, self.order, self.settings = teacher, windows, order, settings
         self.out_dir, self.fingerprint, self.accelerator = Path(out_dir), fingerprint, accelerator
         if accelerator.gradient_accumulation_steps != order.accumulation:
-            raise SlimlmError(f"the accelerator accumulates {accelerator.gradient_accumulation_steps} micro-batches per step but the batch order {order.accumulation}; build both from one setting")
-        trainable = [p for p in student.parameters() if p.requires_grad] + ([] if projector is None else list(projector.parameters()))
+            raise SlimlmError(
+                f"the accelerator accumulates {accelerator.gradient_accumulation_steps} micro-batches per step but the batch order {order.accumulation}; build both from one setting"
+            )
+        trainable = [p for p in student.parameters() if p.requires_grad] + (
+            [] if projector is None else list(projector.parameters())
+        )
         if settings.keep_checkpoints < 1:
             raise SlimlmError("keep_checkpoints must be at least 1: resuming needs the newest checkpoint")
         if not trainable:
-            raise SlimlmError("the student has no trainable parameters (everything is frozen); check distill.lora targets")
+            raise SlimlmError(
+                "the student has no trainable parameters (everything is frozen); check distill.lora targets"
+            )
         from transformers import get_cosine_schedule_with_warmup
 
         optimizer = torch.optim.AdamW(trainable, lr=settings.lr, weight_decay=settings.weight_decay)
-        schedule = get_cosine_schedule_with_warmup(optimizer, int(settings.warmup_fraction * settings.steps), settings.steps)
-        learns = projector is not None and any(True for _ in projector.parameters())  # an identity projector has nothing to train or wrap
+        schedule = get_cosine_schedule_with_warmup(
+            optimizer, int(settings.warmup_fraction * settings.steps), settings.steps
+        )
+        learns = projector is not None and any(
+            True for _ in projector.parameters()
+        )  # an identity projector has nothing to train or wrap
         prepared = accelerator.prepare(student, optimizer, schedule, *([projector] if learns else []))
         self.student, self.optimizer, self.schedule = prepared[:3]
         self.projector = prepared[3] if learns else projector
@@ -96,7 +117,11 @@ class Trainer:
     def checkpoints(self) -> list[Path]:
         if not self.checkpoint_root.is_dir():
             return []
-        return sorted(p for p in self.checkpoint_root.iterdir() if p.name.startswith("step-") and (p / "meta.json").is_file())
+        return sorted(
+            p
+            for p in self.checkpoint_root.iterdir()
+            if p.name.startswith("step-") and (p / "meta.json").is_file()
+        )
 
     def save(self, step: int, result: TrainResult) -> Path:
         """Every process writes its part (accelerate shards and random states) into a staging
@@ -113,7 +138,12 @@ class Trainer:
         acc.save_state(str(staging))
         acc.wait_for_everyone()
         if acc.is_main_process:
-            meta = {"step": step, "fingerprint": self.fingerprint, "history": result.history, "evals": result.evals}
+            meta = {
+                "step": step,
+                "fingerprint": self.fingerprint,
+                "history": result.history,
+                "evals": result.evals,
+            }
             (staging / "meta.json").write_text(json.dumps(meta))
             os.replace(staging, path)
             for old in self.checkpoints()[: max(len(self.checkpoints()) - self.settings.keep_checkpoints, 0)]:
@@ -128,7 +158,11 @@ class Trainer:
             return 0
         meta = json.loads((found[-1] / "meta.json").read_text())
         if meta["fingerprint"] != self.fingerprint:
-            changed = sorted(k for k in set(meta["fingerprint"]) | set(self.fingerprint) if meta["fingerprint"].get(k) != self.fingerprint.get(k))
+            changed = sorted(
+                k
+                for k in set(meta["fingerprint"]) | set(self.fingerprint)
+                if meta["fingerprint"].get(k) != self.fingerprint.get(k)
+            )
             raise SlimlmError(
                 f"checkpoint {found[-1]} was written by a different distillation (differs in {changed}); "
                 "resume with the recipe that wrote it, or run in a fresh directory"
@@ -152,19 +186,34 @@ class Trainer:
         logits = output.logits[:, :-1]
         terms: dict[str, torch.Tensor] = {}
         if s.loss == "ce" or s.ce_weight > 0:
-            ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1), reduction="none").view(ids.shape[0], -1)
+            ce = F.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1), reduction="none"
+            ).view(ids.shape[0], -1)
             terms["ce"] = token_mean(ce, mask)
         if s.loss != "ce":
             teacher = self.teacher(ids, indices, hidden=hidden)
             target = teacher.logits if teacher.logits is not None else teacher.log_probs
-            per_token = distillation_loss(logits, target.to(logits.device), s.loss, s.temperature, s.beta, None if teacher.indices is None else teacher.indices.to(logits.device))
+            per_token = distillation_loss(
+                logits,
+                target.to(logits.device),
+                s.loss,
+                s.temperature,
+                s.beta,
+                None if teacher.indices is None else teacher.indices.to(logits.device),
+            )
             terms["kd"] = token_mean(per_token, mask)
             if hidden:
-                terms["hidden"] = token_mean(self.projector(output.hidden_states, teacher.hidden_states)[:, :-1], mask)
+                terms["hidden"] = token_mean(
+                    self.projector(output.hidden_states, teacher.hidden_states)[:, :-1], mask
+                )
         if s.loss == "ce":
             terms["loss"] = terms["ce"]
         else:
-            terms["loss"] = (1 - s.ce_weight) * terms["kd"] + s.ce_weight * terms.get("ce", 0.0) + s.hidden_weight * terms.get("hidden", 0.0)
+            terms["loss"] = (
+                (1 - s.ce_weight) * terms["kd"]
+                + s.ce_weight * terms.get("ce", 0.0)
+                + s.hidden_weight * terms.get("hidden", 0.0)
+            )
         return terms
 
     @torch.no_grad()
@@ -174,8 +223,17 @@ class Trainer:
         half = ids.shape[1] // 2
         model = self.accelerator.unwrap_model(self.student)
         torch.manual_seed(seed)
-        generated = model.generate(input_ids=ids[:, :half], attention_mask=torch.ones_like(ids[:, :half]), do_sample=True, top_k=0, top_p=1.0, temperature=1.0,
-                                   max_new_tokens=ids.shape[1] - half, min_new_tokens=ids.shape[1] - half, pad_token_id=0)
+        generated = model.generate(
+            input_ids=ids[:, :half],
+            attention_mask=torch.ones_like(ids[:, :half]),
+            do_sample=True,
+            top_k=0,
+            top_p=1.0,
+            temperature=1.0,
+            max_new_tokens=ids.shape[1] - half,
+            min_new_tokens=ids.shape[1] - half,
+            pad_token_id=0,
+        )
         mask = torch.zeros(ids.shape[0], ids.shape[1] - 1, dtype=torch.bool, device=ids.device)
         mask[:, half - 1 :] = True
         return generated[:, : ids.shape[1]], mask
@@ -187,7 +245,11 @@ class Trainer:
         for chunk in self.windows.held_out.split(batch_size):
             chunk = chunk.to(self.accelerator.device)
             logits = self.student(input_ids=chunk, use_cache=False).logits[:, :-1].float()
-            total += float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), chunk[:, 1:].reshape(-1), reduction="sum"))
+            total += float(
+                F.cross_entropy(
+                    logits.reshape(-1, logits.shape[-1]), chunk[:, 1:].reshape(-1), reduction="sum"
+                )
+            )
             count += chunk[:, 1:].numel()
         self.student.train()
         return math.exp(total / count)
@@ -204,14 +266,25 @@ class Trainer:
         if acc.is_main_process:  # the log holds exactly the steps of the checkpoint resumed from
             write_atomic(metrics, "".join(json.dumps(record) + "\n" for record in result.history))
         self.student.train()
-        tokens_per_step = self.order.batch_size * self.order.accumulation * self.order.world * self.windows.train.shape[1]
-        progress = tqdm(range(start, s.steps), desc=f"distill ({s.loss})", unit="step", initial=start, total=s.steps, disable=not acc.is_main_process)
+        tokens_per_step = (
+            self.order.batch_size * self.order.accumulation * self.order.world * self.windows.train.shape[1]
+        )
+        progress = tqdm(
+            range(start, s.steps),
+            desc=f"distill ({s.loss})",
+            unit="step",
+            initial=start,
+            total=s.steps,
+            disable=not acc.is_main_process,
+        )
         for step in progress:
             sums: dict[str, float] = {}
             for micro in range(self.order.accumulation):
                 with acc.accumulate(*self.models):
                     terms = self.micro_loss(step, micro)
-                    finite = acc.gather(torch.isfinite(terms["loss"].detach()).float().reshape(1)).min()  # every process stops together
+                    finite = acc.gather(
+                        torch.isfinite(terms["loss"].detach()).float().reshape(1)
+                    ).min()  # every process stops together
                     if not finite:
                         last = self.checkpoints()
                         raise SlimlmError(
@@ -230,7 +303,12 @@ class Trainer:
                     self.optimizer.zero_grad()
                 for key, value in terms.items():
                     sums[key] = sums.get(key, 0.0) + float(value.detach()) / self.order.accumulation
-            record = {"step": step + 1, "tokens": (step + 1) * tokens_per_step, "lr": self.schedule.get_last_lr()[0], **{k: round(v, 6) for k, v in sums.items()}}
+            record = {
+                "step": step + 1,
+                "tokens": (step + 1) * tokens_per_step,
+                "lr": self.schedule.get_last_lr()[0],
+                **{k: round(v, 6) for k, v in sums.items()},
+            }
             if s.eval_every and ((step + 1) % s.eval_every == 0 or step + 1 == s.steps):
                 record["held_out_ppl"] = self.held_out_perplexity(self.order.batch_size)
                 result.evals.append({"step": step + 1, "held_out_ppl": record["held_out_ppl"]})
@@ -243,10 +321,14 @@ class Trainer:
             if (step + 1) % s.checkpoint_every == 0 or step + 1 == s.steps:
                 self.save(step + 1, result)
         result.seconds = time.perf_counter() - started
-        write_atomic(self.out_dir / "result.json", json.dumps({"settings": asdict(s), **asdict(result)}, indent=1))
+        write_atomic(
+            self.out_dir / "result.json", json.dumps({"settings": asdict(s), **asdict(result)}, indent=1)
+        )
         return result
 
 
 def _uniform(seed: int, step: int, micro: int) -> float:
     """A number in [0, 1) fixed by (seed, step, micro): which micro-batches are on-policy."""
-    return float(torch.rand(1, generator=torch.Generator().manual_seed(seed * 1_000_003 + step * 101 + micro)))
+    return float(
+        torch.rand(1, generator=torch.Generator().manual_seed(seed * 1_000_003 + step * 101 + micro))
+    )

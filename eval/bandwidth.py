@@ -47,7 +47,12 @@ class BandwidthResult:
         return asdict(self)
 
 
-def memory_bandwidth(device: Union[str, torch.device] = "cpu", refresh: bool = False, buffer_bytes: int = DEFAULT_BUFFER_BYTES, repeats: int = 15) -> BandwidthResult:
+def memory_bandwidth(
+    device: Union[str, torch.device] = "cpu",
+    refresh: bool = False,
+    buffer_bytes: int = DEFAULT_BUFFER_BYTES,
+    repeats: int = 15,
+) -> BandwidthResult:
     """The machine's sustained memory bandwidth on `device`, measured once and cached.
 
     The cache is cache_dir()/bandwidth.json, keyed by machine_key(): a different CPU, GPU, thread
@@ -55,9 +60,13 @@ def memory_bandwidth(device: Union[str, torch.device] = "cpu", refresh: bool = F
     """
     device = torch.device(device)
     if buffer_bytes < 4 or repeats < 1:
-        raise SlimlmError(f"memory_bandwidth needs buffer_bytes >= 4 (the default measures memory, not caches) and repeats >= 1, got {buffer_bytes} and {repeats}")
+        raise SlimlmError(
+            f"memory_bandwidth needs buffer_bytes >= 4 (the default measures memory, not caches) and repeats >= 1, got {buffer_bytes} and {repeats}"
+        )
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise SlimlmError(f"cannot measure the bandwidth of '{device}': torch sees no CUDA GPU here; measure 'cpu' or run on the GPU machine")
+        raise SlimlmError(
+            f"cannot measure the bandwidth of '{device}': torch sees no CUDA GPU here; measure 'cpu' or run on the GPU machine"
+        )
     key = machine_key(device, buffer_bytes)
     path = cache_dir() / CACHE_FILE
     entries = _read_cache(path)
@@ -119,7 +128,15 @@ def _measure(device: torch.device, buffer_bytes: int, repeats: int, key: str) ->
     once()
     seconds = statistics.median(_timed(once, device) for _ in range(repeats))
     when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    return BandwidthResult(bytes_per_s=moved / seconds, method=method, device=_device_name(device), buffer_bytes=source.nbytes, repeats=repeats, machine_key=key, measured_at=when)
+    return BandwidthResult(
+        bytes_per_s=moved / seconds,
+        method=method,
+        device=_device_name(device),
+        buffer_bytes=source.nbytes,
+        repeats=repeats,
+        machine_key=key,
+        measured_at=when,
+    )
 
 
 def _timed(operation, device: torch.device) -> float:
@@ -164,7 +181,9 @@ def decode_bytes_per_token(model: nn.Module, context_tokens: int, batch_size: in
     step must read; layers that dequantize into a temporary (QuantLinear) move more.
     """
     if context_tokens < 0 or batch_size < 1:
-        raise SlimlmError(f"decode_bytes_per_token needs context_tokens >= 0 and batch_size >= 1, got {context_tokens} and {batch_size}")
+        raise SlimlmError(
+            f"decode_bytes_per_token needs context_tokens >= 0 and batch_size >= 1, got {context_tokens} and {batch_size}"
+        )
     stored = {t.data_ptr(): t for t in (*model.parameters(), *model.buffers(), *_quantization_state(model))}
     head = model.get_output_embeddings()
     head_ptr = head.weight.data_ptr() if isinstance(getattr(head, "weight", None), torch.Tensor) else None
@@ -172,13 +191,17 @@ def decode_bytes_per_token(model: nn.Module, context_tokens: int, batch_size: in
     for table in lookups:
         if table.weight.data_ptr() != head_ptr:
             stored.pop(table.weight.data_ptr(), None)
-    quantized_lookups = [m for m in model.modules() if isinstance(m, QuantTable)]  # codes and scales read a row per token too
+    quantized_lookups = [
+        m for m in model.modules() if isinstance(m, QuantTable)
+    ]  # codes and scales read a row per token too
     for table in quantized_lookups:
         for buffer in table.buffers():
             stored.pop(buffer.data_ptr(), None)
     weights = sum(t.numel() * t.element_size() for t in stored.values())
     rows = sum(t.weight.shape[1] * t.weight.element_size() for t in lookups)
-    rows += sum(buffer[0].numel() * buffer.element_size() for table in quantized_lookups for buffer in table.buffers())
+    rows += sum(
+        buffer[0].numel() * buffer.element_size() for table in quantized_lookups for buffer in table.buffers()
+    )
     kv_cache = kv_cache_bytes(model, context_tokens)
     return math.ceil((weights + batch_size * (rows + kv_cache)) / batch_size)
 
@@ -189,7 +212,9 @@ def kv_cache_bytes(model: nn.Module, context_tokens: int) -> int:
     try:
         layers, heads = config.num_hidden_layers, config.num_attention_heads
     except AttributeError as error:
-        raise SlimlmError(f"cannot size the KV cache: the model's config has no {error.name}; decode_bytes_per_token needs a decoder-only transformer config") from None
+        raise SlimlmError(
+            f"cannot size the KV cache: the model's config has no {error.name}; decode_bytes_per_token needs a decoder-only transformer config"
+        ) from None
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     dtype_bytes = next(p for p in model.parameters() if p.is_floating_point()).element_size()
@@ -217,5 +242,7 @@ def _tensors(*values: Optional[object]) -> Iterable[torch.Tensor]:
 def bandwidth_fraction(decode_tok_s: float, bytes_per_token: int, bandwidth_bytes_s: float) -> float:
     """The share of the memory bandwidth decoding uses: tok/s x bytes per token / bytes per s."""
     if decode_tok_s <= 0 or bytes_per_token <= 0 or bandwidth_bytes_s <= 0:
-        raise SlimlmError(f"bandwidth_fraction needs positive numbers, got decode_tok_s={decode_tok_s}, bytes_per_token={bytes_per_token}, bandwidth_bytes_s={bandwidth_bytes_s}")
+        raise SlimlmError(
+            f"bandwidth_fraction needs positive numbers, got decode_tok_s={decode_tok_s}, bytes_per_token={bytes_per_token}, bandwidth_bytes_s={bandwidth_bytes_s}"
+        )
     return decode_tok_s * bytes_per_token / bandwidth_bytes_s

@@ -22,10 +22,14 @@ def find_reports(paths: Sequence[Path]) -> list[Path]:
         elif path.is_dir():
             below = sorted(path.rglob("report.json"))
             if not below:
-                raise SlimlmError(f"'{path}' holds no finished run (no report.json below it); give run directories or a sweep directory")
+                raise SlimlmError(
+                    f"'{path}' holds no finished run (no report.json below it); give run directories or a sweep directory"
+                )
             found.extend(below)
         else:
-            raise SlimlmError(f"'{path}' {'is not a directory' if path.exists() else 'does not exist'}; give run directories (runs/<recipe>/<time>) or a sweep directory (multirun/<time>)")
+            raise SlimlmError(
+                f"'{path}' {'is not a directory' if path.exists() else 'does not exist'}; give run directories (runs/<recipe>/<time>) or a sweep directory (multirun/<time>)"
+            )
     return found
 
 
@@ -34,16 +38,36 @@ def compare(paths: Sequence[Path], out_dir: Path) -> str:
     rows = []
     for report_file in find_reports(paths):
         report = read_json_object(report_file, "rerun that run, or leave its directory out")
-        rows_ok = isinstance(report.get("rows"), list) and all(isinstance(row, dict) and isinstance(row.get("name"), str) for row in report["rows"])
+        rows_ok = isinstance(report.get("rows"), list) and all(
+            isinstance(row, dict) and isinstance(row.get("name"), str) for row in report["rows"]
+        )
         if not rows_ok or not isinstance(report.get("recipe"), str):
-            raise SlimlmError(f"'{report_file}' is not a slimlm report (no recipe and rows); rerun that run, or leave its directory out")
+            raise SlimlmError(
+                f"'{report_file}' is not a slimlm report (no recipe and rows); rerun that run, or leave its directory out"
+            )
         for row in report["rows"]:
-            rows.append({**row, "run": report["recipe"], "name": f"{report['recipe']}: {row['name']}", "run_dir": str(report_file.parent)})
+            rows.append(
+                {
+                    **row,
+                    "run": report["recipe"],
+                    "name": f"{report['recipe']}: {row['name']}",
+                    "run_dir": str(report_file.parent),
+                }
+            )
     if not rows:
-        raise SlimlmError("the runs given have no evaluation rows to compare; add an evaluate stage to their recipes")
+        raise SlimlmError(
+            "the runs given have no evaluation rows to compare; add an evaluate stage to their recipes"
+        )
     out_dir.mkdir(parents=True, exist_ok=True)
     plot = plot_size_quality(rows, out_dir / "comparison.png")
-    lines = ["# slimlm comparison", "", f"{len(rows)} rows from {len({r['run_dir'] for r in rows})} runs.", "", *markdown_tables(rows), *zeroshot_differences(rows)]
+    lines = [
+        "# slimlm comparison",
+        "",
+        f"{len(rows)} rows from {len({r['run_dir'] for r in rows})} runs.",
+        "",
+        *markdown_tables(rows),
+        *zeroshot_differences(rows),
+    ]
     if plot is not None:
         lines += [f"![comparison]({plot.name})", ""]
     markdown = "\n".join(lines)
@@ -69,8 +93,21 @@ def zeroshot_differences(rows: Sequence[dict]) -> list[str]:
             if key in row and f"{key}_stderr" in row:
                 difference = row[key] - first[key]
                 noise = Z_95 * (row[f"{key}_stderr"] ** 2 + first[f"{key}_stderr"] ** 2) ** 0.5
-                cells.append(f"| {row['name']} | {TASK_TITLES.get(task, task)} | {100 * difference:+.2f} | {100 * noise:.2f} | {'yes' if abs(difference) > noise else 'no'} |")
+                cells.append(
+                    f"| {row['name']} | {TASK_TITLES.get(task, task)} | {100 * difference:+.2f} | {100 * noise:.2f} | {'yes' if abs(difference) > noise else 'no'} |"
+                )
     if not cells:
         return []
-    header = ["### Zero-shot differences from the first row", "", f"Against `{first['name']}`; noise: 1.96 standard errors of the difference (95%).", ""]
-    return [*header, "| model | task | Δ acc (points) | noise (points) | beyond noise |", "|---|---|---:|---:|---|", *cells, ""]
+    header = [
+        "### Zero-shot differences from the first row",
+        "",
+        f"Against `{first['name']}`; noise: 1.96 standard errors of the difference (95%).",
+        "",
+    ]
+    return [
+        *header,
+        "| model | task | Δ acc (points) | noise (points) | beyond noise |",
+        "|---|---|---:|---:|---|",
+        *cells,
+        "",
+    ]

@@ -28,7 +28,11 @@ from slimlm.errors import SlimlmError
 LOCAL_TASKS: dict[str, tuple[str, str, str]] = {
     "local_arc_easy": ("arc/arc_easy.yaml", "test", "arc/ARC-Easy-test.jsonl"),
     "local_piqa": ("piqa/piqa.yaml", "validation", "piqa/valid.jsonl"),
-    "local_hellaswag": ("hellaswag/hellaswag.yaml", "validation", "hellaswag/hellaswag_val_random1000_subset.raw.jsonl"),
+    "local_hellaswag": (
+        "hellaswag/hellaswag.yaml",
+        "validation",
+        "hellaswag/hellaswag_val_random1000_subset.raw.jsonl",
+    ),
     "local_lambada_openai": ("lambada/lambada_openai.yaml", "test", "lambada/lambada_test.jsonl"),
 }
 SPLIT_KEYS = ("training_split", "validation_split", "test_split", "fewshot_split")
@@ -54,9 +58,19 @@ def local_tasks(data_root: Path, folder: Path) -> Path:
         if not source.is_file():  # that task is then unknown to the harness, which says so
             continue
         if name == "local_piqa":
-            source = _labelled_piqa(source, source.with_name("valid-labels.lst"), folder / "piqa-valid-labelled.jsonl")
+            source = _labelled_piqa(
+                source, source.with_name("valid-labels.lst"), folder / "piqa-valid-labelled.jsonl"
+            )
         splits = {key: (split if key == f"{split}_split" else None) for key in SPLIT_KEYS}
-        spec = {"include": str(harness_tasks / task_file), "task": name, "tag": [], "dataset_path": "json", "dataset_name": None, "dataset_kwargs": {"data_files": {split: str(source.resolve())}}, **splits}
+        spec = {
+            "include": str(harness_tasks / task_file),
+            "task": name,
+            "tag": [],
+            "dataset_path": "json",
+            "dataset_name": None,
+            "dataset_kwargs": {"data_files": {split: str(source.resolve())}},
+            **splits,
+        }
         (folder / f"{name}.yaml").write_text(json.dumps(spec, indent=2) + "\n")  # JSON is YAML
     return folder
 
@@ -65,8 +79,16 @@ def _labelled_piqa(rows: Path, labels: Path, target: Path) -> Path:
     lines = [line for line in rows.read_text(encoding="utf-8").splitlines() if line.strip()]
     answers = labels.read_text().split()
     if len(answers) != len(lines):
-        raise SlimlmError(f"'{labels}' has {len(answers)} labels for {len(lines)} rows of '{rows}'; re-fetch the data set")
-    target.write_text("".join(json.dumps({**json.loads(line), "label": int(answer)}) + "\n" for line, answer in zip(lines, answers)), encoding="utf-8")
+        raise SlimlmError(
+            f"'{labels}' has {len(answers)} labels for {len(lines)} rows of '{rows}'; re-fetch the data set"
+        )
+    target.write_text(
+        "".join(
+            json.dumps({**json.loads(line), "label": int(answer)}) + "\n"
+            for line, answer in zip(lines, answers)
+        ),
+        encoding="utf-8",
+    )
     return target
 
 
@@ -89,7 +111,14 @@ def wrap_model(model: Any, tokenizer: Any, batch_size: int) -> Any:
     return HFLM(pretrained=without_retying(model), tokenizer=tokenizer, batch_size=batch_size, device=device)
 
 
-def run_tasks(model: Any, tokenizer: Any, tasks: Sequence[str], include_path: Optional[Path], batch_size: int, limit: Optional[int]) -> dict[str, float]:
+def run_tasks(
+    model: Any,
+    tokenizer: Any,
+    tasks: Sequence[str],
+    include_path: Optional[Path],
+    batch_size: int,
+    limit: Optional[int],
+) -> dict[str, float]:
     """Harness tasks on a model in memory: flat `<task>_<metric>` keys as slimlm's own zero-shot
     rows have them (acc, acc_stderr, acc_norm, ...; the harness's `,none` filter suffix dropped)."""
     lm_eval = _lm_eval()
@@ -97,7 +126,12 @@ def run_tasks(model: Any, tokenizer: Any, tasks: Sequence[str], include_path: Op
 
     manager = TaskManager(include_path=str(include_path) if include_path else None)
     with torch.inference_mode():
-        results = lm_eval.simple_evaluate(model=wrap_model(model, tokenizer, batch_size), tasks=list(tasks), task_manager=manager, limit=limit)
+        results = lm_eval.simple_evaluate(
+            model=wrap_model(model, tokenizer, batch_size),
+            tasks=list(tasks),
+            task_manager=manager,
+            limit=limit,
+        )
     flat: dict[str, float] = {}
     for task, metrics in results["results"].items():
         for key, value in metrics.items():

@@ -39,11 +39,15 @@ class ReferenceLogits:
     windows: int
 
     def slice(self, start: int, end: int) -> "ReferenceLogits":
-        return ReferenceLogits(self.log_probs[start:end], self.indices[start:end], self.nll, self.window, self.windows)
+        return ReferenceLogits(
+            self.log_probs[start:end], self.indices[start:end], self.nll, self.window, self.windows
+        )
 
     def save(self, path: Path) -> None:
         metadata = {"nll": repr(self.nll), "window": str(self.window), "windows": str(self.windows)}
-        save_tensors_atomic(path, {"log_probs": self.log_probs.contiguous(), "indices": self.indices.contiguous()}, metadata)
+        save_tensors_atomic(
+            path, {"log_probs": self.log_probs.contiguous(), "indices": self.indices.contiguous()}, metadata
+        )
 
     @classmethod
     def load(cls, path: Path) -> "ReferenceLogits":
@@ -97,7 +101,11 @@ def topk_kl(reference: ReferenceLogits, log_q: torch.Tensor) -> torch.Tensor:
     p_rest = 1.0 - p.sum(dim=1)
     q_rest = (1.0 - log_q_top.exp().sum(dim=1)).clamp(min=1e-30)
     has_rest = p_rest > REST_FLOOR
-    kl_rest = torch.where(has_rest, p_rest.clamp(min=REST_FLOOR) * (p_rest.clamp(min=REST_FLOOR).log() - q_rest.log()), torch.zeros_like(p_rest))
+    kl_rest = torch.where(
+        has_rest,
+        p_rest.clamp(min=REST_FLOOR) * (p_rest.clamp(min=REST_FLOOR).log() - q_rest.log()),
+        torch.zeros_like(p_rest),
+    )
     return (kl_top + kl_rest).clamp(min=0.0)
 
 

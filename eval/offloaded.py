@@ -62,9 +62,13 @@ def score_checkpoint(
     scorer = WindowScorer(windows.shape[0], window, reference, collect_top_k)
     per_window = window * model.config.get_text_config().hidden_size * model_dtype.itemsize
     with float32_linears(model_dtype, device):
-        for group in tqdm(windows.split(max(1, hidden_bytes // per_window)), desc="perplexity (offloaded)", unit="group"):
+        for group in tqdm(
+            windows.split(max(1, hidden_bytes // per_window)), desc="perplexity (offloaded)", unit="group"
+        ):
             hidden = _final_hidden_states(checkpoint, model, prefix, layers, group, device, model_dtype)
-            materialize_outside_blocks(checkpoint, model, prefix, device, skip=model.get_input_embeddings())  # the final norm, the head, rotary tables
+            materialize_outside_blocks(
+                checkpoint, model, prefix, device, skip=model.get_input_embeddings()
+            )  # the final norm, the head, rotary tables
             with layers_replaced(layers, [_PassThrough() for _ in layers]):
                 for ids, states in zip(group.split(1), hidden):
                     scorer.add(ids, model(inputs_embeds=states, use_cache=False).logits)
@@ -72,9 +76,19 @@ def score_checkpoint(
     return scorer.result()
 
 
-def _final_hidden_states(checkpoint: Checkpoint, model: nn.Module, prefix: str, layers: nn.ModuleList, windows: torch.Tensor, device: torch.device, dtype: torch.dtype) -> list[torch.Tensor]:
+def _final_hidden_states(
+    checkpoint: Checkpoint,
+    model: nn.Module,
+    prefix: str,
+    layers: nn.ModuleList,
+    windows: torch.Tensor,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> list[torch.Tensor]:
     """The outputs of the last of `layers` (the blocks under `prefix`) for `windows`, one window per chunk."""
-    outside = materialize_outside_blocks(checkpoint, model, prefix, device, skip=model.get_output_embeddings())
+    outside = materialize_outside_blocks(
+        checkpoint, model, prefix, device, skip=model.get_output_embeddings()
+    )
     inputs = capture_layer_inputs(model, windows, chunk_size=1)
     for module in outside:
         checkpoint.release(module)
@@ -93,7 +107,9 @@ def checkpoint_size(directory: Path, dtype: Optional[torch.dtype] = None) -> Siz
     prefix, layers = decoder_blocks(model)
     head = model.get_output_embeddings()
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
-    outside = materialize_outside_blocks(checkpoint, model, prefix, torch.device("cpu"), skip=head if tied else None)
+    outside = materialize_outside_blocks(
+        checkpoint, model, prefix, torch.device("cpu"), skip=head if tied else None
+    )
     if tied:  # the head holds the embedding's table, as in the loaded model: counted once
         head.weight = model.get_input_embeddings().weight
         outside.append(head)

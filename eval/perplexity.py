@@ -46,7 +46,9 @@ class TextScores:
 def window_count(n_tokens: int, window: int, max_windows: Optional[int]) -> int:
     available = n_tokens // window
     if available == 0:
-        raise SlimlmError(f"the evaluation text has {n_tokens} tokens, fewer than one window of {window}; lower eval.perplexity.window or use a longer text")
+        raise SlimlmError(
+            f"the evaluation text has {n_tokens} tokens, fewer than one window of {window}; lower eval.perplexity.window or use a longer text"
+        )
     return available if max_windows is None else min(available, max_windows)
 
 
@@ -59,9 +61,13 @@ class WindowScorer:
     token but the first, and optionally the distance to `reference` and a top-k collection.
     Whatever computes the logits (a model in memory, or one block at a time from disk) feeds it."""
 
-    def __init__(self, n_windows: int, window: int, reference: Optional[ReferenceLogits] = None, collect_top_k: int = 0):
+    def __init__(
+        self, n_windows: int, window: int, reference: Optional[ReferenceLogits] = None, collect_top_k: int = 0
+    ):
         if reference is not None and reference.log_probs.shape[0] != n_windows * (window - 1):
-            raise SlimlmError("the cached reference logits do not cover the same windows; delete the reference cache entry and rerun")
+            raise SlimlmError(
+                "the cached reference logits do not cover the same windows; delete the reference cache entry and rerun"
+            )
         self.n_windows, self.window, self.reference = n_windows, window, reference
         self.collector = TopKCollector(collect_top_k) if collect_top_k else None
         self.distance = DistanceAccumulator() if reference is not None else None
@@ -82,11 +88,27 @@ class WindowScorer:
     def result(self) -> TextScores:
         expected = self.n_windows * (self.window - 1)
         if self.scored != expected:
-            raise SlimlmError(f"scored {self.scored} positions of the {expected} the windows hold")  # a caller's bug, not the user's
+            raise SlimlmError(
+                f"scored {self.scored} positions of the {expected} the windows hold"
+            )  # a caller's bug, not the user's
         mean_nll = self.total_nll / expected
-        result = PerplexityResult(ppl=math.exp(mean_nll), nll=mean_nll, tokens_scored=expected, windows=self.n_windows, window=self.window)
-        collected = self.collector.result(nll=mean_nll, window=self.window, windows=self.n_windows) if self.collector is not None else None
-        return TextScores(perplexity=result, distance=self.distance.result() if self.distance is not None else None, reference=collected)
+        result = PerplexityResult(
+            ppl=math.exp(mean_nll),
+            nll=mean_nll,
+            tokens_scored=expected,
+            windows=self.n_windows,
+            window=self.window,
+        )
+        collected = (
+            self.collector.result(nll=mean_nll, window=self.window, windows=self.n_windows)
+            if self.collector is not None
+            else None
+        )
+        return TextScores(
+            perplexity=result,
+            distance=self.distance.result() if self.distance is not None else None,
+            reference=collected,
+        )
 
 
 def text_windows(token_ids: torch.Tensor, window: int, max_windows: Optional[int]) -> torch.Tensor:
@@ -115,5 +137,12 @@ def score_text(
     return scorer.result()
 
 
-def perplexity(model, token_ids: torch.Tensor, window: int, max_windows: Optional[int] = None, batch_size: int = 1, desc: str = "perplexity") -> PerplexityResult:
+def perplexity(
+    model,
+    token_ids: torch.Tensor,
+    window: int,
+    max_windows: Optional[int] = None,
+    batch_size: int = 1,
+    desc: str = "perplexity",
+) -> PerplexityResult:
     return score_text(model, token_ids, window, max_windows, batch_size, desc=desc).perplexity

@@ -11,6 +11,7 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only; never needs a display
 import matplotlib.pyplot as plt  # noqa: E402
+
 from slimlm.eval.size import comparable_bytes  # noqa: E402
 
 
@@ -33,7 +34,9 @@ def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
     """Indices of points no other point beats in both coordinates (lower is better in both)."""
     front = []
     for i, (x, y) in enumerate(points):
-        dominated = any((ox <= x and oy <= y) and (ox < x or oy < y) for j, (ox, oy) in enumerate(points) if j != i)
+        dominated = any(
+            (ox <= x and oy <= y) and (ox < x or oy < y) for j, (ox, oy) in enumerate(points) if j != i
+        )
         if not dominated:
             front.append(i)
     return sorted(front, key=lambda i: points[i][0])
@@ -41,7 +44,11 @@ def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
 
 def plot_size_quality(rows: Sequence[dict], path: Path) -> Optional[Path]:
     """Bytes against perplexity and against KL, one panel each; None if under two rows qualify."""
-    metrics = [(key, label) for key, label in (("ppl", "perplexity"), ("kl_mean", "mean KL to the original (nats)")) if sum(key in r and "bytes" in r for r in rows) >= 2]
+    metrics = [
+        (key, label)
+        for key, label in (("ppl", "perplexity"), ("kl_mean", "mean KL to the original (nats)"))
+        if sum(key in r and "bytes" in r for r in rows) >= 2
+    ]
     if not metrics:
         return None
     figure, axes = plt.subplots(1, len(metrics), figsize=(6.5 * len(metrics), 4.5), squeeze=False)
@@ -52,7 +59,14 @@ def plot_size_quality(rows: Sequence[dict], path: Path) -> Optional[Path]:
         for (x, y), row in zip(points, chosen):
             axis.annotate(row["name"], (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
         front = pareto_front(points)
-        axis.plot([points[i][0] for i in front], [points[i][1] for i in front], color="tab:orange", linestyle="--", label="Pareto front", zorder=2)
+        axis.plot(
+            [points[i][0] for i in front],
+            [points[i][1] for i in front],
+            color="tab:orange",
+            linestyle="--",
+            label="Pareto front",
+            zorder=2,
+        )
         axis.set_xlabel("size as stored (MiB)")
         axis.set_ylabel(label)
         if key == "kl_mean" and all(p[1] > 0 for p in points):
@@ -86,7 +100,10 @@ def plot_bit_map(bits: dict[str, int], title: str, path: Path) -> Optional[Path]
     kinds = list(dict.fromkeys(kind for per_kind in rows.values() for kind in per_kind))
     widths = sorted(set(bits.values()))
     # One colour per width (categorical): the map shows which width each layer got, not a scale.
-    grid = [[widths.index(per_kind[kind]) if kind in per_kind else float("nan") for kind in kinds] for per_kind in rows.values()]
+    grid = [
+        [widths.index(per_kind[kind]) if kind in per_kind else float("nan") for kind in kinds]
+        for per_kind in rows.values()
+    ]
     figure, axis = plt.subplots(figsize=(1.2 * len(kinds) + 2, 0.25 * len(rows) + 1.5))
     cmap = plt.get_cmap("viridis", len(widths))
     image = axis.imshow(grid, aspect="auto", cmap=cmap, vmin=-0.5, vmax=len(widths) - 0.5)
@@ -106,15 +123,24 @@ def plot_training(history: list[dict], title: str, path: Path) -> Optional[Path]
         return None
     figure, (left, right) = plt.subplots(1, 2, figsize=(11, 3.8))
     steps = [record["step"] for record in history]
-    for key, label in (("loss", "loss"), ("kd", "distillation term"), ("ce", "cross-entropy term"), ("hidden", "hidden-state term")):
-        if key in history[0] and not (key == "loss" and len([k for k in ("kd", "ce", "hidden") if k in history[0]]) == 1):
+    for key, label in (
+        ("loss", "loss"),
+        ("kd", "distillation term"),
+        ("ce", "cross-entropy term"),
+        ("hidden", "hidden-state term"),
+    ):
+        if key in history[0] and not (
+            key == "loss" and len([k for k in ("kd", "ce", "hidden") if k in history[0]]) == 1
+        ):
             left.plot(steps, [record[key] for record in history], label=label)
     left.set_xlabel("optimizer step")
     left.set_yscale("log")
     left.grid(alpha=0.3)
     left.legend()
     evaluated = [record for record in history if "held_out_ppl" in record]
-    right.plot([r["step"] for r in evaluated], [r["held_out_ppl"] for r in evaluated], marker="o", color="tab:green")
+    right.plot(
+        [r["step"] for r in evaluated], [r["held_out_ppl"] for r in evaluated], marker="o", color="tab:green"
+    )
     right.set_xlabel("optimizer step")
     right.set_ylabel("held-out perplexity")
     right.set_yscale("log")

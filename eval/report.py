@@ -16,6 +16,7 @@ from slimlm.eval.plots import plot_bit_map, plot_layer_errors, plot_size_quality
 from slimlm.eval.size import comparable_bytes
 from slimlm.rundir import machine_info, write_atomic
 
+
 def decimals(places: int) -> Callable[[Any], str]:
     return lambda value: f"{value:.{places}f}"
 
@@ -27,28 +28,34 @@ def percent(fraction: float) -> str:
 # Report tables: (title, [(key, header, formatter)]); a column appears when any row has its key.
 Column = tuple[str, str, Callable[[Any], str]]
 TABLES: list[tuple[str, list[Column]]] = [
-    ("Accuracy and size", [
-        ("ppl", "ppl", decimals(4)),
-        ("delta_ppl_pct", "Δppl %", lambda v: f"{v:+.2f}"),
-        ("kl_mean", "KL", decimals(5)),
-        ("top1_agreement", "top-1 %", percent),
-        ("bytes", "bytes", lambda v: f"{v:,}"),
-        ("stored_bytes", "stored bytes", lambda v: f"{v:,}"),
-        ("size_pct_of_first", "size %", decimals(1)),
-        ("linear_zeros", "zeros %", percent),
-        ("bits_per_weight", "bits/weight", decimals(2)),
-        ("quant_s", "quantize s", decimals(1)),
-        ("calibration_peak_memory_bytes", "calibration peak", lambda v: f"{v / 2**20:,.0f} MiB"),
-    ]),
-    ("Speed and memory", [
-        ("speed_path", "decoded by", str),
-        ("ttft_s", "TTFT s", decimals(3)),
-        ("prefill_tok_s", "prefill tok/s", decimals(0)),
-        ("decode_tok_s", "decode tok/s (b1)", decimals(1)),
-        ("decode_tok_s_b8", "decode tok/s (b8)", decimals(1)),
-        ("bandwidth_fraction", "% of bandwidth (b1)", lambda v: f"{100 * v:.1f}"),
-        ("peak_memory_bytes", "peak memory (b1)", lambda v: f"{v / 2**20:,.0f} MiB"),
-    ]),
+    (
+        "Accuracy and size",
+        [
+            ("ppl", "ppl", decimals(4)),
+            ("delta_ppl_pct", "Δppl %", lambda v: f"{v:+.2f}"),
+            ("kl_mean", "KL", decimals(5)),
+            ("top1_agreement", "top-1 %", percent),
+            ("bytes", "bytes", lambda v: f"{v:,}"),
+            ("stored_bytes", "stored bytes", lambda v: f"{v:,}"),
+            ("size_pct_of_first", "size %", decimals(1)),
+            ("linear_zeros", "zeros %", percent),
+            ("bits_per_weight", "bits/weight", decimals(2)),
+            ("quant_s", "quantize s", decimals(1)),
+            ("calibration_peak_memory_bytes", "calibration peak", lambda v: f"{v / 2**20:,.0f} MiB"),
+        ],
+    ),
+    (
+        "Speed and memory",
+        [
+            ("speed_path", "decoded by", str),
+            ("ttft_s", "TTFT s", decimals(3)),
+            ("prefill_tok_s", "prefill tok/s", decimals(0)),
+            ("decode_tok_s", "decode tok/s (b1)", decimals(1)),
+            ("decode_tok_s_b8", "decode tok/s (b8)", decimals(1)),
+            ("bandwidth_fraction", "% of bandwidth (b1)", lambda v: f"{100 * v:.1f}"),
+            ("peak_memory_bytes", "peak memory (b1)", lambda v: f"{v / 2**20:,.0f} MiB"),
+        ],
+    ),
 ]
 
 
@@ -65,7 +72,6 @@ def add_deltas(rows: Sequence[dict]) -> list[dict]:
     return rows
 
 
-
 def markdown_table(rows: Sequence[dict], columns: Sequence[Column]) -> list[str]:
     """A Markdown table of the given columns that any row has (empty if none)."""
     present = [c for c in columns if any(r.get(c[0]) is not None for r in rows)]
@@ -73,18 +79,32 @@ def markdown_table(rows: Sequence[dict], columns: Sequence[Column]) -> list[str]
         return []
     lines = ["| " + " | ".join(["model", *(c[1] for c in present)]) + " |", "|---|" + "---:|" * len(present)]
     for row in rows:
-        cells = [row["name"]] + [fmt(row[key]) if row.get(key) is not None else "–" for key, _, fmt in present]
+        cells = [row["name"]] + [
+            fmt(row[key]) if row.get(key) is not None else "–" for key, _, fmt in present
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
 
 ZEROSHOT_TITLE = "Zero-shot accuracy (%)"
-TASK_TITLES = {"lambada": "LAMBADA", "arc_easy": "ARC-E", "piqa": "PIQA", "hellaswag": "HellaSwag"}  # bundled tasks' display names
+TASK_TITLES = {
+    "lambada": "LAMBADA",
+    "arc_easy": "ARC-E",
+    "piqa": "PIQA",
+    "hellaswag": "HellaSwag",
+}  # bundled tasks' display names
 
 
 def zeroshot_tasks(rows: Sequence[dict]) -> list[str]:
     """The tasks the rows report (each writes `<task>_n` and `<task>_acc`), in order of appearance."""
-    return list(dict.fromkeys(key[: -len("_n")] for row in rows for key in row if key.endswith("_n") and f"{key[: -len('_n')]}_acc" in row))
+    return list(
+        dict.fromkeys(
+            key[: -len("_n")]
+            for row in rows
+            for key in row
+            if key.endswith("_n") and f"{key[: -len('_n')]}_acc" in row
+        )
+    )
 
 
 def zeroshot_columns(rows: Sequence[dict]) -> list[Column]:
@@ -94,7 +114,10 @@ def zeroshot_columns(rows: Sequence[dict]) -> list[Column]:
     for task in zeroshot_tasks(rows):
         title = TASK_TITLES.get(task, task)
         for metric in ("acc", "acc_norm"):
-            columns += [(f"{task}_{metric}", f"{title} {metric}", percent), (f"{task}_{metric}_stderr", "±", percent)]
+            columns += [
+                (f"{task}_{metric}", f"{title} {metric}", percent),
+                (f"{task}_{metric}_stderr", "±", percent),
+            ]
         columns.append((f"{task}_ppl", f"{title} ppl", decimals(2)))
     return columns
 
@@ -139,9 +162,16 @@ def render_markdown(report: dict[str, Any], plots: Sequence[str]) -> str:
         "",
     ]
     if report.get("stages_done", 0) < report.get("stages", 0):
-        lines[-1:-1] = [f"- **incomplete**: {report['stages_done']} of {report['stages']} stages finished (the run is still going, or stopped); the rows below are those measured so far"]
+        lines[-1:-1] = [
+            f"- **incomplete**: {report['stages_done']} of {report['stages']} stages finished (the run is still going, or stopped); the rows below are those measured so far"
+        ]
     if report["rows"]:
-        lines += ["## Results", "", *perplexity_note(report["rows"], report["eval_text"]), *markdown_tables(report["rows"])]
+        lines += [
+            "## Results",
+            "",
+            *perplexity_note(report["rows"], report["eval_text"]),
+            *markdown_tables(report["rows"]),
+        ]
     lines += [f"![{Path(p).stem}]({p})" for p in plots]
     if plots:
         lines.append("")
@@ -152,15 +182,22 @@ def render_markdown(report: dict[str, Any], plots: Sequence[str]) -> str:
             "",
             f"{quantization_title(quant)}: {quant['layers']} Linear layers in {quant['seconds']:.1f} s; relative weight error "
             f"‖W−Q(W)‖/‖W‖ mean {sum(errors) / len(errors):.5f}, max {max(errors):.5f}."
-            + (f" Peak memory while calibrating layer by layer: {quant['calibration_peak_memory_bytes'] / 2**20:,.0f} MiB." if "calibration_peak_memory_bytes" in quant else ""),
+            + (
+                f" Peak memory while calibrating layer by layer: {quant['calibration_peak_memory_bytes'] / 2**20:,.0f} MiB."
+                if "calibration_peak_memory_bytes" in quant
+                else ""
+            ),
             "",
         ]
         mixed = quant.get("mixed_precision")
         if mixed:
-            counts = {b: sum(1 for chosen in mixed["bits"].values() if chosen == b) for b in mixed["candidate_bits"]}
+            counts = {
+                b: sum(1 for chosen in mixed["bits"].values() if chosen == b) for b in mixed["candidate_bits"]
+            }
             lines += [
                 f"Mixed precision: budget {mixed['budget_bpw']} bits per weight, achieved {mixed['achieved_bpw']:.3f} "
-                f"(scales counted); layers per width: " + ", ".join(f"int{b}: {n}" for b, n in counts.items())
+                f"(scales counted); layers per width: "
+                + ", ".join(f"int{b}: {n}" for b, n in counts.items())
                 + f"; predicted KL {mixed['predicted_kl']:.4f} (Fisher proxy, {mixed['sensitivity_windows']} windows; "
                 f"peak memory of that pass {mixed['sensitivity_peak_memory_bytes'] / 2**20:,.0f} MiB).",
                 "",
@@ -189,12 +226,20 @@ def compression_stage_lines(report: dict[str, Any]) -> list[str]:
         ]
     for section in report.get("pruning", []):
         before, after = section["shape_before"], section["shape_after"]
-        changed = ", ".join(f"{key} {before[key]} → {after[key]}" for key in ("layers", "hidden_size", "intermediate_size", "heads", "kv_heads") if before[key] != after[key])
+        changed = ", ".join(
+            f"{key} {before[key]} → {after[key]}"
+            for key in ("layers", "hidden_size", "intermediate_size", "heads", "kv_heads")
+            if before[key] != after[key]
+        )
         lines += [
             "## Structured pruning",
             "",
             f"{changed}: {section['parameters_before']:,} → {section['parameters_after']:,} parameters, in {section['seconds']:.1f} s."
-            + (f" Removed layers (lowest block influence): {section['removed_layers']}." if section.get("removed_layers") else ""),
+            + (
+                f" Removed layers (lowest block influence): {section['removed_layers']}."
+                if section.get("removed_layers")
+                else ""
+            ),
             "",
         ]
     for section in report.get("distillation", []):
@@ -206,8 +251,16 @@ def compression_stage_lines(report: dict[str, Any]) -> list[str]:
             f"{section['loss']}, teacher {section.get('teacher_signal', 'none')}: {section['steps']} optimizer steps, {section['tokens']:,} tokens, "
             f"{section['processes']} process(es), {section['train_seconds']:.0f} s of training ({section['seconds']:.0f} s with the teacher's cache); "
             f"loss {first['loss']:.4f} → {last['loss']:.4f}"
-            + (f"; held-out perplexity {evals[0]['held_out_ppl']:.2f} (step {evals[0]['step']}) → {evals[-1]['held_out_ppl']:.2f} (step {evals[-1]['step']})" if evals else "")
-            + (f"; resumed from step {section['resumed_from_step']}" if section.get("resumed_from_step") else "")
+            + (
+                f"; held-out perplexity {evals[0]['held_out_ppl']:.2f} (step {evals[0]['step']}) → {evals[-1]['held_out_ppl']:.2f} (step {evals[-1]['step']})"
+                if evals
+                else ""
+            )
+            + (
+                f"; resumed from step {section['resumed_from_step']}"
+                if section.get("resumed_from_step")
+                else ""
+            )
             + ".",
             "",
         ]
@@ -233,7 +286,11 @@ def artifact_and_generation_lines(report: dict[str, Any]) -> list[str]:
                 f" Block type {artifact['gguf_type']}: {len(artifact['exact'])} quantized weights written exactly as slimlm chose them, "
                 f"{len(artifact['requantized'])} re-quantized from another grid, {len(artifact['dequantized'])} dequantized, "
                 f"{len(artifact['rounded'])} rounded from float."
-                + (f" Token embedding and LM head in {artifact['head_type']}." if artifact.get("head_type", artifact["gguf_type"]) != artifact["gguf_type"] else "")
+                + (
+                    f" Token embedding and LM head in {artifact['head_type']}."
+                    if artifact.get("head_type", artifact["gguf_type"]) != artifact["gguf_type"]
+                    else ""
+                )
             )
         if "weights_accounted_bytes" in artifact:
             line += (
@@ -269,15 +326,31 @@ def write_plots(run_dir: Path, report: dict[str, Any]) -> list[str]:
     written = [plot_size_quality(report["rows"], run_dir / "size_vs_quality.png")]
     for index, quant in enumerate(report.get("quantization", [])):
         title = f"{quantization_title(quant)}: per-layer weight error"
-        written.append(plot_layer_errors(quant["weight_rel_error"], title, run_dir / f"layer_error_{index + 1}.png"))
+        written.append(
+            plot_layer_errors(quant["weight_rel_error"], title, run_dir / f"layer_error_{index + 1}.png")
+        )
         if quant.get("mixed_precision"):
-            written.append(plot_bit_map(quant["mixed_precision"]["bits"], f"{quantization_title(quant)}: bits per layer", run_dir / f"bit_map_{index + 1}.png"))
+            written.append(
+                plot_bit_map(
+                    quant["mixed_precision"]["bits"],
+                    f"{quantization_title(quant)}: bits per layer",
+                    run_dir / f"bit_map_{index + 1}.png",
+                )
+            )
     for index, section in enumerate(report.get("distillation", [])):
-        written.append(plot_training(section["history"], f"distillation ({section['loss']}, {section['tokens']:,} tokens)", run_dir / f"training_{index + 1}.png"))
+        written.append(
+            plot_training(
+                section["history"],
+                f"distillation ({section['loss']}, {section['tokens']:,} tokens)",
+                run_dir / f"training_{index + 1}.png",
+            )
+        )
     return [p.name for p in written if p is not None]
 
 
-def write_report(run_dir: Path, header: dict[str, Any], evaluations: Sequence[dict], sections: dict[str, Any]) -> str:
+def write_report(
+    run_dir: Path, header: dict[str, Any], evaluations: Sequence[dict], sections: dict[str, Any]
+) -> str:
     report = {**header, "machine": machine_info(), "rows": add_deltas(evaluations), **sections}
     plots = write_plots(run_dir, report)
     markdown = render_markdown(report, plots)

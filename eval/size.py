@@ -16,7 +16,9 @@ class SizeReport:
     bytes: int  # every parameter and buffer, each shared tensor counted once
     parameters: int  # weights as the original model counts them (a quantized matrix counts its elements)
     bits_per_weight: float  # bytes * 8 / parameters: scales, norms and embeddings included
-    stored_bytes: Optional[int] = None  # as a slimlm artifact stores it: sparse matrices as bitmask + kept values
+    stored_bytes: Optional[int] = (
+        None  # as a slimlm artifact stores it: sparse matrices as bitmask + kept values
+    )
     linear_zeros: Optional[float] = None  # fraction of all Linear weights that are exactly zero
 
     def to_dict(self) -> dict:
@@ -34,7 +36,12 @@ class SizeCounts:
     weights: int = 0
 
     def __add__(self, other: "SizeCounts") -> "SizeCounts":
-        return SizeCounts(*(getattr(self, key) + getattr(other, key) for key in ("bytes", "parameters", "stored_bytes", "zeros", "weights")))
+        return SizeCounts(
+            *(
+                getattr(self, key) + getattr(other, key)
+                for key in ("bytes", "parameters", "stored_bytes", "zeros", "weights")
+            )
+        )
 
     def report(self) -> SizeReport:
         return SizeReport(
@@ -51,7 +58,9 @@ def model_size(model: nn.Module) -> SizeReport:
         # bitsandbytes keeps part of its quantization state outside parameters and buffers;
         # transformers accounts for it.
         total_bytes, parameters = model.get_memory_footprint(), model.num_parameters()
-        return SizeReport(bytes=total_bytes, parameters=parameters, bits_per_weight=round(8 * total_bytes / parameters, 3))
+        return SizeReport(
+            bytes=total_bytes, parameters=parameters, bits_per_weight=round(8 * total_bytes / parameters, 3)
+        )
     return size_counts(model).report()
 
 
@@ -67,7 +76,9 @@ def size_counts(model: nn.Module) -> SizeCounts:
         stored += candidate.stored_bytes() - candidate.dense_bytes()
         zeros += candidate.values.numel() - candidate.nonzero
         weights += candidate.values.numel()
-    return SizeCounts(bytes=total_bytes, parameters=parameters, stored_bytes=stored, zeros=zeros, weights=weights)
+    return SizeCounts(
+        bytes=total_bytes, parameters=parameters, stored_bytes=stored, zeros=zeros, weights=weights
+    )
 
 
 def comparable_bytes(row: dict) -> int:

@@ -38,6 +38,7 @@ PASSAGE = (
     "or for evil, in the superlative degree of comparison only."
 )
 
+
 @dataclass(frozen=True)
 class DecodeRun:
     """One timed greedy generation: the tokens it produced and how long its two phases took."""
@@ -90,7 +91,9 @@ def device_clock(device: torch.device) -> float:
 
 def benchmark_prompt(tokenizer, prompt_tokens: int, prompt_text: Optional[str] = None) -> torch.Tensor:
     """Exactly `prompt_tokens` ids of `prompt_text` (default PASSAGE), repeated paragraph by paragraph as needed."""
-    from slimlm.data import tokenize_text  # here: the GPU benchmark imports this module where the data stack is absent
+    from slimlm.data import (
+        tokenize_text,
+    )  # here: the GPU benchmark imports this module where the data stack is absent
 
     text = PASSAGE if prompt_text is None else prompt_text
     if tokenize_text(tokenizer, text).numel() == 0:
@@ -125,7 +128,12 @@ def _forward_options(model: nn.Module) -> dict:
     """A fresh DynamicCache under the name this transformers takes (`past_key_values` became
     `cache` within 5.x), and, as `generate` does, only the last position's logits where allowed."""
     accepted = inspect.signature(model.forward).parameters
-    options = {"cache" if "cache" in accepted else "past_key_values": DynamicCache(config=model.config.get_text_config(decoder=True)), "use_cache": True}
+    options = {
+        "cache" if "cache" in accepted else "past_key_values": DynamicCache(
+            config=model.config.get_text_config(decoder=True)
+        ),
+        "use_cache": True,
+    }
     if "logits_to_keep" in accepted:
         options["logits_to_keep"] = 1
     return options
@@ -153,7 +161,9 @@ class _FirstTokenClock(BaseStreamer):
 
 
 @torch.inference_mode()
-def generate_decode(model: nn.Module, input_ids: torch.Tensor, new_tokens: int, pad_token_id: Optional[int] = None) -> DecodeRun:
+def generate_decode(
+    model: nn.Module, input_ids: torch.Tensor, new_tokens: int, pad_token_id: Optional[int] = None
+) -> DecodeRun:
     """Greedy `model.generate` forced to exactly `new_tokens` (min = max), split at the first token by a streamer."""
     device = input_ids.device
     clock = _FirstTokenClock(device)
@@ -169,7 +179,11 @@ def generate_decode(model: nn.Module, input_ids: torch.Tensor, new_tokens: int, 
         streamer=clock,
     )
     end = device_clock(device)
-    return DecodeRun(tokens=output[:, input_ids.shape[1] :], ttft_s=clock.first_token_at - start, decode_s=end - clock.first_token_at)
+    return DecodeRun(
+        tokens=output[:, input_ids.shape[1] :],
+        ttft_s=clock.first_token_at - start,
+        decode_s=end - clock.first_token_at,
+    )
 
 
 def bundled_decode(decoder: Any, model: nn.Module, input_ids: torch.Tensor, new_tokens: int) -> DecodeRun:
@@ -178,10 +192,23 @@ def bundled_decode(decoder: Any, model: nn.Module, input_ids: torch.Tensor, new_
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     generations = decoder.generate_ids(input_ids.tolist(), params)
     stats = decoder.last_stats
-    return DecodeRun(tokens=torch.tensor([g.token_ids for g in generations]), ttft_s=stats.prefill_s, decode_s=stats.decode_s)
+    return DecodeRun(
+        tokens=torch.tensor([g.token_ids for g in generations]),
+        ttft_s=stats.prefill_s,
+        decode_s=stats.decode_s,
+    )
 
 
-def measure_decoder_speed(model: nn.Module, tokenizer, prompt_tokens: int = 16, new_tokens: int = 128, batch_size: int = 1, warmup: int = 1, repeats: int = 3, prompt_text: Optional[str] = None) -> SpeedResult:
+def measure_decoder_speed(
+    model: nn.Module,
+    tokenizer,
+    prompt_tokens: int = 16,
+    new_tokens: int = 128,
+    batch_size: int = 1,
+    warmup: int = 1,
+    repeats: int = 3,
+    prompt_text: Optional[str] = None,
+) -> SpeedResult:
     """The same measurement through slimlm's bundled decoder built from `model` (its packed
     kernels, static cache and chunked prefill, as `slimlm generate` runs it), which is how a
     compressed model is deployed: the transformers forward dequantizes each quantized layer's
@@ -190,23 +217,92 @@ def measure_decoder_speed(model: nn.Module, tokenizer, prompt_tokens: int = 16, 
     from slimlm.inference.decoder import Decoder
 
     decoder = Decoder(build_decoder(model, dtype=None), tokenizer)
-    return _measure("bundled_decoder", functools.partial(bundled_decode, decoder), model, tokenizer, prompt_tokens=prompt_tokens, new_tokens=new_tokens, batch_size=batch_size, warmup=warmup, repeats=repeats, prompt_text=prompt_text)
+    return _measure(
+        "bundled_decoder",
+        functools.partial(bundled_decode, decoder),
+        model,
+        tokenizer,
+        prompt_tokens=prompt_tokens,
+        new_tokens=new_tokens,
+        batch_size=batch_size,
+        warmup=warmup,
+        repeats=repeats,
+        prompt_text=prompt_text,
+    )
 
 
-def measure_speed(model: nn.Module, tokenizer, prompt_tokens: int = 16, new_tokens: int = 128, batch_size: int = 1, warmup: int = 1, repeats: int = 3, prompt_text: Optional[str] = None) -> SpeedResult:
+def measure_speed(
+    model: nn.Module,
+    tokenizer,
+    prompt_tokens: int = 16,
+    new_tokens: int = 128,
+    batch_size: int = 1,
+    warmup: int = 1,
+    repeats: int = 3,
+    prompt_text: Optional[str] = None,
+) -> SpeedResult:
     """Speed and peak memory of greedy decoding through the model's own forward and KV cache."""
-    return _measure("forward_loop", greedy_decode, model, tokenizer, prompt_tokens=prompt_tokens, new_tokens=new_tokens, batch_size=batch_size, warmup=warmup, repeats=repeats, prompt_text=prompt_text)
+    return _measure(
+        "forward_loop",
+        greedy_decode,
+        model,
+        tokenizer,
+        prompt_tokens=prompt_tokens,
+        new_tokens=new_tokens,
+        batch_size=batch_size,
+        warmup=warmup,
+        repeats=repeats,
+        prompt_text=prompt_text,
+    )
 
 
-def measure_generate(model: nn.Module, tokenizer, prompt_tokens: int = 16, new_tokens: int = 128, batch_size: int = 1, warmup: int = 1, repeats: int = 3, prompt_text: Optional[str] = None) -> SpeedResult:
+def measure_generate(
+    model: nn.Module,
+    tokenizer,
+    prompt_tokens: int = 16,
+    new_tokens: int = 128,
+    batch_size: int = 1,
+    warmup: int = 1,
+    repeats: int = 3,
+    prompt_text: Optional[str] = None,
+) -> SpeedResult:
     """The same measurement through HF `model.generate`, to compare with peers that use it."""
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     decoder = functools.partial(generate_decode, pad_token_id=pad_id)
-    return _measure("generate", decoder, model, tokenizer, prompt_tokens=prompt_tokens, new_tokens=new_tokens, batch_size=batch_size, warmup=warmup, repeats=repeats, prompt_text=prompt_text)
+    return _measure(
+        "generate",
+        decoder,
+        model,
+        tokenizer,
+        prompt_tokens=prompt_tokens,
+        new_tokens=new_tokens,
+        batch_size=batch_size,
+        warmup=warmup,
+        repeats=repeats,
+        prompt_text=prompt_text,
+    )
 
 
-def _measure(method: str, decoder: Decoder, model: nn.Module, tokenizer, *, prompt_tokens: int, new_tokens: int, batch_size: int, warmup: int, repeats: int, prompt_text: Optional[str]) -> SpeedResult:
-    _check_counts(prompt_tokens=prompt_tokens, new_tokens=new_tokens, batch_size=batch_size, warmup=warmup, repeats=repeats)
+def _measure(
+    method: str,
+    decoder: Decoder,
+    model: nn.Module,
+    tokenizer,
+    *,
+    prompt_tokens: int,
+    new_tokens: int,
+    batch_size: int,
+    warmup: int,
+    repeats: int,
+    prompt_text: Optional[str],
+) -> SpeedResult:
+    _check_counts(
+        prompt_tokens=prompt_tokens,
+        new_tokens=new_tokens,
+        batch_size=batch_size,
+        warmup=warmup,
+        repeats=repeats,
+    )
     device = next(model.parameters()).device
     input_ids = benchmark_prompt(tokenizer, prompt_tokens, prompt_text).repeat(batch_size, 1).to(device)
     for _ in range(warmup):
@@ -216,7 +312,9 @@ def _measure(method: str, decoder: Decoder, model: nn.Module, tokenizer, *, prom
         with peak_memory(device) as peak:
             run = decoder(model, input_ids, new_tokens)
         if tuple(run.tokens.shape) != (batch_size, new_tokens):
-            raise SlimlmError(f"{method} produced tokens of shape {tuple(run.tokens.shape)}, expected ({batch_size}, {new_tokens}); something in the model's generation_config (stop_strings, max_length) ends it early")
+            raise SlimlmError(
+                f"{method} produced tokens of shape {tuple(run.tokens.shape)}, expected ({batch_size}, {new_tokens}); something in the model's generation_config (stop_strings, max_length) ends it early"
+            )
         runs.append(_run_metrics(run, peak.bytes, batch_size, prompt_tokens, new_tokens))
     return SpeedResult(
         method=method,
@@ -243,7 +341,9 @@ def _check_counts(**counts: int) -> None:
             raise SlimlmError(f"{name}={value!r} is invalid: it must be a whole number of at least {least}")
 
 
-def _run_metrics(run: DecodeRun, peak_bytes: int, batch_size: int, prompt_tokens: int, new_tokens: int) -> RunMetrics:
+def _run_metrics(
+    run: DecodeRun, peak_bytes: int, batch_size: int, prompt_tokens: int, new_tokens: int
+) -> RunMetrics:
     return RunMetrics(
         ttft_s=run.ttft_s,
         prefill_tok_s=prompt_tokens * batch_size / run.ttft_s,

@@ -52,13 +52,24 @@ def metrics_of(state_cfg, params: EvaluateParams) -> list[str]:
 def run(state: RunState, params: EvaluateParams) -> None:
     metrics = metrics_of(state.cfg, params)
     row = row_header(state, params)
-    with float32_linears(next(state.model.parameters()).dtype, state.device):  # the same scores, faster on most CPUs
+    with float32_linears(
+        next(state.model.parameters()).dtype, state.device
+    ):  # the same scores, faster on most CPUs
         if "perplexity" in metrics:
             ppl_cfg = state.cfg.eval.perplexity
             check_window(ppl_cfg.window, getattr(state.model.config, "max_position_embeddings", None))
 
             def score(ids, reference: Optional[ReferenceLogits], collect_top_k: int) -> TextScores:
-                return score_text(state.model, ids, ppl_cfg.window, ppl_cfg.max_windows, ppl_cfg.batch_size, reference=reference, collect_top_k=collect_top_k, desc=f"perplexity [{params.label}]")
+                return score_text(
+                    state.model,
+                    ids,
+                    ppl_cfg.window,
+                    ppl_cfg.max_windows,
+                    ppl_cfg.batch_size,
+                    reference=reference,
+                    collect_top_k=collect_top_k,
+                    desc=f"perplexity [{params.label}]",
+                )
 
             row.update(text_metrics(state, state.tokenizer, "kl" in metrics, score))
         if "zeroshot" in metrics:
@@ -76,7 +87,11 @@ def row_header(state: RunState, params: EvaluateParams) -> dict:
     quantization = state.sections.get("quantization", [])
     if quantization and not state.is_original():
         row["quant_s"] = round(sum(section["seconds"] for section in quantization), 1)
-        peaks = [section["calibration_peak_memory_bytes"] for section in quantization if "calibration_peak_memory_bytes" in section]
+        peaks = [
+            section["calibration_peak_memory_bytes"]
+            for section in quantization
+            if "calibration_peak_memory_bytes" in section
+        ]
         if peaks:
             row["calibration_peak_memory_bytes"] = max(peaks)
     return row
@@ -100,7 +115,16 @@ def run_from_disk(state: RunState, params: EvaluateParams) -> None:
         ppl_cfg = state.cfg.eval.perplexity
 
         def score(ids, reference: Optional[ReferenceLogits], collect_top_k: int) -> TextScores:
-            return score_checkpoint(directory, ids, ppl_cfg.window, ppl_cfg.max_windows, reference=reference, collect_top_k=collect_top_k, dtype=dtype, device=state.device)
+            return score_checkpoint(
+                directory,
+                ids,
+                ppl_cfg.window,
+                ppl_cfg.max_windows,
+                reference=reference,
+                collect_top_k=collect_top_k,
+                dtype=dtype,
+                device=state.device,
+            )
 
         row.update(text_metrics(state, checkpoint_tokenizer(directory), "kl" in metrics, score))
     if "size" in metrics:
@@ -110,17 +134,26 @@ def run_from_disk(state: RunState, params: EvaluateParams) -> None:
 
 def check_window(window: int, context: Optional[int]) -> None:
     if context is not None and window > context:
-        raise ConfigError(f"eval.perplexity.window={window} is longer than the model's context ({context}); lower it")
+        raise ConfigError(
+            f"eval.perplexity.window={window} is longer than the model's context ({context}); lower it"
+        )
 
 
 def eval_token_ids(state: RunState, tokenizer: Any):
     """The evaluation text, tokenized once per run: every row scores the same windows."""
     if "eval_token_ids" not in state.memo:
-        state.memo["eval_token_ids"] = tokenize_text(tokenizer, load_text(state.cfg.data.eval_text, "eval_text"))
+        state.memo["eval_token_ids"] = tokenize_text(
+            tokenizer, load_text(state.cfg.data.eval_text, "eval_text")
+        )
     return state.memo["eval_token_ids"]
 
 
-def text_metrics(state: RunState, tokenizer: Any, with_kl: bool, score: Callable[[Any, Optional[ReferenceLogits], int], TextScores]) -> dict:
+def text_metrics(
+    state: RunState,
+    tokenizer: Any,
+    with_kl: bool,
+    score: Callable[[Any, Optional[ReferenceLogits], int], TextScores],
+) -> dict:
     """Perplexity and, `with_kl`, the distance to the original model, from one pass of `score`
     (ids, reference, collect_top_k) over the evaluation windows, or from the cached reference
     when the model is the original itself."""
@@ -147,7 +180,13 @@ def text_metrics(state: RunState, tokenizer: Any, with_kl: bool, score: Callable
 def original_from_reference(reference: ReferenceLogits, with_kl: bool) -> dict:
     """The original model's row from its cached reference pass on the same windows (its NLL is
     stored there): the same numbers a new pass would give, without the pass."""
-    row = PerplexityResult(ppl=math.exp(reference.nll), nll=reference.nll, tokens_scored=reference.log_probs.shape[0], windows=reference.windows, window=reference.window).to_dict()
+    row = PerplexityResult(
+        ppl=math.exp(reference.nll),
+        nll=reference.nll,
+        tokens_scored=reference.log_probs.shape[0],
+        windows=reference.windows,
+        window=reference.window,
+    ).to_dict()
     row["from_cached_reference"] = True
     if with_kl:
         row.update(self_distance(reference.nll))
@@ -156,7 +195,14 @@ def original_from_reference(reference: ReferenceLogits, with_kl: bool) -> dict:
 
 def self_distance(nll: float) -> dict:
     """The distance columns of the original model's own row."""
-    return {"kl_mean": 0.0, "kl_median": 0.0, "kl_p99": 0.0, "top1_agreement": 1.0, "reference_nll": nll, "is_reference": True}
+    return {
+        "kl_mean": 0.0,
+        "kl_median": 0.0,
+        "kl_p99": 0.0,
+        "top1_agreement": 1.0,
+        "reference_nll": nll,
+        "is_reference": True,
+    }
 
 
 def reference_file(state: RunState, ids):
@@ -165,7 +211,14 @@ def reference_file(state: RunState, ids):
     shown a reference another precision or revision computed."""
     ppl_cfg, model = state.cfg.eval.perplexity, state.cfg.model
     windows = window_count(ids.numel(), ppl_cfg.window, ppl_cfg.max_windows)
-    model_key = json.dumps({"weights": state.source_sha256 or f"id:{state.source.id}", "revision": model.revision, "dtype": model.dtype}, sort_keys=True)
+    model_key = json.dumps(
+        {
+            "weights": state.source_sha256 or f"id:{state.source.id}",
+            "revision": model.revision,
+            "dtype": model.dtype,
+        },
+        sort_keys=True,
+    )
     return reference_path(model_key, ids, ppl_cfg.window, windows, state.cfg.eval.kl.top_k)
 
 
@@ -188,7 +241,15 @@ def compute_reference_from_source(state: RunState, ids) -> ReferenceLogits:
     """The model was already changed and no reference is cached: run the original once."""
     ppl_cfg = state.cfg.eval.perplexity
     original = load_model(state.original_model_cfg(), state.device).model
-    scores = score_text(original, ids, ppl_cfg.window, ppl_cfg.max_windows, ppl_cfg.batch_size, collect_top_k=state.cfg.eval.kl.top_k, desc="reference [original]")
+    scores = score_text(
+        original,
+        ids,
+        ppl_cfg.window,
+        ppl_cfg.max_windows,
+        ppl_cfg.batch_size,
+        collect_top_k=state.cfg.eval.kl.top_k,
+        desc="reference [original]",
+    )
     del original
     gc.collect()
     store_reference(state, ids, scores.reference)
@@ -204,14 +265,26 @@ def zeroshot_metrics(state: RunState) -> dict:
     flat = {}
     for name in cfg.tasks:
         task = load_task(name, state.cfg.data.benchmarks_root)
-        result = evaluate_task(state.model, state.tokenizer, task, limit=cfg.limit, batch_size=cfg.batch_size).to_dict()
-        flat.update({f"{task.spec.name}_{key}": value for key, value in result.items() if isinstance(value, (int, float)) and not isinstance(value, bool)})
+        result = evaluate_task(
+            state.model, state.tokenizer, task, limit=cfg.limit, batch_size=cfg.batch_size
+        ).to_dict()
+        flat.update(
+            {
+                f"{task.spec.name}_{key}": value
+                for key, value in result.items()
+                if isinstance(value, (int, float)) and not isinstance(value, bool)
+            }
+        )
     if cfg.harness_tasks:
         from slimlm.eval.harness import local_tasks, run_tasks
         from slimlm.eval.zeroshot import default_data_root
 
-        folder = local_tasks(default_data_root(state.cfg.data.benchmarks_root), state.run_dir / "harness-tasks")
-        flat.update(run_tasks(state.model, state.tokenizer, cfg.harness_tasks, folder, cfg.batch_size, cfg.limit))
+        folder = local_tasks(
+            default_data_root(state.cfg.data.benchmarks_root), state.run_dir / "harness-tasks"
+        )
+        flat.update(
+            run_tasks(state.model, state.tokenizer, cfg.harness_tasks, folder, cfg.batch_size, cfg.limit)
+        )
     return flat
 
 
@@ -224,14 +297,29 @@ def speed_metrics(state: RunState) -> dict:
     path, measure = speed_path(state)
     flat: dict = {"speed_path": path}
     for batch_size in cfg.batch_sizes:
-        result = measure(state.model, state.tokenizer, cfg.prompt_tokens, cfg.new_tokens, batch_size, cfg.warmup, cfg.repeats).to_dict()
+        result = measure(
+            state.model,
+            state.tokenizer,
+            cfg.prompt_tokens,
+            cfg.new_tokens,
+            batch_size,
+            cfg.warmup,
+            cfg.repeats,
+        ).to_dict()
         suffix = "" if batch_size == 1 else f"_b{batch_size}"
-        flat.update({f"{key}{suffix}": result[key] for key in ("ttft_s", "prefill_tok_s", "decode_tok_s", "peak_memory_bytes")})
+        flat.update(
+            {
+                f"{key}{suffix}": result[key]
+                for key in ("ttft_s", "prefill_tok_s", "decode_tok_s", "peak_memory_bytes")
+            }
+        )
         if batch_size == 1:
             per_token = decode_bytes_per_token(state.model, cfg.prompt_tokens + cfg.new_tokens // 2)
             flat["decode_bytes_per_token"] = per_token
             flat["bandwidth_bytes_s"] = bandwidth.bytes_per_s
-            flat["bandwidth_fraction"] = bandwidth_fraction(result["decode_tok_s"], per_token, bandwidth.bytes_per_s)
+            flat["bandwidth_fraction"] = bandwidth_fraction(
+                result["decode_tok_s"], per_token, bandwidth.bytes_per_s
+            )
     return flat
 
 
@@ -256,7 +344,9 @@ def check(cfg, params: EvaluateParams, source) -> None:
     if "zeroshot" in metrics:
         check_tasks(cfg.eval.zeroshot.tasks, cfg.data.benchmarks_root)
         if cfg.eval.zeroshot.harness_tasks and importlib.util.find_spec("lm_eval") is None:
-            raise ConfigError(f"eval.zeroshot.harness_tasks={list(cfg.eval.zeroshot.harness_tasks)} needs lm-evaluation-harness: pip install -e '.[harness]', or drop them")
+            raise ConfigError(
+                f"eval.zeroshot.harness_tasks={list(cfg.eval.zeroshot.harness_tasks)} needs lm-evaluation-harness: pip install -e '.[harness]', or drop them"
+            )
 
 
 def check_tasks(tasks: List[str], data_root) -> None:
@@ -267,8 +357,16 @@ def check_tasks(tasks: List[str], data_root) -> None:
     for given in tasks:
         name = load_task(given, data_root).spec.name
         if name in names:
-            raise ConfigError(f"eval.zeroshot.tasks: '{given}' and '{names[name]}' are both named '{name}', and results are reported by name; give one of them another name:")
+            raise ConfigError(
+                f"eval.zeroshot.tasks: '{given}' and '{names[name]}' are both named '{name}', and results are reported by name; give one of them another name:"
+            )
         names[name] = given
 
 
-EVALUATE = Stage(name="evaluate", params=EvaluateParams, run=run, check=check, on_disk=(DiskRun(scores_from_disk, run_from_disk),))
+EVALUATE = Stage(
+    name="evaluate",
+    params=EvaluateParams,
+    run=run,
+    check=check,
+    on_disk=(DiskRun(scores_from_disk, run_from_disk),),
+)

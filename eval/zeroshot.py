@@ -35,7 +35,18 @@ import re
 import time
 from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence, Union, get_args, get_origin, get_type_hints
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Callable,
+    List,
+    Optional,
+    Sequence,
+    Union,
+    get_args,
+    get_origin,
+    get_type_hints,
+)
 
 import torch
 import yaml
@@ -49,7 +60,14 @@ if TYPE_CHECKING:
 
 BUNDLED_TASKS = ("lambada", "arc_easy", "piqa", "hellaswag")
 KINDS = ("multiple_choice", "last_word", "fill_blank")
-CHOICE_FIELDS = ("choices", "continuation", "answer_field", "answer_labels", "answer_file", "answer_style")  # not for last_word
+CHOICE_FIELDS = (
+    "choices",
+    "continuation",
+    "answer_field",
+    "answer_labels",
+    "answer_file",
+    "answer_style",
+)  # not for last_word
 ANSWER_STYLES = ("index", "number", "letter")  # an answer as 0, 1, ...; as 1, 2, ...; as A, B, ...
 DATA_ROOT_ENV = "SLIMLM_DATA_DIR"
 DEFAULT_DATA_ROOT = "../shared/data"
@@ -71,7 +89,9 @@ class TaskSpec:
     answer_field: Optional[str] = None  # field holding the answer: an index, or a label (see answer_labels)
     answer_labels: Optional[str] = None  # field holding the label list that answers are looked up in
     answer_file: Optional[str] = None  # or: a file with one answer per line, aligned with the rows
-    answer_style: str = "index"  # how answers count the choices: index (0, 1, ...), number (1, 2, ...) or letter (A, B, ...)
+    answer_style: str = (
+        "index"  # how answers count the choices: index (0, 1, ...), number (1, 2, ...) or letter (A, B, ...)
+    )
     blank: str = "_"  # fill_blank: the marker where each choice goes; the text is split at its first one
     preprocess: Optional[str] = None  # a named row transform applied first (see PREPROCESSORS)
 
@@ -91,7 +111,10 @@ class Item:
         contexts one single-continuation item per choice."""
         if not self.choice_contexts:
             return [self]
-        return [Item(context, (choice,), (continuation,), 0) for context, choice, continuation in zip(self.choice_contexts, self.choices, self.continuations)]
+        return [
+            Item(context, (choice,), (continuation,), 0)
+            for context, choice, continuation in zip(self.choice_contexts, self.choices, self.continuations)
+        ]
 
 
 @dataclass(frozen=True)
@@ -140,7 +163,11 @@ PREPROCESSORS: dict[str, Callable[[dict], dict]] = {"hellaswag": _hellaswag_row}
 
 def default_data_root(given: Optional[Union[str, Path]] = None) -> Path:
     """`given` when there is one, else $SLIMLM_DATA_DIR, else DEFAULT_DATA_ROOT."""
-    return Path(given) if given is not None else Path(os.environ.get(DATA_ROOT_ENV, DEFAULT_DATA_ROOT)).expanduser()
+    return (
+        Path(given)
+        if given is not None
+        else Path(os.environ.get(DATA_ROOT_ENV, DEFAULT_DATA_ROOT)).expanduser()
+    )
 
 
 def load_task(name_or_path: str, data_root: Optional[Union[str, Path]] = None) -> Task:
@@ -151,13 +178,20 @@ def load_task(name_or_path: str, data_root: Optional[Union[str, Path]] = None) -
     spec, keys = _read_spec(file)
     _check_spec(spec, keys, str(file))
     if spec.name in BUNDLED_TASKS and name_or_path != spec.name:
-        raise SlimlmError(f"task file '{file}' is named '{spec.name}', as a bundled task is, and results are reported by name; give it another name: (or run the bundled task as '{spec.name}')")
+        raise SlimlmError(
+            f"task file '{file}' is named '{spec.name}', as a bundled task is, and results are reported by name; give it another name: (or run the bundled task as '{spec.name}')"
+        )
     root = default_data_root(data_root)
     if isinstance(file, Path) and (file.parent / spec.data).is_file():  # a task file's own data beside it
         root = file.parent
     rows = _read_rows(root, spec)
     answers = _read_answer_file(root, spec, len(rows)) if spec.answer_file else None
-    items = tuple(_make_item(spec, row, answers[i] if answers else None, f"task '{spec.name}', row {i + 1} of {spec.data}") for i, row in enumerate(rows))
+    items = tuple(
+        _make_item(
+            spec, row, answers[i] if answers else None, f"task '{spec.name}', row {i + 1} of {spec.data}"
+        )
+        for i, row in enumerate(rows)
+    )
     return Task(spec=spec, source=str(file), items=items)
 
 
@@ -166,10 +200,14 @@ def _task_file(name_or_path: str) -> Traversable:
     if name_or_path.endswith((".yaml", ".yml")) or "/" in name_or_path or os.sep in name_or_path:
         path = Path(name_or_path).expanduser()
         if not path.is_file():
-            raise SlimlmError(f"task file '{name_or_path}' not found; give the path of a task YAML or a bundled task: {', '.join(BUNDLED_TASKS)}")
+            raise SlimlmError(
+                f"task file '{name_or_path}' not found; give the path of a task YAML or a bundled task: {', '.join(BUNDLED_TASKS)}"
+            )
         return path
     if name_or_path not in BUNDLED_TASKS:
-        raise SlimlmError(f"unknown task '{name_or_path}'; bundled tasks: {', '.join(BUNDLED_TASKS)} (or give the path of a task YAML)")
+        raise SlimlmError(
+            f"unknown task '{name_or_path}'; bundled tasks: {', '.join(BUNDLED_TASKS)} (or give the path of a task YAML)"
+        )
     return importlib.resources.files("slimlm.eval.tasks").joinpath(f"{name_or_path}.yaml")
 
 
@@ -180,17 +218,23 @@ def _read_spec(file: Traversable) -> tuple[TaskSpec, set[str]]:
     except yaml.YAMLError as error:
         raise SlimlmError(f"task file '{file}' is not valid YAML ({error}); fix its syntax") from None
     if not isinstance(raw, dict):
-        raise SlimlmError(f"task file '{file}' must be a mapping of fields, e.g. name: ..., kind: ..., data: ...")
+        raise SlimlmError(
+            f"task file '{file}' must be a mapping of fields, e.g. name: ..., kind: ..., data: ..."
+        )
     hints = get_type_hints(TaskSpec)
     unknown = sorted(set(raw) - set(hints))
     if unknown:
-        raise SlimlmError(f"task file '{file}': unknown field '{unknown[0]}'; the fields are {', '.join(hints)}")
+        raise SlimlmError(
+            f"task file '{file}': unknown field '{unknown[0]}'; the fields are {', '.join(hints)}"
+        )
     for spec_field in fields(TaskSpec):
         if spec_field.name not in raw and spec_field.default is MISSING:
             raise SlimlmError(f"task file '{file}': field '{spec_field.name}' is required")
     for key, value in raw.items():
         if not _has_type(value, hints[key]):
-            raise SlimlmError(f"task file '{file}': field '{key}' must be {_describe(hints[key])}, not {type(value).__name__} ({value!r})")
+            raise SlimlmError(
+                f"task file '{file}': field '{key}' must be {_describe(hints[key])}, not {type(value).__name__} ({value!r})"
+            )
     return TaskSpec(**raw), set(raw)
 
 
@@ -215,26 +259,40 @@ def _describe(hint: Any) -> str:
 def _check_spec(spec: TaskSpec, keys: set[str], source: str) -> None:
     """What types cannot say: known kind and preprocessor, and the fields each kind needs."""
     if spec.kind not in KINDS:
-        raise SlimlmError(f"task file '{source}': kind '{spec.kind}' is unknown; use one of {', '.join(KINDS)}")
+        raise SlimlmError(
+            f"task file '{source}': kind '{spec.kind}' is unknown; use one of {', '.join(KINDS)}"
+        )
     if spec.preprocess is not None and spec.preprocess not in PREPROCESSORS:
-        raise SlimlmError(f"task file '{source}': preprocess '{spec.preprocess}' is unknown; use one of {', '.join(PREPROCESSORS)}")
+        raise SlimlmError(
+            f"task file '{source}': preprocess '{spec.preprocess}' is unknown; use one of {', '.join(PREPROCESSORS)}"
+        )
     if spec.kind == "last_word":
         extra = [key for key in (*CHOICE_FIELDS, "blank") if key in keys]
         if extra:
-            raise SlimlmError(f"task file '{source}': field '{extra[0]}' is for tasks with choices only; last_word scores the text's last word")
+            raise SlimlmError(
+                f"task file '{source}': field '{extra[0]}' is for tasks with choices only; last_word scores the text's last word"
+            )
         return
     if spec.kind == "fill_blank" and "continuation" in keys:
-        raise SlimlmError(f"task file '{source}': fill_blank's continuation is the text after the blank; drop the field 'continuation'")
+        raise SlimlmError(
+            f"task file '{source}': fill_blank's continuation is the text after the blank; drop the field 'continuation'"
+        )
     if spec.kind == "multiple_choice" and "blank" in keys:
         raise SlimlmError(f"task file '{source}': field 'blank' is for kind fill_blank only")
     if spec.answer_style not in ANSWER_STYLES:
-        raise SlimlmError(f"task file '{source}': answer_style '{spec.answer_style}' is unknown; use one of {', '.join(ANSWER_STYLES)}")
+        raise SlimlmError(
+            f"task file '{source}': answer_style '{spec.answer_style}' is unknown; use one of {', '.join(ANSWER_STYLES)}"
+        )
     if not spec.blank:
         raise SlimlmError(f"task file '{source}': field 'blank' must be a non-empty marker, e.g. '_'")
     if spec.choices is None:
-        raise SlimlmError(f"task file '{source}': field 'choices' is required for kind {spec.kind} (a list field, or a list of templates)")
+        raise SlimlmError(
+            f"task file '{source}': field 'choices' is required for kind {spec.kind} (a list field, or a list of templates)"
+        )
     if (spec.answer_field is None) == (spec.answer_file is None):
-        raise SlimlmError(f"task file '{source}': give exactly one of the fields 'answer_field' and 'answer_file'")
+        raise SlimlmError(
+            f"task file '{source}': give exactly one of the fields 'answer_field' and 'answer_file'"
+        )
 
 
 # ---------------------------------------------------------------- data
@@ -257,9 +315,13 @@ def _read_rows(root: Path, spec: TaskSpec) -> list[dict]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as error:
-                raise SlimlmError(f"task '{spec.name}': data file '{path}' line {number} is not JSON ({error.msg}); {DATA_HINT}") from None
+                raise SlimlmError(
+                    f"task '{spec.name}': data file '{path}' line {number} is not JSON ({error.msg}); {DATA_HINT}"
+                ) from None
             if not isinstance(row, dict):
-                raise SlimlmError(f"task '{spec.name}': data file '{path}' line {number} is not a JSON object; {DATA_HINT}")
+                raise SlimlmError(
+                    f"task '{spec.name}': data file '{path}' line {number} is not a JSON object; {DATA_HINT}"
+                )
             rows.append(row)
     if not rows:
         raise SlimlmError(f"task '{spec.name}': data file '{path}' has no rows; {DATA_HINT}")
@@ -270,7 +332,9 @@ def _read_answer_file(root: Path, spec: TaskSpec, n_rows: int) -> list[str]:
     path = _data_path(root, spec.answer_file, spec.name)
     answers = [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     if len(answers) != n_rows:
-        raise SlimlmError(f"task '{spec.name}': answer file '{path}' has {len(answers)} answers for {n_rows} rows of '{spec.data}'; {DATA_HINT}")
+        raise SlimlmError(
+            f"task '{spec.name}': answer file '{path}' has {len(answers)} answers for {n_rows} rows of '{spec.data}'; {DATA_HINT}"
+        )
     return answers
 
 
@@ -293,7 +357,9 @@ def _make_item(spec: TaskSpec, row: dict, file_answer: Optional[str], where: str
         try:
             row = PREPROCESSORS[spec.preprocess](row)
         except KeyError as missing:
-            raise SlimlmError(f"{where}: preprocess '{spec.preprocess}' needs field {missing}; the row's fields are {', '.join(row)}") from None
+            raise SlimlmError(
+                f"{where}: preprocess '{spec.preprocess}' needs field {missing}; the row's fields are {', '.join(row)}"
+            ) from None
     text = _render(spec.context, row, where)
     if spec.kind == "last_word":
         context, _, word = text.rpartition(" ")
@@ -306,7 +372,13 @@ def _make_item(spec: TaskSpec, row: dict, file_answer: Optional[str], where: str
         if not marker:
             raise SlimlmError(f"{where}: the text has no blank marker {spec.blank!r}: {text!r}")
         rest = " " + after.strip()
-        return Item(context="", choices=choices, continuations=(rest,) * len(choices), answer=index, choice_contexts=tuple(before + choice for choice in choices))
+        return Item(
+            context="",
+            choices=choices,
+            continuations=(rest,) * len(choices),
+            answer=index,
+            choice_contexts=tuple(before + choice for choice in choices),
+        )
     continuations = tuple(_render(spec.continuation, {**row, "choice": choice}, where) for choice in choices)
     return Item(context=text, choices=choices, continuations=continuations, answer=index)
 
@@ -329,14 +401,18 @@ def _answer_index(spec: TaskSpec, row: dict, answer: Any, n_choices: int, where:
     if spec.answer_labels is not None:
         labels = [str(label) for label in _lookup(row, spec.answer_labels, where)]
         if str(answer) not in labels:
-            raise SlimlmError(f"{where}: answer {answer!r} is not among the labels in '{spec.answer_labels}' {labels}")
+            raise SlimlmError(
+                f"{where}: answer {answer!r} is not among the labels in '{spec.answer_labels}' {labels}"
+            )
         index = labels.index(str(answer))
     elif spec.answer_style == "letter" and len(text) == 1 and text.isalpha():
         index = ord(text.upper()) - ord("A")
     elif spec.answer_style != "letter" and isinstance(answer, (int, str)) and text.isdigit():
         index = int(text) - (1 if spec.answer_style == "number" else 0)
     else:
-        raise SlimlmError(f"{where}: answer {answer!r} is not a choice {spec.answer_style}; set answer_style (index, number, letter) or answer_labels to the field listing the labels")
+        raise SlimlmError(
+            f"{where}: answer {answer!r} is not a choice {spec.answer_style}; set answer_style (index, number, letter) or answer_labels to the field listing the labels"
+        )
     if not 0 <= index < n_choices:
         raise SlimlmError(f"{where}: answer index {index} is out of range for {n_choices} choices")
     return index
@@ -376,7 +452,9 @@ def _encode(tokenizer, items: Sequence[Item], where: str) -> list[Packed]:
     for number, (item, context) in enumerate(zip(items, context_ids), 1):
         continuations = [next(whole_ids)[len(context) :] for _ in item.continuations]
         if not all(continuations):
-            raise SlimlmError(f"{where}: item {number}: a continuation has no tokens of its own (it merges into the context's last token); change the task's continuation template")
+            raise SlimlmError(
+                f"{where}: item {number}: a continuation has no tokens of its own (it merges into the context's last token); change the task's continuation template"
+            )
         packed.append(_pack(prefix + context or _empty_context(tokenizer), continuations))
     return packed
 
@@ -385,7 +463,9 @@ def _empty_context(tokenizer) -> list[int]:
     """An empty context is conditioned on BOS (else EOS), as the harness does."""
     token = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
     if token is None:
-        raise SlimlmError("an item has an empty context and the tokenizer has neither a BOS nor an EOS token to condition on")
+        raise SlimlmError(
+            "an item has an empty context and the tokenizer has neither a BOS nor an EOS token to condition on"
+        )
     return [token]
 
 
@@ -462,7 +542,12 @@ def _score_batch(model, batch: list[Packed]) -> list[list[tuple[float, bool]]]:
     log_probs, greedy = (t.tolist() for t in _score_positions(model, batch))
     results, offset = [], 0
     for p in batch:
-        results.append([(sum(log_probs[offset + a : offset + b]), all(greedy[offset + a : offset + b])) for a, b in p.spans])
+        results.append(
+            [
+                (sum(log_probs[offset + a : offset + b]), all(greedy[offset + a : offset + b]))
+                for a, b in p.spans
+            ]
+        )
         offset += len(p.targets)
     return results
 
@@ -481,14 +566,18 @@ def _score(model, packed: list[Packed], batch_size: int, desc: str) -> list[list
     return results
 
 
-def score_items(model, tokenizer, items: Sequence[Item], batch_size: int = 16, desc: str = "zero-shot") -> list[list[tuple[float, bool]]]:
+def score_items(
+    model, tokenizer, items: Sequence[Item], batch_size: int = 16, desc: str = "zero-shot"
+) -> list[list[tuple[float, bool]]]:
     """Per item, per continuation: (summed log-likelihood of its tokens, every token greedy).
 
     `batch_size` items go through the model at once; the results do not depend on it."""
     if batch_size < 1:
         raise SlimlmError(f"batch_size={batch_size} must be at least 1")
     parts = [item.scored_pairs() for item in items]
-    scores = iter(_score(model, _encode(tokenizer, [pair for pairs in parts for pair in pairs], desc), batch_size, desc))
+    scores = iter(
+        _score(model, _encode(tokenizer, [pair for pairs in parts for pair in pairs], desc), batch_size, desc)
+    )
     return [[score for _ in pairs for score in next(scores)] for pairs in parts]
 
 
@@ -513,21 +602,37 @@ def _metrics(task: Task, items: Sequence[Item], scores: list[list[tuple[float, b
         mean_ll = sum(ll for ((ll, _),) in scores) / len(scores)
         return dict(acc=sum(hits) / len(hits), acc_stderr=_stderr(hits), ppl=math.exp(-mean_ll))
     if task.spec.kind == "fill_blank":  # one shared continuation: acc only, as the harness reports
-        hits = [_argmax([ll for ll, _ in item_scores]) == item.answer for item, item_scores in zip(items, scores)]
+        hits = [
+            _argmax([ll for ll, _ in item_scores]) == item.answer for item, item_scores in zip(items, scores)
+        ]
         return dict(acc=sum(hits) / len(hits), acc_stderr=_stderr(hits))
     hits, norm_hits = [], []
     for item, item_scores in zip(items, scores):
         lls = [ll for ll, _ in item_scores]
         hits.append(_argmax(lls) == item.answer)
-        norm_hits.append(_argmax([ll / len(c.encode("utf-8")) for ll, c in zip(lls, item.choices)]) == item.answer)
-    return dict(acc=sum(hits) / len(hits), acc_stderr=_stderr(hits), acc_norm=sum(norm_hits) / len(norm_hits), acc_norm_stderr=_stderr(norm_hits))
+        norm_hits.append(
+            _argmax([ll / len(c.encode("utf-8")) for ll, c in zip(lls, item.choices)]) == item.answer
+        )
+    return dict(
+        acc=sum(hits) / len(hits),
+        acc_stderr=_stderr(hits),
+        acc_norm=sum(norm_hits) / len(norm_hits),
+        acc_norm_stderr=_stderr(norm_hits),
+    )
 
 
-def evaluate_task(model, tokenizer, task: Task, limit: Optional[int] = None, batch_size: int = 16) -> TaskResult:
+def evaluate_task(
+    model, tokenizer, task: Task, limit: Optional[int] = None, batch_size: int = 16
+) -> TaskResult:
     """Score the task's first `limit` items (all when None); `batch_size` items per forward pass."""
     if limit is not None and limit < 1:
         raise SlimlmError(f"limit={limit} must be at least 1 (or None for the whole task)")
     started = time.perf_counter()
     items = task.items[:limit]
     scores = score_items(model, tokenizer, items, batch_size, desc=task.spec.name)
-    return TaskResult(task=task.spec.name, n=len(items), seconds=round(time.perf_counter() - started, 3), **_metrics(task, items, scores))
+    return TaskResult(
+        task=task.spec.name,
+        n=len(items),
+        seconds=round(time.perf_counter() - started, 3),
+        **_metrics(task, items, scores),
+    )

@@ -102,34 +102,56 @@ class ContinuousBatcher:
     the model agrees with (`speculative.verify`): the same tokens greedy, the same distribution
     sampled, several tokens a pass where the answer copies its prompt."""
 
-    def __init__(self, decoder: Decoder, max_batch: int, max_seq: int, prefill_chunk: int = 128, cache_rows: Optional[int] = None, lookahead: int = 0, ngram: int = 3):
+    def __init__(
+        self,
+        decoder: Decoder,
+        max_batch: int,
+        max_seq: int,
+        prefill_chunk: int = 128,
+        cache_rows: Optional[int] = None,
+        lookahead: int = 0,
+        ngram: int = 3,
+    ):
         cache_rows = max_batch if cache_rows is None else cache_rows
         if prefill_chunk < 1:
             raise SlimlmError(f"prefill_chunk={prefill_chunk} must be at least 1")
         if lookahead < 0 or ngram < 2:
-            raise SlimlmError(f"lookahead={lookahead} and ngram={ngram}: give lookahead >= 0 (0: no guesses) and ngram >= 2")
+            raise SlimlmError(
+                f"lookahead={lookahead} and ngram={ngram}: give lookahead >= 0 (0: no guesses) and ngram >= 2"
+            )
         if not 1 <= max_batch <= cache_rows:
-            raise SlimlmError(f"max_batch={max_batch} and cache_rows={cache_rows}: a sequence needs a row of its own, so give 1 <= max_batch <= cache_rows")
+            raise SlimlmError(
+                f"max_batch={max_batch} and cache_rows={cache_rows}: a sequence needs a row of its own, so give 1 <= max_batch <= cache_rows"
+            )
         self.decoder = decoder
         self.model = decoder.model
         self.max_batch = max_batch
-        self.max_seq, self.prefill_chunk = max_seq, min(prefill_chunk, decoder.prefill_chunk)  # a pass holds at most the decoder's (activation memory)
+        self.max_seq, self.prefill_chunk = (
+            max_seq,
+            min(prefill_chunk, decoder.prefill_chunk),
+        )  # a pass holds at most the decoder's (activation memory)
         self.lookahead, self.ngram = lookahead, ngram
         with decoder.lock:
             self.model.setup_cache(cache_rows, max_seq, decoder.cache_dtype)
         self.free_rows = list(range(cache_rows))  # the one freed longest ago first
         self.waiting: "queue.Queue[Optional[_Sequence]]" = queue.Queue()
-        self.prefilling: list[_Sequence] = []  # admitted, prompt not yet all in the cache; in order of admission
+        self.prefilling: list[
+            _Sequence
+        ] = []  # admitted, prompt not yet all in the cache; in order of admission
         self.running: list[_Sequence] = []
         self.passes = 0  # forward passes taken
-        self.decoded = 0  # tokens their decode steps chose (each sequence's first token aside: its prefill gives it)
+        self.decoded = (
+            0  # tokens their decode steps chose (each sequence's first token aside: its prefill gives it)
+        )
         self.chunks = 0  # passes that prefilled prompt tokens
         self.steps = 0  # passes that only decoded (all running sequences at once, no prompt beside them)
         self.step_s = 0.0  # seconds in them
         self.step_tokens = 0  # tokens they decoded
         self.proposed = self.accepted = 0  # prompt-lookup guesses checked, and kept
         self.closed = False
-        self._submitting = threading.Lock()  # a request is queued before close() or refused after it, never lost between
+        self._submitting = (
+            threading.Lock()
+        )  # a request is queued before close() or refused after it, never lost between
         self.worker = threading.Thread(target=self._loop, daemon=True, name="slimlm-batcher")
         self.worker.start()
         atexit.register(self.close)
@@ -154,8 +176,12 @@ class ContinuousBatcher:
         if not ids:
             raise SlimlmError("the prompt is empty: a request needs at least one token")
         if len(ids) + params.max_new_tokens > self.max_seq:
-            raise SlimlmError(f"a prompt of {len(ids)} tokens plus {params.max_new_tokens} new tokens exceeds the {self.max_seq} slots a sequence has here")
-        sequence = _Sequence(list(ids), params, queue.Queue(), lookup=PromptLookup(ids, self.ngram) if self.lookahead else None)
+            raise SlimlmError(
+                f"a prompt of {len(ids)} tokens plus {params.max_new_tokens} new tokens exceeds the {self.max_seq} slots a sequence has here"
+            )
+        sequence = _Sequence(
+            list(ids), params, queue.Queue(), lookup=PromptLookup(ids, self.ngram) if self.lookahead else None
+        )
         with self._submitting:
             if self.closed:
                 raise BatcherClosed("the batcher is closed: it takes no more requests")
@@ -166,7 +192,9 @@ class ContinuousBatcher:
         while True:
             try:
                 if not self.running and not self.prefilling:
-                    self._admit(self.waiting.get())  # idle: sleep until a request arrives (or close() wakes it)
+                    self._admit(
+                        self.waiting.get()
+                    )  # idle: sleep until a request arrives (or close() wakes it)
                 while len(self.prefilling) + len(self.running) < self.max_batch and not self.waiting.empty():
                     self._admit(self.waiting.get_nowait())
                 if self.closed:
@@ -175,7 +203,9 @@ class ContinuousBatcher:
                     self._fail(sequence, SlimlmError("the request was cancelled"))
                 if self.prefilling or self.running:
                     self._pass()
-            except Exception as error:  # the pass itself failed: every reader in it learns of it; the loop goes on
+            except (
+                Exception
+            ) as error:  # the pass itself failed: every reader in it learns of it; the loop goes on
                 for sequence in [*self.running, *self.prefilling]:
                     self._fail(sequence, error)
         closing = BatcherClosed("the batcher was closed before this request finished")
@@ -194,7 +224,9 @@ class ContinuousBatcher:
             if sequence in group:
                 group.remove(sequence)
         if sequence.row >= 0:
-            if sequence.row not in self.model.held and sequence.prefilled > 0:  # else its record from before is intact
+            if (
+                sequence.row not in self.model.held and sequence.prefilled > 0
+            ):  # else its record from before is intact
                 self.decoder.remember(sequence.row, sequence.ids[: sequence.prefilled], sequence.tokens)
             self.free_rows.append(sequence.row)
             sequence.row = -1
@@ -216,8 +248,12 @@ class ContinuousBatcher:
             sequence.row = self._choose_row(sequence.ids)
             self.free_rows.remove(sequence.row)
             sequence.prefilled = sequence.cached = self.decoder.reusable(sequence.row, sequence.ids)
-            sequence.due = self.chunks - (self._known_start(sequence)[1] - len(sequence.ids)) // self.prefill_chunk  # ceil: the chunks it will compute
-            sequence.seen, sequence.generator = sampling_state([sequence.ids], sequence.params, self.model.args.vocab_size, self.decoder.device)
+            sequence.due = (
+                self.chunks - (self._known_start(sequence)[1] - len(sequence.ids)) // self.prefill_chunk
+            )  # ceil: the chunks it will compute
+            sequence.seen, sequence.generator = sampling_state(
+                [sequence.ids], sequence.params, self.model.args.vocab_size, self.decoder.device
+            )
             sequence.text = IncrementalText(self.decoder.tokenizer, self.decoder.silent_ids)
             self.prefilling.append(sequence)
         except Exception as error:
@@ -233,7 +269,9 @@ class ContinuousBatcher:
 
         def value(row: int) -> tuple[int, bool]:
             record, same = self.model.held.get(row), self.decoder.reusable(row, ids)
-            continued = record is not None and same >= min(record.prompt, len(ids) - 1)  # the cap: a prompt sent again
+            continued = record is not None and same >= min(
+                record.prompt, len(ids) - 1
+            )  # the cap: a prompt sent again
             return (same if continued else 0, record is None)
 
         return max(self.free_rows, key=value)  # ties: the first, freed longest ago
@@ -284,9 +322,14 @@ class ContinuousBatcher:
             except Exception as error:
                 self._fail(sequence, error)
                 continue
-            if any(shared_start(other.ids[: other.prefilled + len(ids)], sequence.ids) > sequence.prefilled for other, ids in chunks):
+            if any(
+                shared_start(other.ids[: other.prefilled + len(ids)], sequence.ids) > sequence.prefilled
+                for other, ids in chunks
+            ):
                 continue
-            if chunks and len(sequence.ids) - sequence.prefilled > budget:  # a part of a prompt only opens a pass:
+            if (
+                chunks and len(sequence.ids) - sequence.prefilled > budget
+            ):  # a part of a prompt only opens a pass:
                 continue  # filling one up with it would make the prompts already in it wait longer for their first tokens
             ids = sequence.ids[sequence.prefilled : sequence.prefilled + budget]
             chunks.append((sequence, ids))
@@ -299,18 +342,28 @@ class ContinuousBatcher:
         `_chunks` picks; a prompt all in takes its first token and joins the running batch."""
         decoding = list(self.running)
         guesses = [self._guesses(s) for s in decoding]
-        chunks = self._chunks(min(self.prefill_chunk, max(1, self.decoder.prefill_chunk - sum(1 + len(g) for g in guesses))))
-        segments = [Segment(s.row, len(s.ids) + len(s.tokens) - 1, [s.tokens[-1], *g]) for s, g in zip(decoding, guesses)]
+        chunks = self._chunks(
+            min(self.prefill_chunk, max(1, self.decoder.prefill_chunk - sum(1 + len(g) for g in guesses)))
+        )
+        segments = [
+            Segment(s.row, len(s.ids) + len(s.tokens) - 1, [s.tokens[-1], *g])
+            for s, g in zip(decoding, guesses)
+        ]
         segments += [Segment(s.row, s.prefilled, ids) for s, ids in chunks]
         if not segments:  # every prompt waiting for this pass failed its copy
             return
-        members, checks = [*decoding, *(s for s, _ in chunks)], [*guesses, *([] for _ in chunks)]  # in the segments' order
+        members, checks = (
+            [*decoding, *(s for s, _ in chunks)],
+            [*guesses, *([] for _ in chunks)],
+        )  # in the segments' order
         begin = time.perf_counter()
         try:
             logits = self.model.forward_segments(segments, [1 + len(g) for g in checks])
             if logits[0].is_cuda:
                 torch.cuda.synchronize(logits[0].device)  # the pass's time, not its launches'
-        except Exception as error:  # what it wrote lies beyond every record: the rows' contents stay as recorded
+        except (
+            Exception
+        ) as error:  # what it wrote lies beyond every record: the rows' contents stay as recorded
             for sequence in members:
                 self._fail(sequence, error)
             return
@@ -330,9 +383,17 @@ class ContinuousBatcher:
                 decoded += 0 if first else chosen
             except Exception as error:  # this request's sampling failed: the others go on
                 self._fail(sequence, error)
-        self.passes, self.decoded, self.chunks = self.passes + 1, self.decoded + decoded, self.chunks + bool(chunks)
+        self.passes, self.decoded, self.chunks = (
+            self.passes + 1,
+            self.decoded + decoded,
+            self.chunks + bool(chunks),
+        )
         if not chunks:
-            self.steps, self.step_tokens, self.step_s = self.steps + 1, self.step_tokens + decoded, self.step_s + seconds
+            self.steps, self.step_tokens, self.step_s = (
+                self.steps + 1,
+                self.step_tokens + decoded,
+                self.step_s + seconds,
+            )
 
     def _guesses(self, sequence: _Sequence) -> list[int]:
         """Prompt lookup's guesses of the sequence's next tokens (none without a lookahead),
@@ -345,7 +406,9 @@ class ContinuousBatcher:
         token and after each guess): the guesses kept and the model's own token after them, up to
         the one that finishes it. Returns how many it chose."""
         if not guesses:
-            self._emit(sequence, int(next_tokens(logits, sequence.params, sequence.seen, sequence.generator)[0]))
+            self._emit(
+                sequence, int(next_tokens(logits, sequence.params, sequence.seen, sequence.generator)[0])
+            )
             return 1
         kept, token = verify(logits, guesses, sequence.params, sequence.seen, sequence.generator)
         self.proposed, self.accepted = self.proposed + len(guesses), self.accepted + kept
@@ -353,7 +416,9 @@ class ContinuousBatcher:
             self._emit(sequence, chosen)
             if sequence.finish is not None:
                 break
-        self.accepted -= kept - min(kept, count)  # guesses kept after the token that finished it were never given out
+        self.accepted -= kept - min(
+            kept, count
+        )  # guesses kept after the token that finished it were never given out
         return count
 
     def _emit(self, sequence: _Sequence, token: int) -> None:
@@ -380,7 +445,9 @@ class ContinuousBatcher:
             self.decoder.remember(sequence.row, sequence.ids, sequence.tokens)
             self.free_rows.append(sequence.row)
             sequence.row = -1
-            generation = self.decoder._finish(sequence.tokens, sequence.params, sequence.finish, len(sequence.ids), sequence.cached)
+            generation = self.decoder._finish(
+                sequence.tokens, sequence.params, sequence.finish, len(sequence.ids), sequence.cached
+            )
             sequence.out.put(generation)
 
     @staticmethod

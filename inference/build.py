@@ -18,9 +18,25 @@ from slimlm.architecture import family_of as compression_family
 from slimlm.errors import SlimlmError
 from slimlm.experts import split_experts
 from slimlm.inference.expert_stack import ExpertStack
-from slimlm.inference.linear import GPU_INT4_KERNELS, DequantLinear, DenseLinear, build_linear, fuse
-from slimlm.inference.model import Attention, Block, FeedForward, ModelArgs, MoE, ProjectionRMSNorm, RMSNorm, Transformer
-from slimlm.inference.streaming import HostBlock, HostEmbedding, LayerStreamer, Placement, streamed_layers, to_host
+from slimlm.inference.linear import GPU_INT4_KERNELS, DenseLinear, DequantLinear, build_linear, fuse
+from slimlm.inference.model import (
+    Attention,
+    Block,
+    FeedForward,
+    ModelArgs,
+    MoE,
+    ProjectionRMSNorm,
+    RMSNorm,
+    Transformer,
+)
+from slimlm.inference.streaming import (
+    HostBlock,
+    HostEmbedding,
+    LayerStreamer,
+    Placement,
+    streamed_layers,
+    to_host,
+)
 from slimlm.qlinear import QuantEmbedding, QuantLinear, QuantTable
 
 
@@ -45,7 +61,15 @@ def default_dtype(model: nn.Module, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
-def build_decoder(model: nn.Module, dtype: Optional[torch.dtype] = torch.float32, device: Optional[torch.device] = None, kernels: bool = True, int8_activations: bool = False, gpu_int4: str = "tinygemm", placement: Placement = Placement()) -> Transformer:
+def build_decoder(
+    model: nn.Module,
+    dtype: Optional[torch.dtype] = torch.float32,
+    device: Optional[torch.device] = None,
+    kernels: bool = True,
+    int8_activations: bool = False,
+    gpu_int4: str = "tinygemm",
+    placement: Placement = Placement(),
+) -> Transformer:
     """A decoder Transformer holding `model`'s weights (HF Llama-family layout). With
     `int8_activations`, int4 and int8 layers also round their inputs to int8 (CPU; see
     Int8ActivationLinear); `gpu_int4` picks the GPU's int4 kernel (inference/linear.py);
@@ -58,31 +82,62 @@ class DecoderParts:
     """Turns an HF model's modules into decoder modules one at a time, so a loader can hand
     them over layer by layer (inference/load.py) instead of holding two copies of the model."""
 
-    def __init__(self, model: nn.Module, dtype: Optional[torch.dtype], device: Optional[torch.device], kernels: bool, int8_activations: bool, gpu_int4: str = "tinygemm", placement: Placement = Placement()):
+    def __init__(
+        self,
+        model: nn.Module,
+        dtype: Optional[torch.dtype],
+        device: Optional[torch.device],
+        kernels: bool,
+        int8_activations: bool,
+        gpu_int4: str = "tinygemm",
+        placement: Placement = Placement(),
+    ):
         if gpu_int4 not in GPU_INT4_KERNELS:
-            raise SlimlmError(f"unknown GPU int4 kernel '{gpu_int4}'; choose one of {', '.join(GPU_INT4_KERNELS)}")
-        split_experts(model)  # transformers' fused experts as one Linear per projection, as slimlm's loaders hold them (the same function)
+            raise SlimlmError(
+                f"unknown GPU int4 kernel '{gpu_int4}'; choose one of {', '.join(GPU_INT4_KERNELS)}"
+            )
+        split_experts(
+            model
+        )  # transformers' fused experts as one Linear per projection, as slimlm's loaders hold them (the same function)
         self.model, self.device = model, torch.device(device or "cpu")
         self.dtype = dtype or default_dtype(model, self.device)
         self.kernels, self.int8_activations, self.gpu_int4 = kernels, int8_activations, gpu_int4
         self.args = ModelArgs.from_hf_config(model.config)
         if not 0 <= placement.stream_layers <= self.args.n_layers:
-            raise SlimlmError(f"{placement.stream_layers} streamed layers asked for; the model has {self.args.n_layers} decoder layers")
+            raise SlimlmError(
+                f"{placement.stream_layers} streamed layers asked for; the model has {self.args.n_layers} decoder layers"
+            )
         if placement.table_on_host and self.args.tie_embeddings:
-            raise SlimlmError("this model's embedding is tied to its LM head, which the device reads every step: it cannot stay in host memory")
+            raise SlimlmError(
+                "this model's embedding is tied to its LM head, which the device reads every step: it cannot stay in host memory"
+            )
         if placement.experts_on_host and self.args.routing is None:
-            raise SlimlmError("experts in host memory asked for, but this model has no mixture-of-experts layers; drop --experts-on-host")
+            raise SlimlmError(
+                "experts in host memory asked for, but this model has no mixture-of-experts layers; drop --experts-on-host"
+            )
         self.placement = placement
         self.streamed = set(streamed_layers(self.args.n_layers, placement.stream_layers))
         self.hosts: list[HostBlock] = []  # the streamed blocks' weights, in host memory
 
-    def linear(self, layer: nn.Module, streamed: bool = False, device: Optional[torch.device] = None) -> nn.Module:
+    def linear(
+        self, layer: nn.Module, streamed: bool = False, device: Optional[torch.device] = None
+    ) -> nn.Module:
         """`layer` in its kernel, on the decoder's device unless `device` says otherwise (host experts)."""
-        return build_linear(layer, self.dtype, device or self.device, self.kernels, self.int8_activations, self.gpu_int4, semi_sparse=not streamed)
+        return build_linear(
+            layer,
+            self.dtype,
+            device or self.device,
+            self.kernels,
+            self.int8_activations,
+            self.gpu_int4,
+            semi_sparse=not streamed,
+        )
 
     def norm_weight(self, norm: nn.Module) -> torch.Tensor:
         """The scale an RMSNorm multiplies by: its weight, plus 1 for Gemma's `(1 + w)` norms."""
-        return (norm.weight.detach().float() + self.args.family.norm_offset).to(device=self.device, dtype=self.dtype)
+        return (norm.weight.detach().float() + self.args.family.norm_offset).to(
+            device=self.device, dtype=self.dtype
+        )
 
     def qk_norm(self, norm: nn.Module) -> RMSNorm:
         """A query or key norm: over each head's head_dim channels (Qwen3, Gemma 3), or over the
@@ -105,7 +160,9 @@ class DecoderParts:
         linear = partial(self.linear, streamed=streamed)
         stored_fused = self.args.family.stored_fused  # phi3
         qkv = attn.qkv_proj if stored_fused else fuse([attn.q_proj, attn.k_proj, attn.v_proj])
-        head_norms = (self.qk_norm(attn.q_norm), self.qk_norm(attn.k_norm)) if self.args.family.qk_norm else ()
+        head_norms = (
+            (self.qk_norm(attn.q_norm), self.qk_norm(attn.k_norm)) if self.args.family.qk_norm else ()
+        )
         attention = Attention(self.args, linear(qkv), linear(attn.o_proj), *head_norms)
         if self.args.is_expert_layer(index):
             feed_forward = self.experts(mlp, streamed)
@@ -127,14 +184,24 @@ class DecoderParts:
         experts = []
         for expert in mlp.experts:
             gate_up = fuse([getattr(expert, names.gate), getattr(expert, names.up)])
-            experts.append(FeedForward(self.linear(gate_up, streamed, device), self.linear(getattr(expert, names.down), streamed, device), self.args.activation))
-        stack = ExpertStack.of(experts, self.args.activation) if device.type == "cpu" and not streamed else None  # streaming moves each tensor on its own
+            experts.append(
+                FeedForward(
+                    self.linear(gate_up, streamed, device),
+                    self.linear(getattr(expert, names.down), streamed, device),
+                    self.args.activation,
+                )
+            )
+        stack = (
+            ExpertStack.of(experts, self.args.activation) if device.type == "cpu" and not streamed else None
+        )  # streaming moves each tensor on its own
         return MoE(mlp.gate.weight.to(self.device), experts, self.args.routing, on_host, stack)
 
     def assemble(self, blocks: list[Block]) -> Transformer:
         """The Transformer from its blocks plus the model's head, embedding and final norm."""
         model, dtype, device = self.model, self.dtype, self.device
-        output = self.linear(model.get_output_embeddings())  # before the streaming buffers: its conversion has the most room
+        output = self.linear(
+            model.get_output_embeddings()
+        )  # before the streaming buffers: its conversion has the most room
         source_embedding = model.get_input_embeddings()
         if isinstance(source_embedding, QuantEmbedding):  # tied to the quantized head
             table = output if hasattr(output, "rows") else DequantLinear(source_embedding.head, dtype, device)
@@ -146,8 +213,14 @@ class DecoderParts:
             table = None
         else:
             table = DenseLinear(source_embedding.weight, None, dtype, device)
-        embedding = HostEmbedding(source_embedding.weight, dtype, device) if table is None else RowEmbedding(table, dtype)
-        streamer = LayerStreamer(self.hosts, device) if self.hosts else None  # binds the streamed blocks' device views before .to(device)
+        embedding = (
+            HostEmbedding(source_embedding.weight, dtype, device)
+            if table is None
+            else RowEmbedding(table, dtype)
+        )
+        streamer = (
+            LayerStreamer(self.hosts, device) if self.hosts else None
+        )  # binds the streamed blocks' device views before .to(device)
         decoder = Transformer(self.args, embedding, blocks, output, dtype).to(device)
         decoder.norm.weight.data = self.norm_weight(model.model.norm)
         decoder.streamer = streamer
@@ -161,9 +234,12 @@ def describe_kernels(decoder: Transformer) -> dict[str, int]:
     counts: dict[str, int] = {}
     for block in decoder.layers:
         mlps = block.feed_forward.experts if isinstance(block.feed_forward, MoE) else (block.feed_forward,)
-        for layer in (block.attention.qkv, block.attention.o_proj, *(part for mlp in mlps for part in (mlp.gate_up, mlp.down))):
+        for layer in (
+            block.attention.qkv,
+            block.attention.o_proj,
+            *(part for mlp in mlps for part in (mlp.gate_up, mlp.down)),
+        ):
             counts[kernel_name(layer)] = counts.get(kernel_name(layer), 0) + 1
     head = kernel_name(decoder.output)
     counts[f"head: {head}"] = 1
     return counts
-

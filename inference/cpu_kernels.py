@@ -28,16 +28,27 @@ from slimlm.qlinear import QuantScheme
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).parent / "kernels" / name for name in ("int8_activations_cpu.cpp", "decode_attention_cpu.cpp")]
+SOURCES = [
+    Path(__file__).parent / "kernels" / name
+    for name in ("int8_activations_cpu.cpp", "decode_attention_cpu.cpp")
+]
 # The ops' namespace names the build (its sources' digest): a compiled graph names the kernels
 # it calls, so torch.compile never reuses a graph it cached for another build, whose ops may take
 # other arguments (Inductor's cache key does not cover an op's schema; such a graph crashed).
-NAMESPACE = "slimlm_" + hashlib.sha256(b"".join(source.read_bytes() for source in (*SOURCES, SOURCES[0].with_name("ops_namespace.h")))).hexdigest()[:12]
+NAMESPACE = (
+    "slimlm_"
+    + hashlib.sha256(
+        b"".join(source.read_bytes() for source in (*SOURCES, SOURCES[0].with_name("ops_namespace.h")))
+    ).hexdigest()[:12]
+)
 ISA_ENV = "SLIMLM_CPU_ISA"
 # Widest first: the /proc/cpuinfo flags each needs, and the compiler flags that select its path
 # in the source (explicit sets, not -march=native, so a narrower one can be chosen).
 ISAS = {
-    "avx512_vnni": (("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx512_vnni", "avx2", "fma"), ["-march=x86-64-v4", "-mavx512vnni"]),
+    "avx512_vnni": (
+        ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx512_vnni", "avx2", "fma"),
+        ["-march=x86-64-v4", "-mavx512vnni"],
+    ),
     "avx_vnni": (("avx2", "fma", "avx_vnni"), ["-march=x86-64-v3", "-mavxvnni"]),
     "avx2": (("avx2", "fma"), ["-march=x86-64-v3"]),
 }
@@ -67,10 +78,14 @@ def kernel_isa() -> Optional[str]:
     chosen = os.environ.get(ISA_ENV)
     if chosen:
         if chosen not in ISAS:
-            raise ConfigError(f"{ISA_ENV}={chosen!r} is not an instruction set of the int8-activation kernels: use one of {', '.join(ISAS)}, or unset it")
+            raise ConfigError(
+                f"{ISA_ENV}={chosen!r} is not an instruction set of the int8-activation kernels: use one of {', '.join(ISAS)}, or unset it"
+            )
         missing = missing_flags(chosen)
         if missing:
-            raise ConfigError(f"{ISA_ENV}={chosen}, but this processor lacks {', '.join(missing)}: choose a narrower set or unset it")
+            raise ConfigError(
+                f"{ISA_ENV}={chosen}, but this processor lacks {', '.join(missing)}: choose a narrower set or unset it"
+            )
         return chosen
     return next((isa for isa in ISAS if not missing_flags(isa)), None)
 
@@ -97,11 +112,22 @@ def available() -> bool:
 
         name = f"slimlm_cpu_kernels_{isa}"
         if not (Path(_get_build_directory(name, verbose=False)) / f"{name}.so").exists():
-            log.warning("compiling slimlm's CPU kernels for %s (once per machine, about 15-30 s)", isa)  # else a silent pause
+            log.warning(
+                "compiling slimlm's CPU kernels for %s (once per machine, about 15-30 s)", isa
+            )  # else a silent pause
         cflags = ["-O3", "-mtune=native", "-fopenmp", f"-DSLIMLM_OPS={NAMESPACE}", *ISAS[isa][1]]
-        load(name=name, sources=[str(source) for source in SOURCES], extra_cflags=cflags, extra_ldflags=["-fopenmp"], is_python_module=False)
+        load(
+            name=name,
+            sources=[str(source) for source in SOURCES],
+            extra_cflags=cflags,
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+        )
     except Exception as error:  # no compiler, no ninja, a failed build: torch's kernels still work
-        log.warning("slimlm's CPU kernels not built (%s); int4 and int8 layers use torch's kernels, attention torch.compile's loop", str(error).splitlines()[0] if str(error) else type(error).__name__)
+        log.warning(
+            "slimlm's CPU kernels not built (%s); int4 and int8 layers use torch's kernels, attention torch.compile's loop",
+            str(error).splitlines()[0] if str(error) else type(error).__name__,
+        )
         return False
     for op in OPS.values():
         torch.library.register_fake(f"{NAMESPACE}::{op}")(_output_shape)
@@ -122,7 +148,12 @@ def fits(scheme: Optional[QuantScheme], out_features: int, in_features: int) -> 
     if scheme is None or scheme.bits not in OPS:
         return False
     group = group_size(scheme, in_features)
-    return (group == SEGMENT or group % BLOCK == 0) and in_features % group == 0 and in_features % BLOCK == 0 and out_features % TILE == 0
+    return (
+        (group == SEGMENT or group % BLOCK == 0)
+        and in_features % group == 0
+        and in_features % BLOCK == 0
+        and out_features % TILE == 0
+    )
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -131,7 +162,9 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     its input 8c + 4 + j. int4: [N/16, K/8, 64] uint8, the first operand in the low nibbles and
     the second in the high ones; int8: [N/16, K/8, 128] uint8, the two operands one after the other."""
     rows, width = codes.shape
-    halves = codes.to(torch.uint8).view(rows // TILE, TILE, width // 8, 2, 4).permute(0, 2, 3, 1, 4)  # [tiles, K/8, 2, 16, 4]
+    halves = (
+        codes.to(torch.uint8).view(rows // TILE, TILE, width // 8, 2, 4).permute(0, 2, 3, 1, 4)
+    )  # [tiles, K/8, 2, 16, 4]
     if bits == 4:
         return (halves[:, :, 0] | halves[:, :, 1] << 4).reshape(rows // TILE, width // 8, 64).contiguous()
     return halves.reshape(rows // TILE, width // 8, 128).contiguous()
@@ -173,17 +206,41 @@ def pack_adapter(down: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, to
         columns.append(tile[:, first : first + count].t().reshape(-1))
         spans.append((first, count, offset))
         offset += count * TILE
-    return down.detach().to(torch.bfloat16).contiguous(), torch.cat(columns).to(torch.bfloat16), torch.tensor(spans, dtype=torch.int64)
+    return (
+        down.detach().to(torch.bfloat16).contiguous(),
+        torch.cat(columns).to(torch.bfloat16),
+        torch.tensor(spans, dtype=torch.int64),
+    )
 
 
-def _output_shape(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, offsets: Optional[torch.Tensor], group_size: int, lora_down: Optional[torch.Tensor] = None, lora_up: Optional[torch.Tensor] = None, lora_tiles: Optional[torch.Tensor] = None) -> torch.Tensor:
+def _output_shape(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    offsets: Optional[torch.Tensor],
+    group_size: int,
+    lora_down: Optional[torch.Tensor] = None,
+    lora_up: Optional[torch.Tensor] = None,
+    lora_tiles: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """What torch.compile traces in place of the kernel."""
     return x.new_empty(x.shape[0], packed.shape[0] * TILE)
 
 
-def _attention_shape(q: torch.Tensor, k: torch.Tensor, k_scales: Optional[torch.Tensor], v: torch.Tensor, v_scales: Optional[torch.Tensor], mask: Optional[torch.Tensor], softmax_scale: float, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+def _attention_shape(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    k_scales: Optional[torch.Tensor],
+    v: torch.Tensor,
+    v_scales: Optional[torch.Tensor],
+    mask: Optional[torch.Tensor],
+    softmax_scale: float,
+    rows: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     return q.new_empty(q.shape, dtype=torch.float32)
 
 
-def _experts_shape(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, *stacks_and_activation) -> torch.Tensor:
+def _experts_shape(
+    x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, *stacks_and_activation
+) -> torch.Tensor:
     return torch.empty_like(x)

@@ -47,7 +47,11 @@ class GenerationStats:
     @property
     def decode_tok_s(self) -> float:
         """New tokens per second over all rows after the first (which the prefill produced)."""
-        return self.batch * (self.decode_steps - 1) / self.decode_s if self.decode_s > 0 and self.decode_steps > 1 else float("nan")
+        return (
+            self.batch * (self.decode_steps - 1) / self.decode_s
+            if self.decode_s > 0 and self.decode_steps > 1
+            else float("nan")
+        )
 
 
 def shared_start(held: Sequence[int], ids: Sequence[int]) -> int:
@@ -71,14 +75,20 @@ def cache_and_input_guards(entries: Sequence) -> list[bool]:
     once with one shape and dtype (`Transformer.setup_cache`), so the first layer's cache
     stands for all of them (for a 30-layer model, 116 checks a step fewer). So: the
     inputs' guards and the first layer's cache's, not the weights'."""
-    return [not entry.orig_guard.source.is_unspecialized_nn_module() or ("_cache" in entry.name and FIRST_LAYER in entry.name) for entry in entries]
+    return [
+        not entry.orig_guard.source.is_unspecialized_nn_module()
+        or ("_cache" in entry.name and FIRST_LAYER in entry.name)
+        for entry in entries
+    ]
 
 
 def private_method(model: torch.nn.Module, function: Callable) -> Callable:
     """`function` bound to `model` through a private copy of its code: Dynamo keeps compiled
     graphs (and their pruned guards) per code object, so this decoder's never serve, or are
     evicted by, another model's."""
-    private = types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__, function.__defaults__)
+    private = types.FunctionType(
+        function.__code__.replace(), function.__globals__, function.__name__, function.__defaults__
+    )
     return types.MethodType(private, model)
 
 
@@ -87,7 +97,12 @@ def private_method(model: torch.nn.Module, function: Callable) -> Callable:
 # wrapper checked each of its ~500 inputs (weights that never change once built; the cache and
 # the tokens, which Dynamo's guards check) and each kernel's output (the fake kernels' shapes,
 # which tests check with torch.library.opcheck): 5-9% of the default model's int4 step.
-CPU_STEP_OPTIONS = {"cpp_wrapper": True, "cpp.simdlen": 256, "size_asserts": False, "alignment_asserts": False}
+CPU_STEP_OPTIONS = {
+    "cpp_wrapper": True,
+    "cpp.simdlen": 256,
+    "size_asserts": False,
+    "alignment_asserts": False,
+}
 
 SLOT_SOURCE = re.escape("L['start']")  # entries are matched as regular expressions too
 
@@ -98,7 +113,9 @@ def slot_is_dynamic() -> Iterator[None]:
     not for the process: the setting names a local variable, which other compiled code may share."""
     config = torch.compiler.config
     before = config.dynamic_sources
-    config.dynamic_sources = ",".join(filter(None, (before, SLOT_SOURCE)))  # a plain attribute set: a fifth of config.patch's cost a step
+    config.dynamic_sources = ",".join(
+        filter(None, (before, SLOT_SOURCE))
+    )  # a plain attribute set: a fifth of config.patch's cost a step
     try:
         yield
     finally:
@@ -106,7 +123,14 @@ def slot_is_dynamic() -> Iterator[None]:
 
 
 class Decoder:
-    def __init__(self, model: Transformer, tokenizer, prefill_chunk: int = 512, cache_dtype: Optional[torch.dtype] = None, reuse_prefixes: bool = True):
+    def __init__(
+        self,
+        model: Transformer,
+        tokenizer,
+        prefill_chunk: int = 512,
+        cache_dtype: Optional[torch.dtype] = None,
+        reuse_prefixes: bool = True,
+    ):
         """`reuse_prefixes=False`: every prompt prefilled whole (e.g. to time prefills)."""
         self.model = model
         self.tokenizer = tokenizer
@@ -144,20 +168,32 @@ class Decoder:
         the first compiled step of the default model). The matmuls are torch's or slimlm's own
         kernels, whatever their width, so little is lost."""
         if self.model.streamer is not None:
-            raise SlimlmError("this decoder streams layers from host memory, which runs eagerly (its copies and waits are not a compilable graph); compile one that fits the device")
+            raise SlimlmError(
+                "this decoder streams layers from host memory, which runs eagerly (its copies and waits are not a compilable graph); compile one that fits the device"
+            )
         options = {"guard_filter_fn": cache_and_input_guards}
         on_gpu = self.device.type == "cuda"
         if not (on_gpu if static is None else static):
-            compiled_cpu = torch.compile(private_method(self.model, Transformer.forward), fullgraph=True, options={**options, **CPU_STEP_OPTIONS})
+            compiled_cpu = torch.compile(
+                private_method(self.model, Transformer.forward),
+                fullgraph=True,
+                options={**options, **CPU_STEP_OPTIONS},
+            )
 
-            def cpu_step(tokens: torch.Tensor, start: int, pad: Optional[torch.Tensor] = None) -> torch.Tensor:
+            def cpu_step(
+                tokens: torch.Tensor, start: int, pad: Optional[torch.Tensor] = None
+            ) -> torch.Tensor:
                 with slot_is_dynamic():  # read when Dynamo (re)compiles, which happens inside a call
                     return compiled_cpu(tokens, start, pad)
 
             self.step = cpu_step
             return
         # triton.cudagraphs is what mode="reduce-overhead" sets (torch.compile takes a mode or options, not both)
-        compiled = torch.compile(private_method(self.model, Transformer.step_static), fullgraph=True, options={**options, "triton.cudagraphs": on_gpu})
+        compiled = torch.compile(
+            private_method(self.model, Transformer.step_static),
+            fullgraph=True,
+            options={**options, "triton.cudagraphs": on_gpu},
+        )
         slot = torch.zeros(1, dtype=torch.long, device=self.device)
 
         def step(tokens: torch.Tensor, start: int, pad: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -197,16 +233,27 @@ class Decoder:
         or a stop string; fed back before an end token was chosen, and left out all the same)."""
         self.model.held[row] = RowRecord([*prompt, *answer[:-1]], len(prompt))
 
-    def prefill(self, tokens: torch.Tensor, start: int = 0, pad: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def prefill(
+        self, tokens: torch.Tensor, start: int = 0, pad: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         """Write `tokens` [batch, length] into the cache rows from 0, from slot `start`, `prefill_chunk` tokens at a time to bound activation memory; the logits
         [batch, vocab] after the last token."""
         for row in range(tokens.shape[0]):
-            self.model.held.pop(row, None)  # overwritten from `start` on: known again when its generation ends
+            self.model.held.pop(
+                row, None
+            )  # overwritten from `start` on: known again when its generation ends
         for offset in range(0, tokens.shape[1], self.prefill_chunk):
-            logits = self.model(tokens[:, offset : offset + self.prefill_chunk], start + offset, pad, last_only=True)[:, -1]
+            logits = self.model(
+                tokens[:, offset : offset + self.prefill_chunk], start + offset, pad, last_only=True
+            )[:, -1]
         return logits
 
-    def generate_ids(self, prompts: Sequence[Sequence[int]], params: SamplingParams, on_token: Optional[TokenCallback] = None) -> list[Generation]:
+    def generate_ids(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        on_token: Optional[TokenCallback] = None,
+    ) -> list[Generation]:
         """Complete each prompt (token ids); `on_token` sees each token as it is chosen."""
         with self.lock, torch.inference_mode():
             return self._generate(prompts, params, on_token)
@@ -217,9 +264,13 @@ class Decoder:
             raise SlimlmError("every prompt needs at least one token")
         longest, limit = max(len(p) for p in prompts), self.model.args.max_position_embeddings
         if longest + params.max_new_tokens > limit:
-            raise SlimlmError(f"a prompt of {longest} tokens plus {params.max_new_tokens} new tokens exceeds the model's context of {limit}; shorten the prompt or ask for fewer tokens")
+            raise SlimlmError(
+                f"a prompt of {longest} tokens plus {params.max_new_tokens} new tokens exceeds the model's context of {limit}; shorten the prompt or ask for fewer tokens"
+            )
 
-    def _generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, on_token: Optional[TokenCallback]) -> list[Generation]:
+    def _generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, on_token: Optional[TokenCallback]
+    ) -> list[Generation]:
         self.check_prompts(prompts, params)
         batch, longest = len(prompts), max(len(p) for p in prompts)
         self.ensure_cache(batch, longest + params.max_new_tokens)
@@ -260,27 +311,58 @@ class Decoder:
         finally:  # stopped early too (its client gone): the row keeps what was fed back, for a next turn that continues it
             if batch == 1:
                 self.remember(0, prompts[0], outputs[0])
-        self.last_stats = GenerationStats(prefill_s=prefilled - started, decode_s=time.perf_counter() - prefilled, decode_steps=steps, batch=batch)
-        return [self._finish(ids, params, finished[row], len(prompts[row]), cached) for row, ids in enumerate(outputs)]
+        self.last_stats = GenerationStats(
+            prefill_s=prefilled - started,
+            decode_s=time.perf_counter() - prefilled,
+            decode_steps=steps,
+            batch=batch,
+        )
+        return [
+            self._finish(ids, params, finished[row], len(prompts[row]), cached)
+            for row, ids in enumerate(outputs)
+        ]
 
     def _hits_stop_string(self, ids: list[int], stops: Sequence[str]) -> bool:
         tail = self.tokenizer.decode(ids[-16:], skip_special_tokens=True)
         return any(stop in tail for stop in stops)
 
-    def _finish(self, ids: list[int], params: SamplingParams, reason: Optional[str], prompt_tokens: int, cached_tokens: int = 0) -> Generation:
+    def _finish(
+        self,
+        ids: list[int],
+        params: SamplingParams,
+        reason: Optional[str],
+        prompt_tokens: int,
+        cached_tokens: int = 0,
+    ) -> Generation:
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
         for stop in params.stop:
             if stop in text:
                 text = text[: text.index(stop)]
                 reason = "stop"
-        return Generation(token_ids=ids, text=text, finish_reason=reason or "length", prompt_tokens=prompt_tokens, cached_tokens=cached_tokens)
+        return Generation(
+            token_ids=ids,
+            text=text,
+            finish_reason=reason or "length",
+            prompt_tokens=prompt_tokens,
+            cached_tokens=cached_tokens,
+        )
 
-    def generate(self, prompts: Sequence[str], params: SamplingParams, chat_template: bool = False) -> list[Generation]:
+    def generate(
+        self, prompts: Sequence[str], params: SamplingParams, chat_template: bool = False
+    ) -> list[Generation]:
         from slimlm.inference.generate import prompt_ids
 
-        return self.generate_ids([prompt_ids(self.tokenizer, p, chat_template)[0].tolist() for p in prompts], params)
+        return self.generate_ids(
+            [prompt_ids(self.tokenizer, p, chat_template)[0].tolist() for p in prompts], params
+        )
 
-    def stream(self, prompt: str, params: SamplingParams, chat_template: bool = False, results: Optional[list[Generation]] = None) -> Iterator[str]:
+    def stream(
+        self,
+        prompt: str,
+        params: SamplingParams,
+        chat_template: bool = False,
+        results: Optional[list[Generation]] = None,
+    ) -> Iterator[str]:
         """Text pieces of one prompt's completion as they are decoded (see stream_ids)."""
         from slimlm.inference.generate import prompt_ids
 
@@ -318,7 +400,9 @@ class Decoder:
 
         def work() -> None:
             try:
-                generations = [decode(on_token)] if decode is not None else self.generate_ids([ids], params, on_token)
+                generations = (
+                    [decode(on_token)] if decode is not None else self.generate_ids([ids], params, on_token)
+                )
                 if results is not None:
                     results.extend(generations)
                 rest = detok.flush()
@@ -379,10 +463,14 @@ def silent_tokens(tokenizer) -> frozenset[int]:
     """The special tokens that decoding with skip_special_tokens drops whatever surrounds them:
     a fast tokenizer drops its added tokens marked special, a slow one its special ids; a
     special id that is an ordinary piece to the tokenizer (a pad token set to "▁") is kept."""
-    candidates = set(tokenizer.all_special_ids) | {i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
+    candidates = set(tokenizer.all_special_ids) | {
+        i for i, token in tokenizer.added_tokens_decoder.items() if token.special
+    }
     plain = next(i for i in range(len(tokenizer)) if i not in candidates)
     around = tokenizer.decode([plain, plain], skip_special_tokens=True)
-    return frozenset(i for i in candidates if tokenizer.decode([plain, i, plain], skip_special_tokens=True) == around)
+    return frozenset(
+        i for i in candidates if tokenizer.decode([plain, i, plain], skip_special_tokens=True) == around
+    )
 
 
 class IncrementalText:

@@ -64,17 +64,41 @@ class ExpertStack:
         projections = [[expert.gate_up for expert in experts], [expert.down for expert in experts]]
         if not all(_plain(layer) for layers in projections for layer in layers):
             return None
-        if any(len({(layer.bits, layer.group_size, layer.weight.shape, layer.offsets is None) for layer in layers}) > 1 for layers in projections):
+        if any(
+            len(
+                {
+                    (layer.bits, layer.group_size, layer.weight.shape, layer.offsets is None)
+                    for layer in layers
+                }
+            )
+            > 1
+            for layers in projections
+        ):
             return None
         if projections[0][0].bits != projections[1][0].bits:
             return None
-        return ExpertStack(StackedProjection.of(projections[0]), StackedProjection.of(projections[1]), activation)
+        return ExpertStack(
+            StackedProjection.of(projections[0]), StackedProjection.of(projections[1]), activation
+        )
 
     def __call__(self, flat: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Each token's routed experts' outputs, weighted and summed ([T, H], as dispatch in
         slimlm/experts.py computes them); routes to index E (dropped) are left out."""
         up, down = self.gate_up, self.down
-        return cpu_kernels.ops().routed_experts(flat, chosen, weights.float(), up.packed, up.scales, up.offsets, up.group, down.packed, down.scales, down.offsets, down.group, self.activation)
+        return cpu_kernels.ops().routed_experts(
+            flat,
+            chosen,
+            weights.float(),
+            up.packed,
+            up.scales,
+            up.offsets,
+            up.group,
+            down.packed,
+            down.scales,
+            down.offsets,
+            down.group,
+            self.activation,
+        )
 
 
 def _plain(layer: nn.Module) -> bool:

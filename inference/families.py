@@ -22,22 +22,35 @@ from slimlm.errors import SlimlmError
 
 LLAMA_NORMS = {"attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
 # Gemma's "sandwich": the attention's and the MLP's outputs are normed too, before the residual add.
-GEMMA_NORMS = {"attention_norm": "input_layernorm", "after_attention": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm", "after_ffn": "post_feedforward_layernorm"}
+GEMMA_NORMS = {
+    "attention_norm": "input_layernorm",
+    "after_attention": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "after_ffn": "post_feedforward_layernorm",
+}
 
 
 @dataclass(frozen=True)
 class Family:
     """The fixed facts of one family's block; sizes and settings come from each model's config."""
 
-    norms: dict[str, str] = field(default_factory=lambda: LLAMA_NORMS)  # decoder block's norm -> HF layer's module
+    norms: dict[str, str] = field(
+        default_factory=lambda: LLAMA_NORMS
+    )  # decoder block's norm -> HF layer's module
     norm_offset: float = 0.0  # Gemma's RMSNorm scales by (1 + w)
-    qk_norm: Optional[str] = None  # before RoPE, an RMSNorm over each query and key "head", or over the whole "projection"
+    qk_norm: Optional[str] = (
+        None  # before RoPE, an RMSNorm over each query and key "head", or over the whole "projection"
+    )
     qkv_bias: bool = False
     scaled_embedding: bool = False  # embeddings times sqrt(hidden_size), in the table's dtype
     activation_key: str = "hidden_act"  # the config's name for the MLP's activation
-    stored_fused: bool = False  # checkpoints hold qkv_proj and gate_up_proj (phi3), not the separate projections
+    stored_fused: bool = (
+        False  # checkpoints hold qkv_proj and gate_up_proj (phi3), not the separate projections
+    )
     experts_key: str = "num_experts"  # the config's name for a mixture of experts' expert count
-    routes_normalized: Optional[bool] = None  # top-k routing weights rescaled to sum to 1; None: as the config's norm_topk_prob says
+    routes_normalized: Optional[bool] = (
+        None  # top-k routing weights rescaled to sum to 1; None: as the config's norm_topk_prob says
+    )
 
 
 FAMILIES: dict[str, Family] = {
@@ -45,7 +58,13 @@ FAMILIES: dict[str, Family] = {
     "mistral": Family(),
     "qwen2": Family(qkv_bias=True),
     "qwen3": Family(qk_norm="head"),
-    "gemma3_text": Family(norms=GEMMA_NORMS, norm_offset=1.0, qk_norm="head", scaled_embedding=True, activation_key="hidden_activation"),
+    "gemma3_text": Family(
+        norms=GEMMA_NORMS,
+        norm_offset=1.0,
+        qk_norm="head",
+        scaled_embedding=True,
+        activation_key="hidden_activation",
+    ),
     "phi3": Family(stored_fused=True),  # qkv_proj and gate_up_proj read as stored (inference/build.py)
     "qwen3_moe": Family(qk_norm="head"),
     "mixtral": Family(experts_key="num_local_experts", routes_normalized=True),
@@ -112,7 +131,11 @@ def hf_config(config: Any) -> Any:
         return config
     from transformers import AutoConfig
 
-    settings = {key: value for key, value in config.items() if key not in ("model_type", "transformers_version", "architectures")}
+    settings = {
+        key: value
+        for key, value in config.items()
+        if key not in ("model_type", "transformers_version", "architectures")
+    }
     return AutoConfig.for_model(config["model_type"], **settings)
 
 
@@ -126,7 +149,10 @@ def layer_kinds(config: Any, head_dim: int) -> tuple[tuple[LayerKind, ...], tupl
     if not types:
         types = ["sliding_attention" if window is not None else "full_attention"] * layers
     names = sorted(set(types))
-    kinds = tuple(LayerKind(window if name == "sliding_attention" else None, rope_of(config, name, head_dim)) for name in names)
+    kinds = tuple(
+        LayerKind(window if name == "sliding_attention" else None, rope_of(config, name, head_dim))
+        for name in names
+    )
     return kinds, tuple(names.index(kind) for kind in types)
 
 
@@ -139,7 +165,9 @@ def rope_of(config: Any, layer_type: str, head_dim: int) -> Rope:
     own = parameters[layer_type] if per_type else parameters
     rope_type = own.get("rope_type", own.get("type", "default"))
     if rope_type not in ROPE_TYPES:
-        raise SlimlmError(f"the decoder does not implement RoPE type '{rope_type}' (it does {', '.join(ROPE_TYPES)})")
+        raise SlimlmError(
+            f"the decoder does not implement RoPE type '{rope_type}' (it does {', '.join(ROPE_TYPES)})"
+        )
     if rope_type == "default":
         dim = int(head_dim * own.get("partial_rotary_factor", 1.0))
         inv_freq = 1.0 / (own["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
@@ -159,7 +187,11 @@ def routing_of(config: Any, family: Family) -> Optional[Routing]:
     experts = getattr(config, family.experts_key, None) or 0
     if not experts:
         return None
-    normalized = family.routes_normalized if family.routes_normalized is not None else bool(getattr(config, "norm_topk_prob", False))
+    normalized = (
+        family.routes_normalized
+        if family.routes_normalized is not None
+        else bool(getattr(config, "norm_topk_prob", False))
+    )
     size = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
     return Routing(experts, config.num_experts_per_tok, normalized, size)
 
@@ -169,7 +201,10 @@ def expert_layers(config: Any, routing: Optional[Routing]) -> tuple[bool, ...]:
     `mlp_only_layers` and between every `decoder_sparse_step`-th layer; the others use experts throughout."""
     if routing is None:
         return (False,) * config.num_hidden_layers
-    dense, step = set(getattr(config, "mlp_only_layers", None) or ()), getattr(config, "decoder_sparse_step", None) or 1
+    dense, step = (
+        set(getattr(config, "mlp_only_layers", None) or ()),
+        getattr(config, "decoder_sparse_step", None) or 1,
+    )
     return tuple(index not in dense and (index + 1) % step == 0 for index in range(config.num_hidden_layers))
 
 
@@ -185,5 +220,7 @@ def embedding_scale(config: Any, family: Family) -> Optional[float]:
 def activation_of(config: Any, family: Family) -> str:
     activation = getattr(config, family.activation_key, None) or "silu"
     if activation not in ACTIVATIONS:
-        raise SlimlmError(f"the decoder's MLP activations are {', '.join(ACTIVATIONS)}; this model uses '{activation}'")
+        raise SlimlmError(
+            f"the decoder's MLP activations are {', '.join(ACTIVATIONS)}; this model uses '{activation}'"
+        )
     return activation

@@ -30,7 +30,9 @@ class Completion:
 def prompt_ids(tokenizer, prompt: str, chat_template: bool) -> torch.Tensor:
     """Token ids for a user prompt, wrapped in the chat template when asked and available."""
     if chat_template and getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        )
         return tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
     return tokenizer(prompt, return_tensors="pt")["input_ids"]
 
@@ -49,7 +51,9 @@ def decoder_obstacle(model: nn.Module) -> Optional[str]:
 
 
 @torch.inference_mode()
-def greedy_complete(model, tokenizer, prompt: str, max_new_tokens: int, chat_template: bool = True) -> Completion:
+def greedy_complete(
+    model, tokenizer, prompt: str, max_new_tokens: int, chat_template: bool = True
+) -> Completion:
     from slimlm.inference.build import build_decoder
 
     input_ids = prompt_ids(tokenizer, prompt, chat_template)
@@ -59,19 +63,35 @@ def greedy_complete(model, tokenizer, prompt: str, max_new_tokens: int, chat_tem
         # A quantized model in its kernels' activations (build.default_dtype); a float one in its own dtype.
         quantized = any(isinstance(m, QuantLinear) for m in model.modules())
         dtype = None if quantized else next(p.dtype for p in model.parameters() if p.is_floating_point())
-        return decoder_completion(build_decoder(model, dtype=dtype, device=device), tokenizer, prompt, input_ids, max_new_tokens)
+        return decoder_completion(
+            build_decoder(model, dtype=dtype, device=device), tokenizer, prompt, input_ids, max_new_tokens
+        )
     input_ids = input_ids.to(device)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     start = time.perf_counter()
-    output = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad_id)
+    output = model.generate(
+        input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        pad_token_id=pad_id,
+    )
     seconds = time.perf_counter() - start
     new_ids = output[0, input_ids.shape[1] :]
     text = tokenizer.decode(new_ids, skip_special_tokens=True).strip()
-    return Completion(prompt, text, int(new_ids.numel()), seconds, f"transformers generate (the bundled decoder does not run {obstacle})")
+    return Completion(
+        prompt,
+        text,
+        int(new_ids.numel()),
+        seconds,
+        f"transformers generate (the bundled decoder does not run {obstacle})",
+    )
 
 
 @torch.inference_mode()
-def complete_from_artifact(path: Path, prompt: str, max_new_tokens: int, chat_template: bool, device: torch.device) -> Completion:
+def complete_from_artifact(
+    path: Path, prompt: str, max_new_tokens: int, chat_template: bool, device: torch.device
+) -> Completion:
     """greedy_complete for an artifact on disk, through the decoder loaded from it a layer at a
     time (inference/load.py): the artifact's model is never built beside the decoder."""
     from slimlm.artifact import artifact_tokenizer, parse_manifest
@@ -81,20 +101,32 @@ def complete_from_artifact(path: Path, prompt: str, max_new_tokens: int, chat_te
     dtype = None if manifest["modules"] else getattr(torch, manifest.get("dtype", "float32"))
     tokenizer = artifact_tokenizer(path)
     transformer, _ = load_decoder(path, dtype=dtype, device=device)
-    return decoder_completion(transformer, tokenizer, prompt, prompt_ids(tokenizer, prompt, chat_template), max_new_tokens)
+    return decoder_completion(
+        transformer, tokenizer, prompt, prompt_ids(tokenizer, prompt, chat_template), max_new_tokens
+    )
 
 
-def decoder_completion(transformer, tokenizer, prompt: str, input_ids: torch.Tensor, max_new_tokens: int) -> Completion:
+def decoder_completion(
+    transformer, tokenizer, prompt: str, input_ids: torch.Tensor, max_new_tokens: int
+) -> Completion:
     """The greedy completion of `input_ids` [1, n] by the bundled decoder's `transformer`."""
     from slimlm.inference.build import describe_kernels
     from slimlm.inference.decoder import Decoder
     from slimlm.inference.sampling import SamplingParams
 
     decoder = Decoder(transformer, tokenizer)
-    (generation,) = decoder.generate_ids([input_ids[0].tolist()], SamplingParams(max_new_tokens=max_new_tokens))
+    (generation,) = decoder.generate_ids(
+        [input_ids[0].tolist()], SamplingParams(max_new_tokens=max_new_tokens)
+    )
     # Prefill and decoding only: the first generation also allocates the cache and, on a new
     # machine, compiles the CPU kernels (seconds that would read as a slow decoder).
     seconds = decoder.last_stats.prefill_s + decoder.last_stats.decode_s
     kernels = ", ".join(f"{kind} x{count}" for kind, count in describe_kernels(decoder.model).items())
     activations = str(decoder.model.dtype).removeprefix("torch.")
-    return Completion(prompt, generation.text.strip(), len(generation.token_ids), seconds, f"slimlm decoder ({kernels}; {activations} activations)")
+    return Completion(
+        prompt,
+        generation.text.strip(),
+        len(generation.token_ids),
+        seconds,
+        f"slimlm decoder ({kernels}; {activations} activations)",
+    )

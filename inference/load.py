@@ -17,14 +17,22 @@ from torch import nn
 
 from slimlm.artifact import ArtifactParts
 from slimlm.errors import SlimlmError
-from slimlm.memory import return_freed_memory
 from slimlm.inference.build import DecoderParts
 from slimlm.inference.model import Transformer
 from slimlm.inference.streaming import Placement
+from slimlm.memory import return_freed_memory
 from slimlm.qlinear import QuantTable
 
 
-def load_decoder(path: Path, dtype: Optional[torch.dtype] = torch.bfloat16, device: Optional[torch.device] = None, kernels: bool = True, int8_activations: bool = False, gpu_int4: str = "tinygemm", placement: Placement = Placement()) -> tuple[Transformer, dict]:
+def load_decoder(
+    path: Path,
+    dtype: Optional[torch.dtype] = torch.bfloat16,
+    device: Optional[torch.device] = None,
+    kernels: bool = True,
+    int8_activations: bool = False,
+    gpu_int4: str = "tinygemm",
+    placement: Placement = Placement(),
+) -> tuple[Transformer, dict]:
     """The decoder for an artifact and its manifest (checksums verified first); `placement`
     keeps some of it in host memory (inference/streaming.py); dtype None: build.default_dtype."""
     artifact = ArtifactParts(path)
@@ -46,5 +54,7 @@ def load_decoder(path: Path, dtype: Optional[torch.dtype] = torch.bfloat16, devi
         if not head_stored:  # tied float head: the embedding's table
             head.weight = embedding.weight
     if artifact.unread:
-        raise SlimlmError(f"artifact '{path}' holds tensors its config.json has no place for (e.g. {sorted(artifact.unread)[0]}); re-export it")
+        raise SlimlmError(
+            f"artifact '{path}' holds tensors its config.json has no place for (e.g. {sorted(artifact.unread)[0]}); re-export it"
+        )
     return parts.assemble(blocks), manifest

@@ -30,9 +30,23 @@ import torch.nn.functional as F
 from torch import nn
 
 from slimlm.errors import SlimlmError
-from slimlm.inference import cpu_kernels
 from slimlm.experts import dispatch
-from slimlm.inference.families import FAMILIES, Family, LayerKind, Rope, Routing, activation_of, attention_scale, embedding_scale, expert_layers, family_of, hf_config, layer_kinds, routing_of
+from slimlm.inference import cpu_kernels
+from slimlm.inference.families import (
+    FAMILIES,
+    Family,
+    LayerKind,
+    Rope,
+    Routing,
+    activation_of,
+    attention_scale,
+    embedding_scale,
+    expert_layers,
+    family_of,
+    hf_config,
+    layer_kinds,
+    routing_of,
+)
 
 ARCHITECTURES = tuple(FAMILIES)
 
@@ -177,14 +191,23 @@ class Segments:
     single_mask: torch.Tensor  # [singles, 1, 1, single_end]
     single_end: int
     offsets: list[int]  # each run's first token in the pass
-    runs: list[tuple[int, torch.Tensor, torch.Tensor, int]]  # each run's row, slots, mask [1, 1, length, end] and end
+    runs: list[
+        tuple[int, torch.Tensor, torch.Tensor, int]
+    ]  # each run's row, slots, mask [1, 1, length, end] and end
 
 
 class Attention(nn.Module):
     """Grouped-query attention; q, k and v come from one fused projection. `q_norm` and `k_norm`
     (Qwen3, Gemma 3, OLMoE) norm the queries and keys before RoPE."""
 
-    def __init__(self, args: ModelArgs, qkv: nn.Module, o_proj: nn.Module, q_norm: Optional[nn.Module] = None, k_norm: Optional[nn.Module] = None):
+    def __init__(
+        self,
+        args: ModelArgs,
+        qkv: nn.Module,
+        o_proj: nn.Module,
+        q_norm: Optional[nn.Module] = None,
+        k_norm: Optional[nn.Module] = None,
+    ):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
         self.scale = args.attention_scale
@@ -196,7 +219,16 @@ class Attention(nn.Module):
         self.attention_dtype = torch.float32  # what cached keys and values are read as
         self.decode_kernel = False  # whether decode steps and short runs attend in slimlm's CPU kernel
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: Union[torch.Tensor, "Segments"], mask: Optional[torch.Tensor] = None, end: int = 0, first_row: int = 0) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        slots: Union[torch.Tensor, "Segments"],
+        mask: Optional[torch.Tensor] = None,
+        end: int = 0,
+        first_row: int = 0,
+    ) -> torch.Tensor:
         """x [batch, length] written at `slots` of cache rows first_row..first_row+batch-1; or,
         `slots` a `Segments`, x [1, tokens] packing several sequences' tokens, each written to
         its own row at its own slots (`Transformer.forward_segments`)."""
@@ -211,10 +243,23 @@ class Attention(nn.Module):
         qk = rotate(qk, cos, sin)  # q and k heads rotated in one go
         q, k = qk[:, :, :heads].transpose(1, 2), qk[:, :, heads:].transpose(1, 2)
         v = qkv[:, :, heads + kv_heads :].transpose(1, 2)
-        out = self.attend_segments(q, k, v, slots) if isinstance(slots, Segments) else self.attend(q, k, v, slots, mask, end, first_row)
+        out = (
+            self.attend_segments(q, k, v, slots)
+            if isinstance(slots, Segments)
+            else self.attend(q, k, v, slots, mask, end, first_row)
+        )
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, heads * self.head_dim).to(x.dtype))
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, mask: Optional[torch.Tensor], end: int, rows: Union[torch.Tensor, int]) -> torch.Tensor:
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        slots: torch.Tensor,
+        mask: Optional[torch.Tensor],
+        end: int,
+        rows: Union[torch.Tensor, int],
+    ) -> torch.Tensor:
         """Write k and v [batch, kv_heads, length, head_dim] at `slots` of the cache rows and
         attend q [batch, heads, length, head_dim] over the rows' slots up to `end` under `mask`.
         `rows`: an int, the first of `batch` consecutive rows, all written at `slots`; or a
@@ -230,33 +275,72 @@ class Attention(nn.Module):
         every_row = kernel and not isinstance(rows, int)
         k_codes, k_scale = self.cached(self.k_cache, self.k_cache_scale, k, slots, end, rows, every_row)
         v_codes, v_scale = self.cached(self.v_cache, self.v_cache_scale, v, slots, end, rows, every_row)
-        if kernel and short:  # query j of row b: sequence b * length + j of the kernel, with its own row of the mask
+        if (
+            kernel and short
+        ):  # query j of row b: sequence b * length + j of the kernel, with its own row of the mask
             queries = q.transpose(1, 2).reshape(batch * length, heads, 1, self.head_dim)
             masks = mask.expand(batch, 1, length, end).reshape(batch * length, 1, 1, end)
             readers = torch.arange(batch, device=q.device).repeat_interleave(length)
-            out = cpu_kernels.ops().decode_attention(queries, k_codes, k_scale, v_codes, v_scale, masks, self.scale, readers)
+            out = cpu_kernels.ops().decode_attention(
+                queries, k_codes, k_scale, v_codes, v_scale, masks, self.scale, readers
+            )
             return out.view(batch, length, heads, self.head_dim).transpose(1, 2)
         if kernel:  # the cache read as it is stored (inference/kernels/)
-            return cpu_kernels.ops().decode_attention(q, k_codes, k_scale, v_codes, v_scale, mask, self.scale, None if isinstance(rows, int) else rows)
-        keys, values = from_cache(k_codes, k_scale, self.attention_dtype), from_cache(v_codes, v_scale, self.attention_dtype)
+            return cpu_kernels.ops().decode_attention(
+                q,
+                k_codes,
+                k_scale,
+                v_codes,
+                v_scale,
+                mask,
+                self.scale,
+                None if isinstance(rows, int) else rows,
+            )
+        keys, values = (
+            from_cache(k_codes, k_scale, self.attention_dtype),
+            from_cache(v_codes, v_scale, self.attention_dtype),
+        )
         q = q.to(keys.dtype)  # fp32 on CPU (bf16 matmuls are slow there), the activations' dtype on GPUs
         if length == 1:
             return self.attend_one(q, keys, values, mask)
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=heads != kv_heads)
+        return F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=heads != kv_heads
+        )
 
-    def attend_segments(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: "Segments") -> torch.Tensor:
+    def attend_segments(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: "Segments"
+    ) -> torch.Tensor:
         """Attention of a packed pass [1, heads, tokens, head_dim]: the single queries (packed
         first) together as one decode step of their rows, each longer segment as a prefill of its row."""
         n, parts = segments.singles, []
         if n:
-            as_batch = [t[0, :, :n].transpose(0, 1)[:, :, None].contiguous() for t in (q, k, v)]  # [n, heads, 1, head_dim]
-            parts.append(self.attend(*as_batch, segments.single_slots, segments.single_mask, segments.single_end, segments.single_rows)[:, :, 0].transpose(0, 1)[None])
+            as_batch = [
+                t[0, :, :n].transpose(0, 1)[:, :, None].contiguous() for t in (q, k, v)
+            ]  # [n, heads, 1, head_dim]
+            parts.append(
+                self.attend(
+                    *as_batch,
+                    segments.single_slots,
+                    segments.single_mask,
+                    segments.single_end,
+                    segments.single_rows,
+                )[:, :, 0].transpose(0, 1)[None]
+            )
         for offset, (row, slots, mask, end) in zip(segments.offsets, segments.runs):
             span = slice(offset, offset + len(slots))
             parts.append(self.attend(q[:, :, span], k[:, :, span], v[:, :, span], slots, mask, end, row))
         return torch.cat([p.to(parts[0].dtype) for p in parts], dim=2) if len(parts) > 1 else parts[0]
 
-    def cached(self, cache: torch.Tensor, scale: Optional[torch.Tensor], new: torch.Tensor, slots: torch.Tensor, end: int, rows: Union[torch.Tensor, int], every_row: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def cached(
+        self,
+        cache: torch.Tensor,
+        scale: Optional[torch.Tensor],
+        new: torch.Tensor,
+        slots: torch.Tensor,
+        end: int,
+        rows: Union[torch.Tensor, int],
+        every_row: bool = False,
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Write `new` [batch, kv_heads, length, head_dim] at `slots` of the cache rows; return
         the slots up to `end` as stored (codes and scales for an int8 cache) of the rows written
         (a view for an int `rows`, a gathered copy for a tensor of rows), or with `every_row` of
@@ -269,10 +353,14 @@ class Attention(nn.Module):
                 store[rows : rows + new.shape[0]].index_copy_(2, slots, values)
             else:
                 store[rows, :, slots] = values[:, :, 0]
-        select = slice(None) if every_row else slice(rows, rows + new.shape[0]) if isinstance(rows, int) else rows
+        select = (
+            slice(None) if every_row else slice(rows, rows + new.shape[0]) if isinstance(rows, int) else rows
+        )
         return cache[select, :, :end], None if scale is None else scale[select, :, :end]
 
-    def attend_one(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    def attend_one(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: Optional[torch.Tensor]
+    ) -> torch.Tensor:
         """One query per sequence (a decode step): the query heads of each key/value head are
         stacked as rows of one small matmul, the way grouped-query attention shares keys.
 
@@ -292,7 +380,11 @@ class Attention(nn.Module):
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))
         weights = scores.softmax(-1)
-        out = (weights[..., None] * values[:, :, None]).sum(-2) if fused_loops else torch.matmul(weights, values)
+        out = (
+            (weights[..., None] * values[:, :, None]).sum(-2)
+            if fused_loops
+            else torch.matmul(weights, values)
+        )
         return out.reshape(batch, self.n_heads, 1, self.head_dim)
 
 
@@ -325,7 +417,14 @@ class MoE(nn.Module):
     Experts on another device than the activations (host memory, with the rest on a GPU) get the
     tokens routed to them there and send their sum back."""
 
-    def __init__(self, router: torch.Tensor, experts: list[FeedForward], routing: Routing, on_host: bool = False, stack: Optional[Callable] = None):
+    def __init__(
+        self,
+        router: torch.Tensor,
+        experts: list[FeedForward],
+        routing: Routing,
+        on_host: bool = False,
+        stack: Optional[Callable] = None,
+    ):
         super().__init__()
         self.register_buffer("router", router.detach().float())
         # A tuple is no submodule: moving the decoder to a GPU leaves host experts where they are.
@@ -356,13 +455,17 @@ _MOE_LAYERS: "weakref.WeakValueDictionary[int, MoE]" = weakref.WeakValueDictiona
 # Which experts run depends on the tokens: a compiled step calls this op as one opaque node
 # (one graph, no break), and CUDA graphs leave it out (its kernels differ from step to step).
 @torch.library.custom_op("slimlm::routed_experts", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
-def routed_experts(flat: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, layer: int) -> torch.Tensor:
+def routed_experts(
+    flat: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, layer: int
+) -> torch.Tensor:
     """MoE layer `layer`'s experts on the tokens routed to them, weighted and summed."""
     return _MOE_LAYERS[layer].run_experts(flat, chosen, weights)
 
 
 @routed_experts.register_fake
-def _routed_experts_shape(flat: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, layer: int) -> torch.Tensor:
+def _routed_experts_shape(
+    flat: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, layer: int
+) -> torch.Tensor:
     return torch.empty_like(flat)
 
 
@@ -381,8 +484,19 @@ class Block(nn.Module):
         self.feed_forward = feed_forward
         self.after_ffn = RMSNorm(args.dim, args.norm_eps) if sandwich else nn.Identity()
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: Union[torch.Tensor, "Segments"], mask: Optional[torch.Tensor] = None, end: int = 0, first_row: int = 0) -> torch.Tensor:
-        h = x + self.after_attention(self.attention(self.attention_norm(x), cos, sin, slots, mask, end, first_row))
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        slots: Union[torch.Tensor, "Segments"],
+        mask: Optional[torch.Tensor] = None,
+        end: int = 0,
+        first_row: int = 0,
+    ) -> torch.Tensor:
+        h = x + self.after_attention(
+            self.attention(self.attention_norm(x), cos, sin, slots, mask, end, first_row)
+        )
         return h + self.after_ffn(self.feed_forward(self.ffn_norm(h)))
 
 
@@ -408,7 +522,14 @@ class Rotary(nn.Module):
 class Transformer(nn.Module):
     """Token ids in, next-token logits out; the layers' kernels were chosen when it was built."""
 
-    def __init__(self, args: ModelArgs, embedding: nn.Module, blocks: list[Block], output: nn.Module, dtype: torch.dtype):
+    def __init__(
+        self,
+        args: ModelArgs,
+        embedding: nn.Module,
+        blocks: list[Block],
+        output: nn.Module,
+        dtype: torch.dtype,
+    ):
         super().__init__()
         self.args = args
         self.dtype = dtype  # of activations
@@ -416,14 +537,20 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(blocks)
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = output
-        self.rotaries = nn.ModuleList(Rotary(kind.rope, dtype) for kind in args.kinds)  # one per kind of layer
+        self.rotaries = nn.ModuleList(
+            Rotary(kind.rope, dtype) for kind in args.kinds
+        )  # one per kind of layer
         # Gemma scales embeddings by sqrt(hidden_size) rounded to the model's dtype, as transformers does
-        self.embed_scale = None if args.embed_scale is None else float(torch.tensor(args.embed_scale, dtype=dtype))
+        self.embed_scale = (
+            None if args.embed_scale is None else float(torch.tensor(args.embed_scale, dtype=dtype))
+        )
         self.max_batch = self.max_seq = 0
         self.held: dict[int, RowRecord] = {}  # cache row -> what it holds (Decoder.remember)
         self.streamer = None  # a LayerStreamer when some blocks live in host memory (inference/streaming.py)
 
-    def setup_cache(self, batch: int, max_seq: int, cache_dtype: Optional[torch.dtype] = None, keep: bool = False) -> None:
+    def setup_cache(
+        self, batch: int, max_seq: int, cache_dtype: Optional[torch.dtype] = None, keep: bool = False
+    ) -> None:
         """Allocate the key/value cache once; decoding never allocates it again. Its dtype
         defaults to the activations' on GPUs and to fp32 on CPUs (where bf16 attention is slow);
         torch.int8 stores codes and a float32 scale per head and slot. A CPU's decode steps attend
@@ -431,15 +558,30 @@ class Transformer(nn.Module):
         `keep`: the rows' recorded contents (`held`) are copied into the new cache, as far as
         it holds them (a conversation's next turn needs a longer cache, not a new prefill)."""
         if max_seq > self.args.max_position_embeddings:
-            raise SlimlmError(f"a context of {max_seq} tokens is longer than the model's {self.args.max_position_embeddings}; ask for fewer new tokens or a shorter prompt")
+            raise SlimlmError(
+                f"a context of {max_seq} tokens is longer than the model's {self.args.max_position_embeddings}; ask for fewer new tokens or a shorter prompt"
+            )
         device = self.device
         float_dtype = self.dtype if device.type == "cuda" else torch.float32
         cache_dtype = cache_dtype or float_dtype
         shape = (batch, self.args.n_kv_heads, max_seq, self.args.head_dim)
         scaled = cache_dtype == torch.int8
-        kernel = cache_dtype in (torch.float32, torch.int8) and device.type == "cpu" and self.args.head_dim % 8 == 0 and cpu_kernels.available()
+        kernel = (
+            cache_dtype in (torch.float32, torch.int8)
+            and device.type == "cpu"
+            and self.args.head_dim % 8 == 0
+            and cpu_kernels.available()
+        )
         same_kind = self.max_seq > 0 and self.layers[0].attention.k_cache.dtype == cache_dtype
-        kept = {row: RowRecord(r.tokens[:max_seq], min(r.prompt, max_seq)) for row, r in self.held.items() if row < batch} if keep and same_kind else {}
+        kept = (
+            {
+                row: RowRecord(r.tokens[:max_seq], min(r.prompt, max_seq))
+                for row, r in self.held.items()
+                if row < batch
+            }
+            if keep and same_kind
+            else {}
+        )
         try:
             for block in self.layers:  # layer by layer: the old cache's layers are freed as the new one grows
                 attention = block.attention
@@ -481,7 +623,12 @@ class Transformer(nn.Module):
             tensor[target, :, start:end] = tensor[source, :, start:end]
 
     def cache_tensors(self) -> list[torch.Tensor]:
-        return [t for b in self.layers for t in (getattr(b.attention, name) for name in CACHE_NAMES) if t is not None]
+        return [
+            t
+            for b in self.layers
+            for t in (getattr(b.attention, name) for name in CACHE_NAMES)
+            if t is not None
+        ]
 
     def cache_bytes(self) -> int:
         return sum(t.nbytes for t in self.cache_tensors())
@@ -495,14 +642,27 @@ class Transformer(nn.Module):
     def bytes_per_token(self, context: int) -> int:
         """The least a batch-1 decode step at `context` tokens reads: every weight except the
         embedding table (one row of it), and the cache up to `context`."""
-        table = getattr(self.embedding, "table", None)  # None: a table in host memory (streaming.HostEmbedding), not in weight_bytes
+        table = getattr(
+            self.embedding, "table", None
+        )  # None: a table in host memory (streaming.HostEmbedding), not in weight_bytes
         tensors = [self.embedding.host_table] if table is None else [*table.parameters(), *table.buffers()]
         table_bytes = 0 if table is None or table is self.output else sum(t.nbytes for t in tensors)
         row = self.args.dim * tensors[0].element_size()
-        kv = self.cache_bytes() * context // (self.max_seq * self.max_batch) if self.max_seq else 2 * self.args.n_layers * self.args.n_kv_heads * self.args.head_dim * context * 4  # an fp32 cache
+        kv = (
+            self.cache_bytes() * context // (self.max_seq * self.max_batch)
+            if self.max_seq
+            else 2 * self.args.n_layers * self.args.n_kv_heads * self.args.head_dim * context * 4
+        )  # an fp32 cache
         return self.weight_bytes() - table_bytes + row + kv
 
-    def forward(self, tokens: torch.Tensor, start: int, pad: Optional[torch.Tensor] = None, last_only: bool = False, first_row: int = 0) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        start: int,
+        pad: Optional[torch.Tensor] = None,
+        last_only: bool = False,
+        first_row: int = 0,
+    ) -> torch.Tensor:
         """Logits [batch, length, vocab] for `tokens` [batch, length] written at cache slots
         start..start+length; `pad` [batch] is each row's left padding (its first real slot),
         None when every row starts at slot 0. `last_only`: logits of the last position only
@@ -515,10 +675,15 @@ class Transformer(nn.Module):
         # A plain decode step of a global layer needs no mask; a sliding-window layer always takes
         # one, so the compiled step (whose slot is symbolic) has no branch at the window's edge.
         plain = length == 1 and pad is None
-        masks = [None if plain and kind.window is None else self.attention_mask(slots, pad, end, kind.window) for kind in self.args.kinds]
+        masks = [
+            None if plain and kind.window is None else self.attention_mask(slots, pad, end, kind.window)
+            for kind in self.args.kinds
+        ]
         return self.run_layers(tokens, slots, pad, masks, end, first_row, last_only)
 
-    def step_static(self, tokens: torch.Tensor, slot: torch.Tensor, pad: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def step_static(
+        self, tokens: torch.Tensor, slot: torch.Tensor, pad: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         """A decode step whose shapes never change, what a CUDA graph replays at every position:
         `tokens` [batch, 1] go to cache slot `slot` (a one-element tensor, not a Python int), and
         attention reads the whole cache with the slots after `slot` masked. Logits [batch, 1, vocab]."""
@@ -530,12 +695,25 @@ class Transformer(nn.Module):
     def check_cache(self, rows: int, slots: int) -> None:
         """Refuse a step whose rows or slots the cache does not have (none when none was allocated)."""
         if slots > self.max_seq or rows > self.max_batch:
-            raise SlimlmError(f"the cache holds {self.max_batch} sequences of {self.max_seq} slots; this step needs {rows} of {slots}")
+            raise SlimlmError(
+                f"the cache holds {self.max_batch} sequences of {self.max_seq} slots; this step needs {rows} of {slots}"
+            )
 
-    def run_layers(self, tokens: torch.Tensor, slots: torch.Tensor, pad: Optional[torch.Tensor], masks: list[Optional[torch.Tensor]], end: int, first_row: int, last_only: bool) -> torch.Tensor:
+    def run_layers(
+        self,
+        tokens: torch.Tensor,
+        slots: torch.Tensor,
+        pad: Optional[torch.Tensor],
+        masks: list[Optional[torch.Tensor]],
+        end: int,
+        first_row: int,
+        last_only: bool,
+    ) -> torch.Tensor:
         """Embedding, blocks and head for `tokens` written at cache `slots`; attention reads
         slots up to `end` under each layer kind's mask in `masks`."""
-        positions = slots[None, :] if pad is None else (slots[None, :] - pad[:, None]).clamp(min=0)  # [batch or 1, length]
+        positions = (
+            slots[None, :] if pad is None else (slots[None, :] - pad[:, None]).clamp(min=0)
+        )  # [batch or 1, length]
         tables = [rotary(positions) for rotary in self.rotaries]
         x = self.embed(tokens)
         for block, kind in zip(self.layers, self.args.layer_kind):
@@ -564,16 +742,28 @@ class Transformer(nn.Module):
         (1 for a prefill chunk or a decode step, 1 + guesses to check guesses); returns them
         [logits_of[i], vocab] per segment."""
         for segment, wanted in zip(segments, logits_of, strict=True):
-            if not 0 <= segment.row < self.max_batch or not segment.tokens or segment.start + len(segment.tokens) > self.max_seq:
-                raise SlimlmError(f"the cache holds {self.max_batch} sequences of {self.max_seq} slots; a segment of {len(segment.tokens)} tokens from slot {segment.start} of row {segment.row} does not fit")
+            if (
+                not 0 <= segment.row < self.max_batch
+                or not segment.tokens
+                or segment.start + len(segment.tokens) > self.max_seq
+            ):
+                raise SlimlmError(
+                    f"the cache holds {self.max_batch} sequences of {self.max_seq} slots; a segment of {len(segment.tokens)} tokens from slot {segment.start} of row {segment.row} does not fit"
+                )
             if not 1 <= wanted <= len(segment.tokens):
-                raise SlimlmError(f"logits of {wanted} positions asked of a segment of {len(segment.tokens)} tokens")
+                raise SlimlmError(
+                    f"logits of {wanted} positions asked of a segment of {len(segment.tokens)} tokens"
+                )
         for segment in segments:
-            self.held.pop(segment.row, None)  # rewritten from its start: known again when its generation ends (Decoder.remember)
+            self.held.pop(
+                segment.row, None
+            )  # rewritten from its start: known again when its generation ends (Decoder.remember)
         # slimlm's CPU kernel reads each query's row in place: a short run (a decode step's guesses)
         # joins the batched step's one-token queries: one kernel call in all instead of one per run.
         longest_single = SHORT_RUN if self.layers[0].attention.decode_kernel else 1
-        order = sorted(range(len(segments)), key=lambda i: len(segments[i].tokens) > longest_single)  # the single queries first
+        order = sorted(
+            range(len(segments)), key=lambda i: len(segments[i].tokens) > longest_single
+        )  # the single queries first
         packed = [segments[i] for i in order]
         short = sum(len(s.tokens) <= longest_single for s in packed)
         where = [self.packed_layout(packed, short, kind.window) for kind in self.args.kinds]
@@ -583,7 +773,9 @@ class Transformer(nn.Module):
         for i in order:
             end += len(segments[i].tokens)
             wanted.extend(range(end - logits_of[i], end))
-        wanted_at = torch.tensor(wanted, device=self.device)  # before the layers: a copy to a GPU after them would wait for them all
+        wanted_at = torch.tensor(
+            wanted, device=self.device
+        )  # before the layers: a copy to a GPU after them would wait for them all
         x = self.embed(torch.tensor([[t for s in packed for t in s.tokens]], device=self.device))
         for block, kind in zip(self.layers, self.args.layer_kind):
             x = block(x, *tables[kind], where[kind])
@@ -598,7 +790,9 @@ class Transformer(nn.Module):
         `short` segments' tokens as single queries, each later segment as a run of its row."""
         device = self.device
         single_rows = [s.row for s in packed[:short] for _ in s.tokens]
-        single_slots = torch.tensor([s.start + j for s in packed[:short] for j in range(len(s.tokens))], device=device)
+        single_slots = torch.tensor(
+            [s.start + j for s in packed[:short] for j in range(len(s.tokens))], device=device
+        )
         single_end = max((s.start + len(s.tokens) for s in packed[:short]), default=0)
         offsets, runs, offset = [], [], len(single_rows)
         for segment in packed[short:]:
@@ -607,14 +801,26 @@ class Transformer(nn.Module):
             offsets.append(offset)
             runs.append((segment.row, slots, self.attention_mask(slots, None, end, window), end))
             offset += len(segment.tokens)
-        single_mask = self.attention_mask(single_slots, None, single_end, window).transpose(0, 2)  # [singles, 1, 1, end]: each its own row's query
-        return Segments(len(single_rows), torch.tensor(single_rows, device=device), single_slots, single_mask, single_end, offsets, runs)
+        single_mask = self.attention_mask(single_slots, None, single_end, window).transpose(
+            0, 2
+        )  # [singles, 1, 1, end]: each its own row's query
+        return Segments(
+            len(single_rows),
+            torch.tensor(single_rows, device=device),
+            single_slots,
+            single_mask,
+            single_end,
+            offsets,
+            runs,
+        )
 
     @property
     def device(self) -> torch.device:
         return self.rotaries[0].inv_freq.device
 
-    def attention_mask(self, slots: torch.Tensor, pad: Optional[torch.Tensor], end: int, window: Optional[int]) -> torch.Tensor:
+    def attention_mask(
+        self, slots: torch.Tensor, pad: Optional[torch.Tensor], end: int, window: Optional[int]
+    ) -> torch.Tensor:
         """[batch or 1, 1, length, end] booleans: a query sees its own row's slots up to itself
         (after the row's padding, within the sliding window)."""
         keys = torch.arange(end, device=slots.device)

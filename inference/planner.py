@@ -42,7 +42,9 @@ class Hardware:
     name: str
     device: str  # "cuda" or "cpu"
     memory_bytes: int
-    reserve_bytes: int  # what the runtime takes before any tensor: CUDA context and workspace, or the Python process
+    reserve_bytes: (
+        int  # what the runtime takes before any tensor: CUDA context and workspace, or the Python process
+    )
     bandwidth_bytes_s: float  # device memory bandwidth
     host_link_bytes_s: Optional[float] = None  # host-to-device copies (PCIe) for streamed layers
     host_bandwidth_bytes_s: Optional[float] = None  # the CPU reading host memory: experts computed there
@@ -53,7 +55,9 @@ HARDWARE = {
     # An 8 GB laptop GPU: about 0.8 GiB goes to the CUDA context, cuBLAS workspace and allocator
     # slack. Its host: 32 GB of dual-channel DDR5 (about 60 GB/s read), 26 GiB of it free.
     "laptop-8gb": Hardware("laptop-8gb", "cuda", 8 * GiB, int(0.8 * GiB), 256e9, 12e9, 60e9, 26 * GiB),
-    "laptop-8gb-448": Hardware("laptop-8gb-448", "cuda", 8 * GiB, int(0.8 * GiB), 448e9, 12e9, 60e9, 26 * GiB),
+    "laptop-8gb-448": Hardware(
+        "laptop-8gb-448", "cuda", 8 * GiB, int(0.8 * GiB), 448e9, 12e9, 60e9, 26 * GiB
+    ),
     "h200": Hardware("h200", "cuda", 141 * 10**9, 1 * GiB, 4.8e12, 50e9, 200e9, 1000 * GiB),
     # A 16 GB laptop's CPU: the Python process with torch and transformers takes about 0.6 GiB.
     "cpu": Hardware("cpu", "cpu", 16 * GiB, int(0.6 * GiB), 33e9),
@@ -62,7 +66,11 @@ HARDWARE = {
 
 def preset_names() -> list[str]:
     """The model shapes known by name (slimlm/assets/configs): `slimlm plan llama-3-8b`."""
-    return sorted(entry.name.removesuffix(".json") for entry in resources.files("slimlm.assets").joinpath("configs").iterdir() if entry.name.endswith(".json"))
+    return sorted(
+        entry.name.removesuffix(".json")
+        for entry in resources.files("slimlm.assets").joinpath("configs").iterdir()
+        if entry.name.endswith(".json")
+    )
 
 
 def preset_config(name: str) -> dict:
@@ -75,7 +83,9 @@ def preset_config(name: str) -> dict:
 def packed_bytes(out_features: int, in_features: int, scheme: QuantScheme) -> int:
     """A QuantLinear's storage: b-bit codes, fp16 scales and uint8 zero points per group."""
     groups = scheme.groups(in_features)
-    return out_features * in_features * scheme.bits // 8 + out_features * groups * (2 + (0 if scheme.symmetric else 1))
+    return out_features * in_features * scheme.bits // 8 + out_features * groups * (
+        2 + (0 if scheme.symmetric else 1)
+    )
 
 
 def matvec_fits(scheme: Optional[QuantScheme], in_features: int) -> bool:
@@ -83,7 +93,14 @@ def matvec_fits(scheme: Optional[QuantScheme], in_features: int) -> bool:
     return scheme is not None and gpu_kernels.fits(scheme.bits, scheme.group_size, in_features)
 
 
-def linear_bytes(out_features: int, in_features: int, scheme: Optional[QuantScheme], act_bytes: int, matvec: bool = False, int8_activations: bool = False) -> int:
+def linear_bytes(
+    out_features: int,
+    in_features: int,
+    scheme: Optional[QuantScheme],
+    act_bytes: int,
+    matvec: bool = False,
+    int8_activations: bool = False,
+) -> int:
     """Bytes of one linear layer as the decoder stores it (inference/linear.py); `matvec`: int4
     layers run in slimlm's Triton kernel, which keeps the stored packing; `int8_activations`:
     int4 and int8 layers run in slimlm's CPU kernels (a bf16 scale per group or row, and an
@@ -93,9 +110,14 @@ def linear_bytes(out_features: int, in_features: int, scheme: Optional[QuantSche
     if matvec and matvec_fits(scheme, in_features):
         return packed_bytes(out_features, in_features, scheme)
     if int8_activations and cpu_kernels.fits(scheme, out_features, in_features):
-        return out_features * in_features * scheme.bits // 8 + (1 if scheme.symmetric else 2) * scheme.groups(in_features) * out_features * 2
+        return (
+            out_features * in_features * scheme.bits // 8
+            + (1 if scheme.symmetric else 2) * scheme.groups(in_features) * out_features * 2
+        )
     if tinygemm_fits(scheme, in_features):
-        return out_features * in_features // 2 + 2 * scheme.groups(in_features) * out_features * act_bytes  # codes; (scale, zero) per group
+        return (
+            out_features * in_features // 2 + 2 * scheme.groups(in_features) * out_features * act_bytes
+        )  # codes; (scale, zero) per group
     if int8pack_fits(scheme):  # int8 codes; a scale (and an offset) per row
         return out_features * in_features + out_features * act_bytes * (1 if scheme.symmetric else 2)
     return packed_bytes(out_features, in_features, scheme)  # dequantized on each call
@@ -113,7 +135,9 @@ class Budget:
     activation_bytes: int
     reserve_bytes: int
     transit_bytes: int = 0  # CPU loading: the largest layer held in its stored and its kernel layout at once
-    expert_bytes: list[int] = field(default_factory=list)  # each layer's routed experts (part of layer_bytes; 0 for a dense layer)
+    expert_bytes: list[int] = field(
+        default_factory=list
+    )  # each layer's routed experts (part of layer_bytes; 0 for a dense layer)
     routed_fraction: float = 1.0  # of the routed experts, the share a token reads: top_k / experts
 
     @property
@@ -127,7 +151,11 @@ class Budget:
     @property
     def total_bytes(self) -> int:
         # the load's transient is over before the cache is allocated: the larger of the two counts
-        return self.weight_bytes + self.reserve_bytes + max(self.kv_bytes + self.activation_bytes, self.transit_bytes)
+        return (
+            self.weight_bytes
+            + self.reserve_bytes
+            + max(self.kv_bytes + self.activation_bytes, self.transit_bytes)
+        )
 
 
 @dataclass
@@ -145,12 +173,18 @@ class Plan:
     @property
     def placement(self) -> Placement:
         """What this plan keeps in host memory, for build_decoder / load_decoder."""
-        return Placement(self.streamed_layers if self.kind == "stream" else 0, self.table_on_host, self.experts_on_host)
+        return Placement(
+            self.streamed_layers if self.kind == "stream" else 0, self.table_on_host, self.experts_on_host
+        )
 
     def streamed_bytes(self) -> list[int]:
         """The bytes of each block kept in host memory: the ones the decoder streams (streaming.streamed_layers)."""
         layers = self.budget.layer_bytes
-        return [layers[i] for i in streamed_layers(len(layers), self.streamed_layers)] if self.kind == "stream" else []
+        return (
+            [layers[i] for i in streamed_layers(len(layers), self.streamed_layers)]
+            if self.kind == "stream"
+            else []
+        )
 
     def device_bytes(self) -> int:
         """Peak bytes on the device (or in RAM for CPU plans): the streamed blocks pass through
@@ -164,18 +198,26 @@ class Plan:
 
     def host_bytes(self) -> int:
         """What this plan keeps in host memory beyond the process itself."""
-        return sum(self.streamed_bytes()) + self.host_expert_bytes() + (self.budget.table_bytes if self.table_on_host else 0)
+        return (
+            sum(self.streamed_bytes())
+            + self.host_expert_bytes()
+            + (self.budget.table_bytes if self.table_on_host else 0)
+        )
 
     def fits(self) -> bool:
         host = self.hardware.host_memory_bytes
-        return self.device_bytes() <= self.hardware.memory_bytes and (host is None or self.host_bytes() <= host)
+        return self.device_bytes() <= self.hardware.memory_bytes and (
+            host is None or self.host_bytes() <= host
+        )
 
     def decode_tok_s_bound(self) -> float:
         """Tokens per second per sequence at batch 1 if every byte moved at full bandwidth."""
         b, hw = self.budget, self.hardware
         per_token_kv = b.kv_bytes / self.batch / 2  # the cache is half full on average
         streamed = sum(self.streamed_bytes())
-        unread_experts = b.all_expert_bytes * (1 - b.routed_fraction)  # the experts no token of this step chose
+        unread_experts = b.all_expert_bytes * (
+            1 - b.routed_fraction
+        )  # the experts no token of this step chose
         host_experts = self.host_expert_bytes() * b.routed_fraction
         device_read = b.weight_bytes - b.table_bytes - streamed - unread_experts - host_experts + per_token_kv
         seconds = device_read / hw.bandwidth_bytes_s + (streamed / hw.host_link_bytes_s if streamed else 0)
@@ -184,8 +226,18 @@ class Plan:
         return 1 / seconds
 
 
-SEPARATE = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",), ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",))
-STORED_FUSED = (("self_attn.qkv_proj",), ("self_attn.o_proj",), ("mlp.gate_up_proj",), ("mlp.down_proj",))  # phi3's checkpoints
+SEPARATE = (
+    ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    ("self_attn.o_proj",),
+    ("mlp.gate_proj", "mlp.up_proj"),
+    ("mlp.down_proj",),
+)
+STORED_FUSED = (
+    ("self_attn.qkv_proj",),
+    ("self_attn.o_proj",),
+    ("mlp.gate_up_proj",),
+    ("mlp.down_proj",),
+)  # phi3's checkpoints
 
 
 def linear_groups(args: ModelArgs, index: int = 0) -> tuple[tuple[str, ...], ...]:
@@ -196,7 +248,10 @@ def linear_groups(args: ModelArgs, index: int = 0) -> tuple[tuple[str, ...], ...
     if not args.is_expert_layer(index):
         return groups
     names = compression_family(args.architecture).experts
-    experts = (((f"mlp.experts.{e}.{names.gate}", f"mlp.experts.{e}.{names.up}"), (f"mlp.experts.{e}.{names.down}",)) for e in range(args.routing.experts))
+    experts = (
+        ((f"mlp.experts.{e}.{names.gate}", f"mlp.experts.{e}.{names.up}"), (f"mlp.experts.{e}.{names.down}",))
+        for e in range(args.routing.experts)
+    )
     return groups[:2] + tuple(group for pair in experts for group in pair)
 
 
@@ -207,8 +262,15 @@ def linear_shape(args: ModelArgs, name: str) -> tuple[int, int]:
         size, down = args.routing.expert_size, compression_family(args.architecture).experts.down
         return (args.dim, size) if name.endswith(f".{down}") else (size, args.dim)
     return {
-        "self_attn.q_proj": (q, args.dim), "self_attn.k_proj": (kv, args.dim), "self_attn.v_proj": (kv, args.dim), "self_attn.qkv_proj": (q + 2 * kv, args.dim),
-        "self_attn.o_proj": (args.dim, q), "mlp.gate_proj": (inner, args.dim), "mlp.up_proj": (inner, args.dim), "mlp.gate_up_proj": (2 * inner, args.dim), "mlp.down_proj": (args.dim, inner),
+        "self_attn.q_proj": (q, args.dim),
+        "self_attn.k_proj": (kv, args.dim),
+        "self_attn.v_proj": (kv, args.dim),
+        "self_attn.qkv_proj": (q + 2 * kv, args.dim),
+        "self_attn.o_proj": (args.dim, q),
+        "mlp.gate_proj": (inner, args.dim),
+        "mlp.up_proj": (inner, args.dim),
+        "mlp.gate_up_proj": (2 * inner, args.dim),
+        "mlp.down_proj": (args.dim, inner),
     }[name]
 
 
@@ -226,33 +288,65 @@ def tile_columns(outs: list[int], ranks: list[int]) -> int:
         row, column = row + out, column + rank
     total = 0
     for start in range(0, row, cpu_kernels.TILE):
-        used = [(first, last) for top, bottom, first, last in parts if top < start + cpu_kernels.TILE and bottom > start]
+        used = [
+            (first, last)
+            for top, bottom, first, last in parts
+            if top < start + cpu_kernels.TILE and bottom > start
+        ]
         if used:
             total += max(last for _, last in used) - min(first for first, _ in used)
     return total
 
 
-def adapter_bytes(shapes: list[tuple[int, int]], schemes: list[Optional[QuantScheme]], ranks: list[int], element_bytes: int, int8_activations: bool = False) -> int:
+def adapter_bytes(
+    shapes: list[tuple[int, int]],
+    schemes: list[Optional[QuantScheme]],
+    ranks: list[int],
+    element_bytes: int,
+    int8_activations: bool = False,
+) -> int:
     """The LoRA adapters of layers that read one input (inference/linear.py): one adapter of the
     ranks' sum when the layers fuse (one quantized scheme), otherwise each its own. Beside a
     kernel its up-projection is a block diagonal of `element_bytes` values; inside the
     int8-activation kernels (`int8_activations`, where the scheme fits) both factors are bf16,
     each tile of 16 rows keeps only the columns its parts use (tile_columns), and three int64
     per tile say where."""
-    units = [(shapes, ranks, schemes[0])] if len(set(schemes)) == 1 and schemes[0] is not None else [([shape], [rank], scheme) for shape, rank, scheme in zip(shapes, ranks, schemes)]
+    units = (
+        [(shapes, ranks, schemes[0])]
+        if len(set(schemes)) == 1 and schemes[0] is not None
+        else [([shape], [rank], scheme) for shape, rank, scheme in zip(shapes, ranks, schemes)]
+    )
     total = 0
     for unit_shapes, unit_ranks, scheme in units:
         rank, width, rows = sum(unit_ranks), unit_shapes[0][1], sum(out for out, _ in unit_shapes)
         if not rank:
             continue
         if int8_activations and cpu_kernels.fits(scheme, rows, width):
-            total += 2 * (rank * width + cpu_kernels.TILE * tile_columns([out for out, _ in unit_shapes], unit_ranks)) + 3 * 8 * rows // cpu_kernels.TILE
+            total += (
+                2
+                * (
+                    rank * width
+                    + cpu_kernels.TILE * tile_columns([out for out, _ in unit_shapes], unit_ranks)
+                )
+                + 3 * 8 * rows // cpu_kernels.TILE
+            )
         else:
             total += rank * (width + rows) * element_bytes
     return total
 
 
-def budget(args: ModelArgs, schemes: dict[str, QuantScheme], hardware: Hardware, context: int, batch: int, prefill_chunk: int = 512, int8_activations: bool = False, kv_int8: bool = False, gpu_int4: str = "tinygemm", adapter_ranks: Optional[dict[str, int]] = None) -> Budget:
+def budget(
+    args: ModelArgs,
+    schemes: dict[str, QuantScheme],
+    hardware: Hardware,
+    context: int,
+    batch: int,
+    prefill_chunk: int = 512,
+    int8_activations: bool = False,
+    kv_int8: bool = False,
+    gpu_int4: str = "tinygemm",
+    adapter_ranks: Optional[dict[str, int]] = None,
+) -> Budget:
     """The decoder's bytes for this model on this hardware. `schemes` maps module names
     (`model.layers.0.self_attn.q_proj`, `lm_head`) to schemes; absent modules stay float.
     `int8_activations` (CPU): int4 and int8 layers run in slimlm's int8-activation kernels, whose
@@ -266,8 +360,12 @@ def budget(args: ModelArgs, schemes: dict[str, QuantScheme], hardware: Hardware,
     int8_kernels = int8_activations and hardware.device == "cpu"
     act_bytes = 2  # bf16/fp16 activations: the fast path of every packed kernel
     float_kv = act_bytes if hardware.device == "cuda" else 4  # the CPU cache is fp32 (inference/model.py)
-    adapter_element = act_bytes if hardware.device == "cuda" else 4  # CPU adapters beside torch's kernels run in fp32 (inference/linear.py)
-    per_slot = args.n_kv_heads * (args.head_dim + 4 if kv_int8 else args.head_dim * float_kv)  # bytes of one slot's keys
+    adapter_element = (
+        act_bytes if hardware.device == "cuda" else 4
+    )  # CPU adapters beside torch's kernels run in fp32 (inference/linear.py)
+    per_slot = args.n_kv_heads * (
+        args.head_dim + 4 if kv_int8 else args.head_dim * float_kv
+    )  # bytes of one slot's keys
     q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
     layers, experts = [], []
     for index in range(args.n_layers):
@@ -280,9 +378,18 @@ def budget(args: ModelArgs, schemes: dict[str, QuantScheme], hardware: Hardware,
             names = [f"model.layers.{index}.{name}" for name in group]
             shapes = [linear_shape(args, name) for name in group]
             ranks = [adapter_ranks.get(name, 0) for name in names]
-            part = adapter_bytes(shapes, [schemes.get(name) for name in names], ranks, adapter_element, int8_kernels)
+            part = adapter_bytes(
+                shapes, [schemes.get(name) for name in names], ranks, adapter_element, int8_kernels
+            )
             for name, (out_features, in_features) in zip(group, shapes):
-                part += linear_bytes(out_features, in_features, schemes.get(f"model.layers.{index}.{name}"), act_bytes, matvec, int8_kernels)
+                part += linear_bytes(
+                    out_features,
+                    in_features,
+                    schemes.get(f"model.layers.{index}.{name}"),
+                    act_bytes,
+                    matvec,
+                    int8_kernels,
+                )
                 if args.qkv_bias and name.startswith("self_attn.") and name != "self_attn.o_proj":
                     part += out_features * act_bytes
             total += part
@@ -291,21 +398,37 @@ def budget(args: ModelArgs, schemes: dict[str, QuantScheme], hardware: Hardware,
         experts.append(routed)
     head_scheme = schemes.get("lm_head")
     head = linear_bytes(args.vocab_size, args.dim, head_scheme, act_bytes, matvec, int8_kernels)
-    head += adapter_bytes([(args.vocab_size, args.dim)], [head_scheme], [adapter_ranks.get("lm_head", 0)], adapter_element, int8_kernels)
+    head += adapter_bytes(
+        [(args.vocab_size, args.dim)],
+        [head_scheme],
+        [adapter_ranks.get("lm_head", 0)],
+        adapter_element,
+        int8_kernels,
+    )
     table_scheme = schemes.get(TABLE)
     if not args.tie_embeddings:
-        table = args.vocab_size * args.dim * act_bytes if table_scheme is None else packed_bytes(args.vocab_size, args.dim, table_scheme)  # a quantized table keeps its stored packing
+        table = (
+            args.vocab_size * args.dim * act_bytes
+            if table_scheme is None
+            else packed_bytes(args.vocab_size, args.dim, table_scheme)
+        )  # a quantized table keeps its stored packing
     elif int8_kernels and cpu_kernels.fits(head_scheme, args.vocab_size, args.dim):
         table = 0
     elif matvec and matvec_fits(head_scheme, args.dim):
         table = 0  # the head's stored codes are read by rows
     elif tinygemm_fits(head_scheme, args.dim):
-        table = packed_bytes(args.vocab_size, args.dim, head_scheme)  # a tinygemm head cannot be read by rows: the packed codes again
+        table = packed_bytes(
+            args.vocab_size, args.dim, head_scheme
+        )  # a tinygemm head cannot be read by rows: the packed codes again
     else:
         table = 0
     kv_cache = 2 * args.n_layers * per_slot * context * batch
     tokens = batch * min(prefill_chunk, context)
-    inner = max(args.intermediate_size, args.routing.top_k * args.routing.expert_size) if args.routing else args.intermediate_size
+    inner = (
+        max(args.intermediate_size, args.routing.top_k * args.routing.expert_size)
+        if args.routing
+        else args.intermediate_size
+    )
     hidden = tokens * (4 * args.dim + q + 2 * kv + 3 * inner) * act_bytes
     if kv_int8:
         hidden += 2 * batch * context * kv * float_kv
@@ -318,7 +441,18 @@ def budget(args: ModelArgs, schemes: dict[str, QuantScheme], hardware: Hardware,
     # stored copy is dropped before the next is read); a GPU plan leaves that host-side.
     transit = max(*layers, head) if hardware.device == "cpu" else 0
     fraction = args.routing.top_k / args.routing.experts if args.routing else 1.0
-    return Budget(layers, head, table, args.dim * act_bytes, kv_cache, hidden + logits, hardware.reserve_bytes, transit, experts, fraction)
+    return Budget(
+        layers,
+        head,
+        table,
+        args.dim * act_bytes,
+        kv_cache,
+        hidden + logits,
+        hardware.reserve_bytes,
+        transit,
+        experts,
+        fraction,
+    )
 
 
 def qk_norm_bytes(args: ModelArgs, act_bytes: int) -> int:
@@ -328,26 +462,79 @@ def qk_norm_bytes(args: ModelArgs, act_bytes: int) -> int:
     return 2 * args.head_dim * act_bytes if args.family.qk_norm else 0
 
 
-def make_plan(args: ModelArgs, schemes: dict[str, QuantScheme], hardware: Hardware, context: int, batch: int = 1, int8_activations: bool = False, kv_int8: bool = False, gpu_int4: str = "tinygemm", adapter_ranks: Optional[dict[str, int]] = None) -> Plan:
+def make_plan(
+    args: ModelArgs,
+    schemes: dict[str, QuantScheme],
+    hardware: Hardware,
+    context: int,
+    batch: int = 1,
+    int8_activations: bool = False,
+    kv_int8: bool = False,
+    gpu_int4: str = "tinygemm",
+    adapter_ranks: Optional[dict[str, int]] = None,
+) -> Plan:
     """The first plan that fits (see the module docstring), or SlimlmError with the numbers."""
     if context < 1 or batch < 1:
         raise SlimlmError(f"context ({context}) and batch ({batch}) must be at least 1")
     if context > args.max_position_embeddings:
         raise SlimlmError(f"a context of {context} is longer than the model's {args.max_position_embeddings}")
-    host_table = hardware.device == "cuda" and not args.tie_embeddings and TABLE not in schemes  # a quantized table is small: on the device
-    table_note = ["the embedding table stays in host memory (one row per token is copied over): run with --embedding-on-host"] if host_table else []
+    host_table = (
+        hardware.device == "cuda" and not args.tie_embeddings and TABLE not in schemes
+    )  # a quantized table is small: on the device
+    table_note = (
+        [
+            "the embedding table stays in host memory (one row per token is copied over): run with --embedding-on-host"
+        ]
+        if host_table
+        else []
+    )
 
     def plans_at(length: int) -> list[Plan]:
         """What can be tried at a context of `length` tokens, in order of preference."""
-        b = budget(args, schemes, hardware, length, batch, int8_activations=int8_activations, kv_int8=kv_int8, gpu_int4=gpu_int4, adapter_ranks=adapter_ranks)
+        b = budget(
+            args,
+            schemes,
+            hardware,
+            length,
+            batch,
+            int8_activations=int8_activations,
+            kv_int8=kv_int8,
+            gpu_int4=gpu_int4,
+            adapter_ranks=adapter_ranks,
+        )
         on_device = "device" if length == context else "shorter-context"
         plans = [Plan(hardware, length, batch, b, on_device)]
         if host_table:
-            plans.append(Plan(hardware, length, batch, b, on_device, table_on_host=True, notes=list(table_note)))
+            plans.append(
+                Plan(hardware, length, batch, b, on_device, table_on_host=True, notes=list(table_note))
+            )
         if b.all_expert_bytes and hardware.host_bandwidth_bytes_s is not None:
-            plans.append(Plan(hardware, length, batch, b, on_device, table_on_host=host_table, experts_on_host=True, notes=[*table_note, experts_note(b, hardware)]))
+            plans.append(
+                Plan(
+                    hardware,
+                    length,
+                    batch,
+                    b,
+                    on_device,
+                    table_on_host=host_table,
+                    experts_on_host=True,
+                    notes=[*table_note, experts_note(b, hardware)],
+                )
+            )
         if hardware.host_link_bytes_s is not None:
-            plans += [Plan(hardware, length, batch, b, "stream", streamed_layers=n, table_on_host=host_table, notes=list(table_note)) for n in range(1, args.n_layers + 1)]
+            plans += [
+                Plan(
+                    hardware,
+                    length,
+                    batch,
+                    b,
+                    "stream",
+                    streamed_layers=n,
+                    table_on_host=host_table,
+                    notes=list(table_note),
+                )
+                for n in range(1, args.n_layers + 1)
+            ]
         return plans
 
     contexts = [context]
@@ -360,18 +547,31 @@ def make_plan(args: ModelArgs, schemes: dict[str, QuantScheme], hardware: Hardwa
         if fits is None:
             continue
         if fits.kind == "stream":
-            fits.notes.append(f"{fits.streamed_layers} of {args.n_layers} decoder layers stay in pinned host memory and stream in one layer ahead of use: run with --stream-layers {fits.streamed_layers}")
+            fits.notes.append(
+                f"{fits.streamed_layers} of {args.n_layers} decoder layers stay in pinned host memory and stream in one layer ahead of use: run with --stream-layers {fits.streamed_layers}"
+            )
         if length < context:
             fits.notes.append(f"the context is capped at {length} tokens (of {context} asked)")
         return fits
     first, last = attempts[0], attempts[-1]
-    tried = [f"everything on the device, {[plan for plan in first if plan.kind == 'device'][-1].device_bytes() / GiB:.2f} GiB"]
+    tried = [
+        f"everything on the device, {[plan for plan in first if plan.kind == 'device'][-1].device_bytes() / GiB:.2f} GiB"
+    ]
     if first[-1].kind == "stream":
-        host = f" on the device and {first[-1].host_bytes() / GiB:.2f} GiB in host memory (of {hardware.host_memory_bytes / GiB:.0f} GiB)" if hardware.host_memory_bytes else ""
-        tried.append(f"all {args.n_layers} layers streamed from host memory, {first[-1].device_bytes() / GiB:.2f} GiB{host}")
+        host = (
+            f" on the device and {first[-1].host_bytes() / GiB:.2f} GiB in host memory (of {hardware.host_memory_bytes / GiB:.0f} GiB)"
+            if hardware.host_memory_bytes
+            else ""
+        )
+        tried.append(
+            f"all {args.n_layers} layers streamed from host memory, {first[-1].device_bytes() / GiB:.2f} GiB{host}"
+        )
     if len(contexts) > 1:
         tried.append(f"a context of {contexts[-1]} tokens, at least {last[-1].device_bytes() / GiB:.2f} GiB")
-    raise SlimlmError(f"nothing fits {hardware.name} ({hardware.memory_bytes / GiB:.1f} GiB); tried {'; '.join(tried)}. At {context} tokens:\n" + format_budget(first[0].budget, hardware))
+    raise SlimlmError(
+        f"nothing fits {hardware.name} ({hardware.memory_bytes / GiB:.1f} GiB); tried {'; '.join(tried)}. At {context} tokens:\n"
+        + format_budget(first[0].budget, hardware)
+    )
 
 
 def experts_note(b: Budget, hardware: Hardware) -> str:
@@ -413,7 +613,11 @@ def format_plan(plan: Plan, model_name: str) -> str:
     b, hw = plan.budget, plan.hardware
     bound = plan.decode_tok_s_bound()
     device = "the GPU" if hw.device == "cuda" else "RAM"
-    where = {"device": f"fits in {device}", "stream": f"{plan.streamed_layers} layers streamed from host memory", "shorter-context": f"fits in {device} with a shorter context"}[plan.kind]
+    where = {
+        "device": f"fits in {device}",
+        "stream": f"{plan.streamed_layers} layers streamed from host memory",
+        "shorter-context": f"fits in {device} with a shorter context",
+    }[plan.kind]
     if plan.experts_on_host:
         where += ", routed experts in host memory"
     lines = [
@@ -429,10 +633,17 @@ def format_plan(plan: Plan, model_name: str) -> str:
     return "\n".join(lines)
 
 
-def uniform_schemes(args: ModelArgs, scheme: Optional[QuantScheme], head: Optional[QuantScheme]) -> dict[str, QuantScheme]:
+def uniform_schemes(
+    args: ModelArgs, scheme: Optional[QuantScheme], head: Optional[QuantScheme]
+) -> dict[str, QuantScheme]:
     """Every decoder Linear in `scheme` (None: float) and the LM head in `head`."""
-    schemes = {f"model.layers.{i}.{n}": scheme for i in range(args.n_layers) for group in linear_groups(args, i) for n in group if scheme is not None}
+    schemes = {
+        f"model.layers.{i}.{n}": scheme
+        for i in range(args.n_layers)
+        for group in linear_groups(args, i)
+        for n in group
+        if scheme is not None
+    }
     if head is not None:
         schemes["lm_head"] = head
     return schemes
-

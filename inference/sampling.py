@@ -44,16 +44,22 @@ class SamplingParams:
         if self.top_p is not None and not 0 < self.top_p <= 1:  # also refuses NaN
             raise ConfigError(f"top_p={self.top_p} must be in (0, 1]")
         if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
-            raise ConfigError(f"repetition_penalty={self.repetition_penalty} must be a positive number (1.0: off)")
+            raise ConfigError(
+                f"repetition_penalty={self.repetition_penalty} must be a positive number (1.0: off)"
+            )
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:
-            raise ConfigError(f"seed={self.seed} must fit 64 bits (torch's generators take -2**63 .. 2**64-1)")
+            raise ConfigError(
+                f"seed={self.seed} must fit 64 bits (torch's generators take -2**63 .. 2**64-1)"
+            )
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
 
-def sampling_state(prompts, params: SamplingParams, vocab_size: int, device: torch.device) -> tuple[torch.Tensor, Optional[torch.Generator]]:
+def sampling_state(
+    prompts, params: SamplingParams, vocab_size: int, device: torch.device
+) -> tuple[torch.Tensor, Optional[torch.Generator]]:
     """What sampling carries from step to step for these prompts: the tokens each row has seen
     [rows, vocab] (the repetition penalty's memory) and the seeded generator, if any."""
     seen = torch.zeros(len(prompts), vocab_size, dtype=torch.bool, device=device)
@@ -69,7 +75,9 @@ def penalize_repetition(logits: torch.Tensor, seen: torch.Tensor, penalty: float
     `seen` [batch, vocab] is a boolean mask of tokens in each row's prompt and output."""
     if penalty == 1.0:
         return logits
-    largest = torch.finfo(logits.dtype).max  # a tiny penalty must not make a logit infinite (inf - inf is NaN later)
+    largest = torch.finfo(
+        logits.dtype
+    ).max  # a tiny penalty must not make a logit infinite (inf - inf is NaN later)
     penalized = torch.where(logits > 0, logits / penalty, logits * penalty).clamp(-largest, largest)
     return torch.where(seen, penalized, logits)
 
@@ -82,7 +90,9 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: Optional[int], top_p: Option
     if top_p is not None and top_p < 1.0:
         sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
         cumulative = sorted_logits.softmax(-1).cumsum(-1)
-        drop_sorted = cumulative - sorted_logits.softmax(-1) >= top_p  # the mass before this token already reaches top_p
+        drop_sorted = (
+            cumulative - sorted_logits.softmax(-1) >= top_p
+        )  # the mass before this token already reaches top_p
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits
@@ -94,18 +104,30 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     return logits.float().argmax(-1)
 
 
-def sampling_probabilities(logits: torch.Tensor, params: SamplingParams, seen: Optional[torch.Tensor] = None) -> torch.Tensor:
+def sampling_probabilities(
+    logits: torch.Tensor, params: SamplingParams, seen: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """The distribution [batch, vocab] (fp32) that sampling draws the next token from at a
     temperature above 0: repetition penalty, temperature, top-k, top-p, softmax."""
-    logits = logits.float() if seen is None else penalize_repetition(logits.float(), seen, params.repetition_penalty)
+    logits = (
+        logits.float()
+        if seen is None
+        else penalize_repetition(logits.float(), seen, params.repetition_penalty)
+    )
     # Shifted so the largest is 0 before dividing: a tiny temperature then sends the others to
     # -inf and never the largest to +inf (whose softmax is NaN). Softmax ignores the shift.
     logits = logits - logits.amax(-1, keepdim=True)
     return filter_top_k_top_p(logits / params.temperature, params.top_k, params.top_p).softmax(-1)
 
 
-def next_tokens(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor, generator: Optional[torch.Generator]) -> torch.Tensor:
+def next_tokens(
+    logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor, generator: Optional[torch.Generator]
+) -> torch.Tensor:
     """One token per row [batch] from the last position's logits [batch, vocab]."""
     if params.greedy:
-        return greedy_tokens(penalize_repetition(logits.float(), seen, params.repetition_penalty) if params.repetition_penalty != 1.0 else logits)
+        return greedy_tokens(
+            penalize_repetition(logits.float(), seen, params.repetition_penalty)
+            if params.repetition_penalty != 1.0
+            else logits
+        )
     return torch.multinomial(sampling_probabilities(logits, params, seen), 1, generator=generator).squeeze(-1)

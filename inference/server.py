@@ -45,16 +45,22 @@ class ServerLimits:
     max_stop_strings: int = 4  # as OpenAI's API: each is checked against the text at every token
     max_stop_chars: int = 256
     default_max_tokens: int = 128  # for a request that names none (at most max_new_tokens)
-    max_body_bytes: int = 1 << 20  # a larger request body gets 413 before it is read (JSON parsing is on the event loop)
+    max_body_bytes: int = (
+        1 << 20
+    )  # a larger request body gets 413 before it is read (JSON parsing is on the event loop)
     max_messages: int = 256  # a chat's messages
-    max_prompt_chars: Optional[int] = None  # None: what max_prompt_tokens tokens can spell (twice the tokens times the longest token)
+    max_prompt_chars: Optional[int] = (
+        None  # None: what max_prompt_tokens tokens can spell (twice the tokens times the longest token)
+    )
 
 
 def error_response(status: int, message: str, kind: str = "invalid_request_error"):
     """An OpenAI-style JSON error."""
     from starlette.responses import JSONResponse
 
-    return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind, "code": status}})
+    return JSONResponse(
+        status_code=status, content={"error": {"message": message, "type": kind, "code": status}}
+    )
 
 
 @dataclass
@@ -84,7 +90,9 @@ class BodyLimit:
         await self.app(scope, replaying(bytes(body), receive), send)
 
     async def refuse(self, scope: dict, receive: Callable, send: Callable) -> None:
-        await error_response(413, f"the request body is over this server's limit of {self.max_bytes} bytes")(scope, receive, send)
+        await error_response(413, f"the request body is over this server's limit of {self.max_bytes} bytes")(
+            scope, receive, send
+        )
 
 
 def replaying(body: bytes, receive: Callable) -> Callable:
@@ -115,16 +123,30 @@ def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
     from jinja2 import TemplateError
 
     try:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, sanitize_control_tokens=True, return_dict=False)
-    except (TemplateError, ValueError) as exc:  # the template's own refusals (roles must alternate, ...) and transformers'
+        return tokenizer.apply_chat_template(
+            messages,
+            add_generation_prompt=True,
+            tokenize=True,
+            sanitize_control_tokens=True,
+            return_dict=False,
+        )
+    except (
+        TemplateError,
+        ValueError,
+    ) as exc:  # the template's own refusals (roles must alternate, ...) and transformers'
         raise SlimlmError(f"the model's chat template refused these messages: {exc}") from None
 
 
 def check_chat_support(tokenizer) -> None:
     """Refuse to serve chat with a transformers that cannot keep special-token text in messages
     plain (its apply_chat_template would pass the option to the template and ignore it)."""
-    if getattr(tokenizer, "chat_template", None) and "sanitize_control_tokens" not in inspect.signature(tokenizer.apply_chat_template).parameters:
-        raise SlimlmError("serving chat needs a transformers whose apply_chat_template takes sanitize_control_tokens (5.20 or later): pip install -U transformers")
+    if (
+        getattr(tokenizer, "chat_template", None)
+        and "sanitize_control_tokens" not in inspect.signature(tokenizer.apply_chat_template).parameters
+    ):
+        raise SlimlmError(
+            "serving chat needs a transformers whose apply_chat_template takes sanitize_control_tokens (5.20 or later): pip install -U transformers"
+        )
 
 
 def create_app(decoder, model_name: str, limits: ServerLimits = ServerLimits(), batcher=None):
@@ -181,13 +203,19 @@ def create_app(decoder, model_name: str, limits: ServerLimits = ServerLimits(), 
         yield
         tokenizing.shutdown(wait=False)
 
-    app = FastAPI(title="slimlm", description="OpenAI-compatible completions from the bundled decoder", lifespan=lifespan)
+    app = FastAPI(
+        title="slimlm",
+        description="OpenAI-compatible completions from the bundled decoder",
+        lifespan=lifespan,
+    )
     app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes)
     admitted = threading.BoundedSemaphore(limits.max_concurrent)
 
     @app.exception_handler(RequestValidationError)
     async def bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
-        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}" for e in exc.errors())
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}" for e in exc.errors()
+        )
         return error_response(400, f"malformed request: {problems}")
 
     @app.exception_handler(SlimlmError)
@@ -196,7 +224,13 @@ def create_app(decoder, model_name: str, limits: ServerLimits = ServerLimits(), 
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
-        kind = "rate_limit_error" if exc.status_code == 429 else "invalid_request_error" if exc.status_code < 500 else "server_error"
+        kind = (
+            "rate_limit_error"
+            if exc.status_code == 429
+            else "invalid_request_error"
+            if exc.status_code < 500
+            else "server_error"
+        )
         return error_response(exc.status_code, str(exc.detail), kind)
 
     @app.exception_handler(BatcherClosed)
@@ -205,30 +239,57 @@ def create_app(decoder, model_name: str, limits: ServerLimits = ServerLimits(), 
 
     @app.exception_handler(Exception)
     async def failed(request: Request, exc: Exception) -> JSONResponse:
-        return error_response(500, f"the server failed on this request: {type(exc).__name__}: {exc}", "server_error")
+        return error_response(
+            500, f"the server failed on this request: {type(exc).__name__}: {exc}", "server_error"
+        )
 
     def params_of(body: Sampling) -> SamplingParams:
-        unsupported = {"n": body.n != 1, "best_of": body.best_of not in (None, 1), "logprobs": bool(body.logprobs) or body.top_logprobs is not None, "echo": body.echo,
-                       "presence_penalty": body.presence_penalty != 0, "frequency_penalty": body.frequency_penalty != 0}
+        unsupported = {
+            "n": body.n != 1,
+            "best_of": body.best_of not in (None, 1),
+            "logprobs": bool(body.logprobs) or body.top_logprobs is not None,
+            "echo": body.echo,
+            "presence_penalty": body.presence_penalty != 0,
+            "frequency_penalty": body.frequency_penalty != 0,
+        }
         asked = [name for name, used in unsupported.items() if used]
         if asked:
-            raise SlimlmError(f"this server does not support {', '.join(asked)}: it returns one choice, without log probabilities or the prompt (penalties: use repetition_penalty)")
-        max_tokens = body.max_completion_tokens or body.max_tokens or min(limits.default_max_tokens, limits.max_new_tokens)
+            raise SlimlmError(
+                f"this server does not support {', '.join(asked)}: it returns one choice, without log probabilities or the prompt (penalties: use repetition_penalty)"
+            )
+        max_tokens = (
+            body.max_completion_tokens
+            or body.max_tokens
+            or min(limits.default_max_tokens, limits.max_new_tokens)
+        )
         if max_tokens > limits.max_new_tokens:
-            raise SlimlmError(f"max_tokens={max_tokens} exceeds this server's limit of {limits.max_new_tokens}")
+            raise SlimlmError(
+                f"max_tokens={max_tokens} exceeds this server's limit of {limits.max_new_tokens}"
+            )
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        if len(stops) > limits.max_stop_strings or not all(0 < len(stop) <= limits.max_stop_chars for stop in stops):
-            raise SlimlmError(f"stop must be at most {limits.max_stop_strings} non-empty strings of at most {limits.max_stop_chars} characters each")
+        if len(stops) > limits.max_stop_strings or not all(
+            0 < len(stop) <= limits.max_stop_chars for stop in stops
+        ):
+            raise SlimlmError(
+                f"stop must be at most {limits.max_stop_strings} non-empty strings of at most {limits.max_stop_chars} characters each"
+            )
         return SamplingParams(
-            max_new_tokens=max_tokens, temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
-            repetition_penalty=body.repetition_penalty, seed=body.seed, stop=[checked_text(stop, "a stop string") for stop in stops],
+            max_new_tokens=max_tokens,
+            temperature=body.temperature,
+            top_k=body.top_k,
+            top_p=body.top_p,
+            repetition_penalty=body.repetition_penalty,
+            seed=body.seed,
+            stop=[checked_text(stop, "a stop string") for stop in stops],
         )
 
     def checked_text(text: str, what: str) -> str:
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as exc:
-            raise SlimlmError(f"{what} is not valid Unicode text ({exc.reason} at character {exc.start})") from None
+            raise SlimlmError(
+                f"{what} is not valid Unicode text ({exc.reason} at character {exc.start})"
+            ) from None
         return text
 
     # By default, a token spells at most this many characters, so a text longer than the prompt
@@ -239,26 +300,35 @@ def create_app(decoder, model_name: str, limits: ServerLimits = ServerLimits(), 
 
     def check_chars(characters: int) -> None:
         if characters > max_prompt_chars:
-            raise SlimlmError(f"the prompt has {characters} characters, more than this server's limit of {max_prompt_chars}")
+            raise SlimlmError(
+                f"the prompt has {characters} characters, more than this server's limit of {max_prompt_chars}"
+            )
 
     def completion_ids(prompt: str) -> list[int]:
         return checked_ids(text_prompt_ids(decoder.tokenizer, checked_text(prompt, "the prompt")))
 
     def chat_ids(messages: list[Message]) -> list[int]:
-        turns = [{"role": m.role, "content": checked_text(m.content, f"message {i}'s content")} for i, m in enumerate(messages)]
+        turns = [
+            {"role": m.role, "content": checked_text(m.content, f"message {i}'s content")}
+            for i, m in enumerate(messages)
+        ]
         return checked_ids(chat_prompt_ids(decoder.tokenizer, turns))
 
     def checked_ids(ids: list[int]) -> list[int]:
         if not ids:
             raise SlimlmError("the prompt is empty")
         if len(ids) > limits.max_prompt_tokens:
-            raise SlimlmError(f"the prompt has {len(ids)} tokens; this server accepts at most {limits.max_prompt_tokens}")
+            raise SlimlmError(
+                f"the prompt has {len(ids)} tokens; this server accepts at most {limits.max_prompt_tokens}"
+            )
         return ids
 
     def admission() -> Callable[[], None]:
         """Admit a request (429 when full); returns its release, safe to call more than once."""
         if not admitted.acquire(blocking=False):
-            raise HTTPException(429, f"the server is busy ({limits.max_concurrent} requests admitted); retry later")
+            raise HTTPException(
+                429, f"the server is busy ({limits.max_concurrent} requests admitted); retry later"
+            )
         once = threading.Lock()
 
         def release() -> None:
@@ -301,7 +371,11 @@ def create_app(decoder, model_name: str, limits: ServerLimits = ServerLimits(), 
             if gone.is_set():
                 raise SlimlmError("the client went away")
 
-        work = (lambda: list(submission)[-1]) if submission is not None else (lambda: decoder.generate_ids([ids], params, on_token)[0])
+        work = (
+            (lambda: list(submission)[-1])
+            if submission is not None
+            else (lambda: decoder.generate_ids([ids], params, on_token)[0])
+        )
         task = asyncio.ensure_future(run_in_threadpool(work))
         while not (await asyncio.wait({task}, timeout=0.1))[0]:
             if await request.is_disconnected():
@@ -309,7 +383,9 @@ def create_app(decoder, model_name: str, limits: ServerLimits = ServerLimits(), 
                 break
         return await task
 
-    async def respond(request: Request, prepare: Callable[[], list[int]], params: SamplingParams, stream: bool, chat: bool):
+    async def respond(
+        request: Request, prepare: Callable[[], list[int]], params: SamplingParams, stream: bool, chat: bool
+    ):
         """Admit the request, then tokenize it (`prepare`, on the tokenizer thread: only admitted
         requests queue there) and answer it."""
         release = admission()
@@ -326,19 +402,41 @@ def create_app(decoder, model_name: str, limits: ServerLimits = ServerLimits(), 
             raise
         if not stream:
             release()
-            usage = {"prompt_tokens": len(ids), "completion_tokens": len(generation.token_ids), "total_tokens": len(ids) + len(generation.token_ids),
-                     "prompt_tokens_details": {"cached_tokens": generation.cached_tokens}}  # found in the cache, not prefilled again
+            usage = {
+                "prompt_tokens": len(ids),
+                "completion_tokens": len(generation.token_ids),
+                "total_tokens": len(ids) + len(generation.token_ids),
+                "prompt_tokens_details": {"cached_tokens": generation.cached_tokens},
+            }  # found in the cache, not prefilled again
             if chat:
-                choice = {"index": 0, "message": {"role": "assistant", "content": generation.text}, "finish_reason": generation.finish_reason}
+                choice = {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": generation.text},
+                    "finish_reason": generation.finish_reason,
+                }
             else:
-                choice = {"index": 0, "text": generation.text, "logprobs": None, "finish_reason": generation.finish_reason}
-            return {"id": request_id, "object": "chat.completion" if chat else "text_completion", "created": created, "model": model_name, "choices": [choice], "usage": usage}
+                choice = {
+                    "index": 0,
+                    "text": generation.text,
+                    "logprobs": None,
+                    "finish_reason": generation.finish_reason,
+                }
+            return {
+                "id": request_id,
+                "object": "chat.completion" if chat else "text_completion",
+                "created": created,
+                "model": model_name,
+                "choices": [choice],
+                "usage": usage,
+            }
 
         def end_admission() -> None:
             stop()  # a no-op once the decoding has finished
             release()
 
-        return AdmittedStream(events(request_id, created, ids, params, chat, submission, cancel, end_admission), end_admission)
+        return AdmittedStream(
+            events(request_id, created, ids, params, chat, submission, cancel, end_admission), end_admission
+        )
 
     def batched_pieces(submission, results: list) -> Iterator[str]:
         """The batcher's text pieces; its final Generation goes to `results`."""
@@ -348,7 +446,16 @@ def create_app(decoder, model_name: str, limits: ServerLimits = ServerLimits(), 
             else:
                 yield item
 
-    def events(request_id: str, created: int, ids: list[int], params: SamplingParams, chat: bool, submission, cancel: threading.Event, end_admission: Callable[[], None]) -> Iterator[str]:
+    def events(
+        request_id: str,
+        created: int,
+        ids: list[int],
+        params: SamplingParams,
+        chat: bool,
+        submission,
+        cancel: threading.Event,
+        end_admission: Callable[[], None],
+    ) -> Iterator[str]:
         kind = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(piece: Optional[str], finish: Optional[str], first: bool = False) -> str:
@@ -362,7 +469,9 @@ def create_app(decoder, model_name: str, limits: ServerLimits = ServerLimits(), 
         try:
             if chat:
                 yield chunk(None, None, first=True)
-            results: list[Generation] = []  # the Generation, whose finish reason the last chunk gives; none after a stop string
+            results: list[
+                Generation
+            ] = []  # the Generation, whose finish reason the last chunk gives; none after a stop string
             if submission is not None:
                 source = batched_pieces(submission, results)
                 for piece in until_stop(source, params.stop):
@@ -374,7 +483,10 @@ def create_app(decoder, model_name: str, limits: ServerLimits = ServerLimits(), 
                     yield chunk(piece, None)
             yield chunk(None, results[0].finish_reason if results else "stop")
         except Exception as exc:  # the headers went out with 200: the client learns of it in the stream
-            failure = {"message": f"{type(exc).__name__}: {exc}", "type": "invalid_request_error" if isinstance(exc, SlimlmError) else "server_error"}
+            failure = {
+                "message": f"{type(exc).__name__}: {exc}",
+                "type": "invalid_request_error" if isinstance(exc, SlimlmError) else "server_error",
+            }
             yield f"data: {json.dumps({'error': failure})}\n\n"
         finally:
             end_admission()
@@ -386,7 +498,10 @@ def create_app(decoder, model_name: str, limits: ServerLimits = ServerLimits(), 
 
     @app.get("/v1/models")
     def models() -> dict:
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "slimlm"}]}
+        return {
+            "object": "list",
+            "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "slimlm"}],
+        }
 
     # The endpoints run on the event loop, so that a request without `stream` can watch its
     # connection; they only check what is cheap to check (sizes, sampling) there, and hand the

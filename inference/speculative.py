@@ -37,7 +37,14 @@ import torch
 from slimlm.errors import SlimlmError
 from slimlm.inference.decoder import Decoder, Generation, TokenCallback
 from slimlm.inference.model import RowRecord
-from slimlm.inference.sampling import SamplingParams, greedy_tokens, next_tokens, penalize_repetition, sampling_probabilities, sampling_state
+from slimlm.inference.sampling import (
+    SamplingParams,
+    greedy_tokens,
+    next_tokens,
+    penalize_repetition,
+    sampling_probabilities,
+    sampling_state,
+)
 
 
 @dataclass
@@ -91,7 +98,9 @@ class DraftProposer:
 
     def __init__(self, draft: Decoder, target_vocab: int):
         if draft.model.args.vocab_size != target_vocab:
-            raise SlimlmError(f"the draft model's vocabulary ({draft.model.args.vocab_size}) differs from the target's ({target_vocab}); a draft must share the target's tokenizer")
+            raise SlimlmError(
+                f"the draft model's vocabulary ({draft.model.args.vocab_size}) differs from the target's ({target_vocab}); a draft must share the target's tokenizer"
+            )
         self.draft = draft
         self.consumed = 0  # tokens of the sequence the draft's cache holds correctly
 
@@ -104,11 +113,19 @@ class DraftProposer:
         guesses beyond were never judged)."""
         self.draft.model.held[0] = RowRecord(list(tokens[: self.consumed]), min(prompt_length, self.consumed))
 
-    def propose(self, tokens: Sequence[int], lookahead: int, params: SamplingParams, generator: Optional[torch.Generator]) -> tuple[list[int], Optional[torch.Tensor]]:
+    def propose(
+        self,
+        tokens: Sequence[int],
+        lookahead: int,
+        params: SamplingParams,
+        generator: Optional[torch.Generator],
+    ) -> tuple[list[int], Optional[torch.Tensor]]:
         """Up to `lookahead` guesses after `tokens`, and when sampling the distributions they
         were drawn from [guesses, vocab]."""
         model = self.draft.model
-        logits = self.draft.prefill(torch.tensor([list(tokens[self.consumed :])], device=self.draft.device), start=self.consumed)
+        logits = self.draft.prefill(
+            torch.tensor([list(tokens[self.consumed :])], device=self.draft.device), start=self.consumed
+        )
         position = len(tokens)
         guesses, drawn_from = [], []
         for _ in range(min(lookahead, model.max_seq - position)):
@@ -126,7 +143,12 @@ class DraftProposer:
         return guesses, torch.stack(drawn_from) if drawn_from else None
 
 
-def judge(target_p: torch.Tensor, guesses: Sequence[int], draft_q: Optional[torch.Tensor], generator: Optional[torch.Generator]) -> tuple[int, int]:
+def judge(
+    target_p: torch.Tensor,
+    guesses: Sequence[int],
+    draft_q: Optional[torch.Tensor],
+    generator: Optional[torch.Generator],
+) -> tuple[int, int]:
     """Speculative sampling's test of `guesses` against the target's distributions `target_p`
     [guesses + 1, vocab] at each of their positions and after the last: how many are kept, and
     the target's token after them. Guess i is kept with probability min(1, p(x) / q(x)), q the
@@ -134,10 +156,15 @@ def judge(target_p: torch.Tensor, guesses: Sequence[int], draft_q: Optional[torc
     prompt lookup proposes); at the first refused, the token is drawn from max(0, p - q)
     renormalized, and after all kept from the last p: every token then follows p exactly."""
     count, device = len(guesses), target_p.device
-    rows, index = torch.arange(count, device=device), torch.tensor(list(guesses), dtype=torch.long, device=device)
+    rows, index = (
+        torch.arange(count, device=device),
+        torch.tensor(list(guesses), dtype=torch.long, device=device),
+    )
     p_at = target_p[rows, index]
     q_at = draft_q[rows, index] if draft_q is not None else torch.ones_like(p_at)
-    kept_each = (torch.rand(count, generator=generator, device=device) * q_at < p_at).tolist()  # one synchronization for all guesses
+    kept_each = (
+        torch.rand(count, generator=generator, device=device) * q_at < p_at
+    ).tolist()  # one synchronization for all guesses
     kept = kept_each.index(False) if False in kept_each else count
     if kept == count:
         return count, int(torch.multinomial(target_p[count], 1, generator=generator))
@@ -146,11 +173,20 @@ def judge(target_p: torch.Tensor, guesses: Sequence[int], draft_q: Optional[torc
     else:  # max(0, p - one-hot): p without the guess
         rest = target_p[kept].clone()
         rest[guesses[kept]] = 0
-    rest = rest if float(rest.sum()) > 0 else target_p[kept]  # p <= q everywhere: a refusal had probability 0 (rounding)
+    rest = (
+        rest if float(rest.sum()) > 0 else target_p[kept]
+    )  # p <= q everywhere: a refusal had probability 0 (rounding)
     return kept, int(torch.multinomial(rest, 1, generator=generator))
 
 
-def verify(logits: torch.Tensor, guesses: Sequence[int], params: SamplingParams, seen: Optional[torch.Tensor], generator: Optional[torch.Generator], draft_q: Optional[torch.Tensor] = None) -> tuple[int, int]:
+def verify(
+    logits: torch.Tensor,
+    guesses: Sequence[int],
+    params: SamplingParams,
+    seen: Optional[torch.Tensor],
+    generator: Optional[torch.Generator],
+    draft_q: Optional[torch.Tensor] = None,
+) -> tuple[int, int]:
     """How many of `guesses` the target keeps, and its own token after them, from its next-token
     `logits` [guesses + 1, vocab] after the last kept token and after each guess: greedy, a
     guess is kept while it is the target's choice; sampling, by `judge`. The repetition penalty
@@ -184,16 +220,24 @@ def generate_speculative(
     `draft` or prompt lookup; `on_token` sees each token (row 0) as it is kept, a pass's
     accepted guesses one by one."""
     if lookahead < 1 or not 1 <= min_ngram <= ngram:
-        raise SlimlmError(f"lookahead ({lookahead}) must be at least 1 and 1 <= min_ngram ({min_ngram}) <= ngram ({ngram})")
+        raise SlimlmError(
+            f"lookahead ({lookahead}) must be at least 1 and 1 <= min_ngram ({min_ngram}) <= ngram ({ngram})"
+        )
     model, device = target.model, target.device
     max_seq = len(prompt) + params.max_new_tokens + lookahead + 1
     if max_seq > model.args.max_position_embeddings:
-        raise SlimlmError(f"a prompt of {len(prompt)} tokens plus {params.max_new_tokens} new tokens exceeds the model's context of {model.args.max_position_embeddings}")
+        raise SlimlmError(
+            f"a prompt of {len(prompt)} tokens plus {params.max_new_tokens} new tokens exceeds the model's context of {model.args.max_position_embeddings}"
+        )
     if draft is not None and not params.greedy and draft.device != device:
-        raise SlimlmError(f"speculative sampling draws the draft's guesses with the target's generator: put the draft on the target's device ({device}, not {draft.device})")
+        raise SlimlmError(
+            f"speculative sampling draws the draft's guesses with the target's generator: put the draft on the target's device ({device}, not {draft.device})"
+        )
     proposer = DraftProposer(draft, model.args.vocab_size) if draft is not None else None
     lookup = PromptLookup(prompt, ngram, min_ngram) if draft is None else None
-    draft_params = dataclasses.replace(params, repetition_penalty=1.0)  # the draft's guesses need not follow it: the target judges them
+    draft_params = dataclasses.replace(
+        params, repetition_penalty=1.0
+    )  # the draft's guesses need not follow it: the target judges them
     stats = SpeculativeStats()
     with target.lock:
         target.ensure_cache(1, max_seq)
@@ -226,9 +270,15 @@ def generate_speculative(
                 if next_token in end_ids or keep(next_token) or len(new) >= params.max_new_tokens:
                     break
                 room = min(lookahead, params.max_new_tokens - len(new))
-                guesses, draft_q = proposer.propose(tokens, room, draft_params, generator) if proposer is not None else (lookup.propose(room), None)
+                guesses, draft_q = (
+                    proposer.propose(tokens, room, draft_params, generator)
+                    if proposer is not None
+                    else (lookup.propose(room), None)
+                )
                 step = torch.tensor([[tokens[-1], *guesses]], device=device)
-                kept, next_token = verify(model(step, len(tokens) - 1)[0], guesses, params, seen, generator, draft_q)
+                kept, next_token = verify(
+                    model(step, len(tokens) - 1)[0], guesses, params, seen, generator, draft_q
+                )
                 stats.target_passes += 1
                 stats.proposed += len(guesses)
                 stats.accepted += kept

@@ -29,7 +29,9 @@ class GenerateParams:
 def run(state: RunState, params: GenerateParams) -> None:
     decoder = state.cfg.decoder
     max_new = params.max_new_tokens or decoder.max_new_tokens
-    record(state, greedy_complete(state.model, state.tokenizer, params.prompt, max_new, decoder.chat_template))
+    record(
+        state, greedy_complete(state.model, state.tokenizer, params.prompt, max_new, decoder.chat_template)
+    )
 
 
 def decoder_reads(state: RunState, params: GenerateParams) -> bool:
@@ -40,7 +42,10 @@ def decoder_reads(state: RunState, params: GenerateParams) -> bool:
 def run_from_artifact(state: RunState, params: GenerateParams) -> None:
     decoder = state.cfg.decoder
     max_new = params.max_new_tokens or decoder.max_new_tokens
-    record(state, complete_from_artifact(state.on_disk, params.prompt, max_new, decoder.chat_template, state.device))
+    record(
+        state,
+        complete_from_artifact(state.on_disk, params.prompt, max_new, decoder.chat_template, state.device),
+    )
 
 
 def record(state: RunState, completion: Completion) -> None:
@@ -56,4 +61,6 @@ def record(state: RunState, completion: Completion) -> None:
     )
 
 
-GENERATE = Stage(name="generate", params=GenerateParams, run=run, on_disk=(DiskRun(decoder_reads, run_from_artifact),))
+GENERATE = Stage(
+    name="generate", params=GenerateParams, run=run, on_disk=(DiskRun(decoder_reads, run_from_artifact),)
+)

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from slimlm.errors import SlimlmError
-from slimlm.inference.planner import GiB, LABEL_WIDTH, Hardware, budget_line
+from slimlm.inference.planner import LABEL_WIDTH, GiB, Hardware, budget_line
 
 KV_ELEMENT_BYTES = {"float": 2.0, "int8": 34 / 32}  # fp16; llama.cpp's q8_0 (32 codes and an fp16 scale)
 
@@ -33,7 +33,9 @@ class CacheShape:
     window: Optional[int] = None
 
     def bytes(self, context: int, batch: int, element_bytes: float) -> int:
-        kept = (self.layers - self.window_layers) * context + self.window_layers * min(context, self.window or context)
+        kept = (self.layers - self.window_layers) * context + self.window_layers * min(
+            context, self.window or context
+        )
         return math.ceil(batch * kept * self.kv_heads * (self.key_dim + self.value_dim) * element_bytes)
 
 
@@ -55,22 +57,38 @@ def checkpoint_model(directory: Path, config: dict) -> StoredModel:
 
     checkpoint = Checkpoint(directory)
     dtypes = sorted({str(checkpoint.dtype(name)).removeprefix("torch.") for name in checkpoint.names()})
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config  # multimodal: the language model's
+    text = (
+        config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    )  # multimodal: the language model's
     shape = config_cache_shape(text, directory)
-    experts = any(isinstance(text.get(key), int) and text[key] > 1 for key in ("num_experts", "num_local_experts", "n_routed_experts"))
+    experts = any(
+        isinstance(text.get(key), int) and text[key] > 1
+        for key in ("num_experts", "num_local_experts", "n_routed_experts")
+    )
     family = str(config.get("model_type") or text.get("model_type") or "unknown")
-    return StoredModel(family, checkpoint.weight_bytes(), f"{'/'.join(dtypes)} safetensors", shape, text.get("max_position_embeddings"), experts)
+    return StoredModel(
+        family,
+        checkpoint.weight_bytes(),
+        f"{'/'.join(dtypes)} safetensors",
+        shape,
+        text.get("max_position_embeddings"),
+        experts,
+    )
 
 
 def config_cache_shape(c: dict[str, Any], directory: Path) -> CacheShape:
     """The key/value cache of a transformers config: GQA heads, head_dim, sliding-window layers."""
     layers, heads, hidden = c.get("num_hidden_layers"), c.get("num_attention_heads"), c.get("hidden_size")
     if not all(isinstance(v, int) and v > 0 for v in (layers, heads)):
-        raise SlimlmError(f"'{directory / 'config.json'}' gives no attention shape (num_hidden_layers, num_attention_heads): a model without a key/value cache of that kind (a state-space model?) cannot be planned by slimlm plan")
+        raise SlimlmError(
+            f"'{directory / 'config.json'}' gives no attention shape (num_hidden_layers, num_attention_heads): a model without a key/value cache of that kind (a state-space model?) cannot be planned by slimlm plan"
+        )
     kv_heads = c.get("num_key_value_heads") or heads
     head_dim = c.get("head_dim") or (hidden // heads if isinstance(hidden, int) else None)
     if not all(isinstance(v, int) and v > 0 for v in (kv_heads, head_dim)):
-        raise SlimlmError(f"'{directory / 'config.json'}' gives no head size (head_dim or hidden_size) to size the key/value cache; fix the config")
+        raise SlimlmError(
+            f"'{directory / 'config.json'}' gives no head size (head_dim or hidden_size) to size the key/value cache; fix the config"
+        )
     kinds = c.get("layer_types") if isinstance(c.get("layer_types"), list) else []
     window = c.get("sliding_window") if isinstance(c.get("sliding_window"), int) else None
     sliding = sum(kind == "sliding_attention" for kind in kinds) if window else 0
@@ -87,7 +105,9 @@ def gguf_model(path: Path) -> StoredModel:
     meta = header.metadata
     arch = meta.get("general.architecture")
     if not isinstance(arch, str):
-        raise SlimlmError(f"GGUF file '{path.name}' has no general.architecture key; it was not written by a GGUF converter")
+        raise SlimlmError(
+            f"GGUF file '{path.name}' has no general.architecture key; it was not written by a GGUF converter"
+        )
 
     def number(key: str) -> Optional[int]:
         value = meta.get(f"{arch}.{key}")
@@ -95,32 +115,63 @@ def gguf_model(path: Path) -> StoredModel:
 
     layers, heads, width = number("block_count"), number("attention.head_count"), number("embedding_length")
     if layers is None or heads is None or (width is None and number("attention.key_length") is None):
-        per_layer = " (it varies per layer)" if f"{arch}.attention.head_count" in header.arrays or f"{arch}.attention.head_count_kv" in header.arrays else ""
-        raise SlimlmError(f"GGUF file '{path.name}' ({arch}) gives no single attention shape{per_layer} ({arch}.block_count, .attention.head_count, .embedding_length); slimlm plan cannot size its key/value cache")
+        per_layer = (
+            " (it varies per layer)"
+            if f"{arch}.attention.head_count" in header.arrays
+            or f"{arch}.attention.head_count_kv" in header.arrays
+            else ""
+        )
+        raise SlimlmError(
+            f"GGUF file '{path.name}' ({arch}) gives no single attention shape{per_layer} ({arch}.block_count, .attention.head_count, .embedding_length); slimlm plan cannot size its key/value cache"
+        )
     key_dim = number("attention.key_length") or width // heads
-    shape = CacheShape(layers, number("attention.head_count_kv") or heads, key_dim, number("attention.value_length") or key_dim)
+    shape = CacheShape(
+        layers,
+        number("attention.head_count_kv") or heads,
+        key_dim,
+        number("attention.value_length") or key_dim,
+    )
     try:
         kind = LlamaFileType(meta.get("general.file_type")).name
     except ValueError:
         kind = "of unrecorded type"
-    return StoredModel(arch, path.stat().st_size, f"GGUF file type {kind}, the file's size", shape, number("context_length"), (number("expert_count") or 0) > 1)
+    return StoredModel(
+        arch,
+        path.stat().st_size,
+        f"GGUF file type {kind}, the file's size",
+        shape,
+        number("context_length"),
+        (number("expert_count") or 0) > 1,
+    )
 
 
-def format_stored_plan(model: StoredModel, hardware: Hardware, context: int, batch: int, kv_cache: str, name: str, note: str) -> str:
+def format_stored_plan(
+    model: StoredModel, hardware: Hardware, context: int, batch: int, kv_cache: str, name: str, note: str
+) -> str:
     """The plan's text (`note` says why it is planned as stored); SlimlmError with the same
     numbers when it does not fit the device."""
     if context < 1 or batch < 1:
         raise SlimlmError(f"context ({context}) and batch ({batch}) must be at least 1")
     if model.max_context is not None and context > model.max_context:
-        raise SlimlmError(f"a context of {context} is longer than the model's {model.max_context}; give --context {model.max_context} or less")
+        raise SlimlmError(
+            f"a context of {context} is longer than the model's {model.max_context}; give --context {model.max_context} or less"
+        )
     kv = model.cache.bytes(context, batch, KV_ELEMENT_BYTES[kv_cache])
     total = model.weight_bytes + kv + hardware.reserve_bytes
-    per_token = model.weight_bytes + model.cache.bytes(context, 1, KV_ELEMENT_BYTES[kv_cache]) / 2  # the cache half full on average
+    per_token = (
+        model.weight_bytes + model.cache.bytes(context, 1, KV_ELEMENT_BYTES[kv_cache]) / 2
+    )  # the cache half full on average
     lines = [
         f"{name} ({model.family}) on {hardware.name}: {'fits' if total <= hardware.memory_bytes else 'does not fit'}; context {context}, batch {batch}",
         f"  note: {note}",
         f"  note: weights as stored: {model.stored_as}",
-        *([f"  note: {model.cache.window_layers} of {model.cache.layers} layers keep only a {model.cache.window}-token window in the cache"] if model.cache.window_layers else []),
+        *(
+            [
+                f"  note: {model.cache.window_layers} of {model.cache.layers} layers keep only a {model.cache.window}-token window in the cache"
+            ]
+            if model.cache.window_layers
+            else []
+        ),
         budget_line("weights as stored", model.weight_bytes),
         budget_line(f"KV cache ({'fp16' if kv_cache == 'float' else 'q8_0'})", kv),
         budget_line("runtime reserve", hardware.reserve_bytes),
@@ -130,5 +181,8 @@ def format_stored_plan(model: StoredModel, hardware: Hardware, context: int, bat
         + (" (a mixture of experts reads only its routed experts: faster)" if model.experts else ""),
     ]
     if total > hardware.memory_bytes:
-        raise SlimlmError(f"{name} does not fit {hardware.name} ({hardware.memory_bytes / GiB:.1f} GiB) as stored at {context} tokens: {total / GiB:.2f} GiB. Plan:\n" + "\n".join(lines))
+        raise SlimlmError(
+            f"{name} does not fit {hardware.name} ({hardware.memory_bytes / GiB:.1f} GiB) as stored at {context} tokens: {total / GiB:.2f} GiB. Plan:\n"
+            + "\n".join(lines)
+        )
     return "\n".join(lines)

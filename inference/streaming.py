@@ -34,7 +34,9 @@ class Placement:
 
     stream_layers: int = 0  # the last N decoder blocks, streamed in as they run
     table_on_host: bool = False  # an untied embedding table: one row per token is copied over
-    experts_on_host: bool = False  # a mixture of experts' routed experts, computed by the CPU (MoE in inference/model.py)
+    experts_on_host: bool = (
+        False  # a mixture of experts' routed experts, computed by the CPU (MoE in inference/model.py)
+    )
 
 
 class HostEmbedding(nn.Module):
@@ -57,7 +59,9 @@ class HostBlock:
 
     block: nn.Module
     host: torch.Tensor  # uint8, pinned when the device is a GPU
-    entries: list[tuple[nn.Module, str, bool, int, torch.dtype, torch.Size]]  # module, name, is a parameter, offset, dtype, shape
+    entries: list[
+        tuple[nn.Module, str, bool, int, torch.dtype, torch.Size]
+    ]  # module, name, is a parameter, offset, dtype, shape
 
 
 def streamed_layers(n_layers: int, count: int) -> list[int]:
@@ -69,8 +73,18 @@ def streamed_layers(n_layers: int, count: int) -> list[int]:
 def to_host(block: nn.Module, device: torch.device) -> HostBlock:
     """Move `block`'s weights (not its caches) into one host buffer; the block's tensors become
     meta placeholders until a LayerStreamer binds them to its device buffers."""
-    tensors = [(module, name, True, tensor) for module in block.modules() for name, tensor in module._parameters.items() if tensor is not None]
-    tensors += [(module, name, False, tensor) for module in block.modules() for name, tensor in module._buffers.items() if tensor is not None and name not in CACHE_NAMES]
+    tensors = [
+        (module, name, True, tensor)
+        for module in block.modules()
+        for name, tensor in module._parameters.items()
+        if tensor is not None
+    ]
+    tensors += [
+        (module, name, False, tensor)
+        for module in block.modules()
+        for name, tensor in module._buffers.items()
+        if tensor is not None and name not in CACHE_NAMES
+    ]
     offsets, size = [], 0
     for *_, tensor in tensors:
         offsets.append(size)
@@ -97,7 +111,9 @@ class LayerStreamer:
     def __init__(self, hosts: list[HostBlock], device: torch.device):
         self.hosts, self.device = hosts, device
         size = max(host.host.numel() for host in hosts)
-        self.buffers = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(min(2, len(hosts)))]
+        self.buffers = [
+            torch.empty(size, dtype=torch.uint8, device=device) for _ in range(min(2, len(hosts)))
+        ]
         for index, host in enumerate(hosts):
             flat = self.buffers[index % len(self.buffers)]
             for module, name, is_parameter, offset, dtype, shape in host.entries:
@@ -110,8 +126,12 @@ class LayerStreamer:
         if self.on_gpu:  # the buffers come from the compute stream's pool: copy only after its pending work
             self.copy_stream.wait_stream(torch.cuda.current_stream(device))
         self.copied: list[Optional[torch.cuda.Event]] = [None] * len(hosts)
-        self.released: list[Optional[torch.cuda.Event]] = [None] * len(self.buffers)  # the last use of each buffer ended
-        self.holds: list[Optional[int]] = [None] * len(self.buffers)  # the block whose bytes each buffer holds (or is being copied)
+        self.released: list[Optional[torch.cuda.Event]] = [None] * len(
+            self.buffers
+        )  # the last use of each buffer ended
+        self.holds: list[Optional[int]] = [None] * len(
+            self.buffers
+        )  # the block whose bytes each buffer holds (or is being copied)
         self.deferred: Optional[int] = None
         self._prefetch(0)
 
@@ -142,7 +162,9 @@ class LayerStreamer:
             self.copied[index].record(self.copy_stream)
 
     def _before(self, index: int, module: nn.Module, args) -> None:
-        if self.holds[self._buffer(index)] != index:  # a pass that raised (out of memory, say) left another block there
+        if (
+            self.holds[self._buffer(index)] != index
+        ):  # a pass that raised (out of memory, say) left another block there
             self.deferred = None
             self._prefetch(index)
         if self.on_gpu:

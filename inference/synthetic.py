@@ -19,17 +19,35 @@ from slimlm.inference.model import Transformer
 from slimlm.inference.streaming import Placement
 from slimlm.qlinear import QuantLinear, QuantScheme, set_submodule, tie_quantized_head
 
-LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+LINEARS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
 
 
 def transformers_config(config: dict):
     """The transformers config object of an HF-style config dict."""
     from transformers import AutoConfig
 
-    return AutoConfig.for_model(config["model_type"], **{key: value for key, value in config.items() if key != "model_type"})
+    return AutoConfig.for_model(
+        config["model_type"], **{key: value for key, value in config.items() if key != "model_type"}
+    )
 
 
-def random_linear(in_features: int, out_features: int, scheme: Optional[QuantScheme], bias: bool, dtype: torch.dtype, device: torch.device, generator: torch.Generator) -> nn.Module:
+def random_linear(
+    in_features: int,
+    out_features: int,
+    scheme: Optional[QuantScheme],
+    bias: bool,
+    dtype: torch.dtype,
+    device: torch.device,
+    generator: torch.Generator,
+) -> nn.Module:
     """A QuantLinear (or, with no scheme, an nn.Linear in `dtype`) with random weights of
     standard deviation about 1/sqrt(in_features), made on `device`."""
     std = in_features**-0.5
@@ -39,7 +57,9 @@ def random_linear(in_features: int, out_features: int, scheme: Optional[QuantSch
             nn.init.normal_(layer.weight, std=std, generator=generator)
         else:
             layer = QuantLinear(in_features, out_features, scheme, bias=bias)
-            layer.qweight.random_(0, 256, generator=generator)  # every bit pattern: uniform codes at any width
+            layer.qweight.random_(
+                0, 256, generator=generator
+            )  # every bit pattern: uniform codes at any width
             code_std = (2**scheme.bits) / 12**0.5  # of codes uniform over 0 .. 2^bits - 1
             layer.scales.uniform_(0.5 * std / code_std, 1.5 * std / code_std, generator=generator)
             if layer.zeros is not None:
@@ -49,7 +69,17 @@ def random_linear(in_features: int, out_features: int, scheme: Optional[QuantSch
     return layer.requires_grad_(False)
 
 
-def random_decoder(config: dict, scheme: Optional[QuantScheme], head_scheme: Optional[QuantScheme] = None, dtype: torch.dtype = torch.bfloat16, device: Optional[torch.device] = None, kernels: bool = True, gpu_int4: str = "tinygemm", placement: Placement = Placement(), seed: int = 0) -> Transformer:
+def random_decoder(
+    config: dict,
+    scheme: Optional[QuantScheme],
+    head_scheme: Optional[QuantScheme] = None,
+    dtype: torch.dtype = torch.bfloat16,
+    device: Optional[torch.device] = None,
+    kernels: bool = True,
+    gpu_int4: str = "tinygemm",
+    placement: Placement = Placement(),
+    seed: int = 0,
+) -> Transformer:
     """The decoder of an HF-style `config` (dict) with random weights: every decoder Linear in
     `scheme` (None: float in `dtype`), the LM head in `head_scheme`; `placement` keeps some of
     it in host memory (inference/streaming.py). Peak memory while
@@ -59,27 +89,47 @@ def random_decoder(config: dict, scheme: Optional[QuantScheme], head_scheme: Opt
     device = torch.device(device or "cpu")
     with torch.device("meta"):  # the skeleton: shapes and module names, no memory
         skeleton = AutoModelForCausalLM.from_config(transformers_config(config), dtype=dtype)
-    parts = DecoderParts(skeleton, dtype, device, kernels, int8_activations=False, gpu_int4=gpu_int4, placement=placement)
+    parts = DecoderParts(
+        skeleton, dtype, device, kernels, int8_activations=False, gpu_int4=gpu_int4, placement=placement
+    )
     generator = torch.Generator(device).manual_seed(seed)
     ones = lambda dim: nn.Parameter(torch.ones(dim, dtype=dtype, device=device), requires_grad=False)  # noqa: E731
     blocks = []
     for index, layer in enumerate(skeleton.model.layers):
         for name in LINEARS:
             meta = layer.get_submodule(name)
-            set_submodule(layer, name, random_linear(meta.in_features, meta.out_features, scheme, meta.bias is not None, dtype, device, generator))
+            set_submodule(
+                layer,
+                name,
+                random_linear(
+                    meta.in_features,
+                    meta.out_features,
+                    scheme,
+                    meta.bias is not None,
+                    dtype,
+                    device,
+                    generator,
+                ),
+            )
         layer.input_layernorm.weight = ones(parts.args.dim)
         layer.post_attention_layernorm.weight = ones(parts.args.dim)
         blocks.append(parts.block(index, layer))
         layer.to("meta")  # the block holds its own layout now
     skeleton.model.norm.weight = ones(parts.args.dim)
     args = parts.args
-    skeleton.set_output_embeddings(random_linear(args.dim, args.vocab_size, head_scheme, False, dtype, device, generator))
+    skeleton.set_output_embeddings(
+        random_linear(args.dim, args.vocab_size, head_scheme, False, dtype, device, generator)
+    )
     if args.tie_embeddings and head_scheme is not None:
         tie_quantized_head(skeleton)  # the embedding reads the head's codes, as a loaded artifact's does
     elif args.tie_embeddings:
         skeleton.get_input_embeddings().weight = skeleton.get_output_embeddings().weight
     else:
         # drawn on the host wherever it will live: the same values for either placement
-        table = torch.empty(args.vocab_size, args.dim, dtype=dtype).normal_(generator=torch.Generator().manual_seed(seed))
-        skeleton.get_input_embeddings().weight = nn.Parameter(table if placement.table_on_host else table.to(device), requires_grad=False)
+        table = torch.empty(args.vocab_size, args.dim, dtype=dtype).normal_(
+            generator=torch.Generator().manual_seed(seed)
+        )
+        skeleton.get_input_embeddings().weight = nn.Parameter(
+            table if placement.table_on_host else table.to(device), requires_grad=False
+        )
     return parts.assemble(blocks)

@@ -68,7 +68,9 @@ LLAMA = Family(mappings=ATTENTION + DENSE_MLP, prunable=True)
 QWEN3 = Family(mappings=ATTENTION + DENSE_MLP)  # its q/k norms are not in prune's slicing table
 GEMMA3 = Family(
     mappings=(
-        ScaleMapping("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), norm_offset=1.0),
+        ScaleMapping(
+            "input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), norm_offset=1.0
+        ),
         ScaleMapping("self_attn.v_proj", ("self_attn.o_proj",)),
         ScaleMapping("pre_feedforward_layernorm", ("mlp.gate_proj", "mlp.up_proj"), norm_offset=1.0),
         ScaleMapping("mlp.up_proj", ("mlp.down_proj",)),
@@ -87,8 +89,16 @@ PHI3 = Family(
 # too and every expert sees other tokens; each expert's up -> down is. Blocks with a dense MLP
 # (Qwen3-MoE's mlp_only_layers) take DENSE_MLP, which is skipped where its modules are absent.
 QWEN_MOE_EXPERTS = ExpertNames(gate="gate_proj", up="up_proj", down="down_proj")
-QWEN_MOE = Family(mappings=ATTENTION + DENSE_MLP + (ScaleMapping("mlp.experts.{e}.up_proj", ("mlp.experts.{e}.down_proj",)),), experts=QWEN_MOE_EXPERTS)
-MIXTRAL = Family(mappings=ATTENTION + (ScaleMapping("mlp.experts.{e}.w3", ("mlp.experts.{e}.w2",)),), experts=ExpertNames(gate="w1", up="w3", down="w2"))
+QWEN_MOE = Family(
+    mappings=ATTENTION
+    + DENSE_MLP
+    + (ScaleMapping("mlp.experts.{e}.up_proj", ("mlp.experts.{e}.down_proj",)),),
+    experts=QWEN_MOE_EXPERTS,
+)
+MIXTRAL = Family(
+    mappings=ATTENTION + (ScaleMapping("mlp.experts.{e}.w3", ("mlp.experts.{e}.w2",)),),
+    experts=ExpertNames(gate="w1", up="w3", down="w2"),
+)
 
 FAMILIES: dict[str, Family] = {
     "llama": LLAMA,
@@ -116,7 +126,9 @@ def require_family(model_type: Optional[str], what: str) -> Family:
     """The family's entry, or one line saying that `what` needs one."""
     family = family_of(model_type)
     if family is None:
-        raise SlimlmError(f"{what} needs a table of which layers feed which for the model family; '{model_type}' has none (families with one: {', '.join(sorted(FAMILIES))}); RTN and GPTQ work on any family")
+        raise SlimlmError(
+            f"{what} needs a table of which layers feed which for the model family; '{model_type}' has none (families with one: {', '.join(sorted(FAMILIES))}); RTN and GPTQ work on any family"
+        )
     return family
 
 
@@ -129,11 +141,15 @@ def check_compressible(where: str, model_type: Optional[str]) -> None:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise SlimlmError(f"model '{where}' has architecture '{model_type}', which transformers does not build as a causal language model; slimlm compresses causal LMs (llama, qwen3, gemma3, phi3, mixtral, ...)")
+        raise SlimlmError(
+            f"model '{where}' has architecture '{model_type}', which transformers does not build as a causal language model; slimlm compresses causal LMs (llama, qwen3, gemma3, phi3, mixtral, ...)"
+        )
     config = AutoConfig.for_model(model_type)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     if getattr(text, "num_attention_heads", None) is None:
-        raise SlimlmError(f"model '{where}' has architecture '{model_type}', a model without attention blocks (a state-space or recurrent model); slimlm compresses transformer decoders")
+        raise SlimlmError(
+            f"model '{where}' has architecture '{model_type}', a model without attention blocks (a state-space or recurrent model); slimlm compresses transformer decoders"
+        )
 
 
 def decoder_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
@@ -143,10 +159,16 @@ def decoder_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
     text = config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
     layers = getattr(text, "num_hidden_layers", None)
     for name, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and len(module) > 0 and (layers is None or len(module) == layers):
+        if (
+            isinstance(module, nn.ModuleList)
+            and len(module) > 0
+            and (layers is None or len(module) == layers)
+        ):
             if len({type(block) for block in module}) == 1 and not isinstance(module[0], nn.Linear):
                 return name, module
-    raise SlimlmError(f"{type(model).__name__} has no list of {layers} decoder blocks; slimlm's layer-by-layer stages need one")
+    raise SlimlmError(
+        f"{type(model).__name__} has no list of {layers} decoder blocks; slimlm's layer-by-layer stages need one"
+    )
 
 
 def block_index(name: str, prefix: str) -> int:
@@ -170,6 +192,10 @@ def untied_table(model: nn.Module) -> Optional[str]:
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
     if type(embedding).forward is not nn.Embedding.forward and not hasattr(embedding, "scalar_embed_scale"):
         return None  # an embedding that does more than look rows up (and scale them, as Gemma's does)
-    if not isinstance(embedding, nn.Embedding) or getattr(head, "weight", None) is embedding.weight or getattr(model.config, "tie_word_embeddings", False):
+    if (
+        not isinstance(embedding, nn.Embedding)
+        or getattr(head, "weight", None) is embedding.weight
+        or getattr(model.config, "tie_word_embeddings", False)
+    ):
         return None
     return next(name for name, module in model.named_modules() if module is embedding)

@@ -39,7 +39,14 @@ from slimlm.errors import SlimlmError
 from slimlm.experts import split_experts
 from slimlm.model_config import empty_model, first_line, read_model_config
 from slimlm.packing import PACKABLE_BITS
-from slimlm.qlinear import QuantLinear, QuantScheme, QuantTable, embedding_scale, set_submodule, tie_quantized_head
+from slimlm.qlinear import (
+    QuantLinear,
+    QuantScheme,
+    QuantTable,
+    embedding_scale,
+    set_submodule,
+    tie_quantized_head,
+)
 from slimlm.resources import read_json_object, sha256_file
 from slimlm.rundir import staged_directory
 from slimlm.shards import DEFAULT_SHARD_BYTES, SINGLE, TensorSpec, write_weights
@@ -80,7 +87,10 @@ def save_artifact(
         specs = [TensorSpec.of(name, tensor) for name, tensor in tensors.items()]
         write_weights(staging, specs, lambda spec: tensors[spec.name], max_shard_bytes, WEIGHTS_METADATA)
         save_model_files(staging, model.config, getattr(model, "generation_config", None), tokenizer)
-        modules = {name: quantized_module_record(name, model.get_submodule(name), scheme, sparse) for name, scheme in schemes.items()}
+        modules = {
+            name: quantized_module_record(name, model.get_submodule(name), scheme, sparse)
+            for name, scheme in schemes.items()
+        }
         write_manifest(staging, model, specs, ManifestFacts(source, recipe, results, modules, sparse))
     return Path(out_dir)
 
@@ -116,7 +126,9 @@ def write_manifest(staging: Path, model, specs: list[TensorSpec], facts: Manifes
         "source": facts.source,
         "recipe": facts.recipe,
         "dtype": _model_dtype(model),
-        "tensor_dtypes": sorted({str(spec.dtype).removeprefix("torch.") for spec in specs if spec.dtype.is_floating_point}),
+        "tensor_dtypes": sorted(
+            {str(spec.dtype).removeprefix("torch.") for spec in specs if spec.dtype.is_floating_point}
+        ),
         "modules": facts.modules,
         "sparse_tensors": facts.sparse,
         "size": _size_account(model, specs, staging),
@@ -156,7 +168,12 @@ def _store_sparse_compactly(model, tensors: dict[str, torch.Tensor]) -> dict[str
             continue
         del tensors[candidate.key]
         tensors.update(encode_bitmask(candidate))
-        entries[candidate.key] = {"shape": list(candidate.values.shape), "nonzero": nonzero, "bits": candidate.bits, "codes": candidate.codes}
+        entries[candidate.key] = {
+            "shape": list(candidate.values.shape),
+            "nonzero": nonzero,
+            "bits": candidate.bits,
+            "codes": candidate.codes,
+        }
     return entries
 
 
@@ -167,10 +184,18 @@ def _rebuild_sparse(model, tensors: dict[str, torch.Tensor], entries: dict[str, 
         try:
             bitmask, nonzeros = tensors.pop(f"{key}.bitmask"), tensors.pop(f"{key}.nonzeros")
             module = model.get_submodule(module_name)
-            zero = zero_codes(module, None if module.zeros is None else tensors[f"{module_name}.zeros"]) if entry["codes"] else 0.0
-            tensors[key] = decode_bitmask(bitmask, nonzeros, entry["shape"], zero, entry["bits"], entry["codes"])
+            zero = (
+                zero_codes(module, None if module.zeros is None else tensors[f"{module_name}.zeros"])
+                if entry["codes"]
+                else 0.0
+            )
+            tensors[key] = decode_bitmask(
+                bitmask, nonzeros, entry["shape"], zero, entry["bits"], entry["codes"]
+            )
         except (KeyError, AttributeError, ValueError, RuntimeError) as error:
-            raise SlimlmError(f"artifact '{path}': the sparse tensor {key} cannot be rebuilt ({error}); re-export the artifact") from None
+            raise SlimlmError(
+                f"artifact '{path}': the sparse tensor {key} cannot be rebuilt ({error}); re-export the artifact"
+            ) from None
 
 
 def scheme_of(record: dict) -> QuantScheme:
@@ -182,7 +207,9 @@ def planner_inputs(manifest: dict) -> tuple[dict[str, QuantScheme], dict[str, in
     """What the memory planner reads from an artifact instead of its weights: each quantized
     module's scheme and its adapter's rank (0: none)."""
     modules = manifest["modules"]
-    return {name: scheme_of(record) for name, record in modules.items()}, {name: record.get("adapter_rank", 0) for name, record in modules.items()}
+    return {name: scheme_of(record) for name, record in modules.items()}, {
+        name: record.get("adapter_rank", 0) for name, record in modules.items()
+    }
 
 
 def quantized_module_record(name: str, layer: QuantLinear, scheme: dict, sparse: dict[str, dict]) -> dict:
@@ -195,7 +222,14 @@ def module_record(layer: QuantLinear, scheme: dict, sparsity: float, storage: st
     """A quantized module's entry: its scheme, its shape (checked against config.json on load),
     how its codes are packed and stored, and its sparsity (the fraction of weights exactly zero)."""
     adapter = {"adapter_rank": layer.adapter_rank} if layer.adapter_rank else {}
-    return {**scheme, "shape": [layer.out_features, layer.in_features], "packing": PACKING, "storage": storage, "sparsity": round(sparsity, 6), **adapter}
+    return {
+        **scheme,
+        "shape": [layer.out_features, layer.in_features],
+        "packing": PACKING,
+        "storage": storage,
+        "sparsity": round(sparsity, 6),
+        **adapter,
+    }
 
 
 def _size_account(model, specs: list[TensorSpec], staging: Path) -> dict:
@@ -211,7 +245,11 @@ def _size_account(model, specs: list[TensorSpec], staging: Path) -> dict:
         else:
             accounted += spec.nbytes
     weights_bytes = sum(file.stat().st_size for file in staging.glob("*.safetensors"))
-    return {"weights_accounted_bytes": accounted, "weights_file_bytes": weights_bytes, "weights_overhead": round(weights_bytes / accounted - 1, 6)}
+    return {
+        "weights_accounted_bytes": accounted,
+        "weights_file_bytes": weights_bytes,
+        "weights_overhead": round(weights_bytes / accounted - 1, 6),
+    }
 
 
 def _model_dtype(model) -> str:
@@ -241,17 +279,25 @@ def parse_manifest(path: Path) -> dict:
     path = Path(path)
     manifest_file = path / MANIFEST
     if not manifest_file.is_file():
-        raise SlimlmError(f"'{path}' is not a slimlm artifact (no {MANIFEST}); export one with a recipe's export stage")
+        raise SlimlmError(
+            f"'{path}' is not a slimlm artifact (no {MANIFEST}); export one with a recipe's export stage"
+        )
     manifest = read_json_object(manifest_file, "re-export the artifact")
     if manifest.get("format") != FORMAT:
         raise SlimlmError(f"'{path}' is not a slimlm artifact (its {MANIFEST} names no format '{FORMAT}')")
     version = manifest.get("format_version")
     if type(version) is not int:
-        raise SlimlmError(f"'{manifest_file}' is damaged (format_version {version!r} is not a whole number); re-export the artifact")
+        raise SlimlmError(
+            f"'{manifest_file}' is damaged (format_version {version!r} is not a whole number); re-export the artifact"
+        )
     if version > FORMAT_VERSION:
-        raise SlimlmError(f"'{path}' uses artifact format version {version}, newer than this slimlm reads ({FORMAT_VERSION}); upgrade slimlm")
+        raise SlimlmError(
+            f"'{path}' uses artifact format version {version}, newer than this slimlm reads ({FORMAT_VERSION}); upgrade slimlm"
+        )
     if version < OLDEST_READABLE:
-        raise SlimlmError(f"'{path}' uses artifact format version {version}, older than this slimlm reads ({OLDEST_READABLE}); re-export it from its run")
+        raise SlimlmError(
+            f"'{path}' uses artifact format version {version}, older than this slimlm reads ({OLDEST_READABLE}); re-export it from its run"
+        )
     problem = _layout_problem(manifest)
     if problem:
         raise SlimlmError(f"'{manifest_file}' is damaged ({problem}); re-export the artifact")
@@ -261,7 +307,10 @@ def parse_manifest(path: Path) -> dict:
 def _layout_problem(manifest: dict) -> Optional[str]:
     """What is wrong with the parts of a manifest that loading reads, or None."""
     files, modules = manifest.get("files"), manifest.get("modules")
-    if not isinstance(files, dict) or not all(isinstance(entry, dict) and isinstance(entry.get("sha256"), str) and type(entry.get("bytes")) is int for entry in files.values()):
+    if not isinstance(files, dict) or not all(
+        isinstance(entry, dict) and isinstance(entry.get("sha256"), str) and type(entry.get("bytes")) is int
+        for entry in files.values()
+    ):
         return "'files' must map each file to its sha256 and bytes"
     outside = [name for name in files if Path(name).name != name or name in ("", ".", "..")]
     if outside:
@@ -270,10 +319,21 @@ def _layout_problem(manifest: dict) -> Optional[str]:
         return "'modules' must map each quantized module to its scheme"
     for name, record in modules.items():
         scheme, shape = scheme_of(record), record.get("shape")  # format 2 recorded no shapes
-        if shape is not None and not (isinstance(shape, list) and len(shape) == 2 and all(type(n) is int and n > 0 for n in shape)):
+        if shape is not None and not (
+            isinstance(shape, list) and len(shape) == 2 and all(type(n) is int and n > 0 for n in shape)
+        ):
             return f"module {name} has the shape {shape!r}"
-        typed = type(scheme.bits) is int and (scheme.group_size is None or type(scheme.group_size) is int) and type(scheme.symmetric) is bool and type(scheme.method) is str
-        if not typed or scheme.bits not in PACKABLE_BITS or (shape is not None and scheme.shape_problem(shape[1])):
+        typed = (
+            type(scheme.bits) is int
+            and (scheme.group_size is None or type(scheme.group_size) is int)
+            and type(scheme.symmetric) is bool
+            and type(scheme.method) is str
+        )
+        if (
+            not typed
+            or scheme.bits not in PACKABLE_BITS
+            or (shape is not None and scheme.shape_problem(shape[1]))
+        ):
             return f"module {name} has the scheme {scheme}, which slimlm does not write for its shape"
     if not isinstance(getattr(torch, str(manifest.get("dtype", "float32")), None), torch.dtype):
         return f"dtype {manifest.get('dtype')!r} is not a torch dtype"
@@ -287,15 +347,26 @@ def read_manifest(path: Path) -> dict:
     path = Path(path)
     manifest = parse_manifest(path)
     files = manifest["files"]
-    unlisted = sorted(file.name for file in path.iterdir() if file.is_file() and file.name != MANIFEST and file.name not in files and not file.name.startswith("."))
+    unlisted = sorted(
+        file.name
+        for file in path.iterdir()
+        if file.is_file()
+        and file.name != MANIFEST
+        and file.name not in files
+        and not file.name.startswith(".")
+    )
     if unlisted:
-        raise SlimlmError(f"artifact '{path}' holds '{unlisted[0]}', for which its manifest has no checksum; remove the file or re-export the artifact")
+        raise SlimlmError(
+            f"artifact '{path}' holds '{unlisted[0]}', for which its manifest has no checksum; remove the file or re-export the artifact"
+        )
     for name, expected in files.items():
         file = path / name
         if not file.is_file():
             raise SlimlmError(f"artifact '{path}' is missing '{name}'; re-export it")
         if file.stat().st_size != expected["bytes"] or sha256_file(file) != expected["sha256"]:
-            raise SlimlmError(f"artifact file '{file}' is damaged (checksum mismatch); re-export the artifact")
+            raise SlimlmError(
+                f"artifact file '{file}' is damaged (checksum mismatch); re-export the artifact"
+            )
     return manifest
 
 
@@ -305,7 +376,9 @@ def hf_file(reader, path: Path, what: str):
     try:
         return reader(path)
     except Exception as error:  # transformers and tokenizers raise many kinds (a bare Exception from Rust); each means the file is unusable
-        raise SlimlmError(f"artifact '{path}': its {what} cannot be read ({first_line(error)}); re-export the artifact") from None
+        raise SlimlmError(
+            f"artifact '{path}': its {what} cannot be read ({first_line(error)}); re-export the artifact"
+        ) from None
 
 
 def artifact_tokenizer(path: Path):
@@ -318,7 +391,11 @@ def generation_config_of(directory: Path):
     """The generation_config.json of a checkpoint or artifact directory, None when it has none."""
     from transformers import GenerationConfig
 
-    return hf_file(GenerationConfig.from_pretrained, directory, "generation_config.json") if (Path(directory) / "generation_config.json").is_file() else None
+    return (
+        hf_file(GenerationConfig.from_pretrained, directory, "generation_config.json")
+        if (Path(directory) / "generation_config.json").is_file()
+        else None
+    )
 
 
 def model_skeleton(path: Path, manifest: dict):
@@ -326,7 +403,9 @@ def model_skeleton(path: Path, manifest: dict):
     (no memory: slimlm/model_config.py checks config.json first), for a loader to fill with the
     tensors its files hold (ArtifactParts)."""
     remedy = "re-export the artifact"
-    model = empty_model(read_model_config(path, remedy), getattr(torch, manifest.get("dtype", "float32")), path, remedy)
+    model = empty_model(
+        read_model_config(path, remedy), getattr(torch, manifest.get("dtype", "float32")), path, remedy
+    )
     with torch.device("meta"):
         split_experts(model)  # compression names each expert's projections (slimlm/experts.py)
         install_quantized_layers(model, manifest["modules"], bool(manifest.get("tied_word_embeddings")), path)
@@ -342,28 +421,52 @@ def install_quantized_layers(model, modules: dict[str, dict], tied: bool, path: 
         try:
             module = model.get_submodule(name)
         except AttributeError:
-            raise SlimlmError(f"artifact '{path}' names module '{name}', which its config.json does not have") from None
+            raise SlimlmError(
+                f"artifact '{path}' names module '{name}', which its config.json does not have"
+            ) from None
         table = name == table_name
         if not (table or isinstance(module, torch.nn.Linear)):
-            raise SlimlmError(f"artifact '{path}' names module '{name}', which is not a Linear layer of its config.json's model; re-export the artifact")
-        in_features, out_features = (module.embedding_dim, module.num_embeddings) if table else (module.in_features, module.out_features)
+            raise SlimlmError(
+                f"artifact '{path}' names module '{name}', which is not a Linear layer of its config.json's model; re-export the artifact"
+            )
+        in_features, out_features = (
+            (module.embedding_dim, module.num_embeddings)
+            if table
+            else (module.in_features, module.out_features)
+        )
         shape = record.get("shape", [out_features, in_features])  # format 2 did not record shapes
         if list(shape) != [out_features, in_features]:
-            raise SlimlmError(f"artifact '{path}': manifest gives {name} the shape {list(shape)}, config.json gives {[out_features, in_features]}; re-export the artifact")
+            raise SlimlmError(
+                f"artifact '{path}': manifest gives {name} the shape {list(shape)}, config.json gives {[out_features, in_features]}; re-export the artifact"
+            )
         if record.get("packing", PACKING) != PACKING:
-            raise SlimlmError(f"artifact '{path}': {name} is packed as '{record['packing']}', which this slimlm does not read (it reads '{PACKING}')")
+            raise SlimlmError(
+                f"artifact '{path}': {name} is packed as '{record['packing']}', which this slimlm does not read (it reads '{PACKING}')"
+            )
         if table:
-            layer = QuantTable(in_features, out_features, scheme_of(record), module.weight.dtype, embedding_scale(module))
+            layer = QuantTable(
+                in_features, out_features, scheme_of(record), module.weight.dtype, embedding_scale(module)
+            )
         else:
-            layer = QuantLinear(in_features, out_features, scheme_of(record), bias=module.bias is not None, adapter_rank=record.get("adapter_rank", 0))
+            layer = QuantLinear(
+                in_features,
+                out_features,
+                scheme_of(record),
+                bias=module.bias is not None,
+                adapter_rank=record.get("adapter_rank", 0),
+            )
         set_submodule(model, name, layer)
     if tied and isinstance(model.get_output_embeddings(), QuantLinear):
         tie_quantized_head(model)  # the embedding reads the head's codes; nothing of its own to load
 
 
-def dense_tensors(model, tensors: dict[str, torch.Tensor], manifest: dict, path: Path) -> dict[str, torch.Tensor]:
+def dense_tensors(
+    model, tensors: dict[str, torch.Tensor], manifest: dict, path: Path
+) -> dict[str, torch.Tensor]:
     """`tensors` (all of the weights file or a part of it) with bitmask-stored ones rebuilt."""
-    entries = {key: entry for key, entry in manifest.get("sparse_tensors", {}).items() if f"{key}.bitmask" in tensors}
+    entries = {
+        key: entry for key, entry in manifest.get("sparse_tensors", {}).items() if f"{key}.bitmask" in tensors
+    }
     _rebuild_sparse(model, tensors, entries, path)
     return tensors
 
@@ -374,8 +477,13 @@ def load_tensors(module: torch.nn.Module, tensors: dict[str, torch.Tensor], path
     try:
         return module.load_state_dict(tensors, strict=False, assign=assign)
     except RuntimeError as error:
-        detail = next((line.strip() for line in str(error).splitlines() if "size mismatch" in line), str(error).splitlines()[0])
-        raise SlimlmError(f"artifact '{path}': its weights do not match its manifest ({detail}); re-export the artifact") from None
+        detail = next(
+            (line.strip() for line in str(error).splitlines() if "size mismatch" in line),
+            str(error).splitlines()[0],
+        )
+        raise SlimlmError(
+            f"artifact '{path}': its weights do not match its manifest ({detail}); re-export the artifact"
+        ) from None
 
 
 class ArtifactParts:
@@ -397,10 +505,16 @@ class ArtifactParts:
         (assigned: no second copy)."""
         part = [key for key in self.keys if key.startswith(prefix)]
         self.unread.difference_update(part)
-        tensors = dense_tensors(self.skeleton, {key: self.weights.tensor(key) for key in part}, self.manifest, self.path)
-        result = load_tensors(module, {key[len(prefix) :]: tensor for key, tensor in tensors.items()}, self.path, assign=True)
+        tensors = dense_tensors(
+            self.skeleton, {key: self.weights.tensor(key) for key in part}, self.manifest, self.path
+        )
+        result = load_tensors(
+            module, {key[len(prefix) :]: tensor for key, tensor in tensors.items()}, self.path, assign=True
+        )
         if result.missing_keys or result.unexpected_keys:
-            raise SlimlmError(f"artifact '{self.path}' does not match its config.json under {prefix}: missing {result.missing_keys[:3]}, unexpected {result.unexpected_keys[:3]}")
+            raise SlimlmError(
+                f"artifact '{self.path}' does not match its config.json under {prefix}: missing {result.missing_keys[:3]}, unexpected {result.unexpected_keys[:3]}"
+            )
 
     def stores(self, prefix: str) -> bool:
         return any(key.startswith(prefix) for key in self.keys)
@@ -408,7 +522,9 @@ class ArtifactParts:
 
 def load_artifact(path: Path, device: torch.device = torch.device("cpu")) -> Artifact:
     """Rebuild the model an artifact holds, quantized layers included, ready for evaluation."""
-    parts = ArtifactParts(path)  # the model on the meta device: what the files hold decides the memory, not config.json
+    parts = ArtifactParts(
+        path
+    )  # the model on the meta device: what the files hold decides the memory, not config.json
     path, model, manifest = parts.path, parts.skeleton, parts.manifest
     tied = bool(manifest.get("tied_word_embeddings"))
     tensors = dense_tensors(model, {name: parts.weights.tensor(name) for name in parts.keys}, manifest, path)
@@ -422,6 +538,8 @@ def load_artifact(path: Path, device: torch.device = torch.device("cpu")) -> Art
         model.tie_weights()
     unfilled = [name for name, tensor in model.state_dict().items() if tensor.is_meta]
     if unfilled:
-        raise SlimlmError(f"artifact '{path}' does not fill {unfilled[0]} of its config.json's model; re-export the artifact")
+        raise SlimlmError(
+            f"artifact '{path}' does not fill {unfilled[0]} of its config.json's model; re-export the artifact"
+        )
     tokenizer = artifact_tokenizer(path)
     return Artifact(model=model.to(device).eval(), tokenizer=tokenizer, manifest=manifest, path=path)

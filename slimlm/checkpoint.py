@@ -54,12 +54,21 @@ class Checkpoint:
                     names = set(handle.keys())
                     for name in names:
                         part = handle.get_slice(name)
-                        self._shape[name], self._dtype[name] = tuple(part.get_shape()), _dtype(part.get_dtype(), file, name)
+                        self._shape[name], self._dtype[name] = (
+                            tuple(part.get_shape()),
+                            _dtype(part.get_dtype(), file, name),
+                        )
             except (OSError, SafetensorError) as error:
-                raise SlimlmError(f"'{file}' is not a readable safetensors file ({str(error).splitlines()[0]}); replace it") from None
+                raise SlimlmError(
+                    f"'{file}' is not a readable safetensors file ({str(error).splitlines()[0]}); replace it"
+                ) from None
             _check_shard(file, names, expected, self._file)
             self._file.update(dict.fromkeys(names, file))
-        self.ties = {target: source for target, source in (ties or {}).items() if target not in self._file and source in self._file}
+        self.ties = {
+            target: source
+            for target, source in (ties or {}).items()
+            if target not in self._file and source in self._file
+        }
 
     def names(self) -> list[str]:
         """The stored tensors' names (tied ones, which are not stored, excluded)."""
@@ -91,7 +100,9 @@ class Checkpoint:
         rows = shape[0] if shape else 1
         step = max(1, READ_CHUNK_BYTES // max(1, out.nbytes // max(rows, 1)))
         for start in range(0, rows, step):
-            with safe_open(file, framework="pt") as handle:  # a mapping for each run of rows: its pages go with it
+            with safe_open(
+                file, framework="pt"
+            ) as handle:  # a mapping for each run of rows: its pages go with it
                 part = handle.get_slice(stored)
                 if shape:
                     out[start : start + step] = part[start : start + step]
@@ -99,7 +110,9 @@ class Checkpoint:
                     out.copy_(handle.get_tensor(stored))
         return out if dtype is None or dtype == out.dtype else out.to(dtype)
 
-    def materialize(self, module: nn.Module, prefix: str, device: torch.device, dtype: Optional[torch.dtype] = None) -> None:
+    def materialize(
+        self, module: nn.Module, prefix: str, device: torch.device, dtype: Optional[torch.dtype] = None
+    ) -> None:
         """Fill `module`, built on the meta device, from the tensors named `prefix` + each of its
         parameters' and persistent buffers' local names, on `device`; floating tensors in `dtype`
         (None: the dtype the skeleton gave them). Non-persistent buffers (rotary frequencies,
@@ -108,16 +121,24 @@ class Checkpoint:
         expected = module.state_dict(keep_vars=True)
         missing = [prefix + key for key in expected if not self.has(prefix + key)]
         if missing:
-            raise SlimlmError(f"checkpoint '{self.directory}' lacks {len(missing)} tensors of {prefix or 'the model'} (e.g. {missing[0]}); it does not match its config.json")
+            raise SlimlmError(
+                f"checkpoint '{self.directory}' lacks {len(missing)} tensors of {prefix or 'the model'} (e.g. {missing[0]}); it does not match its config.json"
+            )
         shared = {key: source for key in expected if (source := self._tie_within(prefix, key)) in expected}
         tensors = {}
         for key, meta in expected.items():
             if key in shared:
                 continue
             if self.shape(prefix + key) != tuple(meta.shape):
-                raise SlimlmError(f"checkpoint '{self.directory}': {prefix + key} has the shape {list(self.shape(prefix + key))}, its config.json gives {list(meta.shape)}")
-            tensors[key] = self.tensor(prefix + key, dtype if dtype is not None and meta.is_floating_point() else meta.dtype).to(device)
-        module.load_state_dict(tensors, strict=False, assign=True)  # assign: the tensors just read become the module's own
+                raise SlimlmError(
+                    f"checkpoint '{self.directory}': {prefix + key} has the shape {list(self.shape(prefix + key))}, its config.json gives {list(meta.shape)}"
+                )
+            tensors[key] = self.tensor(
+                prefix + key, dtype if dtype is not None and meta.is_floating_point() else meta.dtype
+            ).to(device)
+        module.load_state_dict(
+            tensors, strict=False, assign=True
+        )  # assign: the tensors just read become the module's own
         for target, source in shared.items():  # a tie inside `module` stays one tensor
             owner, _, leaf = target.rpartition(".")
             setattr(module.get_submodule(owner) if owner else module, leaf, module.get_parameter(source))
@@ -126,7 +147,12 @@ class Checkpoint:
     def release(self, module: nn.Module) -> None:
         """`module` back on the meta device: its tensors' memory is freed (unless held elsewhere).
         Its non-persistent buffers stay: no checkpoint holds them, and they are small."""
-        kept = [(sub, key, getattr(sub, key)) for sub in module.modules() for key in sub._non_persistent_buffers_set if getattr(sub, key, None) is not None]
+        kept = [
+            (sub, key, getattr(sub, key))
+            for sub in module.modules()
+            for key in sub._non_persistent_buffers_set
+            if getattr(sub, key, None) is not None
+        ]
         module.to("meta")
         for sub, key, buffer in kept:
             setattr(sub, key, buffer)
@@ -151,16 +177,28 @@ def _weights_files(directory: Path) -> dict[Path, Optional[set[str]]]:
     if single.is_file():
         return {single: None}
     if not index.is_file():
-        raise SlimlmError(f"'{directory}' holds no {SINGLE} or {INDEX}; give a Hugging Face checkpoint directory with safetensors weights")
+        raise SlimlmError(
+            f"'{directory}' holds no {SINGLE} or {INDEX}; give a Hugging Face checkpoint directory with safetensors weights"
+        )
     weight_map = read_json_object(index, "replace the checkpoint's index").get("weight_map")
-    if not isinstance(weight_map, dict) or not weight_map or not all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
-        raise SlimlmError(f"'{index}' has no weight_map of tensor names to files; replace the checkpoint's index")
+    if (
+        not isinstance(weight_map, dict)
+        or not weight_map
+        or not all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items())
+    ):
+        raise SlimlmError(
+            f"'{index}' has no weight_map of tensor names to files; replace the checkpoint's index"
+        )
     files: dict[Path, set[str]] = {}
     for name, file in weight_map.items():
         if Path(file).name != file or file in (".", "..") or not file.endswith(".safetensors"):
-            raise SlimlmError(f"'{index}' names '{file}', which is not a safetensors file of its directory; replace the checkpoint's index")
+            raise SlimlmError(
+                f"'{index}' names '{file}', which is not a safetensors file of its directory; replace the checkpoint's index"
+            )
         if not (directory / file).is_file():
-            raise SlimlmError(f"'{index}' names '{file}', which '{directory}' does not hold; the checkpoint is incomplete")
+            raise SlimlmError(
+                f"'{index}' names '{file}', which '{directory}' does not hold; the checkpoint is incomplete"
+            )
         files.setdefault(directory / file, set()).add(name)
     return files
 
@@ -169,10 +207,16 @@ def _check_shard(file: Path, names: set[str], expected: Optional[set[str]], seen
     """Every tensor in exactly one shard, the one the index says."""
     twice = sorted(names & seen.keys())
     if twice:
-        raise SlimlmError(f"tensor {twice[0]} is in both '{seen[twice[0]].name}' and '{file.name}'; the checkpoint is damaged")
+        raise SlimlmError(
+            f"tensor {twice[0]} is in both '{seen[twice[0]].name}' and '{file.name}'; the checkpoint is damaged"
+        )
     if expected is not None and names != expected:
         extra, lacking = sorted(names - expected), sorted(expected - names)
-        detail = f"holds {extra[0]}, which the index puts elsewhere" if extra else f"lacks {lacking[0]}, which the index puts there"
+        detail = (
+            f"holds {extra[0]}, which the index puts elsewhere"
+            if extra
+            else f"lacks {lacking[0]}, which the index puts there"
+        )
         raise SlimlmError(f"'{file}' {detail}; the checkpoint is damaged")
 
 
@@ -192,7 +236,9 @@ def _place_unstored_buffers(module: nn.Module, device: torch.device) -> None:
             try:
                 fresh = type(sub)(sub.config)
             except (AttributeError, TypeError) as error:
-                raise SlimlmError(f"the buffer {name}.{unstored[0]} is not stored in checkpoints and {type(sub).__name__} cannot compute it again ({error})") from None
+                raise SlimlmError(
+                    f"the buffer {name}.{unstored[0]} is not stored in checkpoints and {type(sub).__name__} cannot compute it again ({error})"
+                ) from None
             for key in unstored:
                 setattr(sub, key, getattr(fresh, key))
         for key in unstored:
@@ -250,4 +296,6 @@ def checkpoint_tokenizer(directory: Path):
     try:
         return AutoTokenizer.from_pretrained(directory)
     except Exception as error:  # tokenizers raises a bare Exception for a malformed tokenizer.json
-        raise SlimlmError(f"'{directory}' has no readable tokenizer ({first_line(error)}); add the model's tokenizer files") from None
+        raise SlimlmError(
+            f"'{directory}' has no readable tokenizer ({first_line(error)}); add the model's tokenizer files"
+        ) from None

@@ -29,23 +29,25 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
-from slimlm.compress.quantize import QUANTIZE
 from slimlm.compress.prune import PRUNE
+from slimlm.compress.quantize import QUANTIZE
 from slimlm.compress.sparsify import SPARSIFY
-from slimlm.distill.stage import DISTILL
 from slimlm.config import register_schemas
+from slimlm.distill.stage import DISTILL
 from slimlm.errors import SlimlmError
 from slimlm.eval.stage import EVALUATE
 from slimlm.export import EXPORT
-from slimlm.load import LOAD
 from slimlm.inference.stage import GENERATE
+from slimlm.load import LOAD
 from slimlm.model_packages import ensure_model_file
 from slimlm.models import ModelSource, resolve_model, source_sha256
 from slimlm.pipeline import PlannedStage, RunState, Stage, plan_stages, run_stage
 from slimlm.rundir import claim_run_dir, write_status
 from slimlm.user_recipes import RECIPES_ENV, bundled_recipes, user_recipes
 
-STAGES: dict[str, Stage] = {stage.name: stage for stage in (LOAD, PRUNE, SPARSIFY, QUANTIZE, DISTILL, EVALUATE, EXPORT, GENERATE)}
+STAGES: dict[str, Stage] = {
+    stage.name: stage for stage in (LOAD, PRUNE, SPARSIFY, QUANTIZE, DISTILL, EVALUATE, EXPORT, GENERATE)
+}
 CONFIG_MODULE = "slimlm.conf"
 log = logging.getLogger("slimlm")
 
@@ -78,7 +80,9 @@ def validate(cfg: DictConfig) -> Plan:
     try:
         typed = OmegaConf.to_object(cfg)  # runs each group dataclass's value checks
     except MissingMandatoryValue as error:
-        raise SlimlmError(f"config error: {error.full_key} has no value; set it ({error.full_key}=...)") from None
+        raise SlimlmError(
+            f"config error: {error.full_key} has no value; set it ({error.full_key}=...)"
+        ) from None
     except OmegaConfBaseException as error:
         raise SlimlmError(f"config error: {str(error).splitlines()[0]}") from None
     stages = plan_stages(cfg.recipe.stages, STAGES)
@@ -107,8 +111,19 @@ def execute(cfg: DictConfig, plan: Plan, run_dir: Path, resumes: bool) -> str:
     torch.manual_seed(cfg.seed)
     device = pick_device(cfg.hardware.device)
     source = plan.source
-    state = RunState(cfg=cfg, run_dir=run_dir, model=None, tokenizer=None, source=source, source_sha256=source_sha256(source), device=device, resumes=resumes)
-    from slimlm.eval.report import write_report  # here, not at the top: its matplotlib adds half a second to every command's start
+    state = RunState(
+        cfg=cfg,
+        run_dir=run_dir,
+        model=None,
+        tokenizer=None,
+        source=source,
+        source_sha256=source_sha256(source),
+        device=device,
+        resumes=resumes,
+    )
+    from slimlm.eval.report import (
+        write_report,
+    )  # here, not at the top: its matplotlib adds half a second to every command's start
 
     header = report_header(cfg, state, run_dir)
     timings: list[tuple[str, float]] = []
@@ -119,11 +134,18 @@ def execute(cfg: DictConfig, plan: Plan, run_dir: Path, resumes: bool) -> str:
         load_seconds = run_stage(state, planned)
         if load_seconds is not None:
             timings.append(("load model", load_seconds))
-        timings.append((f"{planned.index + 1}. {planned.stage.name}", time.perf_counter() - started - (load_seconds or 0.0)))
+        timings.append(
+            (
+                f"{planned.index + 1}. {planned.stage.name}",
+                time.perf_counter() - started - (load_seconds or 0.0),
+            )
+        )
         log.info("%s: done in %.1f s", planned.title, timings[-1][1])
         # After every stage, so that a run stopped later keeps what it measured (marked incomplete).
         progress = {"stages_done": done, "stages": len(plan.stages)}
-        markdown = write_report(run_dir, {**header, "stage_seconds": timings, **progress}, state.evaluations, state.sections)
+        markdown = write_report(
+            run_dir, {**header, "stage_seconds": timings, **progress}, state.evaluations, state.sections
+        )
     for path in state.scratch:
         shutil.rmtree(path, ignore_errors=True)
     return markdown
@@ -185,8 +207,10 @@ def discard_fresh_run_dir(run_dir: Path) -> None:
 
 
 def debug_requested(args: Sequence[str] = ()) -> bool:
-    return os.environ.get("SLIMLM_DEBUG", "") not in ("", "0") or any(a.lower() == "hydra.verbose=true" for a in args) or (
-        HydraConfig.initialized() and bool(HydraConfig.get().verbose)
+    return (
+        os.environ.get("SLIMLM_DEBUG", "") not in ("", "0")
+        or any(a.lower() == "hydra.verbose=true" for a in args)
+        or (HydraConfig.initialized() and bool(HydraConfig.get().verbose))
     )
 
 
@@ -212,7 +236,9 @@ def prevalidate(overrides: list[str], multirun: bool = False) -> None:
     except HydraException as error:
         raise SlimlmError(f"cannot parse the overrides: {str(error).splitlines()[0]}") from None
     choices = [
-        [f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()] if o.is_sweep_override() else [o.input_line]
+        [f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()]
+        if o.is_sweep_override()
+        else [o.input_line]
         for o in parsed
     ]
     combinations = {tuple(c[0] for c in choices)}
@@ -222,10 +248,14 @@ def prevalidate(overrides: list[str], multirun: bool = False) -> None:
     with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
         for combination in sorted(combinations):
             validate(compose_or_explain(compose, list(combination)))
-        hydra_cfg = compose(config_name="config", overrides=[c[0] for c in choices], return_hydra_config=True).hydra
+        hydra_cfg = compose(
+            config_name="config", overrides=[c[0] for c in choices], return_hydra_config=True
+        ).hydra
         try:
             directory = Path(hydra_cfg.sweep.dir if multirun else hydra_cfg.run.dir)
-        except OmegaConfBaseException:  # it names values only a started run has (${hydra:runtime.cwd}): Hydra resolves it
+        except (
+            OmegaConfBaseException
+        ):  # it names values only a started run has (${hydra:runtime.cwd}): Hydra resolves it
             return
         check_writable(directory)
 
@@ -234,11 +264,15 @@ def check_writable(directory: Path) -> None:
     """Refuse a run directory that cannot be created, before Hydra tries (with a traceback)."""
     existing = next(p for p in (directory.absolute(), *directory.absolute().parents) if p.exists())
     if not existing.is_dir():
-        raise SlimlmError(f"cannot create the run directory '{directory}': '{existing}' is a file; set hydra.run.dir (hydra.sweep.dir with -m) elsewhere")
+        raise SlimlmError(
+            f"cannot create the run directory '{directory}': '{existing}' is a file; set hydra.run.dir (hydra.sweep.dir with -m) elsewhere"
+        )
     try:  # a real attempt: permissions alone do not tell (a root user, a read-only mount)
         os.rmdir(tempfile.mkdtemp(prefix=".slimlm-probe-", dir=existing))
     except OSError as error:
-        raise SlimlmError(f"cannot create the run directory '{directory}': '{existing}' is not writable ({error.strerror}); run from a writable directory or set hydra.run.dir (hydra.sweep.dir with -m)") from None
+        raise SlimlmError(
+            f"cannot create the run directory '{directory}': '{existing}' is not writable ({error.strerror}); run from a writable directory or set hydra.run.dir (hydra.sweep.dir with -m)"
+        ) from None
 
 
 def compose_or_explain(compose, overrides: list[str]) -> DictConfig:
@@ -255,8 +289,12 @@ def compose_or_explain(compose, overrides: list[str]) -> DictConfig:
             options = GlobalHydra.instance().config_loader().get_group_options(top)
             if top != group:
                 what = "a name or the path of a .yaml file" if top == "recipe" else "a name"
-                raise SlimlmError(f"{top}= takes {what} ({', '.join(options)}), not '{missing[len(top) + 1:]}'; {own_option(top, '<name>')}") from None
-            raise SlimlmError(f"unknown {group} '{name}': choose one of {', '.join(options)} ({own_option(top, name)})") from None
+                raise SlimlmError(
+                    f"{top}= takes {what} ({', '.join(options)}), not '{missing[len(top) + 1 :]}'; {own_option(top, '<name>')}"
+                ) from None
+            raise SlimlmError(
+                f"unknown {group} '{name}': choose one of {', '.join(options)} ({own_option(top, name)})"
+            ) from None
         raise SlimlmError(str(error).splitlines()[0]) from None
     except (HydraException, OmegaConfBaseException) as error:
         detail = [line for line in str(error).splitlines() if line.strip()]
@@ -264,7 +302,9 @@ def compose_or_explain(compose, overrides: list[str]) -> DictConfig:
         if cause is not None:
             detail.append(str(cause).splitlines()[0])
         message = ": ".join(dict.fromkeys(line.strip().rstrip(".") for line in detail[:1] + detail[-1:]))
-        raise SlimlmError(f"config error: {message}. `slimlm --cfg job` prints every key and its current value") from None
+        raise SlimlmError(
+            f"config error: {message}. `slimlm --cfg job` prints every key and its current value"
+        ) from None
     except ValueError as error:  # Hydra's own check of an override's value (`=5`)
         raise SlimlmError(f"config error: {str(error).splitlines()[0]}") from None
 
@@ -290,9 +330,13 @@ def compare_command(args: Sequence[str]) -> None:
 
     from slimlm.eval.compare import compare
 
-    parser = argparse.ArgumentParser(prog="slimlm compare", description="One table and plot across runs or a sweep.")
+    parser = argparse.ArgumentParser(
+        prog="slimlm compare", description="One table and plot across runs or a sweep."
+    )
     parser.add_argument("runs", nargs="+", type=Path, help="run directories or sweep directories")
-    parser.add_argument("--out", type=Path, default=None, help="output directory (default: runs/compare/<time>)")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="output directory (default: runs/compare/<time>)"
+    )
     options = parser.parse_args(args)
     out = options.out or Path("runs") / "compare" / time.strftime("%Y-%m-%d_%H-%M-%S")
     try:
@@ -340,13 +384,22 @@ def harness_command(args: Sequence[str]) -> None:
     from slimlm.resources import cache_dir
 
     args = list(args)
-    if args and "--include_path" not in args and not {"-h", "--help"} & set(args):  # run, ls and validate all take it
+    if (
+        args and "--include_path" not in args and not {"-h", "--help"} & set(args)
+    ):  # run, ls and validate all take it
         args += ["--include_path", str(local_tasks(default_data_root(), cache_dir() / "harness-tasks"))]
     sys.argv = ["slimlm lm-eval", *args]
     cli_evaluate()
 
 
-SUBCOMMANDS = {"compare": compare_command, "lm-eval": harness_command, "generate": decoder_command("generate"), "chat": decoder_command("chat"), "plan": decoder_command("plan"), "serve": decoder_command("serve")}
+SUBCOMMANDS = {
+    "compare": compare_command,
+    "lm-eval": harness_command,
+    "generate": decoder_command("generate"),
+    "chat": decoder_command("chat"),
+    "plan": decoder_command("plan"),
+    "serve": decoder_command("serve"),
+}
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -35,14 +35,20 @@ class ModelPackageConfig:
     sha256: str = MISSING
 
     def __post_init__(self) -> None:
-        if not self.distributions or not all(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", d) for d in self.distributions):
-            raise ConfigError(f"model.package.distributions={list(self.distributions)} must list PyPI distribution names, part 1 first")
+        if not self.distributions or not all(
+            re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", d) for d in self.distributions
+        ):
+            raise ConfigError(
+                f"model.package.distributions={list(self.distributions)} must list PyPI distribution names, part 1 first"
+            )
         if not re.fullmatch(r"[0-9][0-9A-Za-z.+!-]*", self.version):
             raise ConfigError(f"model.package.version='{self.version}' is not a version; pin one, e.g. 0.9.0")
         if self.bytes < 1:
             raise ConfigError(f"model.package.bytes={self.bytes} must be the file's size in bytes")
         if not SHA256.match(self.sha256):
-            raise ConfigError("model.package.sha256 must be 64 lowercase hex digits (the whole file's sha256)")
+            raise ConfigError(
+                "model.package.sha256 must be 64 lowercase hex digits (the whole file's sha256)"
+            )
 
 
 @dataclass
@@ -60,7 +66,9 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "float16", "bfloat16"):
-            raise ConfigError(f"model.dtype='{self.dtype}' is not supported; use float32, float16 or bfloat16")
+            raise ConfigError(
+                f"model.dtype='{self.dtype}' is not supported; use float32, float16 or bfloat16"
+            )
         if self.bnb is not None and self.bnb not in BNB_MODES:
             raise ConfigError(f"model.bnb='{self.bnb}' is unknown; use {' or '.join(BNB_MODES)}, or null")
 
@@ -93,7 +101,9 @@ class PerplexityConfig:
         if self.window < 2:
             raise ConfigError(f"eval.perplexity.window={self.window} must be at least 2 tokens")
         if self.max_windows is not None and self.max_windows < 1:
-            raise ConfigError(f"eval.perplexity.max_windows={self.max_windows} must be at least 1 (or null for the whole text)")
+            raise ConfigError(
+                f"eval.perplexity.max_windows={self.max_windows} must be at least 1 (or null for the whole text)"
+            )
         if self.batch_size < 1:
             raise ConfigError(f"eval.perplexity.batch_size={self.batch_size} must be at least 1")
 
@@ -134,9 +144,13 @@ class SpeedConfig:
 
     def __post_init__(self) -> None:
         if self.prompt_tokens < 1 or self.new_tokens < 1 or self.repeats < 1 or self.warmup < 0:
-            raise ConfigError("eval.speed: prompt_tokens, new_tokens and repeats must be at least 1, warmup at least 0")
+            raise ConfigError(
+                "eval.speed: prompt_tokens, new_tokens and repeats must be at least 1, warmup at least 0"
+            )
         if not self.batch_sizes or min(self.batch_sizes) < 1:
-            raise ConfigError(f"eval.speed.batch_sizes={list(self.batch_sizes)} must list batch sizes of at least 1")
+            raise ConfigError(
+                f"eval.speed.batch_sizes={list(self.batch_sizes)} must list batch sizes of at least 1"
+            )
 
 
 METRICS = ("perplexity", "kl", "size", "zeroshot", "speed")
@@ -147,7 +161,9 @@ def check_metrics(metrics: List[str], where: str) -> None:
     if unknown:
         raise ConfigError(f"{where}: unknown metric(s) {unknown}; choose from {', '.join(METRICS)}")
     if "kl" in metrics and "perplexity" not in metrics:
-        raise ConfigError(f"{where}: 'kl' is computed in the perplexity pass; add 'perplexity' to the metrics")
+        raise ConfigError(
+            f"{where}: 'kl' is computed in the perplexity pass; add 'perplexity' to the metrics"
+        )
 
 
 @dataclass

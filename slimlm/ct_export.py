@@ -37,7 +37,9 @@ def _ct_modules():
         from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
         from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
     except ImportError as error:
-        raise SlimlmError("the compressed-tensors export needs the `compressed-tensors` package: pip install 'slimlm[hf]' (or compressed-tensors)") from error
+        raise SlimlmError(
+            "the compressed-tensors export needs the `compressed-tensors` package: pip install 'slimlm[hf]' (or compressed-tensors)"
+        ) from error
     return pack_to_int32, QuantizationArgs, QuantizationConfig, QuantizationScheme
 
 
@@ -60,7 +62,9 @@ def quantization_config(groups: dict[QuantScheme, list[str]], ignore: list[str])
     """The `quantization_config` entry of config.json: one config group per scheme."""
     _, QuantizationArgs, QuantizationConfig, QuantizationScheme = _ct_modules()
     config_groups = {}
-    for index, (scheme, names) in enumerate(sorted(groups.items(), key=lambda item: (item[0].bits, item[0].group_size or 0, item[0].symmetric))):
+    for index, (scheme, names) in enumerate(
+        sorted(groups.items(), key=lambda item: (item[0].bits, item[0].group_size or 0, item[0].symmetric))
+    ):
         weights = QuantizationArgs(
             num_bits=scheme.bits,
             type="int",
@@ -69,18 +73,30 @@ def quantization_config(groups: dict[QuantScheme, list[str]], ignore: list[str])
             group_size=scheme.group_size,
             scale_dtype=torch.float16,
         )
-        config_groups[f"group_{index}"] = QuantizationScheme(targets=sorted(names), weights=weights, format=CT_FORMAT)
-    config = QuantizationConfig(config_groups=config_groups, format=CT_FORMAT, quantization_status="compressed", ignore=sorted(ignore))
+        config_groups[f"group_{index}"] = QuantizationScheme(
+            targets=sorted(names), weights=weights, format=CT_FORMAT
+        )
+    config = QuantizationConfig(
+        config_groups=config_groups, format=CT_FORMAT, quantization_status="compressed", ignore=sorted(ignore)
+    )
     return config.model_dump(exclude_none=True, mode="json")
 
 
 def export_compressed(model: nn.Module, tokenizer: Any, path: Path, dtype: str) -> dict:
     """Write `model` as a compressed-tensors checkpoint directory at `path` (atomically)."""
     if dtype not in DTYPES:
-        raise SlimlmError(f"unknown dtype '{dtype}' for the compressed export; choose one of {', '.join(DTYPES)}")
-    quantized = {name: module for name, module in model.named_modules() if isinstance(module, QuantLinear) and not isinstance(module, QuantTable)}
+        raise SlimlmError(
+            f"unknown dtype '{dtype}' for the compressed export; choose one of {', '.join(DTYPES)}"
+        )
+    quantized = {
+        name: module
+        for name, module in model.named_modules()
+        if isinstance(module, QuantLinear) and not isinstance(module, QuantTable)
+    }
     if not quantized:
-        raise SlimlmError("the compressed-tensors export needs a quantized model: add a quantize stage before it (or use export.format=hf)")
+        raise SlimlmError(
+            "the compressed-tensors export needs a quantized model: add a quantize stage before it (or use export.format=hf)"
+        )
     adapted = sorted(name for name, layer in quantized.items() if layer.adapter_rank)
     if adapted:
         raise SlimlmError(
@@ -105,7 +121,9 @@ def export_compressed(model: nn.Module, tokenizer: Any, path: Path, dtype: str) 
     if isinstance(embedding, QuantEmbedding):
         tensors[f"{names[embedding]}.weight"] = embedding.head.dequantize(torch_dtype).contiguous()
         config["tie_word_embeddings"] = False
-    elif isinstance(embedding, QuantTable):  # compressed-tensors quantizes Linear layers only: the table goes dequantized
+    elif isinstance(
+        embedding, QuantTable
+    ):  # compressed-tensors quantizes Linear layers only: the table goes dequantized
         tensors[f"{names[embedding]}.weight"] = embedding.dequantize(torch_dtype).contiguous()
     elif config.get("tie_word_embeddings"):  # transformers ties the plain head to the embedding again
         tensors.pop(f"{names[model.get_output_embeddings()]}.weight", None)
@@ -113,10 +131,20 @@ def export_compressed(model: nn.Module, tokenizer: Any, path: Path, dtype: str) 
     config["quantization_config"] = quantization_config(groups, ignore)
     config["dtype"] = dtype
     with staged_directory(path) as staging:
-        save_file({key: value.contiguous() for key, value in tensors.items()}, staging / "model.safetensors", metadata={"format": "pt"})
+        save_file(
+            {key: value.contiguous() for key, value in tensors.items()},
+            staging / "model.safetensors",
+            metadata={"format": "pt"},
+        )
         (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
     path = Path(path)
-    return {"format": "compressed-tensors", "dtype": dtype, "path": f"{path.name}/", "bytes_on_disk": directory_bytes(path), "quantized_layers": len(quantized)}
+    return {
+        "format": "compressed-tensors",
+        "dtype": dtype,
+        "path": f"{path.name}/",
+        "bytes_on_disk": directory_bytes(path),
+        "quantized_layers": len(quantized),
+    }

@@ -30,13 +30,17 @@ def check_text_source(src: TextSourceConfig, role: str) -> Optional[Path]:
         )
     text = False  # whether anything but whitespace was seen: an empty file is refused now, not after the model loads
     try:
-        with open(path, encoding="utf-8", newline="\n") as handle:  # lines end at \n alone, as datasets reads jsonl
+        with open(
+            path, encoding="utf-8", newline="\n"
+        ) as handle:  # lines end at \n alone, as datasets reads jsonl
             if src.format == "jsonl":
                 for number, line in enumerate(handle, 1):
                     if not line.strip():
                         continue
                     if not isinstance(json_object(line), dict):
-                        raise SlimlmError(f"data.{role}: line {number} of '{src.path}' is not a JSON object; a jsonl file holds one object per line")
+                        raise SlimlmError(
+                            f"data.{role}: line {number} of '{src.path}' is not a JSON object; a jsonl file holds one object per line"
+                        )
                     text = True
             else:
                 while piece := handle.read(1 << 24):  # in pieces: memory stays bounded for a large corpus
@@ -70,9 +74,13 @@ def load_text(src: TextSourceConfig, role: str) -> str:
             try:
                 dataset = load_dataset(src.path, src.subset, split=src.split)
             except Exception as error:  # offline, unknown id or split: datasets raises many kinds
-                raise SlimlmError(f"data.{role}: could not load hub data set '{src.path}' ({str(error).splitlines()[0]}); without network, use a local text or jsonl file") from None
+                raise SlimlmError(
+                    f"data.{role}: could not load hub data set '{src.path}' ({str(error).splitlines()[0]}); without network, use a local text or jsonl file"
+                ) from None
         if src.field not in dataset.column_names:
-            raise SlimlmError(f"data.{role}: '{src.path}' has no field '{src.field}'; its fields are {dataset.column_names}")
+            raise SlimlmError(
+                f"data.{role}: '{src.path}' has no field '{src.field}'; its fields are {dataset.column_names}"
+            )
         texts = dataset[src.field]
     text = "\n\n".join(t.replace("\r\n", "\n") for t in texts if t)
     if not text.strip():

@@ -25,11 +25,23 @@ FUSED_PARAMETERS = {"gate_up_proj", "down_proj"}
 class Expert(nn.Module):
     """One expert: down(act(gate(x)) * up(x))."""
 
-    def __init__(self, names: ExpertNames, hidden: int, intermediate: int, act_fn: Callable, device: torch.device, dtype: torch.dtype):
+    def __init__(
+        self,
+        names: ExpertNames,
+        hidden: int,
+        intermediate: int,
+        act_fn: Callable,
+        device: torch.device,
+        dtype: torch.dtype,
+    ):
         super().__init__()
         self.names = names
         self.act_fn = act_fn
-        for name, (rows, columns) in ((names.gate, (intermediate, hidden)), (names.up, (intermediate, hidden)), (names.down, (hidden, intermediate))):
+        for name, (rows, columns) in (
+            (names.gate, (intermediate, hidden)),
+            (names.up, (intermediate, hidden)),
+            (names.down, (hidden, intermediate)),
+        ):
             self.add_module(name, nn.Linear(columns, rows, bias=False, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -41,17 +53,26 @@ class ExpertList(nn.ModuleList):
     """The experts of one block, called as transformers calls its fused experts module:
     (hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]."""
 
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
         return dispatch(self, hidden_states, top_k_index, top_k_weights)
 
 
-def dispatch(experts: Sequence[Callable[[torch.Tensor], torch.Tensor]], hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+def dispatch(
+    experts: Sequence[Callable[[torch.Tensor], torch.Tensor]],
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+) -> torch.Tensor:
     """Each token's routed experts' outputs, weighted and summed: [T, H] from hidden_states [T, H]
     and each token's top_k expert indices and weights [T, k]. Only experts some token chose
     run, each once on all its tokens (a decode step reads k experts' weights; a prefill groups
     its tokens by expert)."""
     output = torch.zeros_like(hidden_states)
-    if hidden_states.shape[0] == 1:  # one token (a decode step): its experts in turn, nothing to group (a third of the time)
+    if (
+        hidden_states.shape[0] == 1
+    ):  # one token (a decode step): its experts in turn, nothing to group (a third of the time)
         for index, weight in zip(top_k_index[0].tolist(), top_k_weights[0]):
             if index < len(experts):
                 output += (experts[index](hidden_states) * weight).to(output.dtype)
@@ -86,7 +107,10 @@ def _split(module: nn.Module, names: ExpertNames) -> ExpertList:
     gate_up, down = module.gate_up_proj.data, module.down_proj.data
     count, double, hidden = gate_up.shape
     intermediate = double // 2
-    experts = ExpertList(Expert(names, hidden, intermediate, module.act_fn, gate_up.device, gate_up.dtype) for _ in range(count))
+    experts = ExpertList(
+        Expert(names, hidden, intermediate, module.act_fn, gate_up.device, gate_up.dtype)
+        for _ in range(count)
+    )
     if gate_up.device.type != "meta":
         for index, expert in enumerate(experts):
             getattr(expert, names.gate).weight.data.copy_(gate_up[index, :intermediate])
@@ -107,4 +131,6 @@ def _refuse_other_experts(model: nn.Module) -> None:
         if name.endswith("experts") and not isinstance(module, ExpertList):
             three_d = [p for p, tensor in module.named_parameters(recurse=False) if tensor.dim() == 3]
             if three_d:
-                raise SlimlmError(f"{name} keeps its experts as {', '.join(three_d)}, a layout slimlm does not split into per-expert layers; {model_type(model)} models are not supported yet")
+                raise SlimlmError(
+                    f"{name} keeps its experts as {', '.join(three_d)}, a layout slimlm does not split into per-expert layers; {model_type(model)} models are not supported yet"
+                )

@@ -31,22 +31,33 @@ from slimlm.pipeline import DiskRun, RunState, Stage
 from slimlm.rundir import directory_bytes, staged_directory
 
 FORMATS = ("slimlm", "gguf", "hf", "compressed-tensors")
-DEFAULT_NAMES = {"slimlm": "artifact", "gguf": "model.gguf", "hf": "hf", "compressed-tensors": "hf-compressed"}
+DEFAULT_NAMES = {
+    "slimlm": "artifact",
+    "gguf": "model.gguf",
+    "hf": "hf",
+    "compressed-tensors": "hf-compressed",
+}
 
 
 @dataclass
 class ExportParams:
     format: str = "slimlm"
-    name: Optional[str] = None  # inside the run directory; default artifact/, model.gguf, hf/ or hf-compressed/
+    name: Optional[str] = (
+        None  # inside the run directory; default artifact/, model.gguf, hf/ or hf-compressed/
+    )
     reload: bool = True  # continue with the model read back from disk (proves the round trip)
     gguf_type: str = "Q4_0"  # gguf: the block type of every weight matrix
-    gguf_head_type: Optional[str] = None  # gguf: another block type for the LM head (e.g. Q8_0; the token embedding too when tied)
+    gguf_head_type: Optional[str] = (
+        None  # gguf: another block type for the LM head (e.g. Q8_0; the token embedding too when tied)
+    )
     requantize: bool = False  # gguf: allow rounding layers that lie on another grid again
     dtype: str = "bfloat16"  # hf, compressed-tensors: the dtype of the unquantized (or dequantized) weights
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
-            raise ConfigError(f"export.format='{self.format}' is not available; available: {', '.join(FORMATS)}")
+            raise ConfigError(
+                f"export.format='{self.format}' is not available; available: {', '.join(FORMATS)}"
+            )
         if self.dtype not in DTYPES:
             raise ConfigError(f"export.dtype='{self.dtype}' is unknown; choose one of {', '.join(DTYPES)}")
         for key in ("gguf_type", "gguf_head_type"):
@@ -63,7 +74,15 @@ def run(state: RunState, params: ExportParams) -> None:
         export_file(state, params)
         return
     results = {"evaluations": state.evaluations}
-    path = save_artifact(state.model, state.tokenizer, state.output_path(params.name), state.schemes, state.provenance(), state.recipe(), results)
+    path = save_artifact(
+        state.model,
+        state.tokenizer,
+        state.output_path(params.name),
+        state.schemes,
+        state.provenance(),
+        state.recipe(),
+        results,
+    )
     record_artifact(state, path)
     if params.reload:
         artifact = load_artifact(path, state.device)
@@ -74,8 +93,12 @@ def run(state: RunState, params: ExportParams) -> None:
 
 def record_artifact(state: RunState, path: Path) -> None:
     """The report's line for a slimlm artifact just written: its bytes on disk and size account."""
-    account = json.loads((path / MANIFEST).read_text())["size"]  # just written: no need to verify every checksum again here
-    state.sections.setdefault("artifacts", []).append({"format": "slimlm", "path": f"{path.name}/", "bytes_on_disk": directory_bytes(path), **account})
+    account = json.loads((path / MANIFEST).read_text())[
+        "size"
+    ]  # just written: no need to verify every checksum again here
+    state.sections.setdefault("artifacts", []).append(
+        {"format": "slimlm", "path": f"{path.name}/", "bytes_on_disk": directory_bytes(path), **account}
+    )
 
 
 def export_file(state: RunState, params: ExportParams) -> None:
@@ -84,7 +107,15 @@ def export_file(state: RunState, params: ExportParams) -> None:
     path = state.output_path(params.name)
     if params.format == "gguf":
         source_gguf = state.source.path if state.source.kind == "gguf" else None
-        summary = export_gguf(state.model, state.tokenizer, path, params.gguf_type, source_gguf, params.requantize, params.gguf_head_type)
+        summary = export_gguf(
+            state.model,
+            state.tokenizer,
+            path,
+            params.gguf_type,
+            source_gguf,
+            params.requantize,
+            params.gguf_head_type,
+        )
     elif params.format == "hf":
         summary = export_hf(state.model, state.tokenizer, path, params.dtype)
     else:
@@ -110,7 +141,9 @@ def run_from_disk(state: RunState, params: ExportParams) -> None:
         copy_artifact(state.on_disk, path, {"evaluations": state.evaluations})
         record_artifact(state, path)
     else:
-        state.sections.setdefault("artifacts", []).append(export_hf_from_artifact(state.on_disk, path, params.dtype))
+        state.sections.setdefault("artifacts", []).append(
+            export_hf_from_artifact(state.on_disk, path, params.dtype)
+        )
     if params.reload:
         state.lies_in(path, f"reloaded from {params.name}" + ("/" if params.format == "slimlm" else ""))
 
@@ -136,8 +169,20 @@ def _link_or_copy(from_path: str, to_path: str) -> None:
 
 
 def check(cfg, params: ExportParams, source) -> None:
-    if params.format == "gguf" and source.architecture is not None and source.architecture not in ARCHITECTURES:
-        raise ConfigError(f"export.format=gguf supports {', '.join(ARCHITECTURES)} models; this one is {source.architecture}")
+    if (
+        params.format == "gguf"
+        and source.architecture is not None
+        and source.architecture not in ARCHITECTURES
+    ):
+        raise ConfigError(
+            f"export.format=gguf supports {', '.join(ARCHITECTURES)} models; this one is {source.architecture}"
+        )
 
 
-EXPORT = Stage(name="export", params=ExportParams, run=run, check=check, on_disk=(DiskRun(exports_from_disk, run_from_disk),))
+EXPORT = Stage(
+    name="export",
+    params=ExportParams,
+    run=run,
+    check=check,
+    on_disk=(DiskRun(exports_from_disk, run_from_disk),),
+)

@@ -23,10 +23,20 @@ def config_corrections(path: Path) -> dict[str, Any]:
     import gguf
 
     reader = gguf.GGUFReader(path)
-    fields = {name: field.contents() for name, field in reader.fields.items() if not name.startswith("tokenizer.")}
-    tensors = {tensor.name: np.asarray(tensor.data, dtype=np.float64) for tensor in reader.tensors if tensor.name.startswith("rope_")}
+    fields = {
+        name: field.contents() for name, field in reader.fields.items() if not name.startswith("tokenizer.")
+    }
+    tensors = {
+        tensor.name: np.asarray(tensor.data, dtype=np.float64)
+        for tensor in reader.tensors
+        if tensor.name.startswith("rope_")
+    }
     arch = fields.get("general.architecture")
-    corrections = {"head_dim": fields[f"{arch}.attention.key_length"]} if f"{arch}.attention.key_length" in fields else {}
+    corrections = (
+        {"head_dim": fields[f"{arch}.attention.key_length"]}
+        if f"{arch}.attention.key_length" in fields
+        else {}
+    )
     return {**corrections, **FAMILY_CORRECTIONS.get(arch, _nothing)(arch, fields, tensors)}
 
 
@@ -38,7 +48,11 @@ def _gemma3(arch: str, fields: dict, tensors: dict) -> dict:
     """llama.cpp scales Gemma 3's scores by 1/sqrt(head width), the 27B's (62 layers) by
     1/sqrt(hidden / heads): it keeps no query_pre_attn_scalar."""
     wide = fields[f"{arch}.block_count"] == 62
-    scalar = fields[f"{arch}.embedding_length"] // fields[f"{arch}.attention.head_count"] if wide else fields[f"{arch}.attention.key_length"]
+    scalar = (
+        fields[f"{arch}.embedding_length"] // fields[f"{arch}.attention.head_count"]
+        if wide
+        else fields[f"{arch}.attention.key_length"]
+    )
     corrections = {"query_pre_attn_scalar": scalar}
     if f"{arch}.final_logit_softcapping" in fields:
         corrections["final_logit_softcapping"] = fields[f"{arch}.final_logit_softcapping"]
@@ -46,7 +60,10 @@ def _gemma3(arch: str, fields: dict, tensors: dict) -> dict:
 
 
 def _head_width(arch: str, fields: dict) -> int:
-    return fields.get(f"{arch}.attention.key_length") or fields[f"{arch}.embedding_length"] // fields[f"{arch}.attention.head_count"]
+    return (
+        fields.get(f"{arch}.attention.key_length")
+        or fields[f"{arch}.embedding_length"] // fields[f"{arch}.attention.head_count"]
+    )
 
 
 def _rotary_width(arch: str, fields: dict) -> int:
@@ -66,7 +83,13 @@ def _phi3(arch: str, fields: dict, tensors: dict) -> dict:
     if "rope_factors_long.weight" not in tensors:
         return {"rope_parameters": {"rope_type": "default", **base}}
     original = int(fields[f"{arch}.rope.scaling.original_context_length"])
-    rope = {"rope_type": "longrope", **base, "long_factor": tensors["rope_factors_long.weight"].tolist(), "short_factor": tensors["rope_factors_short.weight"].tolist(), "original_max_position_embeddings": original}
+    rope = {
+        "rope_type": "longrope",
+        **base,
+        "long_factor": tensors["rope_factors_long.weight"].tolist(),
+        "short_factor": tensors["rope_factors_short.weight"].tolist(),
+        "original_max_position_embeddings": original,
+    }
     if f"{arch}.rope.scaling.attn_factor" in fields:
         rope["attention_factor"] = float(fields[f"{arch}.rope.scaling.attn_factor"])
     return {"rope_parameters": rope, "original_max_position_embeddings": original}
@@ -80,13 +103,21 @@ def _qwen3moe(arch: str, fields: dict, tensors: dict) -> dict:
 
 def _llama(arch: str, fields: dict, tensors: dict) -> dict:
     if f"{arch}.expert_count" in fields:
-        raise SlimlmError("this GGUF file is a llama-architecture mixture of experts (Mixtral), which transformers' GGUF reader reads as a dense Llama without its experts; convert the original checkpoint instead")
+        raise SlimlmError(
+            "this GGUF file is a llama-architecture mixture of experts (Mixtral), which transformers' GGUF reader reads as a dense Llama without its experts; convert the original checkpoint instead"
+        )
     if "rope_freqs.weight" not in tensors:
         return {}
     base = _rope_base(arch, fields)
     rotary = _rotary_width(arch, fields)
     inverse = 1.0 / base["rope_theta"] ** (np.arange(0, rotary, 2, dtype=np.float64) / rotary)
-    return {"rope_parameters": {"rope_type": "llama3", **base, **llama3_parameters(inverse, tensors["rope_freqs.weight"])}}
+    return {
+        "rope_parameters": {
+            "rope_type": "llama3",
+            **base,
+            **llama3_parameters(inverse, tensors["rope_freqs.weight"]),
+        }
+    }
 
 
 def llama3_parameters(inverse: np.ndarray, divisors: np.ndarray) -> dict:
@@ -101,19 +132,36 @@ def llama3_parameters(inverse: np.ndarray, divisors: np.ndarray) -> dict:
     smooth = (1.0 / divisors - 1.0 / factor) / (1.0 - 1.0 / factor)  # 0 at `factor`, 1 at no scaling
     between = (smooth > 1e-4) & (smooth < 1 - 1e-4)
     if between.sum() < 2:
-        raise SlimlmError("the GGUF file's rope_freqs blend fewer than two frequencies, too few to read Llama 3's RoPE scaling back; convert the original checkpoint instead")
+        raise SlimlmError(
+            "the GGUF file's rope_freqs blend fewer than two frequencies, too few to read Llama 3's RoPE scaling back; convert the original checkpoint instead"
+        )
     # smooth = context / (high - low) / wavelength - low / (high - low), with low = 1
     slope, intercept = np.polyfit(1.0 / wavelength[between], smooth[between], 1)
     high = 1.0 - 1.0 / intercept
     context = slope * (high - 1.0)
-    parameters = {"factor": factor, "low_freq_factor": 1.0, "high_freq_factor": float(high), "original_max_position_embeddings": int(round(context))}
+    parameters = {
+        "factor": factor,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": float(high),
+        "original_max_position_embeddings": int(round(context)),
+    }
     if not np.allclose(llama3_divisors(inverse, parameters), divisors, rtol=1e-4):
-        raise SlimlmError("the GGUF file's rope_freqs are not Llama 3's RoPE scaling (no factor, low/high frequency factors and context give them); convert the original checkpoint instead")
+        raise SlimlmError(
+            "the GGUF file's rope_freqs are not Llama 3's RoPE scaling (no factor, low/high frequency factors and context give them); convert the original checkpoint instead"
+        )
     return parameters
 
 
 def _unread(arch: str, fields: dict, tensors: dict) -> dict:
-    raise SlimlmError(f"transformers' GGUF reader does not read {arch} files; convert the original checkpoint instead")
+    raise SlimlmError(
+        f"transformers' GGUF reader does not read {arch} files; convert the original checkpoint instead"
+    )
 
 
-FAMILY_CORRECTIONS: dict[str, Callable[[str, dict, dict], dict]] = {"gemma3": _gemma3, "phi3": _phi3, "llama": _llama, "qwen3moe": _qwen3moe, "olmoe": _unread}
+FAMILY_CORRECTIONS: dict[str, Callable[[str, dict, dict], dict]] = {
+    "gemma3": _gemma3,
+    "phi3": _phi3,
+    "llama": _llama,
+    "qwen3moe": _qwen3moe,
+    "olmoe": _unread,
+}

@@ -50,7 +50,15 @@ GRIDS = {"Q8_0": (8, True), "Q4_0": (4, True), "Q4_1": (4, False)}
 ARCHITECTURES = (*FAMILIES, "gemma3")
 
 
-def export_gguf(model: nn.Module, tokenizer: Any, path: Path, gguf_type: str, source_gguf: Optional[Path] = None, requantize: bool = False, head_type: Optional[str] = None) -> dict:
+def export_gguf(
+    model: nn.Module,
+    tokenizer: Any,
+    path: Path,
+    gguf_type: str,
+    source_gguf: Optional[Path] = None,
+    requantize: bool = False,
+    head_type: Optional[str] = None,
+) -> dict:
     """Write `model` to the GGUF file `path` (atomically); returns how each weight was stored.
     `head_type` gives the LM head its own block type, as llama.cpp's mixes do (they keep it
     wider than the rest: it is the most sensitive matrix): the output matrix, which is the
@@ -63,15 +71,23 @@ def export_gguf(model: nn.Module, tokenizer: Any, path: Path, gguf_type: str, so
     for chosen in (gguf_type, head_type or gguf_type):
         if chosen not in GGUF_TYPES:
             raise SlimlmError(f"unknown GGUF type '{chosen}'; choose one of {', '.join(GGUF_TYPES)}")
-    types = _TypeChoice(gguf_type, head_type, head_is_tied(model) and not family.output_required)  # decided once: comparing the tables reads both whole
-    layers = [(name, value) for name, value in _each_tensor(model, types.tied) if isinstance(value, QuantLinear)]
+    types = _TypeChoice(
+        gguf_type, head_type, head_is_tied(model) and not family.output_required
+    )  # decided once: comparing the tables reads both whole
+    layers = [
+        (name, value) for name, value in _each_tensor(model, types.tied) if isinstance(value, QuantLinear)
+    ]
     adapted = [name for name, value in layers if value.adapter_rank and types.of(name) in GRIDS]
     if adapted and not requantize:
         raise SlimlmError(
             f"GGUF {types.of(adapted[0])} has no place for the LoRA adapters beside {len(adapted)} quantized layer(s) (e.g. {adapted[0]}): "
             "allow merging them into the weights and rounding again with requantize=true, or export format=slimlm (keeps them)"
         )
-    off_grid = [(name, value.scheme, types.of(name)) for name, value in layers if not on_grid(value.scheme, types.of(name))]
+    off_grid = [
+        (name, value.scheme, types.of(name))
+        for name, value in layers
+        if not on_grid(value.scheme, types.of(name))
+    ]
     if off_grid and not requantize and any(kind in GRIDS for *_, kind in off_grid):
         name, scheme, kind = off_grid[0]
         raise SlimlmError(
@@ -80,7 +96,9 @@ def export_gguf(model: nn.Module, tokenizer: Any, path: Path, gguf_type: str, so
         )
     path = Path(path)
     if path.exists():
-        raise SlimlmError(f"'{path}' already exists; exports are never overwritten: choose another name or remove it")
+        raise SlimlmError(
+            f"'{path}' already exists; exports are never overwritten: choose another name or remove it"
+        )
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, partial = tempfile.mkstemp(prefix=f".{path.name}-partial-", dir=path.parent)
     os.close(fd)
@@ -88,7 +106,13 @@ def export_gguf(model: nn.Module, tokenizer: Any, path: Path, gguf_type: str, so
         writer = gguf.GGUFWriter(partial, family.arch)
         writer.add_name(getattr(config, "_name_or_path", "") or "slimlm export")
         extra = write_hyperparameters(writer, config, family)
-        writer.add_file_type(int(gguf.LlamaFileType[{"F32": "ALL_F32", "F16": "MOSTLY_F16"}.get(gguf_type, f"MOSTLY_{gguf_type}")]))
+        writer.add_file_type(
+            int(
+                gguf.LlamaFileType[
+                    {"F32": "ALL_F32", "F16": "MOSTLY_F16"}.get(gguf_type, f"MOSTLY_{gguf_type}")
+                ]
+            )
+        )
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
         if source_gguf is not None:
             _copy_tokenizer(writer, source_gguf)
@@ -105,7 +129,13 @@ def export_gguf(model: nn.Module, tokenizer: Any, path: Path, gguf_type: str, so
     finally:
         if os.path.exists(partial):
             os.remove(partial)
-    summary = {"format": "gguf", "gguf_type": gguf_type, "head_type": head_type or gguf_type, "path": path.name, "bytes_on_disk": path.stat().st_size}
+    summary = {
+        "format": "gguf",
+        "gguf_type": gguf_type,
+        "head_type": head_type or gguf_type,
+        "path": path.name,
+        "bytes_on_disk": path.stat().st_size,
+    }
     for how in ("exact", "rounded", "requantized", "dequantized"):
         summary[how] = sorted(name for name, stored_as in stored.items() if stored_as == how)
     return summary
@@ -189,7 +219,10 @@ def _stacked_experts(name: str, experts: ExpertList):
     for canonical, projection in (("gate_proj", own.gate), ("up_proj", own.up), ("down_proj", own.down)):
         layers = [getattr(expert, projection) for expert in experts]
         values = tuple(layer if isinstance(layer, QuantLinear) else layer.weight for layer in layers)
-        yield f"{name}.{canonical}.weight", ExpertStack(tuple(f"{name}.{e}.{projection}.weight" for e in range(len(experts))), values)
+        yield (
+            f"{name}.{canonical}.weight",
+            ExpertStack(tuple(f"{name}.{e}.{projection}.weight" for e in range(len(experts))), values),
+        )
 
 
 def _named_tensors(model: nn.Module, tied: bool):
@@ -198,7 +231,14 @@ def _named_tensors(model: nn.Module, tied: bool):
     a float head equal to the embedding (transformers unties them when it reads a GGUF without an
     output tensor: a second copy would add a fifth to a 0.5B model's file); `tied`: head_is_tied."""
     head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
-    yield "model.embed_tokens.weight", head if isinstance(embedding, QuantEmbedding) else embedding if isinstance(embedding, QuantTable) else embedding.weight
+    yield (
+        "model.embed_tokens.weight",
+        head
+        if isinstance(embedding, QuantEmbedding)
+        else embedding
+        if isinstance(embedding, QuantTable)
+        else embedding.weight,
+    )
     stacked: list[str] = []  # ExpertLists written whole: their modules are not visited again
     for name, module in model.named_modules():
         if module is head or module is embedding or any(name.startswith(f"{prefix}.") for prefix in stacked):
@@ -230,8 +270,17 @@ def head_is_tied(model: nn.Module) -> bool:
     """Whether the LM head is the token embedding (shared, or a float copy of the same values)."""
     head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
     head_weight, table = getattr(head, "weight", None), getattr(embedding, "weight", None)
-    same_values = isinstance(head_weight, torch.Tensor) and isinstance(table, torch.Tensor) and head_weight.shape == table.shape and torch.equal(head_weight, table)
-    return isinstance(embedding, QuantEmbedding) or (head_weight is not None and head_weight is table) or same_values
+    same_values = (
+        isinstance(head_weight, torch.Tensor)
+        and isinstance(table, torch.Tensor)
+        and head_weight.shape == table.shape
+        and torch.equal(head_weight, table)
+    )
+    return (
+        isinstance(embedding, QuantEmbedding)
+        or (head_weight is not None and head_weight is table)
+        or same_values
+    )
 
 
 def _rotary_heads(tensor_name: str, config) -> Optional[int]:
@@ -247,7 +296,11 @@ def _permute_rows(rows: torch.Tensor, heads: Optional[int]) -> torch.Tensor:
     """Hugging Face's rotary layout (halves) to llama.cpp's (interleaved pairs), per head."""
     if heads is None:
         return rows
-    return rows.reshape(heads, 2, rows.shape[0] // heads // 2, *rows.shape[1:]).transpose(1, 2).reshape(rows.shape)
+    return (
+        rows.reshape(heads, 2, rows.shape[0] // heads // 2, *rows.shape[1:])
+        .transpose(1, 2)
+        .reshape(rows.shape)
+    )
 
 
 def _encode(value, gguf_type: str, heads: Optional[int]) -> tuple[np.ndarray, Any, str]:
@@ -256,7 +309,9 @@ def _encode(value, gguf_type: str, heads: Optional[int]) -> tuple[np.ndarray, An
 
     if isinstance(value, QuantLinear) and not value.adapter_rank and on_grid(value.scheme, gguf_type):
         bits, symmetric = GRIDS[gguf_type]
-        codes = value.codes() + (2 ** (bits - 1) - value.scheme.symmetric_zero if symmetric else 0)  # same values, wider range
+        codes = value.codes() + (
+            2 ** (bits - 1) - value.scheme.symmetric_zero if symmetric else 0
+        )  # same values, wider range
         codes = _permute_rows(codes, heads)
         scales = _permute_rows(value.scales, heads)
         zeros = None if value.zeros is None else _permute_rows(value.zeros, heads)
@@ -271,11 +326,19 @@ def _encode(value, gguf_type: str, heads: Optional[int]) -> tuple[np.ndarray, An
         return array.astype(np.float16), gguf.GGMLQuantizationType.F16, how
     qtype = gguf.GGMLQuantizationType[gguf_type]
     if array.shape[-1] % BLOCK:
-        raise SlimlmError(f"GGUF {gguf_type} needs rows that are a multiple of {BLOCK} values; a tensor of shape {tuple(array.shape)} is not; export as F16")
-    return gguf.quants.quantize(array, qtype), qtype, "requantized" if isinstance(value, QuantLinear) else "rounded"
+        raise SlimlmError(
+            f"GGUF {gguf_type} needs rows that are a multiple of {BLOCK} values; a tensor of shape {tuple(array.shape)} is not; export as F16"
+        )
+    return (
+        gguf.quants.quantize(array, qtype),
+        qtype,
+        "requantized" if isinstance(value, QuantLinear) else "rounded",
+    )
 
 
-def _blocks(codes: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor], gguf_type: str) -> np.ndarray:
+def _blocks(
+    codes: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor], gguf_type: str
+) -> np.ndarray:
     """GGML blocks of 32 from slimlm codes [rows, in], fp16 scales and zeros [rows, in / 32]."""
     rows, columns = codes.shape
     blocks = columns // BLOCK
@@ -287,5 +350,12 @@ def _blocks(codes: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Ten
     nibbles = (q[..., :16] | (q[..., 16:] << 4)).astype(np.uint8)  # element j low, j + 16 high
     if gguf_type == "Q4_0":
         return np.concatenate([d, nibbles], axis=-1).reshape(rows, -1)
-    minimum = (-scales.float() * zeros.float()).cpu().numpy().astype(np.float16).reshape(rows, blocks, 1).view(np.uint8)
+    minimum = (
+        (-scales.float() * zeros.float())
+        .cpu()
+        .numpy()
+        .astype(np.float16)
+        .reshape(rows, blocks, 1)
+        .view(np.uint8)
+    )
     return np.concatenate([d, minimum, nibbles], axis=-1).reshape(rows, -1)

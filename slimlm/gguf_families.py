@@ -45,9 +45,13 @@ def _no_keys(writer, config) -> None:
 
 def _gemma3_keys(writer, config) -> None:
     layers = config.num_hidden_layers
-    expected_scale = config.hidden_size // config.num_attention_heads if layers == 62 else head_dim(config)  # llama.cpp's 27B rule
+    expected_scale = (
+        config.hidden_size // config.num_attention_heads if layers == 62 else head_dim(config)
+    )  # llama.cpp's 27B rule
     if config.query_pre_attn_scalar != expected_scale or getattr(config, "attn_logit_softcapping", None):
-        raise SlimlmError(f"GGUF export: llama.cpp scales Gemma 3's attention by 1/sqrt({expected_scale}) without soft-capping; this config differs")
+        raise SlimlmError(
+            f"GGUF export: llama.cpp scales Gemma 3's attention by 1/sqrt({expected_scale}) without soft-capping; this config differs"
+        )
     writer.add_sliding_window(config.sliding_window)
     writer.add_sliding_window_pattern([kind == "sliding_attention" for kind in config.layer_types])
     writer.add_rope_freq_base_swa(float(rope_parameters(config, "sliding_attention")["rope_theta"]))
@@ -62,9 +66,13 @@ def _phi3_keys(writer, config) -> None:
 
 def _olmoe_keys(writer, config) -> None:
     if (config.num_key_value_heads or config.num_attention_heads) != config.num_attention_heads:
-        raise SlimlmError("GGUF export: llama.cpp's olmoe norms the keys over the hidden size, so it has no grouped-query attention; this config has fewer key/value heads than query heads")
+        raise SlimlmError(
+            "GGUF export: llama.cpp's olmoe norms the keys over the hidden size, so it has no grouped-query attention; this config has fewer key/value heads than query heads"
+        )
     if getattr(config, "clip_qkv", None):
-        raise SlimlmError("GGUF export: llama.cpp's olmoe does not clamp queries, keys and values where transformers does (measured: the logits part after a few tokens); this config sets clip_qkv")
+        raise SlimlmError(
+            "GGUF export: llama.cpp's olmoe does not clamp queries, keys and values where transformers does (measured: the logits part after a few tokens); this config sets clip_qkv"
+        )
     _experts_keys(normalized=False)(writer, config)
 
 
@@ -74,12 +82,21 @@ def _experts_keys(normalized: bool) -> Callable[[Any, Any], None]:
     def keys(writer, config) -> None:
         experts = getattr(config, "num_experts", None) or config.num_local_experts
         if bool(getattr(config, "norm_topk_prob", normalized)) != normalized:
-            raise SlimlmError(f"GGUF export: llama.cpp's {config.model_type} {'rescales' if normalized else 'does not rescale'} the chosen experts' weights to sum to 1; this config's norm_topk_prob says otherwise")
-        if getattr(config, "mlp_only_layers", None) or (getattr(config, "decoder_sparse_step", None) or 1) != 1:
-            raise SlimlmError("GGUF export: llama.cpp runs experts in every block; this config keeps dense MLPs in some (mlp_only_layers, decoder_sparse_step)")
+            raise SlimlmError(
+                f"GGUF export: llama.cpp's {config.model_type} {'rescales' if normalized else 'does not rescale'} the chosen experts' weights to sum to 1; this config's norm_topk_prob says otherwise"
+            )
+        if (
+            getattr(config, "mlp_only_layers", None)
+            or (getattr(config, "decoder_sparse_step", None) or 1) != 1
+        ):
+            raise SlimlmError(
+                "GGUF export: llama.cpp runs experts in every block; this config keeps dense MLPs in some (mlp_only_layers, decoder_sparse_step)"
+            )
         writer.add_expert_count(experts)
         writer.add_expert_used_count(config.num_experts_per_tok)
-        writer.add_expert_feed_forward_length(getattr(config, "moe_intermediate_size", None) or config.intermediate_size)
+        writer.add_expert_feed_forward_length(
+            getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+        )
 
     return keys
 
@@ -93,7 +110,9 @@ class Family:
     norm_offset: float = 0.0  # added to every norm weight (Gemma's (1 + w))
     rope_kinds: tuple[str, ...] = ("default", "linear")  # the RoPE scalings llama.cpp runs for it
     keys: Callable[[Any, Any], None] = field(default=_no_keys)  # family-only hyper-parameters
-    output_required: bool = False  # llama.cpp loads no model without output.weight (olmoe): a tied head is written twice
+    output_required: bool = (
+        False  # llama.cpp loads no model without output.weight (olmoe): a tied head is written twice
+    )
 
 
 LLAMA = Family("llama", permute_rotary=True, rope_kinds=("default", "linear", "llama3"))
@@ -113,7 +132,9 @@ FAMILIES = {
 def family_of(config) -> Family:
     family = FAMILIES.get(config.model_type)
     if family is None:
-        raise SlimlmError(f"GGUF export supports {', '.join(FAMILIES)} models; this one is {config.model_type}")
+        raise SlimlmError(
+            f"GGUF export supports {', '.join(FAMILIES)} models; this one is {config.model_type}"
+        )
     return family
 
 
@@ -132,13 +153,20 @@ def rope_parameters(config, layer_kind: str = "full_attention") -> dict:
 
 def original_context(config) -> int:
     parameters = rope_parameters(config)
-    return int(getattr(config, "original_max_position_embeddings", None) or parameters.get("original_max_position_embeddings") or config.max_position_embeddings)
+    return int(
+        getattr(config, "original_max_position_embeddings", None)
+        or parameters.get("original_max_position_embeddings")
+        or config.max_position_embeddings
+    )
 
 
 def write_hyperparameters(writer, config, family: Family) -> ExtraTensors:
     """The `<arch>.*` keys; returns the tensors RoPE scaling needs (rope_freqs, rope_factors_long/short)."""
     width = head_dim(config)
-    rotary = int(width * rope_parameters(config).get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)))
+    rotary = int(
+        width
+        * rope_parameters(config).get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+    )
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_block_count(config.num_hidden_layers)
@@ -161,7 +189,9 @@ def _rope_scaling(writer, config, family: Family, rotary: int) -> ExtraTensors:
     parameters = rope_parameters(config)
     kind = parameters.get("rope_type", "default")
     if kind not in family.rope_kinds:
-        raise SlimlmError(f"GGUF export: llama.cpp's {family.arch} takes RoPE scaling {', '.join(family.rope_kinds)}; this model uses '{kind}'")
+        raise SlimlmError(
+            f"GGUF export: llama.cpp's {family.arch} takes RoPE scaling {', '.join(family.rope_kinds)}; this model uses '{kind}'"
+        )
     inverse = 1.0 / parameters["rope_theta"] ** (np.arange(0, rotary, 2, dtype=np.float64) / rotary)
     if kind == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
@@ -176,7 +206,11 @@ def _rope_scaling(writer, config, family: Family, rotary: int) -> ExtraTensors:
 def llama3_divisors(inverse: np.ndarray, parameters: dict) -> np.ndarray:
     """Llama 3's scaling as llama.cpp applies it: each frequency divided by a factor (1 for short
     wavelengths, `factor` for long ones, smoothly between), the same frequencies transformers computes."""
-    factor, low, high = parameters["factor"], parameters.get("low_freq_factor", 1.0), parameters.get("high_freq_factor", 4.0)
+    factor, low, high = (
+        parameters["factor"],
+        parameters.get("low_freq_factor", 1.0),
+        parameters.get("high_freq_factor", 4.0),
+    )
     context = parameters.get("original_max_position_embeddings", 8192)
     wavelength = 2 * math.pi / inverse
     smooth = np.clip((context / wavelength - low) / (high - low), 0.0, 1.0)
@@ -190,6 +224,11 @@ def _longrope(writer, config, parameters: dict, pairs: int) -> ExtraTensors:
     if long is None or short is None or len(long) != pairs or len(short) != pairs:
         raise SlimlmError(f"GGUF export: LongRoPE needs long_factor and short_factor of {pairs} values each")
     scale = config.max_position_embeddings / original_context(config)
-    attention = parameters.get("attention_factor") or (math.sqrt(1 + math.log(scale) / math.log(original_context(config))) if scale > 1 else 1.0)
+    attention = parameters.get("attention_factor") or (
+        math.sqrt(1 + math.log(scale) / math.log(original_context(config))) if scale > 1 else 1.0
+    )
     writer.add_rope_scaling_attn_factors(float(attention))
-    return {"rope_factors_long.weight": np.asarray(long, dtype=np.float32), "rope_factors_short.weight": np.asarray(short, dtype=np.float32)}
+    return {
+        "rope_factors_long.weight": np.asarray(long, dtype=np.float32),
+        "rope_factors_short.weight": np.asarray(short, dtype=np.float32),
+    }

@@ -27,7 +27,19 @@ from slimlm.errors import SlimlmError
 Scalar = Union[int, float, bool, str]
 
 # GGUF value types: struct format of the fixed-size ones; 8 is a string, 9 an array.
-_FIXED = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_FIXED = {
+    0: "<B",
+    1: "<b",
+    2: "<H",
+    3: "<h",
+    4: "<I",
+    5: "<i",
+    6: "<f",
+    7: "<?",
+    10: "<Q",
+    11: "<q",
+    12: "<d",
+}
 _STRING, _ARRAY = 8, 9
 _MAX_KEY = 65535  # the GGUF specification's limit on a key's length
 _MAX_DEPTH = 2  # arrays of arrays, at most this deep (llama.cpp writes none)
@@ -57,7 +69,9 @@ class _Cursor:
     def take(self, length: int, what: str) -> int:
         """Advance over `length` bytes (after checking they exist); returns where they start."""
         if length < 0 or length > self.size - self.offset:
-            raise _Damaged(f"{what} at byte {self.offset} runs {length} bytes past the end of the file ({self.size} bytes)")
+            raise _Damaged(
+                f"{what} at byte {self.offset} runs {length} bytes past the end of the file ({self.size} bytes)"
+            )
         start = self.offset
         self.offset += length
         return start
@@ -104,7 +118,10 @@ def _skip_strings(buffer, offset: int, size: int, count: int, what: str) -> int:
     try:
         for _ in range(count):
             offset += 8 + unpack(buffer, offset)[0]
-    except (struct.error, OverflowError):  # OverflowError: a huge length took the offset past what unpack takes
+    except (
+        struct.error,
+        OverflowError,
+    ):  # OverflowError: a huge length took the offset past what unpack takes
         offset = size + 1
     if offset > size:
         raise _Damaged(f"{what} of {count} strings runs past the end of the file ({size} bytes)")
@@ -122,7 +139,9 @@ def read_gguf_header(path: Path) -> GGUFHeader:
             with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as buffer:
                 return _parse(_Cursor(buffer, size))
     except _Damaged as damage:
-        raise SlimlmError(f"'{path.name}' is not a readable GGUF file ({damage}); re-download or re-export it") from None
+        raise SlimlmError(
+            f"'{path.name}' is not a readable GGUF file ({damage}); re-download or re-export it"
+        ) from None
     except OSError as error:
         raise SlimlmError(f"cannot read GGUF file '{path}': {error.strerror or error}") from None
 
@@ -135,8 +154,12 @@ def _parse(cursor: _Cursor) -> GGUFHeader:
         raise _Damaged(f"GGUF version {version}; versions 2 and 3 (little-endian) are read")
     tensor_count = cursor.unpack("<Q", "tensor count")
     kv_count = cursor.unpack("<Q", "key/value count")
-    if kv_count * 13 > cursor.size or tensor_count * 32 > cursor.size:  # the smallest key/value and tensor info
-        raise _Damaged(f"it claims {kv_count} keys and {tensor_count} tensors, more than its {cursor.size} bytes can hold")
+    if (
+        kv_count * 13 > cursor.size or tensor_count * 32 > cursor.size
+    ):  # the smallest key/value and tensor info
+        raise _Damaged(
+            f"it claims {kv_count} keys and {tensor_count} tensors, more than its {cursor.size} bytes can hold"
+        )
     header = GGUFHeader(version, tensor_count)
     for index in range(kv_count):
         key = cursor.string(f"key {index}", _MAX_KEY)
@@ -182,4 +205,6 @@ def _check_tensor_extents(cursor: _Cursor, tensor_count: int, alignment) -> None
     data_start = -(-cursor.offset // alignment) * alignment
     for name, end in extents:
         if data_start + end > cursor.size:
-            raise _Damaged(f"tensor '{name}' ends at byte {data_start + end}, past the end of the file ({cursor.size} bytes): it was cut short")
+            raise _Damaged(
+                f"tensor '{name}' ends at byte {data_start + end}, past the end of the file ({cursor.size} bytes): it was cut short"
+            )

@@ -77,7 +77,9 @@ def write_tokenizer(writer, tokenizer: Any, rows: int) -> None:
             writer.add_add_space_prefix(vocabulary.add_space_prefix)
         special = gguf.SpecialVocab(Path(directory), load_merges=vocabulary.model == "gpt2", n_vocab=rows)
         special.add_to_gguf(writer, quiet=True)
-        if "add_bos" not in special.add_special_token:  # transformers 5 may leave it out of tokenizer_config.json
+        if (
+            "add_bos" not in special.add_special_token
+        ):  # transformers 5 may leave it out of tokenizer_config.json
             writer.add_add_bos_token(_adds_bos(tokenizer))
 
 
@@ -91,16 +93,25 @@ def _read_tokenizer_json(directory: Path) -> dict:
 def _vocabulary(tokenizer: Any, spec: dict, rows: int) -> Vocabulary:
     model = spec.get("model") or {}
     if model.get("type") != "BPE":
-        raise SlimlmError(f"GGUF export writes BPE tokenizers (byte-level or SentencePiece-style); this one is a {model.get('type')} tokenizer")
+        raise SlimlmError(
+            f"GGUF export writes BPE tokenizers (byte-level or SentencePiece-style); this one is a {model.get('type')} tokenizer"
+        )
     ids = tokenizer.get_vocab()
     if max(ids.values()) >= rows:
-        raise SlimlmError(f"the tokenizer has ids up to {max(ids.values())} but the embedding only {rows} rows")
+        raise SlimlmError(
+            f"the tokenizer has ids up to {max(ids.values())} but the embedding only {rows} rows"
+        )
     added = {token.content: token for token in getattr(tokenizer, "added_tokens_decoder", {}).values()}
     sentencepiece = bool(model.get("byte_fallback"))
     ranks = _merge_ranks(model.get("merges") or []) if sentencepiece else {}
     tokens, types, scores = [f"[PAD{i}]" for i in range(rows)], [UNUSED] * rows, [-10000.0] * rows
     for text, index in ids.items():
-        kind = _token_type(text, added.get(text), sentencepiece, model.get("unk_token") or getattr(tokenizer, "unk_token", None))
+        kind = _token_type(
+            text,
+            added.get(text),
+            sentencepiece,
+            model.get("unk_token") or getattr(tokenizer, "unk_token", None),
+        )
         tokens[index] = text.replace("\u2581", " ") if kind == USER_DEFINED and sentencepiece else text
         types[index] = kind
         scores[index] = -float(ranks[text]) if text in ranks else 0.0
@@ -137,7 +148,11 @@ def _adds_space_prefix(spec: dict) -> bool:
         if isinstance(part, dict):
             found.append(part)
             parts.extend(part.get("normalizers") or part.get("pretokenizers") or [])
-    return any(part.get("type") == "Prepend" or (part.get("type") == "Metaspace" and part.get("prepend_scheme", "always") != "never") for part in found)
+    return any(
+        part.get("type") == "Prepend"
+        or (part.get("type") == "Metaspace" and part.get("prepend_scheme", "always") != "never")
+        for part in found
+    )
 
 
 def _pre_tokenizer(tokenizer: Any, spec: dict) -> str:
@@ -149,7 +164,9 @@ def _pre_tokenizer(tokenizer: Any, spec: dict) -> str:
     if pre.get("type") == "ByteLevel" and pre.get("use_regex", True):
         return "gpt-2"  # the GPT-2 regex, which llama.cpp's gpt-2 pre-tokenizer applies
     known = ", ".join(sorted(set(PRE_TOKENIZERS.values())))
-    raise SlimlmError(f"GGUF export does not know this tokenizer's pre-tokenizer (hash {digest[:12]}); llama.cpp's known ones include {known}")
+    raise SlimlmError(
+        f"GGUF export does not know this tokenizer's pre-tokenizer (hash {digest[:12]}); llama.cpp's known ones include {known}"
+    )
 
 
 def _adds_bos(tokenizer: Any) -> bool:

@@ -47,7 +47,9 @@ def _best_seconds(x: torch.Tensor, w: torch.Tensor, repeats: int = 3) -> float:
     return best
 
 
-def linear_in_float32(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+def linear_in_float32(
+    input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """F.linear of half-precision CPU tensors, multiplied in float32 and rounded to the input's
     dtype, as hardware half-precision matrix units do."""
     out = torch.empty(*input.shape[:-1], weight.shape[0], dtype=input.dtype)
@@ -61,7 +63,11 @@ def linear_in_float32(input: torch.Tensor, weight: torch.Tensor, bias: Optional[
 
 def _computes_in_float32(args: tuple, kwargs: dict) -> bool:
     tensors = [*args, *kwargs.values()]
-    return all(not isinstance(t, torch.Tensor) or (t.device.type == "cpu" and t.dtype in HALF and t.dtype == args[0].dtype) for t in tensors)
+    return all(
+        not isinstance(t, torch.Tensor)
+        or (t.device.type == "cpu" and t.dtype in HALF and t.dtype == args[0].dtype)
+        for t in tensors
+    )
 
 
 class _Float32Linears(TorchFunctionMode):

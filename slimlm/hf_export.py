@@ -68,10 +68,20 @@ def hf_layout(model: nn.Module, dtype: torch.dtype) -> tuple[list[TensorSpec], d
             shape = (layer.out_features,) if field == "bias" else (layer.out_features, layer.in_features)
             add(f"{module}.{field}", (module, field), dtype, shape)
         else:
-            add(key, (module, field), dtype if tensor.is_floating_point() else tensor.dtype, tuple(tensor.shape))
+            add(
+                key,
+                (module, field),
+                dtype if tensor.is_floating_point() else tensor.dtype,
+                tuple(tensor.shape),
+            )
     embedding = model.get_input_embeddings()
     if isinstance(embedding, QuantEmbedding):  # tied to the quantized head: the head's codes are the table
-        add(f"{names[embedding]}.weight", (head, "weight"), dtype, (embedding.num_embeddings, embedding.embedding_dim))
+        add(
+            f"{names[embedding]}.weight",
+            (head, "weight"),
+            dtype,
+            (embedding.num_embeddings, embedding.embedding_dim),
+        )
     return specs, origins
 
 
@@ -83,7 +93,14 @@ def hf_tensor(module: nn.Module, field: str, dtype: torch.dtype) -> torch.Tensor
     return tensor.to(dtype) if tensor.is_floating_point() else tensor
 
 
-def write_hf(model: nn.Module, module_at: Callable[[str], nn.Module], tokenizer: Any, generation_config: Any, path: Path, dtype: str) -> dict:
+def write_hf(
+    model: nn.Module,
+    module_at: Callable[[str], nn.Module],
+    tokenizer: Any,
+    generation_config: Any,
+    path: Path,
+    dtype: str,
+) -> dict:
     """Write the plain checkpoint of `model` at `path` (atomically), asking `module_at(name)` for
     each module whose tensors come next."""
     if dtype not in DTYPES:
@@ -97,7 +114,10 @@ def write_hf(model: nn.Module, module_at: Callable[[str], nn.Module], tokenizer:
         module, field = origins[spec.name]
         return hf_tensor(module_at(module), field, spec.dtype)
 
-    with staged_directory(path) as staging, tqdm(total=sum(spec.nbytes for spec in specs), unit="B", unit_scale=True, desc="hf export") as bar:
+    with (
+        staged_directory(path) as staging,
+        tqdm(total=sum(spec.nbytes for spec in specs), unit="B", unit_scale=True, desc="hf export") as bar,
+    ):
         write_weights(staging, specs, produce, DEFAULT_SHARD_BYTES, HF_METADATA, bar.update)
         save_model_files(staging, config, generation_config, tokenizer)
     path = Path(path)
@@ -106,14 +126,23 @@ def write_hf(model: nn.Module, module_at: Callable[[str], nn.Module], tokenizer:
 
 def export_hf(model: nn.Module, tokenizer: Any, path: Path, dtype: str) -> dict:
     """Write the dequantized in-memory `model` as an HF checkpoint directory at `path`."""
-    return write_hf(model, model.get_submodule, tokenizer, getattr(model, "generation_config", None), path, dtype)
+    return write_hf(
+        model, model.get_submodule, tokenizer, getattr(model, "generation_config", None), path, dtype
+    )
 
 
 def export_hf_from_artifact(artifact: Path, path: Path, dtype: str) -> dict:
     """Write the slimlm artifact at `artifact` as a dequantized HF checkpoint directory at
     `path`, reading one module of it at a time (checksums verified first)."""
     parts = ArtifactParts(artifact)
-    return write_hf(parts.skeleton, OneModuleAtATime(parts), artifact_tokenizer(parts.path), generation_config_of(parts.path), path, dtype)
+    return write_hf(
+        parts.skeleton,
+        OneModuleAtATime(parts),
+        artifact_tokenizer(parts.path),
+        generation_config_of(parts.path),
+        path,
+        dtype,
+    )
 
 
 class OneModuleAtATime:

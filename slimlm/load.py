@@ -25,7 +25,9 @@ class LoadParams:
 
     def __post_init__(self) -> None:
         if self.bnb is not None and self.bnb not in BNB_MODES:
-            raise ConfigError(f"load.bnb='{self.bnb}' is unknown; use {' or '.join(BNB_MODES)}, or leave it out")
+            raise ConfigError(
+                f"load.bnb='{self.bnb}' is unknown; use {' or '.join(BNB_MODES)}, or leave it out"
+            )
         if self.bnb and self.artifact:
             raise ConfigError("load: give either bnb or artifact, not both")
 
@@ -45,4 +47,6 @@ def always(state: RunState, params: LoadParams) -> bool:
     return True
 
 
-LOAD = Stage(name="load", params=LoadParams, run=run, on_disk=(DiskRun(always, run),))  # needs no model loaded before it
+LOAD = Stage(
+    name="load", params=LoadParams, run=run, on_disk=(DiskRun(always, run),)
+)  # needs no model loaded before it

@@ -71,7 +71,9 @@ def _sampled_peak_rss(interval_s: float = 0.001) -> Iterator[PeakMemory]:
     try:
         import psutil
     except ImportError:
-        raise SlimlmError("measuring peak memory on this system needs psutil: run `pip install psutil`") from None
+        raise SlimlmError(
+            "measuring peak memory on this system needs psutil: run `pip install psutil`"
+        ) from None
     process = psutil.Process()
     peak = PeakMemory("rss", process.memory_info().rss)
     stop = threading.Event()

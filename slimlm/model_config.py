@@ -43,13 +43,19 @@ def read_model_config(directory: Path, remedy: str):
 
     try:
         config = AutoConfig.from_pretrained(directory)
-    except Exception as error:  # transformers' own validation raises many kinds; each means the file is unusable
-        raise SlimlmError(f"'{Path(directory) / 'config.json'}' cannot be read ({first_line(error)}); {remedy}") from None
+    except (
+        Exception
+    ) as error:  # transformers' own validation raises many kinds; each means the file is unusable
+        raise SlimlmError(
+            f"'{Path(directory) / 'config.json'}' cannot be read ({first_line(error)}); {remedy}"
+        ) from None
     for part in (config, getattr(config, "text_config", None)):
         for key, limit in SIZE_LIMITS.items():
             value = getattr(part, key, None)
             if value is not None and not (type(value) is int and 0 < value <= limit):
-                raise SlimlmError(f"'{Path(directory) / 'config.json'}' gives {key} = {str(value)[:40]}, not a whole number from 1 to {limit:,}; {remedy}")
+                raise SlimlmError(
+                    f"'{Path(directory) / 'config.json'}' gives {key} = {str(value)[:40]}, not a whole number from 1 to {limit:,}; {remedy}"
+                )
     return config
 
 
@@ -65,12 +71,16 @@ def empty_model(config, dtype: Optional[torch.dtype], directory: Path, remedy: s
     chosen: Any = dtype or getattr(config, "dtype", None) or torch.float32
     chosen = getattr(torch, chosen, None) if isinstance(chosen, str) else chosen
     if not isinstance(chosen, torch.dtype):
-        raise SlimlmError(f"'{Path(directory) / 'config.json'}' gives dtype {str(getattr(config, 'dtype', None))[:40]}, not a torch dtype; {remedy}")
+        raise SlimlmError(
+            f"'{Path(directory) / 'config.json'}' gives dtype {str(getattr(config, 'dtype', None))[:40]}, not a torch dtype; {remedy}"
+        )
     try:
         with no_init_weights(), init_empty_weights(include_buffers=False):
             return AutoModelForCausalLM.from_config(config, dtype=chosen)
     except Exception as error:  # as above: transformers checks values as it builds
-        raise SlimlmError(f"'{Path(directory) / 'config.json'}' describes no model transformers can build ({first_line(error)}); {remedy}") from None
+        raise SlimlmError(
+            f"'{Path(directory) / 'config.json'}' describes no model transformers can build ({first_line(error)}); {remedy}"
+        ) from None
 
 
 def first_line(error: BaseException) -> str:

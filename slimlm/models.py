@@ -47,23 +47,36 @@ def resolve_model(cfg: ModelConfig) -> ModelSource:
     elif path.is_dir():
         config_file = path / "config.json"
         if not config_file.is_file():
-            raise SlimlmError(f"model.path '{cfg.path}' is a directory without config.json: point it at a Hugging Face checkpoint directory, a slimlm artifact or a .gguf file")
+            raise SlimlmError(
+                f"model.path '{cfg.path}' is a directory without config.json: point it at a Hugging Face checkpoint directory, a slimlm artifact or a .gguf file"
+            )
         config = read_json_object(config_file, "fix or replace the checkpoint's config.json")
         kind = "artifact" if (path / MANIFEST).is_file() else "hf-dir"
-        source = ModelSource(cfg.path, kind, path, config.get("model_type"), config.get("max_position_embeddings"))
+        source = ModelSource(
+            cfg.path, kind, path, config.get("model_type"), config.get("max_position_embeddings")
+        )
     elif path.exists():
         raise SlimlmError(f"model.path '{cfg.path}' is neither a checkpoint directory nor a .gguf file")
     elif HUB_ID.match(cfg.path) and not cfg.path.startswith((".", "/", "~")):
         source = ModelSource(cfg.path, "hub", None, None)
     else:
-        raise SlimlmError(f"model.path '{cfg.path}' does not exist: give a local checkpoint directory, a .gguf file or a hub id (org/name)")
-    architecture = gguf_model_type(cfg.path, source.architecture) if source.kind == "gguf" else source.architecture
+        raise SlimlmError(
+            f"model.path '{cfg.path}' does not exist: give a local checkpoint directory, a .gguf file or a hub id (org/name)"
+        )
+    architecture = (
+        gguf_model_type(cfg.path, source.architecture) if source.kind == "gguf" else source.architecture
+    )
     check_compressible(cfg.path, architecture)
     return source
 
 
 # llama.cpp's names for architectures that transformers calls otherwise
-GGUF_ARCHITECTURES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss", "minimax-m2": "minimax_m2"}
+GGUF_ARCHITECTURES = {
+    "qwen2moe": "qwen2_moe",
+    "qwen3moe": "qwen3_moe",
+    "gpt-oss": "gpt_oss",
+    "minimax-m2": "minimax_m2",
+}
 
 
 def gguf_model_type(path: str, architecture: str) -> str:
@@ -73,7 +86,9 @@ def gguf_model_type(path: str, architecture: str) -> str:
 
     model_type = GGUF_ARCHITECTURES.get(architecture, architecture)
     if model_type not in GGUF_SUPPORTED_ARCHITECTURES:
-        raise SlimlmError(f"model '{path}' is a GGUF file of architecture '{architecture}', which transformers cannot read (it reads {', '.join(sorted(GGUF_SUPPORTED_ARCHITECTURES))}); give a Hugging Face checkpoint directory instead")
+        raise SlimlmError(
+            f"model '{path}' is a GGUF file of architecture '{architecture}', which transformers cannot read (it reads {', '.join(sorted(GGUF_SUPPORTED_ARCHITECTURES))}); give a Hugging Face checkpoint directory instead"
+        )
     return model_type
 
 
@@ -85,7 +100,9 @@ def _gguf_header(path: Path) -> tuple[str, Optional[int]]:
     metadata = read_gguf_header(path).metadata
     architecture = metadata.get("general.architecture")
     if not isinstance(architecture, str):
-        raise SlimlmError(f"GGUF file '{path.name}' has no general.architecture key; it was not written by a GGUF converter")
+        raise SlimlmError(
+            f"GGUF file '{path.name}' has no general.architecture key; it was not written by a GGUF converter"
+        )
     context = metadata.get(f"{architecture}.context_length")
     return architecture, (int(context) if isinstance(context, int) else None)
 
@@ -106,13 +123,23 @@ def load_model(cfg: ModelConfig, device: torch.device, sha256: Optional[str] = N
     dtype = DTYPES[cfg.dtype]
     if source.kind == "artifact":
         if cfg.bnb is not None:
-            raise SlimlmError("model.bnb applies to an original checkpoint, not to a slimlm artifact; drop model.bnb")
+            raise SlimlmError(
+                "model.bnb applies to an original checkpoint, not to a slimlm artifact; drop model.bnb"
+            )
         artifact = load_artifact(source.path, device)
         # The artifact's source hash: its KL is measured against the model it was made from.
-        return LoadedModel(artifact.model, artifact.tokenizer, source, artifact.manifest.get("source", {}).get("sha256"), artifact.manifest)
+        return LoadedModel(
+            artifact.model,
+            artifact.tokenizer,
+            source,
+            artifact.manifest.get("source", {}).get("sha256"),
+            artifact.manifest,
+        )
     sha256 = sha256 or source_sha256(source)
     directory = checkpoint_directory(source, sha256) or source.id
-    model, tokenizer = _from_pretrained(str(directory), dtype, cfg.revision, source, **bnb_arguments(cfg.bnb, dtype, device))
+    model, tokenizer = _from_pretrained(
+        str(directory), dtype, cfg.revision, source, **bnb_arguments(cfg.bnb, dtype, device)
+    )
     check_compressible(cfg.path, model.config.model_type)  # hub ids are only known once loaded
     split_experts(model)  # mixture-of-experts blocks: one Linear per expert projection
     if cfg.bnb is None:
@@ -151,28 +178,40 @@ def bnb_arguments(bnb: Optional[str], dtype: torch.dtype, device: torch.device) 
     if bnb == "int8":
         config = BitsAndBytesConfig(load_in_8bit=True)
     else:
-        config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
+        config = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype
+        )
     return {"quantization_config": config, "device_map": str(device)}
 
 
-def _from_pretrained(location: str, dtype: torch.dtype, revision: Optional[str], source: ModelSource, **kwargs: Any):
+def _from_pretrained(
+    location: str, dtype: torch.dtype, revision: Optional[str], source: ModelSource, **kwargs: Any
+):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(location, revision=revision, **kwargs)
-        model, info = AutoModelForCausalLM.from_pretrained(location, dtype=dtype, revision=revision, output_loading_info=True, **kwargs)
+        model, info = AutoModelForCausalLM.from_pretrained(
+            location, dtype=dtype, revision=revision, output_loading_info=True, **kwargs
+        )
     except OSError as error:
         if source.kind == "hub":
-            raise SlimlmError(f"could not fetch '{location}' from the Hugging Face hub ({str(error).splitlines()[0]}); without network, point model.path at a local checkpoint directory or .gguf file") from None
+            raise SlimlmError(
+                f"could not fetch '{location}' from the Hugging Face hub ({str(error).splitlines()[0]}); without network, point model.path at a local checkpoint directory or .gguf file"
+            ) from None
         raise SlimlmError(f"could not load the model at '{location}': {str(error).splitlines()[0]}") from None
     except Exception as error:  # safetensors and the quantizers raise their own kinds on damaged files
-        raise SlimlmError(f"could not load the model at '{location}' ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else 'damaged'}); re-download or re-export it") from None
+        raise SlimlmError(
+            f"could not load the model at '{location}' ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else 'damaged'}); re-download or re-export it"
+        ) from None
     # transformers fills missing tensors with random values and only warns: a damaged checkpoint
     # would then score like a broken model. A tied head is the one tensor allowed to be absent.
     tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
     missing = sorted(set(info.get("missing_keys", [])) - tied)
     if missing:
-        raise SlimlmError(f"the checkpoint at '{location}' lacks {len(missing)} tensors its config needs (e.g. {missing[0]}); re-download or re-export it")
+        raise SlimlmError(
+            f"the checkpoint at '{location}' lacks {len(missing)} tensors its config needs (e.g. {missing[0]}); re-download or re-export it"
+        )
     return model, tokenizer
 
 
@@ -225,9 +264,13 @@ def gguf_checkpoint(gguf_path: Path, sha256: str) -> Path:
         try:
             tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs)
             config = gguf_config(gguf_path)
-            model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=torch.float32, config=config, **kwargs)
+            model = AutoModelForCausalLM.from_pretrained(
+                gguf_path.parent, dtype=torch.float32, config=config, **kwargs
+            )
         except Exception as error:  # transformers' GGUF reader raises many kinds on a file it cannot take
-            raise SlimlmError(f"GGUF file '{gguf_path.name}' cannot be converted ({first_line(error)}); re-download or re-export it") from None
+            raise SlimlmError(
+                f"GGUF file '{gguf_path.name}' cannot be converted ({first_line(error)}); re-download or re-export it"
+            ) from None
         # The weights are now plain float tensors; the GGUF quantization record no longer applies.
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):

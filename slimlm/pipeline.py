@@ -52,7 +52,9 @@ class RunState:
     # stage wrote), or None for the run's source model.
     on_disk: Optional[Path] = None
     resumes: bool = False  # the run directory held an unfinished run (killed or failed) that this run redoes
-    scratch: list[Path] = field(default_factory=list)  # kept for a resumed run to go on from; removed when the run completes
+    scratch: list[Path] = field(
+        default_factory=list
+    )  # kept for a resumed run to go on from; removed when the run completes
 
     def output_path(self, name: str) -> Path:
         """Where a stage writes its output `name` in the run directory. In a run that resumes an
@@ -110,7 +112,11 @@ class RunState:
         self.on_disk = Path(path)
         self.memo["model_origin"] = origin
         self.memo.pop("changes", None)
-        self.schemes = {name: scheme_of(record).to_dict() for name, record in parse_manifest(path)["modules"].items()} if is_artifact(path) else {}
+        self.schemes = (
+            {name: scheme_of(record).to_dict() for name, record in parse_manifest(path)["modules"].items()}
+            if is_artifact(path)
+            else {}
+        )
 
     def adopt(self, loaded: Any, origin: Optional[str]) -> None:
         """Make a freshly loaded model (slimlm.models.LoadedModel) the current one."""
@@ -120,9 +126,13 @@ class RunState:
         self.memo["model_origin"] = origin
         self.memo.pop("changes", None)
         if loaded.manifest is not None:  # a slimlm artifact: compressed, made from its source model
-            self.schemes = {name: scheme_of(record).to_dict() for name, record in loaded.manifest["modules"].items()}
+            self.schemes = {
+                name: scheme_of(record).to_dict() for name, record in loaded.manifest["modules"].items()
+            }
             self.memo["model_origin"] = origin or f"artifact {loaded.source.id}"
-            self.memo["original_model_cfg"] = OmegaConf.merge(self.cfg.model, {"path": loaded.manifest["source"]["id"]})
+            self.memo["original_model_cfg"] = OmegaConf.merge(
+                self.cfg.model, {"path": loaded.manifest["source"]["id"]}
+            )
 
 
 @dataclass(frozen=True)
@@ -160,7 +170,11 @@ def run_stage(state: RunState, planned: PlannedStage) -> Optional[float]:
     """Run one planned stage, loading the model first if the stage needs it in memory and no
     stage has loaded it yet; returns the seconds loading took (None: nothing loaded)."""
     try:
-        disk = next((way for way in planned.stage.on_disk if way.applies(state, planned.params)), None) if state.model is None else None
+        disk = (
+            next((way for way in planned.stage.on_disk if way.applies(state, planned.params)), None)
+            if state.model is None
+            else None
+        )
         if disk is not None:
             disk.run(state, planned.params)
             return None

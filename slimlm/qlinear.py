@@ -24,7 +24,9 @@ from torch import nn
 from slimlm.packing import PACKABLE_BITS, pack_codes, unpack_codes
 
 ADAPTER_BUFFERS = ("lora_a", "lora_b")  # a QuantLinear's adapter tensors, beside its codes
-MERGE_CHUNK_VALUES = 2**23  # weights dequantized at once by merged_weight (its temporaries: a few times 32 MB)
+MERGE_CHUNK_VALUES = (
+    2**23
+)  # weights dequantized at once by merged_weight (its temporaries: a few times 32 MB)
 
 
 @dataclass(frozen=True)
@@ -68,7 +70,14 @@ class QuantLinear(nn.Module):
     correct everywhere and exact to the stored integers; the decoder swaps in packed kernels.
     """
 
-    def __init__(self, in_features: int, out_features: int, scheme: QuantScheme, bias: bool = False, adapter_rank: int = 0):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        scheme: QuantScheme,
+        bias: bool = False,
+        adapter_rank: int = 0,
+    ):
         super().__init__()
         problem = scheme.shape_problem(in_features)
         if problem:
@@ -77,15 +86,28 @@ class QuantLinear(nn.Module):
         self.out_features = out_features
         self.scheme = scheme
         groups = scheme.groups(in_features)
-        self.register_buffer("qweight", torch.zeros(out_features, in_features * scheme.bits // 8, dtype=torch.uint8))
+        self.register_buffer(
+            "qweight", torch.zeros(out_features, in_features * scheme.bits // 8, dtype=torch.uint8)
+        )
         self.register_buffer("scales", torch.ones(out_features, groups, dtype=torch.float16))
-        self.register_buffer("zeros", None if scheme.symmetric else torch.zeros(out_features, groups, dtype=torch.uint8))
+        self.register_buffer(
+            "zeros", None if scheme.symmetric else torch.zeros(out_features, groups, dtype=torch.uint8)
+        )
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
-        self.register_buffer("lora_a", torch.zeros(adapter_rank, in_features) if adapter_rank else None)  # ADAPTER_BUFFERS
+        self.register_buffer(
+            "lora_a", torch.zeros(adapter_rank, in_features) if adapter_rank else None
+        )  # ADAPTER_BUFFERS
         self.register_buffer("lora_b", torch.zeros(out_features, adapter_rank) if adapter_rank else None)
 
     @classmethod
-    def from_codes(cls, codes: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor], scheme: QuantScheme, bias: Optional[torch.Tensor]) -> "QuantLinear":
+    def from_codes(
+        cls,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        zeros: Optional[torch.Tensor],
+        scheme: QuantScheme,
+        bias: Optional[torch.Tensor],
+    ) -> "QuantLinear":
         """Build from unpacked codes [out, in] (uint8), scales [out, groups] and zeros (asymmetric)."""
         layer = cls(codes.shape[1], codes.shape[0], scheme, bias=bias is not None).to(codes.device)
         layer.qweight.copy_(pack_codes(codes, scheme.bits))
@@ -104,17 +126,28 @@ class QuantLinear(nn.Module):
         """Add the adapter y += (x down^T) up^T: down [rank, in], up [out, rank], LoRA's alpha /
         rank scale already in `up`. A second adapter (a second LoRA run) stacks on the first:
         their ranks add."""
-        if down.shape[1] != self.in_features or up.shape[0] != self.out_features or down.shape[0] != up.shape[1]:
-            raise ValueError(f"an adapter of shapes {tuple(down.shape)} and {tuple(up.shape)} does not fit a {self.out_features}x{self.in_features} layer")
+        if (
+            down.shape[1] != self.in_features
+            or up.shape[0] != self.out_features
+            or down.shape[0] != up.shape[1]
+        ):
+            raise ValueError(
+                f"an adapter of shapes {tuple(down.shape)} and {tuple(up.shape)} does not fit a {self.out_features}x{self.in_features} layer"
+            )
         down, up = down.detach(), up.detach()
         if self.lora_a is not None:
-            down, up = torch.cat([self.lora_a, down.to(self.lora_a.dtype)]), torch.cat([self.lora_b, up.to(self.lora_b.dtype)], dim=1)
+            down, up = (
+                torch.cat([self.lora_a, down.to(self.lora_a.dtype)]),
+                torch.cat([self.lora_b, up.to(self.lora_b.dtype)], dim=1),
+            )
         self.lora_a, self.lora_b = down.clone(), up.clone()
 
     def codes(self) -> torch.Tensor:
         return unpack_codes(self.qweight, self.scheme.bits)
 
-    def dequantize(self, dtype: torch.dtype = torch.float32, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def dequantize(
+        self, dtype: torch.dtype = torch.float32, rows: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         """The weight [out, in] in `dtype`, or only the output rows indexed by `rows`."""
         qweight, scales, zeros = self.qweight, self.scales, self.zeros
         if rows is not None:
@@ -158,7 +191,9 @@ def embedding_scale(embedding: nn.Module) -> float:
     return float(getattr(embedding, "scalar_embed_scale", 1.0))
 
 
-def lookup_rows(table: QuantLinear, input_ids: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+def lookup_rows(
+    table: QuantLinear, input_ids: torch.Tensor, dtype: torch.dtype, scale: float
+) -> torch.Tensor:
     """Token vectors from a quantized [vocab, hidden] table: only the rows asked for are
     dequantized, then scaled as the embedding they replace did (in `dtype`, as transformers does)."""
     vectors = table.dequantize(dtype, rows=input_ids.reshape(-1))
@@ -199,7 +234,14 @@ class QuantTable(QuantLinear):
     report and the exports treat it as one more quantized matrix. Called by transformers as the
     model's input embedding, it dequantizes just the rows of the tokens it is given."""
 
-    def __init__(self, in_features: int, out_features: int, scheme: QuantScheme, dtype: torch.dtype = torch.float32, scale: float = 1.0):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        scheme: QuantScheme,
+        dtype: torch.dtype = torch.float32,
+        scale: float = 1.0,
+    ):
         super().__init__(in_features, out_features, scheme)
         self.num_embeddings, self.embedding_dim = out_features, in_features
         self.dtype = dtype
@@ -208,7 +250,9 @@ class QuantTable(QuantLinear):
     @classmethod
     def holding(cls, layer: QuantLinear, dtype: torch.dtype, scale: float) -> "QuantTable":
         """A table holding `layer`'s codes and scales (not copied)."""
-        table = cls(layer.in_features, layer.out_features, layer.scheme, dtype, scale).to(layer.qweight.device)
+        table = cls(layer.in_features, layer.out_features, layer.scheme, dtype, scale).to(
+            layer.qweight.device
+        )
         table.qweight, table.scales, table.zeros = layer.qweight, layer.scales, layer.zeros
         return table
 

@@ -26,7 +26,9 @@ def resolve_path(spec: str) -> Path:
     if spec.startswith(CACHE_SCHEME):
         relative = Path(spec[len(CACHE_SCHEME) :])
         if relative.is_absolute() or ".." in relative.parts or not relative.parts:
-            raise SlimlmError(f"'{spec}' must name a file inside slimlm's cache (cache://folder/file), without '..'")
+            raise SlimlmError(
+                f"'{spec}' must name a file inside slimlm's cache (cache://folder/file), without '..'"
+            )
         return cache_dir() / relative
     if not spec.startswith(PKG_SCHEME):
         return Path(spec).expanduser()

@@ -63,7 +63,9 @@ def staged_directory(path: Path, what: str = "exports") -> Iterator[Path]:
     refused, never overwritten."""
     path = Path(path)
     if path.exists():
-        raise SlimlmError(f"'{path}' already exists; {what} are never overwritten: choose another name or remove it")
+        raise SlimlmError(
+            f"'{path}' already exists; {what} are never overwritten: choose another name or remove it"
+        )
     path.parent.mkdir(parents=True, exist_ok=True)
     sweep_abandoned_staging(path)
     staging = Path(tempfile.mkdtemp(prefix=f".{path.name}-partial-{os.getpid()}-", dir=path.parent))
@@ -82,7 +84,9 @@ def sweep_abandoned_staging(path: Path) -> None:
         owner = staging.name[len(path.name) + len(".-partial-") :].split("-", 1)[0]
         if owner.isdigit() and not process_alive(int(owner)) and staging.is_dir():
             shutil.rmtree(staging, ignore_errors=True)
-            logging.getLogger("slimlm").warning("removed '%s', the unfinished output of an interrupted run (process %s)", staging, owner)
+            logging.getLogger("slimlm").warning(
+                "removed '%s', the unfinished output of an interrupted run (process %s)", staging, owner
+            )
 
 
 def process_alive(pid: int) -> bool:
@@ -111,8 +115,15 @@ def claim_run_dir(run_dir: Path) -> bool:
     unfinished = previous.get("status") == "failed"
     if previous.get("status") == "running" and type(pid) is int and pid > 0 and pid != os.getpid():
         if process_alive(pid):
-            raise SlimlmError(f"'{run_dir}' is in use by a run still going (process {pid}); wait for it to end, or give this run another hydra.run.dir")
-        logging.getLogger("slimlm").warning("'%s' held a run that was killed before it could end (process %s, started %s); this run replaces it", run_dir, pid, previous.get("time_utc"))
+            raise SlimlmError(
+                f"'{run_dir}' is in use by a run still going (process {pid}); wait for it to end, or give this run another hydra.run.dir"
+            )
+        logging.getLogger("slimlm").warning(
+            "'%s' held a run that was killed before it could end (process %s, started %s); this run replaces it",
+            run_dir,
+            pid,
+            previous.get("time_utc"),
+        )
         unfinished = True
     write_status(run_dir, "running")
     return unfinished
@@ -128,7 +139,10 @@ def read_status(run_dir: Path) -> dict[str, Any]:
 
 
 def write_status(run_dir: Path, status: str, error: Optional[str] = None) -> None:
-    record: dict[str, Any] = {"status": status, "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    record: dict[str, Any] = {
+        "status": status,
+        "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
     if status == "running":
         record["pid"] = os.getpid()
     if error:

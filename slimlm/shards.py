@@ -31,9 +31,19 @@ DEFAULT_SHARD_BYTES = 2 * 2**30  # about 2 GiB a shard, as transformers' save_pr
 
 # safetensors' dtype names (the format's spec); what is not here, slimlm neither writes nor reads.
 DTYPE_NAMES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-    torch.uint8: "U8", torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64", torch.bool: "BOOL",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.uint16: "U16",
+    torch.uint32: "U32",
+    torch.uint64: "U64",
+    torch.bool: "BOOL",
 }
 DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 
@@ -74,7 +84,14 @@ def plan_shards(specs: Iterable[TensorSpec], max_shard_bytes: int) -> list[list[
     return shards
 
 
-def write_weights(directory: Path, specs: list[TensorSpec], produce: Callable[[TensorSpec], torch.Tensor], max_shard_bytes: int = DEFAULT_SHARD_BYTES, metadata: Optional[dict[str, str]] = None, progress: Optional[Callable[[int], None]] = None) -> list[str]:
+def write_weights(
+    directory: Path,
+    specs: list[TensorSpec],
+    produce: Callable[[TensorSpec], torch.Tensor],
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    metadata: Optional[dict[str, str]] = None,
+    progress: Optional[Callable[[int], None]] = None,
+) -> list[str]:
     """Write the tensors `specs` names into `directory`, one shard at a time and one tensor at a
     time; returns the weights files' names (the index, when there is one, last). `progress`
     is told the bytes of each tensor written."""
@@ -90,11 +107,21 @@ def write_weights(directory: Path, specs: list[TensorSpec], produce: Callable[[T
     return [*names, INDEX]
 
 
-def _write_shard(path: Path, specs: list[TensorSpec], produce: Callable[[TensorSpec], torch.Tensor], metadata: dict[str, str], progress: Optional[Callable[[int], None]]) -> None:
+def _write_shard(
+    path: Path,
+    specs: list[TensorSpec],
+    produce: Callable[[TensorSpec], torch.Tensor],
+    metadata: dict[str, str],
+    progress: Optional[Callable[[int], None]],
+) -> None:
     header: dict[str, dict] = {"__metadata__": metadata} if metadata else {}
     offset = 0
     for spec in specs:
-        header[spec.name] = {"dtype": DTYPE_NAMES[spec.dtype], "shape": list(spec.shape), "data_offsets": [offset, offset + spec.nbytes]}
+        header[spec.name] = {
+            "dtype": DTYPE_NAMES[spec.dtype],
+            "shape": list(spec.shape),
+            "data_offsets": [offset, offset + spec.nbytes],
+        }
         offset += spec.nbytes
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned, as safetensors writes it
@@ -104,7 +131,9 @@ def _write_shard(path: Path, specs: list[TensorSpec], produce: Callable[[TensorS
         for spec in specs:
             tensor = produce(spec)
             if tensor.dtype != spec.dtype or tuple(tensor.shape) != spec.shape:
-                raise ValueError(f"{spec.name}: produced {tensor.dtype} {tuple(tensor.shape)}, planned {spec.dtype} {spec.shape}")
+                raise ValueError(
+                    f"{spec.name}: produced {tensor.dtype} {tuple(tensor.shape)}, planned {spec.dtype} {spec.shape}"
+                )
             handle.write(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
             if progress is not None:
                 progress(spec.nbytes)

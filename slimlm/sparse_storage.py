@@ -61,10 +61,18 @@ def sparse_candidates(model: nn.Module) -> Iterator[SparseCandidate]:
     seen: set[int] = set()
     for name, module in model.named_modules():
         if isinstance(module, QuantLinear):
-            pointer, candidate = module.qweight.data_ptr(), SparseCandidate(f"{name}.qweight", module.codes(), zero_codes(module), module.scheme.bits, codes=True)
+            pointer, candidate = (
+                module.qweight.data_ptr(),
+                SparseCandidate(
+                    f"{name}.qweight", module.codes(), zero_codes(module), module.scheme.bits, codes=True
+                ),
+            )
         elif isinstance(module, nn.Linear):
             weight = module.weight.detach()
-            pointer, candidate = weight.data_ptr(), SparseCandidate(f"{name}.weight", weight, 0.0, weight.element_size() * 8, codes=False)
+            pointer, candidate = (
+                weight.data_ptr(),
+                SparseCandidate(f"{name}.weight", weight, 0.0, weight.element_size() * 8, codes=False),
+            )
         else:
             continue
         if pointer not in seen:
@@ -83,17 +91,28 @@ def encode_bitmask(candidate: SparseCandidate) -> dict[str, torch.Tensor]:
     return {f"{candidate.key}.bitmask": pack_bits(keep), f"{candidate.key}.nonzeros": kept.contiguous()}
 
 
-def decode_bitmask(bitmask: torch.Tensor, nonzeros: torch.Tensor, shape: list[int], zero: Union[torch.Tensor, float], bits: int, codes: bool) -> torch.Tensor:
+def decode_bitmask(
+    bitmask: torch.Tensor,
+    nonzeros: torch.Tensor,
+    shape: list[int],
+    zero: Union[torch.Tensor, float],
+    bits: int,
+    codes: bool,
+) -> torch.Tensor:
     """The dense [out, in] matrix again (codes come back packed, as QuantLinear stores them)."""
     if tuple(bitmask.shape) != (shape[0], (shape[1] + 7) // 8):
-        raise ValueError(f"a bitmask of shape {tuple(bitmask.shape)} does not cover a {shape[0]}x{shape[1]} matrix")
+        raise ValueError(
+            f"a bitmask of shape {tuple(bitmask.shape)} does not cover a {shape[0]}x{shape[1]} matrix"
+        )
     keep = unpack_bits(bitmask, shape[1])
     count = int(keep.sum())
     kept = unpack_codes(nonzeros, bits)[:count] if codes else nonzeros
     if kept.numel() != count:
         raise ValueError(f"the bitmask keeps {count} values but {kept.numel()} are stored")
     dtype = torch.uint8 if codes else nonzeros.dtype
-    dense = torch.zeros(shape, dtype=dtype) + (zero.to(dtype) if isinstance(zero, torch.Tensor) else torch.tensor(zero, dtype=dtype))
+    dense = torch.zeros(shape, dtype=dtype) + (
+        zero.to(dtype) if isinstance(zero, torch.Tensor) else torch.tensor(zero, dtype=dtype)
+    )
     dense[keep] = kept
     return pack_codes(dense, bits) if codes else dense
 

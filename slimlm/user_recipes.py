@@ -31,7 +31,11 @@ OPTION_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+-]*$")  # what a Hydra over
 
 def bundled_recipes() -> dict[str, DictConfig]:
     """The recipes installed with slimlm (the package `slimlm.recipe`), by name."""
-    return {e.name.removesuffix(".yaml"): OmegaConf.create(e.read_text()) for e in resources.files("slimlm.recipe").iterdir() if e.name.endswith(".yaml")}
+    return {
+        e.name.removesuffix(".yaml"): OmegaConf.create(e.read_text())
+        for e in resources.files("slimlm.recipe").iterdir()
+        if e.name.endswith(".yaml")
+    }
 
 
 @dataclass
@@ -61,7 +65,9 @@ class UserRecipes:
         """Whether `path` is known already under `name`; another file of that name is refused."""
         known = self.recipes[name][0] if name in self.recipes else self.searched.get(name)
         if known is not None and known.resolve() != path.resolve():
-            raise SlimlmError(f"two recipe files are named '{name}': '{known}' and '{path}'; rename one of them")
+            raise SlimlmError(
+                f"two recipe files are named '{name}': '{known}' and '{path}'; rename one of them"
+            )
         return known is not None
 
 
@@ -84,7 +90,9 @@ def env_directories() -> list[Path]:
     for entry in filter(None, os.environ.get(RECIPES_ENV, "").split(os.pathsep)):
         directory = Path(entry).expanduser()
         if not directory.is_dir():
-            raise SlimlmError(f"{RECIPES_ENV} names '{entry}', which is not a directory; list directories of recipe .yaml files, separated by '{os.pathsep}'")
+            raise SlimlmError(
+                f"{RECIPES_ENV} names '{entry}', which is not a directory; list directories of recipe .yaml files, separated by '{os.pathsep}'"
+            )
         directories.append(directory)
     return directories
 
@@ -92,7 +100,11 @@ def env_directories() -> list[Path]:
 def searchpath_directories(args: Sequence[str]) -> list[Path]:
     """`<dir>/recipe` of each `file://<dir>` in a hydra.searchpath override: where Hydra looks
     for options of the `recipe` group (it loads them as they are: they must set `name`)."""
-    entries = [entry[len("file://") :] for entry in override_values(args, "hydra.searchpath") if isinstance(entry, str) and entry.startswith("file://")]
+    entries = [
+        entry[len("file://") :]
+        for entry in override_values(args, "hydra.searchpath")
+        if isinstance(entry, str) and entry.startswith("file://")
+    ]
     return [Path(entry) / "recipe" for entry in entries if (Path(entry) / "recipe").is_dir()]
 
 
@@ -116,7 +128,10 @@ def named_recipes(arg: str, found: UserRecipes, bundled: Sequence[str]) -> str:
     values = override_values([arg], "recipe")
     if not any(isinstance(value, str) and value.endswith(".yaml") for value in values):
         return arg
-    names = [found.add(Path(value).expanduser(), bundled) if str(value).endswith(".yaml") else str(value) for value in values]
+    names = [
+        found.add(Path(value).expanduser(), bundled) if str(value).endswith(".yaml") else str(value)
+        for value in values
+    ]
     return "recipe=" + ",".join(names)
 
 
@@ -125,22 +140,34 @@ def read_recipe(path: Path, bundled: Sequence[str]) -> DictConfig:
     the file's stem unless it sets one, and `file` says where it came from."""
     shown = f"recipe file '{path}'"
     if not path.exists():
-        raise SlimlmError(f"{shown} does not exist; give the path of a recipe .yaml file (relative to the working directory) or a recipe name: {', '.join(sorted(bundled))}")
+        raise SlimlmError(
+            f"{shown} does not exist; give the path of a recipe .yaml file (relative to the working directory) or a recipe name: {', '.join(sorted(bundled))}"
+        )
     if not path.is_file():
-        raise SlimlmError(f"{shown} is not a file; give one .yaml file, or put the directory holding them in ${RECIPES_ENV}")
+        raise SlimlmError(
+            f"{shown} is not a file; give one .yaml file, or put the directory holding them in ${RECIPES_ENV}"
+        )
     stem = path.name.removesuffix(".yaml")
     if not OPTION_NAME.match(stem):
-        raise SlimlmError(f"{shown}: rename the file to letters, digits and '_', '.', '+', '-' (its name becomes the recipe's option name)")
+        raise SlimlmError(
+            f"{shown}: rename the file to letters, digits and '_', '.', '+', '-' (its name becomes the recipe's option name)"
+        )
     if stem in bundled:
-        raise SlimlmError(f"{shown} is named like the bundled recipe '{stem}'; rename the file (e.g. my-{stem}.yaml)")
+        raise SlimlmError(
+            f"{shown} is named like the bundled recipe '{stem}'; rename the file (e.g. my-{stem}.yaml)"
+        )
     if path.stat().st_size > MAX_RECIPE_BYTES:
-        raise SlimlmError(f"{shown} is {path.stat().st_size} bytes, larger than any recipe ({MAX_RECIPE_BYTES} at most); check the path")
+        raise SlimlmError(
+            f"{shown} is {path.stat().st_size} bytes, larger than any recipe ({MAX_RECIPE_BYTES} at most); check the path"
+        )
     node = parse_mapping(path, shown)
     name = node.get("name")
     if name is None:
         node.name = stem
     elif name in bundled:
-        raise SlimlmError(f"{shown} sets name: {name}, a bundled recipe's name, so its runs would pass for that recipe's; set name: {stem} (or remove the line)")
+        raise SlimlmError(
+            f"{shown} sets name: {name}, a bundled recipe's name, so its runs would pass for that recipe's; set name: {stem} (or remove the line)"
+        )
     node.file = str(path)
     return node
 
@@ -154,12 +181,16 @@ def parse_mapping(path: Path, shown: str) -> DictConfig:
     except UnicodeDecodeError:
         raise SlimlmError(f"{shown} is not UTF-8 text; save the recipe as UTF-8 YAML") from None
     except yaml.MarkedYAMLError as error:
-        raise SlimlmError(f"{shown} is not valid YAML ({error.problem} at line {error.problem_mark.line + 1}); fix it") from None
+        raise SlimlmError(
+            f"{shown} is not valid YAML ({error.problem} at line {error.problem_mark.line + 1}); fix it"
+        ) from None
     except (yaml.YAMLError, OmegaConfBaseException) as error:
         raise SlimlmError(f"{shown} is not valid YAML ({' '.join(str(error).split())}); fix it") from None
     except OSError as error:
         raise SlimlmError(f"cannot read {shown} ({error.strerror}); check its permissions") from None
     if node is None:
         kind = "an empty file" if value is None else f"a YAML {type(value).__name__}"
-        raise SlimlmError(f"{shown} holds {kind}, not a mapping; a recipe is a mapping with name, description and stages (see the bundled ones with `slimlm --cfg job recipe=demo`)")
+        raise SlimlmError(
+            f"{shown} holds {kind}, not a mapping; a recipe is a mapping with name, description and stages (see the bundled ones with `slimlm --cfg job recipe=demo`)"
+        )
     return node

@@ -31,9 +31,15 @@ def build_tokenizer():
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=384, special_tokens=["<|endoftext|>", "<|user|>", "<|assistant|>", "<|end|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=384,
+        special_tokens=["<|endoftext|>", "<|user|>", "<|assistant|>", "<|end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tokenizer.train_from_iterator([CALIBRATION.read_text(encoding="utf-8")[:60_000]], trainer)
-    wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|end|>", bos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, eos_token="<|end|>", bos_token="<|endoftext|>", pad_token="<|endoftext|>"
+    )
     wrapped.chat_template = CHAT_TEMPLATE
     return wrapped
 
@@ -65,7 +71,21 @@ def build_tiny_mistral(vocab_size: int, sliding_window: int = 8):
     from transformers import MistralConfig, MistralForCausalLM
 
     torch.manual_seed(0)
-    config = MistralConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True, sliding_window=sliding_window, initializer_range=0.2, bos_token_id=0, eos_token_id=3, pad_token_id=0)
+    config = MistralConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        sliding_window=sliding_window,
+        initializer_range=0.2,
+        bos_token_id=0,
+        eos_token_id=3,
+        pad_token_id=0,
+    )
     return MistralForCausalLM(config).eval()
 
 

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from slimlm.artifact import load_artifact, planner_inputs, save_artifact
-from slimlm.compress.quantize import QuantizeParams, run as quantize
+from slimlm.compress.quantize import QuantizeParams
+from slimlm.compress.quantize import run as quantize
 from slimlm.distill.stage import DistillParams, check_lora_targets, finish_lora, with_lora
 from slimlm.errors import ConfigError, SlimlmError
 from slimlm.inference import cpu_kernels
@@ -21,7 +22,15 @@ from slimlm.qlinear import QuantLinear, QuantScheme
 def adapted(model, tokenizer, tmp_path, rank=2, **quantize_params):
     """The tiny model quantized, given peft adapters with random (not zero) up-projections, and
     finished as distillation finishes it; also the logits peft computed before finishing."""
-    state = RunState(cfg=None, run_dir=tmp_path, model=model, tokenizer=tokenizer, source=None, source_sha256=None, device=torch.device("cpu"))
+    state = RunState(
+        cfg=None,
+        run_dir=tmp_path,
+        model=model,
+        tokenizer=tokenizer,
+        source=None,
+        source_sha256=None,
+        device=torch.device("cpu"),
+    )
     quantize(state, QuantizeParams(**({"bits": 4, "group_size": 32} | quantize_params)))
     peft_model = with_lora(state.model, DistillParams(lora_rank=rank, lora_alpha=4.0))
     torch.manual_seed(1)
@@ -35,7 +44,13 @@ def adapted(model, tokenizer, tmp_path, rank=2, **quantize_params):
     return state, ids, expected
 
 
-ADAPTER_BUFFERS = {"lora_down", "lora_up", "lora_tiles", "down", "up"}  # inside the int8-activation kernels' call; beside the others (LowRankAdapter)
+ADAPTER_BUFFERS = {
+    "lora_down",
+    "lora_up",
+    "lora_tiles",
+    "down",
+    "up",
+}  # inside the int8-activation kernels' call; beside the others (LowRankAdapter)
 
 
 def test_finishing_hands_the_adapters_to_the_quantized_layers(tiny_model, tiny_tokenizer, tmp_path):
@@ -51,34 +66,69 @@ def test_the_artifact_keeps_the_adapters_and_the_decoder_runs_them(tiny_model, t
     """Every decoder path: dequantized reference, torch's int4 kernel with the adapter beside it,
     and (groups of 64) slimlm's int8-activation kernel with the adapter inside its call."""
     state, ids, expected = adapted(tiny_model, tiny_tokenizer, tmp_path, group_size=64)
-    path = save_artifact(state.model, tiny_tokenizer, tmp_path / "artifact", state.schemes, source={"id": "tiny"})
+    path = save_artifact(
+        state.model, tiny_tokenizer, tmp_path / "artifact", state.schemes, source={"id": "tiny"}
+    )
     loaded = load_artifact(path)
     assert loaded.manifest["modules"]["model.layers.0.mlp.down_proj"]["adapter_rank"] == 2
     with torch.no_grad():
         torch.testing.assert_close(loaded.model(ids).logits, expected)
     pad = torch.zeros(2, dtype=torch.long)
-    variants = [{"kernels": False}, {"kernels": True}] + ([{"kernels": True, "int8_activations": True}] if cpu_kernels.available() else [])
+    variants = [{"kernels": False}, {"kernels": True}] + (
+        [{"kernels": True, "int8_activations": True}] if cpu_kernels.available() else []
+    )
     for options in variants:
         decoder, manifest = load_decoder(path, dtype=torch.float32, **options)
-        assert all(kind.endswith("+lora") for kind in describe_kernels(decoder) if not kind.startswith("head"))
+        assert all(
+            kind.endswith("+lora") for kind in describe_kernels(decoder) if not kind.startswith("head")
+        )
         decoder.setup_cache(2, 32)
         with torch.no_grad():
             logits = decoder(ids, 0, pad)
         tolerance = 0.05 if options.get("int8_activations") else 1e-4  # activations rounded to int8
         torch.testing.assert_close(logits, expected, rtol=tolerance, atol=tolerance)
     for int8_activations in (False, True) if cpu_kernels.available() else (False,):
-        decoder, manifest = load_decoder(path, dtype=torch.bfloat16, int8_activations=int8_activations)  # the planner's activation dtype
+        decoder, manifest = load_decoder(
+            path, dtype=torch.bfloat16, int8_activations=int8_activations
+        )  # the planner's activation dtype
         schemes, ranks = planner_inputs(manifest)
         args = ModelArgs.from_hf_config(tiny_model.config)
-        planned = budget(args, schemes, HARDWARE["cpu"], context=32, batch=2, int8_activations=int8_activations, adapter_ranks=ranks)
+        planned = budget(
+            args,
+            schemes,
+            HARDWARE["cpu"],
+            context=32,
+            batch=2,
+            int8_activations=int8_activations,
+            adapter_ranks=ranks,
+        )
         assert planned.weight_bytes == pytest.approx(decoder.weight_bytes(), rel=0.02)
-        adapters = sum(buffer.nbytes for name, buffer in decoder.named_buffers() if name.rpartition(".")[2] in ADAPTER_BUFFERS)
-        assert adapters and planned.weight_bytes - budget(args, schemes, HARDWARE["cpu"], context=32, batch=2, int8_activations=int8_activations).weight_bytes == adapters
+        adapters = sum(
+            buffer.nbytes
+            for name, buffer in decoder.named_buffers()
+            if name.rpartition(".")[2] in ADAPTER_BUFFERS
+        )
+        assert (
+            adapters
+            and planned.weight_bytes
+            - budget(
+                args, schemes, HARDWARE["cpu"], context=32, batch=2, int8_activations=int8_activations
+            ).weight_bytes
+            == adapters
+        )
 
 
 @pytest.mark.parametrize("int8_activations", [False, True])
-@pytest.mark.parametrize("outs, ranks, bits", [((128, 32, 32), (4, 0, 2), (4, 4, 4)), ((128, 32, 32), (4, 8, 2), (4, 4, 4)), ((128, 24, 24), (4, 3, 2), (4, 4, 4)), ((128, 32, 32), (4, 0, 2), (4, 8, 8))],
-                         ids=["a-part-without", "every-part", "parts-straddle-tiles", "mixed-schemes"])
+@pytest.mark.parametrize(
+    "outs, ranks, bits",
+    [
+        ((128, 32, 32), (4, 0, 2), (4, 4, 4)),
+        ((128, 32, 32), (4, 8, 2), (4, 4, 4)),
+        ((128, 24, 24), (4, 3, 2), (4, 4, 4)),
+        ((128, 32, 32), (4, 0, 2), (4, 8, 8)),
+    ],
+    ids=["a-part-without", "every-part", "parts-straddle-tiles", "mixed-schemes"],
+)
 def test_planned_adapter_bytes_are_what_a_fused_layer_holds(outs, ranks, bits, int8_activations):
     """Exactly, also where a tile of 16 rows straddles two parts and keeps both parts' columns."""
     if int8_activations and not cpu_kernels.available():
@@ -90,8 +140,12 @@ def test_planned_adapter_bytes_are_what_a_fused_layer_holds(outs, ranks, bits, i
         if rank:
             layer.add_adapter(torch.randn(rank, 128), torch.randn(out, rank))
     built = build_linear(fuse(layers), torch.bfloat16, torch.device("cpu"), int8_activations=int8_activations)
-    held = sum(buffer.nbytes for name, buffer in built.named_buffers() if name.rpartition(".")[2] in ADAPTER_BUFFERS)
-    assert adapter_bytes([(out, 128) for out in outs], schemes, list(ranks), 4, int8_activations) == held > 0  # beside a kernel on a CPU: fp32 factors
+    held = sum(
+        buffer.nbytes for name, buffer in built.named_buffers() if name.rpartition(".")[2] in ADAPTER_BUFFERS
+    )
+    assert (
+        adapter_bytes([(out, 128) for out in outs], schemes, list(ranks), 4, int8_activations) == held > 0
+    )  # beside a kernel on a CPU: fp32 factors
 
 
 def test_fused_layers_fuse_their_adapters_even_when_one_has_none():
@@ -139,7 +193,15 @@ def test_packed_exports_without_a_place_for_adapters_refuse_them(tiny_model, tin
 
 
 def test_an_adapter_on_a_tied_quantized_head_is_refused_before_training(tiny_model, tiny_tokenizer, tmp_path):
-    state = RunState(cfg=None, run_dir=tmp_path, model=tiny_model, tokenizer=tiny_tokenizer, source=None, source_sha256=None, device=torch.device("cpu"))
+    state = RunState(
+        cfg=None,
+        run_dir=tmp_path,
+        model=tiny_model,
+        tokenizer=tiny_tokenizer,
+        source=None,
+        source_sha256=None,
+        device=torch.device("cpu"),
+    )
     quantize(state, QuantizeParams(bits=8, targets=[r"model\.layers\.\d+\..*", "lm_head"]))
     check_lora_targets(state.model, ["q_proj", "v_proj"])
     with pytest.raises(ConfigError, match="tied to the embedding"):
@@ -152,4 +214,6 @@ def test_decoder_built_in_process_matches_the_adapted_model(tiny_model, tiny_tok
     assert describe_kernels(decoder)["int8-pack+lora"] == 4 * 2
     decoder.setup_cache(2, 32)
     with torch.no_grad():
-        torch.testing.assert_close(decoder(ids, 0, torch.zeros(2, dtype=torch.long)), expected, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(
+            decoder(ids, 0, torch.zeros(2, dtype=torch.long)), expected, rtol=1e-4, atol=1e-4
+        )

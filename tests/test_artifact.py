@@ -4,22 +4,42 @@ import pytest
 import torch
 
 from slimlm.artifact import FORMAT_VERSION, WEIGHTS, load_artifact, read_manifest, save_artifact
-from slimlm.compress.quantize import QuantizeParams, run as quantize
+from slimlm.compress.quantize import QuantizeParams
+from slimlm.compress.quantize import run as quantize
 from slimlm.errors import SlimlmError
 from slimlm.pipeline import RunState
 
 
 def quantized_state(model, tokenizer, tmp_path, **params):
-    state = RunState(cfg=None, run_dir=tmp_path, model=model, tokenizer=tokenizer, source=None, source_sha256=None, device=torch.device("cpu"))
+    state = RunState(
+        cfg=None,
+        run_dir=tmp_path,
+        model=model,
+        tokenizer=tokenizer,
+        source=None,
+        source_sha256=None,
+        device=torch.device("cpu"),
+    )
     quantize(state, QuantizeParams(**params))
     return state
 
 
 def export(state, path):
-    return save_artifact(state.model, state.tokenizer, path, state.schemes, source={"id": "tiny"}, recipe={"name": "test"})
+    return save_artifact(
+        state.model, state.tokenizer, path, state.schemes, source={"id": "tiny"}, recipe={"name": "test"}
+    )
 
 
-@pytest.mark.parametrize("params", [{"bits": 8}, {"bits": 4, "group_size": 32, "symmetric": False}, {"bits": 3, "group_size": 32}, {"bits": 2, "group_size": 16}], ids=str)
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"bits": 8},
+        {"bits": 4, "group_size": 32, "symmetric": False},
+        {"bits": 3, "group_size": 32},
+        {"bits": 2, "group_size": 16},
+    ],
+    ids=str,
+)
 def test_round_trip_gives_identical_tensors_and_logits(tiny_model, tiny_tokenizer, tmp_path, params):
     state = quantized_state(tiny_model, tiny_tokenizer, tmp_path, **params)
     path = export(state, tmp_path / "artifact")
@@ -138,10 +158,22 @@ def test_two_exports_of_one_model_are_byte_identical(tiny_model, tiny_tokenizer,
 def test_round_trip_of_a_quantized_tied_head(tiny_model, tiny_tokenizer, tmp_path):
     from slimlm.qlinear import QuantEmbedding
 
-    state = quantized_state(tiny_model, tiny_tokenizer, tmp_path, bits=4, group_size=32, targets=[r"model\.layers\.\d+\..*", "lm_head"])
+    state = quantized_state(
+        tiny_model,
+        tiny_tokenizer,
+        tmp_path,
+        bits=4,
+        group_size=32,
+        targets=[r"model\.layers\.\d+\..*", "lm_head"],
+    )
     loaded = load_artifact(export(state, tmp_path / "artifact")).model
-    assert isinstance(loaded.get_input_embeddings(), QuantEmbedding) and loaded.get_input_embeddings().head is loaded.lm_head
-    assert not any("embed_tokens" in key for key in loaded.state_dict())  # the table is stored once, as the head
+    assert (
+        isinstance(loaded.get_input_embeddings(), QuantEmbedding)
+        and loaded.get_input_embeddings().head is loaded.lm_head
+    )
+    assert not any(
+        "embed_tokens" in key for key in loaded.state_dict()
+    )  # the table is stored once, as the head
     ids = torch.randint(0, tiny_model.config.vocab_size, (2, 12))
     with torch.no_grad():
         assert torch.equal(state.model(ids).logits, loaded(ids).logits)
@@ -182,7 +214,12 @@ def test_a_missing_tensor_is_refused(tiny_model, tiny_tokenizer, tmp_path):
     tensors = load_file(path / WEIGHTS)
     del tensors["model.layers.1.self_attn.o_proj.scales"]
     save_file(tensors, path / WEIGHTS)
-    edit_manifest(path, lambda m: m["files"][WEIGHTS].update(sha256=sha256_file(path / WEIGHTS), bytes=(path / WEIGHTS).stat().st_size))
+    edit_manifest(
+        path,
+        lambda m: m["files"][WEIGHTS].update(
+            sha256=sha256_file(path / WEIGHTS), bytes=(path / WEIGHTS).stat().st_size
+        ),
+    )
     with pytest.raises(SlimlmError, match=r"missing \['model.layers.1.self_attn.o_proj.scales'\]"):
         load_artifact(path)
 
@@ -198,18 +235,39 @@ def unlist_weights(path):
 DAMAGES = {
     "unlisted weights": (unlist_weights, "has no checksum"),
     "no files": (lambda path: edit_manifest(path, lambda m: m.pop("files")), "'files' must map"),
-    "a path outside": (lambda path: edit_manifest(path, lambda m: m["files"].update({"../elsewhere.txt": {"sha256": "0" * 64, "bytes": 1}})), "not a file of the artifact"),
+    "a path outside": (
+        lambda path: edit_manifest(
+            path, lambda m: m["files"].update({"../elsewhere.txt": {"sha256": "0" * 64, "bytes": 1}})
+        ),
+        "not a file of the artifact",
+    ),
     "a list": (lambda path: (path / "manifest.json").write_text("[1, 2]"), "JSON list, not an object"),
     "no modules": (lambda path: edit_manifest(path, lambda m: m.update(modules=None)), "'modules' must map"),
-    "5-bit codes": (lambda path: edit_manifest(path, lambda m: m["modules"]["model.layers.0.mlp.up_proj"].update(bits=5)), "does not write"),
-    "version as text": (lambda path: edit_manifest(path, lambda m: m.update(format_version=str(FORMAT_VERSION))), "not a whole number"),
-    "an unknown dtype": (lambda path: edit_manifest(path, lambda m: m.update(dtype="float64x")), "not a torch dtype"),
-    "codes of another width": (lambda path: edit_manifest(path, lambda m: m["modules"]["model.layers.0.mlp.up_proj"].update(bits=4, group_size=32)), "weights do not match its manifest"),
+    "5-bit codes": (
+        lambda path: edit_manifest(path, lambda m: m["modules"]["model.layers.0.mlp.up_proj"].update(bits=5)),
+        "does not write",
+    ),
+    "version as text": (
+        lambda path: edit_manifest(path, lambda m: m.update(format_version=str(FORMAT_VERSION))),
+        "not a whole number",
+    ),
+    "an unknown dtype": (
+        lambda path: edit_manifest(path, lambda m: m.update(dtype="float64x")),
+        "not a torch dtype",
+    ),
+    "codes of another width": (
+        lambda path: edit_manifest(
+            path, lambda m: m["modules"]["model.layers.0.mlp.up_proj"].update(bits=4, group_size=32)
+        ),
+        "weights do not match its manifest",
+    ),
 }
 
 
 @pytest.mark.parametrize("damage", DAMAGES, ids=str)
-def test_a_damaged_or_incomplete_manifest_is_refused_in_one_line(tiny_model, tiny_tokenizer, tmp_path, damage):
+def test_a_damaged_or_incomplete_manifest_is_refused_in_one_line(
+    tiny_model, tiny_tokenizer, tmp_path, damage
+):
     from slimlm.inference.load import load_decoder
 
     path = export(quantized_state(tiny_model, tiny_tokenizer, tmp_path, bits=8), tmp_path / "artifact")
@@ -221,7 +279,14 @@ def test_a_damaged_or_incomplete_manifest_is_refused_in_one_line(tiny_model, tin
 
 
 def sharded_export(state, path, max_shard_bytes=20_000):
-    return save_artifact(state.model, state.tokenizer, path, state.schemes, source={"id": "tiny"}, max_shard_bytes=max_shard_bytes)
+    return save_artifact(
+        state.model,
+        state.tokenizer,
+        path,
+        state.schemes,
+        source={"id": "tiny"},
+        max_shard_bytes=max_shard_bytes,
+    )
 
 
 def test_a_sharded_artifact_loads_as_the_single_file_one(tiny_model, tiny_tokenizer, tmp_path):
@@ -229,16 +294,35 @@ def test_a_sharded_artifact_loads_as_the_single_file_one(tiny_model, tiny_tokeni
 
     from slimlm.inference.load import load_decoder
 
-    state = quantized_state(tiny_model, tiny_tokenizer, tmp_path, bits=4, group_size=32, targets=[r"model\.layers\.\d+\..*", "lm_head"])
+    state = quantized_state(
+        tiny_model,
+        tiny_tokenizer,
+        tmp_path,
+        bits=4,
+        group_size=32,
+        targets=[r"model\.layers\.\d+\..*", "lm_head"],
+    )
     single, sharded = export(state, tmp_path / "single"), sharded_export(state, tmp_path / "sharded")
     manifest = read_manifest(sharded)
     shards = sorted(name for name in manifest["files"] if name.startswith("model-"))
-    assert len(shards) > 2 and "model.safetensors.index.json" in manifest["files"] and not (sharded / WEIGHTS).exists()
+    assert (
+        len(shards) > 2
+        and "model.safetensors.index.json" in manifest["files"]
+        and not (sharded / WEIGHTS).exists()
+    )
     for shard in shards:
         with safe_open(sharded / shard, "pt") as handle:
-            assert sum(handle.get_tensor(key).nbytes for key in handle.keys()) <= 20_000 or len(handle.keys()) == 1
-    assert manifest["size"]["weights_file_bytes"] == sum(manifest["files"][shard]["bytes"] for shard in shards)
-    assert manifest["size"]["weights_accounted_bytes"] == read_manifest(single)["size"]["weights_accounted_bytes"]
+            assert (
+                sum(handle.get_tensor(key).nbytes for key in handle.keys()) <= 20_000
+                or len(handle.keys()) == 1
+            )
+    assert manifest["size"]["weights_file_bytes"] == sum(
+        manifest["files"][shard]["bytes"] for shard in shards
+    )
+    assert (
+        manifest["size"]["weights_accounted_bytes"]
+        == read_manifest(single)["size"]["weights_accounted_bytes"]
+    )
     a, b = load_artifact(single).model.state_dict(), load_artifact(sharded).model.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     tokens = torch.randint(0, tiny_model.config.vocab_size, (1, 8))
@@ -257,13 +341,24 @@ def rewrite_index(path, edit) -> None:
     index = json.loads(index_file.read_text())
     edit(index["weight_map"])
     index_file.write_text(json.dumps(index))
-    edit_manifest(path, lambda m: m["files"]["model.safetensors.index.json"].update(sha256=sha256_file(index_file), bytes=index_file.stat().st_size))
+    edit_manifest(
+        path,
+        lambda m: m["files"]["model.safetensors.index.json"].update(
+            sha256=sha256_file(index_file), bytes=index_file.stat().st_size
+        ),
+    )
 
 
 INDEX_DAMAGES = {
-    "a file outside": (lambda m: m.update({"model.norm.weight": "../x.safetensors"}), "not a safetensors file of its directory"),
+    "a file outside": (
+        lambda m: m.update({"model.norm.weight": "../x.safetensors"}),
+        "not a safetensors file of its directory",
+    ),
     "a tensor moved": (lambda m: m.update({"model.norm.weight": m["lm_head.qweight"]}), "the index puts"),
-    "a tensor dropped": (lambda m: m.pop("model.norm.weight"), "the index puts there|holds model.norm.weight"),
+    "a tensor dropped": (
+        lambda m: m.pop("model.norm.weight"),
+        "the index puts there|holds model.norm.weight",
+    ),
 }
 
 
@@ -271,7 +366,9 @@ INDEX_DAMAGES = {
 def test_a_damaged_shard_index_is_refused_in_one_line(tiny_model, tiny_tokenizer, tmp_path, damage):
     from slimlm.inference.load import load_decoder
 
-    state = quantized_state(tiny_model, tiny_tokenizer, tmp_path, bits=8, targets=[r"model\.layers\.\d+\..*", "lm_head"])
+    state = quantized_state(
+        tiny_model, tiny_tokenizer, tmp_path, bits=8, targets=[r"model\.layers\.\d+\..*", "lm_head"]
+    )
     path = sharded_export(state, tmp_path / "artifact")
     rewrite_index(path, INDEX_DAMAGES[damage][0])
     for load in (load_artifact, load_decoder):

@@ -2,8 +2,8 @@ import pytest
 import torch
 
 from slimlm.architecture import LLAMA
-from slimlm.compress.awq import AWQOptions, awq_quantize_layer, search_scale
 from slimlm.compress import clipping
+from slimlm.compress.awq import AWQOptions, awq_quantize_layer, search_scale
 from slimlm.compress.clipping import output_error, search_clip
 from slimlm.compress.gptq import HessianAccumulator
 from slimlm.compress.rtn import fake_quantize
@@ -52,7 +52,9 @@ def test_scale_search_beats_rtn_on_outlier_channels():
     assert error < 0.9 * rtn_error
     awq = fake_quantize(weight * scale, SCHEME) / scale
     assert measured_error(x, weight, awq) < 0.9 * measured_error(x, weight, fake_quantize(weight, SCHEME))
-    assert error == pytest.approx(measured_error(x, weight, awq), rel=1e-3)  # the summed squared output error per row
+    assert error == pytest.approx(
+        measured_error(x, weight, awq), rel=1e-3
+    )  # the summed squared output error per row
 
 
 def test_clipping_never_increases_a_groups_error_and_helps_on_outlier_weights():
@@ -61,7 +63,9 @@ def test_clipping_never_increases_a_groups_error_and_helps_on_outlier_weights():
     weight[torch.rand(weight.shape, generator=torch.Generator().manual_seed(5)) < 0.02] *= 6.0  # heavy tails
     hessian = stats_of(x).hessian.float()
     clipped = search_clip(weight, SCHEME, hessian)
-    assert measured_error(x, weight, fake_quantize(clipped, SCHEME)) < measured_error(x, weight, fake_quantize(weight, SCHEME))
+    assert measured_error(x, weight, fake_quantize(clipped, SCHEME)) < measured_error(
+        x, weight, fake_quantize(weight, SCHEME)
+    )
     assert (clipped.abs() <= weight.abs() + 1e-6).all()
 
 
@@ -83,7 +87,14 @@ def test_awq_layer_quantizes_every_layer_and_reports_scaled_mappings():
         shared = stats_of(outlier_inputs(rows=256, features=features))
         stats.update({n: shared for n in group_names})
     heard = {}
-    quantized = awq_quantize_layer(layer, "model.layers.0", {n: SCHEME for n in names}, stats, LLAMA.mappings, on_scaled=lambda n, e, r: heard.__setitem__(n, (e, r)))
+    quantized = awq_quantize_layer(
+        layer,
+        "model.layers.0",
+        {n: SCHEME for n in names},
+        stats,
+        LLAMA.mappings,
+        on_scaled=lambda n, e, r: heard.__setitem__(n, (e, r)),
+    )
     assert sorted(quantized) == sorted(names)
     assert sorted(heard) == sorted(f"model.layers.0.{mapping.previous}" for mapping in LLAMA.mappings)
     assert all(error <= rtn for error, rtn in heard.values())

@@ -10,7 +10,13 @@ from tests.conftest import REPO
 
 def test_quick_decode_families_bench_runs_every_row():
     skip = [] if importlib.util.find_spec("llama_cpp") else ["--skip-llama-cpp"]
-    result = subprocess.run([sys.executable, "decode_families_cpu.py", "--quick", *skip], capture_output=True, text=True, cwd=REPO / "bench", timeout=900)
+    result = subprocess.run(
+        [sys.executable, "decode_families_cpu.py", "--quick", *skip],
+        capture_output=True,
+        text=True,
+        cwd=REPO / "bench",
+        timeout=900,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     for name in ("qwen3-tiny", "gemma-3-tiny", "olmoe-tiny", "dense-active-tiny"):
         assert f"| {name}: slimlm int4 g32, int8 activations, compiled |" in result.stdout

@@ -11,8 +11,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from benchlib import check_llama_cpp  # noqa: E402
 
 
-def test_a_llama_cpp_that_dies_of_a_signal_stops_the_benchmark_with_the_rebuild_command(monkeypatch, tmp_path):
-    monkeypatch.setattr(subprocess, "run", lambda *args, **kwargs: subprocess.CompletedProcess(args, -signal.SIGILL, "", ""))
+def test_a_llama_cpp_that_dies_of_a_signal_stops_the_benchmark_with_the_rebuild_command(
+    monkeypatch, tmp_path
+):
+    monkeypatch.setattr(
+        subprocess, "run", lambda *args, **kwargs: subprocess.CompletedProcess(args, -signal.SIGILL, "", "")
+    )
     with pytest.raises(SystemExit, match=r"died of SIGILL evaluating model\.gguf.*-mno-amx-int8"):
         check_llama_cpp(tmp_path / "model.gguf", 2)
 

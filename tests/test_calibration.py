@@ -38,7 +38,10 @@ def whole_model(model, samples, names):
     for index in range(model.config.num_hidden_layers):
         layer_names = [n for n in names if n.startswith(f"model.layers.{index}.")]
         hessians = {name: HessianAccumulator(model.get_submodule(name).in_features) for name in layer_names}
-        handles = [model.get_submodule(n).register_forward_hook(lambda m, i, o, n=n: hessians[n].add(i[0])) for n in layer_names]
+        handles = [
+            model.get_submodule(n).register_forward_hook(lambda m, i, o, n=n: hessians[n].add(i[0]))
+            for n in layer_names
+        ]
         for chunk in samples.split(4):
             model(input_ids=chunk, use_cache=False)
         for handle in handles:
@@ -86,12 +89,21 @@ def test_the_layer_by_layer_walk_gives_each_layer_its_own_arguments(model_type):
     from tests.tiny_families import build_tiny
 
     kinds = ["sliding_attention", "full_attention"] * 2
-    model = build_tiny(model_type, 256, num_hidden_layers=4, **({"layer_types": kinds} if model_type == "gemma3_text" else {}))
-    ids = torch.randint(4, 256, (3, 20), generator=torch.Generator().manual_seed(0))  # longer than the sliding window (8)
+    model = build_tiny(
+        model_type,
+        256,
+        num_hidden_layers=4,
+        **({"layer_types": kinds} if model_type == "gemma3_text" else {}),
+    )
+    ids = torch.randint(
+        4, 256, (3, 20), generator=torch.Generator().manual_seed(0)
+    )  # longer than the sliding window (8)
     with torch.no_grad():
         expected = model(ids, output_hidden_states=True).hidden_states
         inputs = capture_layer_inputs(model, ids, chunk_size=2)
         hidden = inputs.hidden
-        for index, layer in enumerate(model.model.layers[:-1]):  # the last hidden state is after the final norm
+        for index, layer in enumerate(
+            model.model.layers[:-1]
+        ):  # the last hidden state is after the final norm
             hidden = run_layer(layer, inputs.of_layer(index, hidden))
             torch.testing.assert_close(torch.cat(hidden), expected[index + 1], rtol=1e-5, atol=1e-5)

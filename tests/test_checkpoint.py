@@ -52,7 +52,9 @@ def test_materialize_block_by_block_gives_the_models_logits(tiny_model_dir, tiny
     checkpoint, skeleton = open_checkpoint(tiny_model_dir, torch.float32)
     assert "lm_head.weight" in checkpoint.ties  # tied: not stored, read as the embedding
     checkpoint.materialize(skeleton, "", torch.device("cpu"))
-    assert skeleton.lm_head.weight is skeleton.model.embed_tokens.weight  # a tie inside the module stays one tensor
+    assert (
+        skeleton.lm_head.weight is skeleton.model.embed_tokens.weight
+    )  # a tie inside the module stays one tensor
     assert not skeleton.model.rotary_emb.inv_freq.is_meta
     ids = torch.randint(0, len(tiny_tokenizer), (2, 9))
     with torch.no_grad():
@@ -62,15 +64,21 @@ def test_materialize_block_by_block_gives_the_models_logits(tiny_model_dir, tiny
     assert all(p.is_meta for p in block.parameters())
     checkpoint.materialize(block, "model.layers.1.", torch.device("cpu"), torch.bfloat16)
     assert block.self_attn.q_proj.weight.dtype == torch.bfloat16
-    torch.testing.assert_close(block.mlp.up_proj.weight, reference.model.layers[1].mlp.up_proj.weight.bfloat16())
-    checkpoint.materialize(skeleton.lm_head, "lm_head.", torch.device("cpu"))  # alone: a copy of the embedding
+    torch.testing.assert_close(
+        block.mlp.up_proj.weight, reference.model.layers[1].mlp.up_proj.weight.bfloat16()
+    )
+    checkpoint.materialize(
+        skeleton.lm_head, "lm_head.", torch.device("cpu")
+    )  # alone: a copy of the embedding
     assert torch.equal(skeleton.lm_head.weight, reference.model.embed_tokens.weight)
 
 
 def test_materialize_refuses_a_missing_tensor_by_name(sharded_dir):
     directory, _ = sharded_dir
     _, skeleton = open_checkpoint(directory)
-    with pytest.raises(SlimlmError, match="lacks 1 tensors of model.layers.0. .e.g. model.layers.0.extra.weight"):
+    with pytest.raises(
+        SlimlmError, match="lacks 1 tensors of model.layers.0. .e.g. model.layers.0.extra.weight"
+    ):
         skeleton.model.layers[0].extra = torch.nn.Linear(2, 2, bias=False, device="meta")
         Checkpoint(directory).materialize(skeleton.model.layers[0], "model.layers.0.", torch.device("cpu"))
 
@@ -82,13 +90,33 @@ def rewrite_index(directory, edit):
 
 
 INDEX_DAMAGES = {
-    "a file outside": (lambda d: rewrite_index(d, lambda m: m.update({"model.norm.weight": "../model.safetensors"})), "not a safetensors file of its directory"),
-    "a missing file": (lambda d: rewrite_index(d, lambda m: m.update({"model.norm.weight": "model-00099-of-00099.safetensors"})), "does not hold; the checkpoint is incomplete"),
-    "a tensor moved": (lambda d: rewrite_index(d, lambda m: m.update({"model.norm.weight": m["model.embed_tokens.weight"]})), "the index puts"),
+    "a file outside": (
+        lambda d: rewrite_index(d, lambda m: m.update({"model.norm.weight": "../model.safetensors"})),
+        "not a safetensors file of its directory",
+    ),
+    "a missing file": (
+        lambda d: rewrite_index(
+            d, lambda m: m.update({"model.norm.weight": "model-00099-of-00099.safetensors"})
+        ),
+        "does not hold; the checkpoint is incomplete",
+    ),
+    "a tensor moved": (
+        lambda d: rewrite_index(d, lambda m: m.update({"model.norm.weight": m["model.embed_tokens.weight"]})),
+        "the index puts",
+    ),
     "no weight map": (lambda d: (d / INDEX).write_text('{"metadata": {}}'), "no weight_map"),
-    "both layouts": (lambda d: shutil.copy(next(d.glob("model-*.safetensors")), d / "model.safetensors"), "holds both"),
-    "no weights": (lambda d: [f.unlink() for f in [*d.glob("*.safetensors"), d / INDEX]], "holds no model.safetensors"),
-    "a truncated shard": (lambda d: (lambda f: f.write_bytes(f.read_bytes()[:100]))(next(d.glob("model-*.safetensors"))), "not a readable safetensors file"),
+    "both layouts": (
+        lambda d: shutil.copy(next(d.glob("model-*.safetensors")), d / "model.safetensors"),
+        "holds both",
+    ),
+    "no weights": (
+        lambda d: [f.unlink() for f in [*d.glob("*.safetensors"), d / INDEX]],
+        "holds no model.safetensors",
+    ),
+    "a truncated shard": (
+        lambda d: (lambda f: f.write_bytes(f.read_bytes()[:100]))(next(d.glob("model-*.safetensors"))),
+        "not a readable safetensors file",
+    ),
 }
 
 
@@ -121,7 +149,9 @@ def test_shards_are_bounded_and_transformers_reads_their_index(tmp_path, tiny_to
     state = model.state_dict()
     specs = [TensorSpec.of(name, tensor) for name, tensor in state.items()]
     limit = 40_000
-    assert all(sum(s.nbytes for s in shard) <= limit or len(shard) == 1 for shard in plan_shards(specs, limit))
+    assert all(
+        sum(s.nbytes for s in shard) <= limit or len(shard) == 1 for shard in plan_shards(specs, limit)
+    )
     directory = tmp_path / "written"
     directory.mkdir()
     files = write_weights(directory, specs, lambda spec: state[spec.name], limit, {"format": "pt"})
@@ -131,4 +161,6 @@ def test_shards_are_bounded_and_transformers_reads_their_index(tmp_path, tiny_to
     for name, tensor in reloaded.state_dict().items():
         assert torch.equal(tensor, state[name]), name
     norms = [spec for spec in specs if "norm" in spec.name]
-    assert write_weights(tmp_path, norms, lambda spec: state[spec.name], limit) == ["model.safetensors"]  # one shard: the single-file name
+    assert write_weights(tmp_path, norms, lambda spec: state[spec.name], limit) == [
+        "model.safetensors"
+    ]  # one shard: the single-file name

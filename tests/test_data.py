@@ -22,7 +22,10 @@ def test_jsonl_records_are_joined(tmp_path):
 def test_jsonl_strings_may_hold_unicode_line_separators(tmp_path):
     """JSON writes U+2028 inside strings unescaped (ensure_ascii=False): only \\n ends a record."""
     path = tmp_path / "d.jsonl"
-    path.write_text("\n".join(json.dumps({"text": t}, ensure_ascii=False) for t in ["a\u2028b", "c\x85d"]), encoding="utf-8")
+    path.write_text(
+        "\n".join(json.dumps({"text": t}, ensure_ascii=False) for t in ["a\u2028b", "c\x85d"]),
+        encoding="utf-8",
+    )
     assert load_text(TextSourceConfig(path=str(path), format="jsonl"), "calibration") == "a\u2028b\n\nc\x85d"
 
 
@@ -54,4 +57,7 @@ def test_bundled_demo_data_is_present():
 
 def test_hub_data_set_offline_is_explained():
     with pytest.raises(SlimlmError, match="could not load hub data set 'Salesforce/wikitext'"):
-        load_text(TextSourceConfig(path="Salesforce/wikitext", format="hub", subset="wikitext-2-raw-v1"), "eval_text")
+        load_text(
+            TextSourceConfig(path="Salesforce/wikitext", format="hub", subset="wikitext-2-raw-v1"),
+            "eval_text",
+        )

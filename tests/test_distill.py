@@ -26,15 +26,23 @@ def setup(tmp_path, steps=8, loss="forward_kl", top_k=16, lr=3e-3, fingerprint=N
     teacher = build_tiny_llama(VOCAB, seed=0)
     signal = None
     if loss != "ce":
-        signal = offline_teacher(teacher, "tiny-teacher", windows.train, order.used(steps), top_k, 1.0, 4)[0] if top_k else OnlineTeacher(teacher)
+        signal = (
+            offline_teacher(teacher, "tiny-teacher", windows.train, order.used(steps), top_k, 1.0, 4)[0]
+            if top_k
+            else OnlineTeacher(teacher)
+        )
     student = build_tiny_llama(VOCAB, seed=student_seed, num_hidden_layers=1)
     settings = TrainSettings(steps=steps, loss=loss, lr=lr, eval_every=4, checkpoint_every=2)
-    return Trainer(student, signal, windows, order, settings, tmp_path, fingerprint or {"recipe": "test"}, accelerator())
+    return Trainer(
+        student, signal, windows, order, settings, tmp_path, fingerprint or {"recipe": "test"}, accelerator()
+    )
 
 
 def test_batches_are_a_function_of_the_step_alone():
     order = BatchOrder(windows=10, batch_size=3, accumulation=2, world=2, seed=5)
-    seen = torch.cat([order.indices(step, micro, rank) for step in range(2) for micro in range(2) for rank in range(2)])
+    seen = torch.cat(
+        [order.indices(step, micro, rank) for step in range(2) for micro in range(2) for rank in range(2)]
+    )
     assert sorted(seen[:10].tolist()) == list(range(10))  # one pass visits every window once
     assert torch.equal(order.indices(1, 1, 0), order.indices(1, 1, 0))
     assert set(order.used(1).tolist()) == set(seen[:12].tolist()[:10]) | set(seen[10:12].tolist())
@@ -51,13 +59,20 @@ def test_offline_cache_gives_the_online_loss_up_to_the_top_k_truncation(tmp_path
     everything, path, reused = offline_teacher(teacher, "tiny", windows.train, used, VOCAB, 1.0, 4)
     assert not reused and path.is_file()
     exact = everything(ids, used)
-    torch.testing.assert_close(distillation_loss(logits, exact.log_probs, teacher_indices=exact.indices).mean(), online, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(
+        distillation_loss(logits, exact.log_probs, teacher_indices=exact.indices).mean(),
+        online,
+        rtol=1e-4,
+        atol=1e-5,
+    )
     truncated = []
     for k in (16, 128):  # a random tiny teacher is nearly uniform: the truncation shows, and shrinks with k
         top = offline_teacher(teacher, "tiny", windows.train, used, k, 1.0, 4)[0](ids, used)
         truncated.append(float(distillation_loss(logits, top.log_probs, teacher_indices=top.indices).mean()))
     assert 0 < truncated[0] < truncated[1] <= float(online) + 1e-5
-    assert offline_teacher(teacher, "tiny", windows.train, used, 16, 1.0, 4)[2]  # the second time it is read from disk
+    assert offline_teacher(teacher, "tiny", windows.train, used, 16, 1.0, 4)[
+        2
+    ]  # the second time it is read from disk
 
 
 def test_distillation_lowers_the_kl_to_the_teacher(tmp_path):
@@ -67,7 +82,10 @@ def test_distillation_lowers_the_kl_to_the_teacher(tmp_path):
     assert kd[-1] < 0.7 * kd[0]
     assert [e["step"] for e in result.evals] == [4, 8, 12]
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 12
-    assert [p.name for p in trainer.checkpoints()] == ["step-0000010", "step-0000012"]  # only the newest two are kept
+    assert [p.name for p in trainer.checkpoints()] == [
+        "step-0000010",
+        "step-0000012",
+    ]  # only the newest two are kept
 
 
 def test_a_killed_run_resumes_with_the_same_loss_curve(tmp_path, monkeypatch):
@@ -85,7 +103,9 @@ def test_a_killed_run_resumes_with_the_same_loss_curve(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         interrupted.run()
     monkeypatch.setattr(Trainer, "save", save)
-    (tmp_path / "killed" / "checkpoints" / ".step-0000006-partial-x").mkdir()  # a checkpoint cut off while being written
+    (
+        tmp_path / "killed" / "checkpoints" / ".step-0000006-partial-x"
+    ).mkdir()  # a checkpoint cut off while being written
     resumed = setup(tmp_path / "killed")
     result = resumed.run()
     assert result.resumed_from == 4
@@ -152,7 +172,16 @@ def test_distill_settings_that_would_train_nothing_are_refused():
     from slimlm.distill.stage import DistillParams, loss_beta
     from slimlm.errors import ConfigError
 
-    for bad in (dict(loss="jsd", beta=0.0), dict(loss="jsd", beta=1.0), dict(loss="skew_kl", beta=1.0), dict(loss="ce", ce_weight=0.5), dict(top_k=8, on_policy_fraction=0.5), dict(tokens=100), dict(lr=float("nan")), dict(lr=float("inf"))):
+    for bad in (
+        dict(loss="jsd", beta=0.0),
+        dict(loss="jsd", beta=1.0),
+        dict(loss="skew_kl", beta=1.0),
+        dict(loss="ce", ce_weight=0.5),
+        dict(top_k=8, on_policy_fraction=0.5),
+        dict(tokens=100),
+        dict(lr=float("nan")),
+        dict(lr=float("inf")),
+    ):
         with pytest.raises(ConfigError):
             DistillParams(**bad)
     assert loss_beta(DistillParams(loss="skew_kl")) == 0.1 and loss_beta(DistillParams(loss="jsd")) == 0.5

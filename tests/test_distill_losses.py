@@ -4,7 +4,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from slimlm.distill.losses import LOSSES, HiddenProjector, bucketed, distillation_loss, divergence, forward_kl, jsd, reverse_kl, skew_kl, token_mean, tvd
+from slimlm.distill.losses import (
+    LOSSES,
+    HiddenProjector,
+    bucketed,
+    distillation_loss,
+    divergence,
+    forward_kl,
+    jsd,
+    reverse_kl,
+    skew_kl,
+    token_mean,
+    tvd,
+)
 from slimlm.errors import ConfigError
 
 
@@ -13,13 +25,17 @@ def log_probs(*rows):
 
 
 def random_logp(seed, shape=(3, 5, 11)):
-    return F.log_softmax(torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * 2, dim=-1)
+    return F.log_softmax(
+        torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * 2, dim=-1
+    )
 
 
 @pytest.mark.parametrize("name", LOSSES)
 def test_every_divergence_of_equal_distributions_is_zero(name):
     p = random_logp(0)
-    torch.testing.assert_close(divergence(name, p, p), torch.zeros(3, 5, dtype=torch.float64), atol=1e-12, rtol=0)
+    torch.testing.assert_close(
+        divergence(name, p, p), torch.zeros(3, 5, dtype=torch.float64), atol=1e-12, rtol=0
+    )
 
 
 @pytest.mark.parametrize("name", LOSSES)
@@ -44,7 +60,9 @@ def test_jsd_limits_symmetry_and_bound():
     torch.testing.assert_close(jsd(p, q, 0.5), jsd(q, p, 0.5))  # symmetric at beta = 1/2
     assert torch.all(jsd(p, q, 0.5) <= math.log(2) + 1e-12)
     disjoint_p, disjoint_q = log_probs([1.0, 1e-300]), log_probs([1e-300, 1.0])
-    assert float(jsd(disjoint_p, disjoint_q, 0.5)) == pytest.approx(math.log(2))  # the maximum, reached by disjoint supports
+    assert float(jsd(disjoint_p, disjoint_q, 0.5)) == pytest.approx(
+        math.log(2)
+    )  # the maximum, reached by disjoint supports
     for beta in (0.0, 1.0):  # the mixture is one of the two: nothing to compare
         assert torch.all(jsd(p, q, beta) == 0)
     small = jsd(p, q, 1e-4) / 1e-4  # small beta: beta * KL(p || q)-like, scaled by beta
@@ -69,11 +87,16 @@ def test_temperature_softens_and_scales_by_t_squared():
 
 @pytest.mark.parametrize("name", LOSSES)
 def test_top_k_buckets_are_exact_with_the_whole_vocabulary_and_a_lower_bound_otherwise(name):
-    student, teacher = torch.randn(2, 6, 50, dtype=torch.float64), torch.randn(2, 6, 50, dtype=torch.float64) * 3
+    student, teacher = (
+        torch.randn(2, 6, 50, dtype=torch.float64),
+        torch.randn(2, 6, 50, dtype=torch.float64) * 3,
+    )
     full = distillation_loss(student, teacher, name)
     teacher_logp = F.log_softmax(teacher, -1)
     everything = teacher_logp.topk(50, dim=-1).indices
-    torch.testing.assert_close(distillation_loss(student, bucketed(teacher_logp, everything), name, teacher_indices=everything), full)
+    torch.testing.assert_close(
+        distillation_loss(student, bucketed(teacher_logp, everything), name, teacher_indices=everything), full
+    )
     top = teacher_logp.topk(8, dim=-1).indices
     truncated = distillation_loss(student, bucketed(teacher_logp, top), name, teacher_indices=top)
     assert torch.all(truncated <= full + 1e-5)  # computed in float32

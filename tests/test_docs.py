@@ -15,8 +15,16 @@ QUOTED = re.compile(r"`((?:bench|docs|examples|recipes|conf|eval|inference|compr
 
 def named_files(page) -> list[str]:
     text = page.read_text()
-    links = [target.split("#")[0] for target in LINK.findall(text) if "://" not in target and not target.startswith(("#", "mailto:"))]
-    quoted = [target.split(":")[0] for target in QUOTED.findall(text) if not any(mark in target for mark in "<*{$") and not target.startswith("bench/runs/")]
+    links = [
+        target.split("#")[0]
+        for target in LINK.findall(text)
+        if "://" not in target and not target.startswith(("#", "mailto:"))
+    ]
+    quoted = [
+        target.split(":")[0]
+        for target in QUOTED.findall(text)
+        if not any(mark in target for mark in "<*{$") and not target.startswith("bench/runs/")
+    ]
     return [name for name in links + quoted if name]
 
 

@@ -9,8 +9,10 @@ import torch
 
 from slimlm.architecture import check_compressible, decoder_blocks, family_of, model_type
 from slimlm.compress.awq import apply_scale, expand_experts, feeding_rows
-from slimlm.compress.quantize import QuantizeParams, run as quantize
-from slimlm.compress.sparsify import SparsifyParams, run as sparsify
+from slimlm.compress.quantize import QuantizeParams
+from slimlm.compress.quantize import run as quantize
+from slimlm.compress.sparsify import SparsifyParams
+from slimlm.compress.sparsify import run as sparsify
 from slimlm.errors import SlimlmError
 from slimlm.eval.perplexity import score_text
 from slimlm.experts import ExpertList
@@ -28,7 +30,15 @@ def calibration_ids(tiny_tokenizer) -> torch.Tensor:
 
 
 def state_for(model, tokenizer, ids, tmp_path) -> RunState:
-    state = RunState(cfg=None, run_dir=tmp_path, model=model, tokenizer=tokenizer, source=None, source_sha256=None, device=torch.device("cpu"))
+    state = RunState(
+        cfg=None,
+        run_dir=tmp_path,
+        model=model,
+        tokenizer=tokenizer,
+        source=None,
+        source_sha256=None,
+        device=torch.device("cpu"),
+    )
     state.memo["calibration_ids"] = ids  # what calibration_windows reads; no config needed
     return state
 
@@ -55,9 +65,17 @@ def test_awq_mappings_fold_scales_without_changing_the_function(family):
                 previous = block.get_submodule(mapping.previous)
                 rows = feeding_rows(previous, linears[0].in_features, mapping)
                 if rows is not None:
-                    apply_scale(previous, rows, linears, torch.rand(linears[0].in_features, generator=generator) * 4 + 0.25, mapping.norm_offset)
+                    apply_scale(
+                        previous,
+                        rows,
+                        linears,
+                        torch.rand(linears[0].in_features, generator=generator) * 4 + 0.25,
+                        mapping.norm_offset,
+                    )
                     folded += 1
-    expected = {"llama": 6, "qwen3": 6, "gemma3_text": 6, "phi3": 8}.get(family, 2 * (1 + 8))  # GQA skips v -> o; MoE: norm -> q/k/v and up -> down of each of 8 experts
+    expected = {"llama": 6, "qwen3": 6, "gemma3_text": 6, "phi3": 8}.get(
+        family, 2 * (1 + 8)
+    )  # GQA skips v -> o; MoE: norm -> q/k/v and up -> down of each of 8 experts
     assert folded == expected
     torch.testing.assert_close(logits(model, ids), before, rtol=1e-4, atol=1e-4)
 
@@ -68,9 +86,18 @@ def test_every_family_quantizes_and_stays_close(family, method, tiny_tokenizer, 
     model = build_tiny(family, VOCAB)
     reference = build_tiny(family, VOCAB)
     state = state_for(model, tiny_tokenizer, calibration_ids, tmp_path)
-    quantize(state, QuantizeParams(method=method, bits=8, group_size=16, samples=4, seq_len=64, awq_grid=4, awq_clip_grid=4))
+    quantize(
+        state,
+        QuantizeParams(
+            method=method, bits=8, group_size=16, samples=4, seq_len=64, awq_grid=4, awq_clip_grid=4
+        ),
+    )
     quantized = [name for name, module in model.named_modules() if isinstance(module, QuantLinear)]
-    linear_count = sum(1 for name, module in reference.named_modules() if isinstance(module, torch.nn.Linear) and name.startswith("model.layers."))
+    linear_count = sum(
+        1
+        for name, module in reference.named_modules()
+        if isinstance(module, torch.nn.Linear) and name.startswith("model.layers.")
+    )
     assert len(quantized) == linear_count and len(state.schemes) == linear_count
     ids = calibration_ids[:256]
     original = score_text(reference, ids, window=128, collect_top_k=16)
@@ -93,13 +120,20 @@ def test_sparsegpt_prunes_every_family(family, tiny_tokenizer, calibration_ids, 
 
 
 @pytest.mark.parametrize("family", MOE_TYPES)
-def test_experts_are_quantized_one_by_one_and_routers_stay_float(family, tiny_tokenizer, calibration_ids, tmp_path):
+def test_experts_are_quantized_one_by_one_and_routers_stay_float(
+    family, tiny_tokenizer, calibration_ids, tmp_path
+):
     model = build_tiny(family, VOCAB)
     state = state_for(model, tiny_tokenizer, calibration_ids, tmp_path)
     quantize(state, QuantizeParams(method="gptq", bits=4, group_size=16, samples=4, seq_len=64))
     experts = [module for module in model.modules() if isinstance(module, ExpertList)]
     names = ("w1", "w3", "w2") if family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
-    assert len(experts) == 2 and all(isinstance(getattr(expert[e], name), QuantLinear) for expert in experts for e in range(8) for name in names)
+    assert len(experts) == 2 and all(
+        isinstance(getattr(expert[e], name), QuantLinear)
+        for expert in experts
+        for e in range(8)
+        for name in names
+    )
     routers = [module for name, module in model.named_modules() if name.endswith("mlp.gate")]
     assert routers and not any(isinstance(router, QuantLinear) for router in routers)
     assert all(router.weight.dtype == torch.float32 for router in routers)
@@ -114,7 +148,11 @@ class AvoidingRouter(torch.nn.Module):
 
     def forward(self, hidden: torch.Tensor):
         logits = torch.nn.functional.linear(hidden.reshape(-1, self.router.hidden_dim), self.router.weight)
-        probabilities = logits.float().masked_fill(torch.arange(logits.shape[1]) == self.avoided, float("-inf")).softmax(-1)
+        probabilities = (
+            logits.float()
+            .masked_fill(torch.arange(logits.shape[1]) == self.avoided, float("-inf"))
+            .softmax(-1)
+        )
         top, index = probabilities.topk(self.router.top_k, dim=-1)
         return logits, (top / top.sum(-1, keepdim=True)).to(logits.dtype), index
 
@@ -127,16 +165,27 @@ def test_an_expert_no_token_reaches_is_rounded_not_broken(tiny_tokenizer, calibr
         for block in decoder_blocks(model)[1]:
             block.mlp.gate = AvoidingRouter(block.mlp.gate, avoided=3)
         state = state_for(model, tiny_tokenizer, calibration_ids, tmp_path)
-        quantize(state, QuantizeParams(method=method, bits=4, group_size=16, samples=4, seq_len=64, awq_grid=4, awq_clip_grid=4))
+        quantize(
+            state,
+            QuantizeParams(
+                method=method, bits=4, group_size=16, samples=4, seq_len=64, awq_grid=4, awq_clip_grid=4
+            ),
+        )
         unseen = state.sections["quantization"][0]["uncalibrated_layers"]
-        assert sorted(unseen) == sorted(f"model.layers.{i}.mlp.experts.3.{p}" for i in range(2) for p in ("gate_proj", "up_proj", "down_proj"))
+        assert sorted(unseen) == sorted(
+            f"model.layers.{i}.mlp.experts.3.{p}"
+            for i in range(2)
+            for p in ("gate_proj", "up_proj", "down_proj")
+        )
         assert all(state.schemes[name]["method"] == "rtn" for name in unseen)
         assert state.schemes["model.layers.0.mlp.experts.0.down_proj"]["method"] == method
         assert all(torch.isfinite(model.get_submodule(name).dequantize()).all() for name in unseen)
 
 
 @pytest.mark.parametrize("family", FAMILY_TYPES)
-def test_compressed_tensors_export_of_every_family_reloads_with_the_same_logits(family, tiny_tokenizer, calibration_ids, tmp_path):
+def test_compressed_tensors_export_of_every_family_reloads_with_the_same_logits(
+    family, tiny_tokenizer, calibration_ids, tmp_path
+):
     pytest.importorskip("compressed_tensors")
     from transformers import AutoModelForCausalLM
 
@@ -154,7 +203,9 @@ def test_compressed_tensors_export_of_every_family_reloads_with_the_same_logits(
         names = ("w1", "w3", "w2") if family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
         fused, ours = loaded.model.layers[1].mlp.experts, model.model.layers[1].mlp.experts[2]
         gate_up = torch.cat([getattr(ours, names[0]).dequantize(), getattr(ours, names[1]).dequantize()])
-        assert torch.equal(fused.gate_up_proj[2], gate_up.half()) and torch.equal(fused.down_proj[2], getattr(ours, names[2]).dequantize().half())
+        assert torch.equal(fused.gate_up_proj[2], gate_up.half()) and torch.equal(
+            fused.down_proj[2], getattr(ours, names[2]).dequantize().half()
+        )
         torch.testing.assert_close(logits(loaded, ids), logits(model, ids), rtol=5e-3, atol=5e-3)
     else:
         torch.testing.assert_close(logits(loaded, ids), logits(model, ids), rtol=1e-4, atol=1e-4)
@@ -167,7 +218,9 @@ def test_a_model_without_attention_blocks_is_refused_before_loading(tmp_path):
     from slimlm.config import ModelConfig
     from slimlm.models import resolve_model
 
-    MambaConfig(hidden_size=32, num_hidden_layers=2, vocab_size=VOCAB).save_pretrained(tmp_path)  # a config and no weights at all
+    MambaConfig(hidden_size=32, num_hidden_layers=2, vocab_size=VOCAB).save_pretrained(
+        tmp_path
+    )  # a config and no weights at all
     with pytest.raises(SlimlmError, match="'mamba', a model without attention blocks"):
         resolve_model(ModelConfig(name="m", path=str(tmp_path)))
     with pytest.raises(SlimlmError, match="does not build as a causal language model"):
@@ -183,7 +236,8 @@ def test_gemma3_is_found_inside_its_multimodal_config():
 def test_awq_and_prune_refuse_a_family_without_a_table_before_loading(tmp_path):
     from transformers import GPT2Config
 
-    from slimlm.compress.prune import PruneParams, check as check_prune
+    from slimlm.compress.prune import PruneParams
+    from slimlm.compress.prune import check as check_prune
     from slimlm.compress.quantize import check as check_quantize
     from slimlm.models import ModelSource
 
@@ -191,7 +245,9 @@ def test_awq_and_prune_refuse_a_family_without_a_table_before_loading(tmp_path):
     source = ModelSource(str(tmp_path), "hf-dir", tmp_path, "gpt2")
     with pytest.raises(SlimlmError, match="AWQ needs a table .* 'gpt2' has none"):
         check_quantize(None, QuantizeParams(method="awq", bits=4, group_size=16), source)
-    check_quantize(None, QuantizeParams(method="rtn", bits=4, group_size=16), source)  # RTN works on any family
+    check_quantize(
+        None, QuantizeParams(method="rtn", bits=4, group_size=16), source
+    )  # RTN works on any family
     qwen3 = ModelSource(str(tmp_path), "hf-dir", tmp_path, "qwen3")
     with pytest.raises(SlimlmError, match="cannot be pruned yet"):
         check_prune(_calibration_cfg(), PruneParams(layers=1), qwen3)
@@ -200,11 +256,15 @@ def test_awq_and_prune_refuse_a_family_without_a_table_before_loading(tmp_path):
 def _calibration_cfg():
     from omegaconf import OmegaConf
 
-    return OmegaConf.create({"data": {"calibration": {"path": str(CALIBRATION), "format": "text", "field": "text"}}})
+    return OmegaConf.create(
+        {"data": {"calibration": {"path": str(CALIBRATION), "format": "text", "field": "text"}}}
+    )
 
 
 @pytest.mark.parametrize("family", FAMILY_TYPES)
-def test_slimlm_artifact_of_every_family_loads_with_the_same_logits(family, tiny_tokenizer, calibration_ids, tmp_path):
+def test_slimlm_artifact_of_every_family_loads_with_the_same_logits(
+    family, tiny_tokenizer, calibration_ids, tmp_path
+):
     from slimlm.artifact import load_artifact, save_artifact
 
     model = build_tiny(family, VOCAB)

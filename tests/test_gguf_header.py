@@ -85,12 +85,18 @@ DAMAGED = {
     "huge string value": _header(1, _string("k") + struct.pack("<IQ", 8, 2**63)),
     "huge fixed array": _header(1, _string("k") + struct.pack("<IIQ", 9, 6, 2**61)),
     "huge string array": _header(1, _string("k") + struct.pack("<IIQ", 9, 8, 2**40)),
-    "string array entry past the end": _header(1, _string("k") + struct.pack("<IIQ", 9, 8, 2) + _string("a") + struct.pack("<Q", 2**50)),
+    "string array entry past the end": _header(
+        1, _string("k") + struct.pack("<IIQ", 9, 8, 2) + _string("a") + struct.pack("<Q", 2**50)
+    ),
     "bad utf-8 key": _header(1, struct.pack("<Q", 2) + b"\xff\xfe" + struct.pack("<I", 4) + bytes(4)),
     "missing key/values": _header(3, _string("k") + struct.pack("<II", 4, 7)),
     "tensor with too many dimensions": _header(0, _string("t") + struct.pack("<I", 9) + bytes(80), tensors=1),
-    "tensor of an unknown type": _header(0, _string("t") + struct.pack("<IQIQ", 1, 8, 999, 0) + bytes(40), tensors=1),
-    "tensor past the end": _header(0, _string("t") + struct.pack("<IQIQ", 1, 1 << 40, 0, 0) + bytes(40), tensors=1),
+    "tensor of an unknown type": _header(
+        0, _string("t") + struct.pack("<IQIQ", 1, 8, 999, 0) + bytes(40), tensors=1
+    ),
+    "tensor past the end": _header(
+        0, _string("t") + struct.pack("<IQIQ", 1, 1 << 40, 0, 0) + bytes(40), tensors=1
+    ),
 }
 
 
@@ -106,7 +112,13 @@ def test_damaged_headers_are_one_line(tmp_path, name):
 
 def test_a_truncated_real_header_is_one_line(tmp_path):
     data = _write_vocab_file(tmp_path / "whole.gguf", 1000).read_bytes()
-    for cut in (30, 200, 3000, 6000, len(data) - 4):  # the last cut is in the tensor data: a download cut short
+    for cut in (
+        30,
+        200,
+        3000,
+        6000,
+        len(data) - 4,
+    ):  # the last cut is in the tensor data: a download cut short
         path = tmp_path / f"cut-{cut}.gguf"
         path.write_bytes(data[:cut])
         with pytest.raises(SlimlmError, match="not a readable GGUF file"):

@@ -1,7 +1,13 @@
 import pytest
 import torch
 
-from slimlm.compress.gptq import GPTQOptions, HessianAccumulator, LayerInputStatistics, SquareSums, gptq_quantize
+from slimlm.compress.gptq import (
+    GPTQOptions,
+    HessianAccumulator,
+    LayerInputStatistics,
+    SquareSums,
+    gptq_quantize,
+)
 from slimlm.compress.rtn import quantize_rtn
 from slimlm.errors import SlimlmError
 from slimlm.qlinear import QuantLinear, QuantScheme
@@ -16,7 +22,9 @@ def correlated_inputs(rows=2048, features=64, seed=0):
 
 
 def output_error(x, weight, quantized, scheme):
-    restored = QuantLinear.from_codes(quantized.codes, quantized.scales, quantized.zeros, scheme, None).dequantize()
+    restored = QuantLinear.from_codes(
+        quantized.codes, quantized.scales, quantized.zeros, scheme, None
+    ).dequantize()
     return float(((x @ weight.T - x @ restored.T) ** 2).mean())
 
 
@@ -31,16 +39,31 @@ def hessian_of(x):
 def test_running_hessian_equals_the_closed_form(band, monkeypatch):
     monkeypatch.setattr(HessianAccumulator, "BAND", band)
     x = correlated_inputs(rows=1000)
-    torch.testing.assert_close(hessian_of(x), (2.0 / 1000 * (x.double().T @ x.double())).float(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        hessian_of(x), (2.0 / 1000 * (x.double().T @ x.double())).float(), rtol=1e-5, atol=1e-5
+    )
 
 
-@pytest.mark.parametrize("scheme", [QuantScheme(bits=4, group_size=16), QuantScheme(bits=3, group_size=32, symmetric=False), QuantScheme(bits=4)], ids=str)
+@pytest.mark.parametrize(
+    "scheme",
+    [
+        QuantScheme(bits=4, group_size=16),
+        QuantScheme(bits=3, group_size=32, symmetric=False),
+        QuantScheme(bits=4),
+    ],
+    ids=str,
+)
 @pytest.mark.parametrize("act_order", [False, True])
 def test_gptq_beats_rtn_on_layer_output_error(scheme, act_order):
     x = correlated_inputs()
     weight = torch.randn(48, 64, generator=torch.Generator().manual_seed(1))
     rtn = output_error(x, weight, quantize_rtn(weight, scheme), scheme)
-    gptq = output_error(x, weight, gptq_quantize(weight, hessian_of(x), scheme, GPTQOptions(act_order=act_order, block_size=32)), scheme)
+    gptq = output_error(
+        x,
+        weight,
+        gptq_quantize(weight, hessian_of(x), scheme, GPTQOptions(act_order=act_order, block_size=32)),
+        scheme,
+    )
     assert gptq < 0.8 * rtn
 
 
@@ -49,7 +72,10 @@ def test_lazy_block_updates_are_exact():
     weight = torch.randn(16, 64, generator=torch.Generator().manual_seed(4))
     scheme = QuantScheme(bits=4, group_size=16)
     for act_order in (False, True):
-        results = [gptq_quantize(weight, hessian_of(x), scheme, GPTQOptions(act_order=act_order, block_size=b)).codes for b in (16, 32, 64)]
+        results = [
+            gptq_quantize(weight, hessian_of(x), scheme, GPTQOptions(act_order=act_order, block_size=b)).codes
+            for b in (16, 32, 64)
+        ]
         assert all(torch.equal(results[0], other) for other in results[1:])
 
 
@@ -96,7 +122,9 @@ def test_layers_reading_the_same_inputs_share_their_statistics(square_sums):
     assert statistics["q"] is statistics["k"] and statistics["o"] is not statistics["q"]
     assert isinstance(statistics["q"], SquareSums if square_sums else HessianAccumulator)
     if square_sums:
-        torch.testing.assert_close(statistics["q"].sums, (torch.cat([x, y]) ** 2).sum(dim=0).double(), rtol=1e-5, atol=0)
+        torch.testing.assert_close(
+            statistics["q"].sums, (torch.cat([x, y]) ** 2).sum(dim=0).double(), rtol=1e-5, atol=0
+        )
         torch.testing.assert_close(statistics["o"].sums, 4 * statistics["q"].sums, rtol=1e-5, atol=0)
 
 
@@ -104,7 +132,13 @@ def test_a_hessian_that_stays_singular_is_a_clear_error_after_warnings(caplog):
     hessian = torch.ones(16, 16)  # rank one: X had one direction only
     hessian[0, 1] = hessian[1, 0] = 4.0  # and not even positive semi-definite
     with pytest.raises(SlimlmError, match="layer.x: the Hessian stayed singular"):
-        gptq_quantize(torch.randn(4, 16), hessian, QuantScheme(bits=4, group_size=8), GPTQOptions(damp=1e-6), name="layer.x")
+        gptq_quantize(
+            torch.randn(4, 16),
+            hessian,
+            QuantScheme(bits=4, group_size=8),
+            GPTQOptions(damp=1e-6),
+            name="layer.x",
+        )
     assert sum("raising it" in record.message for record in caplog.records) == 4
 
 
@@ -113,8 +147,12 @@ def test_clip_search_lowers_gptq_error_on_heavy_tailed_weights():
     weight = torch.randn(48, 64, generator=torch.Generator().manual_seed(6))
     weight[torch.rand(weight.shape, generator=torch.Generator().manual_seed(7)) < 0.02] *= 8.0
     scheme = QuantScheme(bits=4, group_size=16)
-    plain = output_error(x, weight, gptq_quantize(weight, hessian_of(x), scheme, GPTQOptions(clip_search=False)), scheme)
-    clipped = output_error(x, weight, gptq_quantize(weight, hessian_of(x), scheme, GPTQOptions(clip_search=True)), scheme)
+    plain = output_error(
+        x, weight, gptq_quantize(weight, hessian_of(x), scheme, GPTQOptions(clip_search=False)), scheme
+    )
+    clipped = output_error(
+        x, weight, gptq_quantize(weight, hessian_of(x), scheme, GPTQOptions(clip_search=True)), scheme
+    )
     assert clipped < plain
 
 
@@ -132,5 +170,7 @@ def test_layers_sharing_a_hessian_each_see_it_whole():
     assert torch.equal(stats["k"].hessian, before)
     own = stats["k"].hessian
     last = stats.take_hessian("k")
-    assert last is own and torch.equal(last, before) and not stats  # the last user gets the accumulator's own tensor, no copy
+    assert (
+        last is own and torch.equal(last, before) and not stats
+    )  # the last user gets the accumulator's own tensor, no copy
     assert torch.equal(gptq_quantize(weight, last, QuantScheme(bits=4, group_size=16)).codes, first.codes)

@@ -43,6 +43,12 @@ CHECK = textwrap.dedent(
 
 
 def test_every_tile_computes_the_dequantized_product():
-    result = subprocess.run([sys.executable, "-c", CHECK], env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=900)
+    result = subprocess.run(
+        [sys.executable, "-c", CHECK],
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert int(result.stdout.split()[-1]) >= 30

@@ -25,7 +25,11 @@ def test_linear_in_float32_rounds_a_float32_product_in_runs_of_rows(monkeypatch)
 def test_the_mode_takes_half_precision_cpu_linears_only(monkeypatch):
     calls = []
     monkeypatch.setattr(half_linear, "half_matmul_is_slow", lambda dtype: True)
-    monkeypatch.setattr(half_linear, "linear_in_float32", lambda *args, **kwargs: calls.append(args) or F.linear(*args, **kwargs))
+    monkeypatch.setattr(
+        half_linear,
+        "linear_in_float32",
+        lambda *args, **kwargs: calls.append(args) or F.linear(*args, **kwargs),
+    )
     layer = torch.nn.Linear(16, 8)
     x = torch.randn(3, 16)
     with float32_linears(torch.bfloat16, torch.device("cpu")):
@@ -37,7 +41,9 @@ def test_the_mode_takes_half_precision_cpu_linears_only(monkeypatch):
 
 
 def test_nothing_changes_where_half_precision_is_fast_or_not_used(monkeypatch):
-    monkeypatch.setattr(half_linear, "linear_in_float32", lambda *args, **kwargs: pytest.fail("the mode should be off"))
+    monkeypatch.setattr(
+        half_linear, "linear_in_float32", lambda *args, **kwargs: pytest.fail("the mode should be off")
+    )
     layer = torch.nn.Linear(16, 8).bfloat16()
     monkeypatch.setattr(half_linear, "half_matmul_is_slow", lambda dtype: False)
     with float32_linears(torch.bfloat16, torch.device("cpu")):
@@ -71,14 +77,24 @@ def test_calibration_multiplies_in_float32_in_its_forward_passes_only(monkeypatc
     model = build_tiny_llama(len(tiny_tokenizer)).bfloat16()
     monkeypatch.setattr(half_linear, "half_matmul_is_slow", lambda dtype: True)
     calls = []
-    monkeypatch.setattr(half_linear, "linear_in_float32", lambda *args, **kwargs: calls.append(1) or F.linear(*args, **kwargs))
+    monkeypatch.setattr(
+        half_linear, "linear_in_float32", lambda *args, **kwargs: calls.append(1) or F.linear(*args, **kwargs)
+    )
     in_finish = []
 
     def finish_layer(block, names):
         before = len(calls)
-        F.linear(torch.randn(2, 8).bfloat16(), torch.randn(4, 8).bfloat16())  # GPTQ's and AWQ's own work: not in the mode
+        F.linear(
+            torch.randn(2, 8).bfloat16(), torch.randn(4, 8).bfloat16()
+        )  # GPTQ's and AWQ's own work: not in the mode
         in_finish.append(len(calls) - before)
 
     samples = torch.randint(0, len(tiny_tokenizer), (2, 16), generator=torch.Generator().manual_seed(0))
-    calibrate_sequentially(model, samples, ["model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"], lambda name, x: None, finish_layer)
+    calibrate_sequentially(
+        model,
+        samples,
+        ["model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"],
+        lambda name, x: None,
+        finish_layer,
+    )
     assert in_finish == [0, 0] and len(calls) >= 2 * 2 * 7  # both blocks, both passes, every Linear

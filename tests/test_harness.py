@@ -12,12 +12,19 @@ from slimlm.eval.stage import zeroshot_metrics
 from slimlm.eval.zeroshot import load_task
 from tests.test_zeroshot import DATA_ROOT
 
-lm_eval = pytest.importorskip("lm_eval", reason="lm-evaluation-harness is not installed (pip install -e '.[harness]')")
+lm_eval = pytest.importorskip(
+    "lm_eval", reason="lm-evaluation-harness is not installed (pip install -e '.[harness]')"
+)
 needs_data = pytest.mark.skipif(not os.path.isdir(DATA_ROOT), reason="the shared data root is absent")
 
 from slimlm.eval.harness import LOCAL_TASKS, local_tasks  # noqa: E402
 
-PAIRS = {"arc_easy": "local_arc_easy", "piqa": "local_piqa", "hellaswag": "local_hellaswag", "lambada": "local_lambada_openai"}
+PAIRS = {
+    "arc_easy": "local_arc_easy",
+    "piqa": "local_piqa",
+    "hellaswag": "local_hellaswag",
+    "lambada": "local_lambada_openai",
+}
 
 
 @needs_data
@@ -46,8 +53,12 @@ def test_harness_tasks_in_an_evaluate_stage_score_as_slimlm_does(tiny_model, tin
     """eval.zeroshot.harness_tasks: the harness on the run's model in memory, its rows keyed as
     slimlm's own (acc, acc_norm and their standard errors equal to slimlm's on the same items)."""
     zeroshot = SimpleNamespace(tasks=["arc_easy"], harness_tasks=["local_arc_easy"], limit=12, batch_size=4)
-    cfg = SimpleNamespace(eval=SimpleNamespace(zeroshot=zeroshot), data=SimpleNamespace(benchmarks_root=DATA_ROOT))
-    metrics = zeroshot_metrics(SimpleNamespace(cfg=cfg, model=tiny_model, tokenizer=tiny_tokenizer, run_dir=tmp_path))
+    cfg = SimpleNamespace(
+        eval=SimpleNamespace(zeroshot=zeroshot), data=SimpleNamespace(benchmarks_root=DATA_ROOT)
+    )
+    metrics = zeroshot_metrics(
+        SimpleNamespace(cfg=cfg, model=tiny_model, tokenizer=tiny_tokenizer, run_dir=tmp_path)
+    )
     assert metrics["local_arc_easy_n"] == metrics["arc_easy_n"] == 12
     for key in ("acc", "acc_norm"):
         assert metrics[f"local_arc_easy_{key}"] == metrics[f"arc_easy_{key}"]

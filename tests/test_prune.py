@@ -20,14 +20,32 @@ def qwen2_tiny():
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    config = Qwen2Config(
+        vocab_size=384,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
     return Qwen2ForCausalLM(config).eval()
 
 
 @pytest.mark.parametrize(
     "params",
-    [PruneParams(layers=2), PruneParams(hidden_size=40), PruneParams(intermediate_size=50), PruneParams(kv_heads=1), PruneParams(layers=3, hidden_size=48, intermediate_size=96, kv_heads=3)],
-    ids=lambda p: ",".join(f"{k}={v}" for k, v in vars(p).items() if v is not None and k in ("layers", "hidden_size", "intermediate_size", "kv_heads")),
+    [
+        PruneParams(layers=2),
+        PruneParams(hidden_size=40),
+        PruneParams(intermediate_size=50),
+        PruneParams(kv_heads=1),
+        PruneParams(layers=3, hidden_size=48, intermediate_size=96, kv_heads=3),
+    ],
+    ids=lambda p: ",".join(
+        f"{k}={v}"
+        for k, v in vars(p).items()
+        if v is not None and k in ("layers", "hidden_size", "intermediate_size", "kv_heads")
+    ),
 )
 def test_pruned_model_reloads_in_transformers_with_the_same_logits(params, tmp_path):
     from transformers import AutoModelForCausalLM
@@ -36,13 +54,17 @@ def test_pruned_model_reloads_in_transformers_with_the_same_logits(params, tmp_p
     pruned.save_pretrained(tmp_path)
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     with torch.no_grad():
-        torch.testing.assert_close(reloaded(SAMPLES[:2]).logits, pruned(SAMPLES[:2]).logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            reloaded(SAMPLES[:2]).logits, pruned(SAMPLES[:2]).logits, rtol=1e-5, atol=1e-5
+        )
     after = section["shape_after"]
     for key in ("layers", "hidden_size", "intermediate_size", "kv_heads"):
         if getattr(params, key) is not None:
             assert after[key] == getattr(params, key)
     assert after["heads"] == 2 * after["kv_heads"] and after["head_dim"] == 8  # GQA groups stay whole
-    assert section["parameters_after"] == sum(p.numel() for p in {p.data_ptr(): p for p in reloaded.parameters()}.values())
+    assert section["parameters_after"] == sum(
+        p.numel() for p in {p.data_ptr(): p for p in reloaded.parameters()}.values()
+    )
     assert section["parameters_after"] < section["parameters_before"]
 
 
@@ -54,7 +76,9 @@ def test_qwen2_with_biases_and_untied_head_prunes_in_width_and_depth(tmp_path):
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     assert reloaded.model.layers[0].self_attn.k_proj.bias.shape == (16,)
     with torch.no_grad():
-        torch.testing.assert_close(reloaded(SAMPLES[:2]).logits, pruned(SAMPLES[:2]).logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            reloaded(SAMPLES[:2]).logits, pruned(SAMPLES[:2]).logits, rtol=1e-5, atol=1e-5
+        )
 
 
 def test_depth_pruning_keeps_the_layers_that_change_the_hidden_state_most():
@@ -64,7 +88,9 @@ def test_depth_pruning_keeps_the_layers_that_change_the_hidden_state_most():
     kept = [i for i in range(4) if i not in section["removed_layers"]]
     assert sorted(influence, reverse=True)[:2] == sorted((influence[i] for i in kept), reverse=True)
     # the kept layers' weights moved to the new numbering unchanged
-    torch.testing.assert_close(pruned.model.layers[1].mlp.down_proj.weight, model.model.layers[kept[1]].mlp.down_proj.weight)
+    torch.testing.assert_close(
+        pruned.model.layers[1].mlp.down_proj.weight, model.model.layers[kept[1]].mlp.down_proj.weight
+    )
 
 
 def test_an_identity_layer_has_no_influence_and_goes_first():
@@ -102,6 +128,12 @@ def test_bad_pruning_targets_are_refused():
         prune_model(tiny(), SAMPLES, PruneParams(hidden_size=60))
     model = tiny()
     head = model.model.layers[0].mlp.down_proj
-    set_submodule(model, "model.layers.0.mlp.down_proj", QuantLinear.from_codes(*vars(quantize_rtn(head.weight, QuantScheme(bits=8))).values(), QuantScheme(bits=8), None))
+    set_submodule(
+        model,
+        "model.layers.0.mlp.down_proj",
+        QuantLinear.from_codes(
+            *vars(quantize_rtn(head.weight, QuantScheme(bits=8))).values(), QuantScheme(bits=8), None
+        ),
+    )
     with pytest.raises(SlimlmError, match="before any quantize stage"):
         prune_model(model, SAMPLES, PruneParams(layers=2))

@@ -55,7 +55,9 @@ def test_all_zero_rows_quantize_to_zero():
     weight[0] = 1.0
     for scheme in (QuantScheme(bits=8), QuantScheme(bits=4, symmetric=False)):
         q = quantize_rtn(weight, scheme)
-        restored = dequantize_codes(q.codes, q.scales[:, 0], None if q.zeros is None else q.zeros[:, 0], scheme)
+        restored = dequantize_codes(
+            q.codes, q.scales[:, 0], None if q.zeros is None else q.zeros[:, 0], scheme
+        )
         assert torch.isfinite(q.scales.float()).all()
         assert torch.equal(restored[1:], torch.zeros(3, 8))
 
@@ -67,8 +69,20 @@ def rounded(weight, scheme):
 
 def test_more_bits_and_smaller_groups_mean_less_error():
     weight = scaled_weight(64, 128)
-    error = {s: layer_error(weight, rounded(weight, s)) for s in [QuantScheme(bits=8), QuantScheme(bits=4, group_size=128), QuantScheme(bits=4, group_size=16), QuantScheme(bits=3, group_size=16)]}
-    assert error[QuantScheme(bits=8)] < error[QuantScheme(bits=4, group_size=16)] < error[QuantScheme(bits=4, group_size=128)]
+    error = {
+        s: layer_error(weight, rounded(weight, s))
+        for s in [
+            QuantScheme(bits=8),
+            QuantScheme(bits=4, group_size=128),
+            QuantScheme(bits=4, group_size=16),
+            QuantScheme(bits=3, group_size=16),
+        ]
+    }
+    assert (
+        error[QuantScheme(bits=8)]
+        < error[QuantScheme(bits=4, group_size=16)]
+        < error[QuantScheme(bits=4, group_size=128)]
+    )
     assert error[QuantScheme(bits=4, group_size=16)] < error[QuantScheme(bits=3, group_size=16)]
 
 
@@ -112,7 +126,9 @@ def test_pattern_matching_nothing_is_an_error(tiny_model):
 
 
 def test_quantize_params_are_checked():
-    assert build_params(QuantizeParams, {"bits": 4, "group_size": 64}, "stage").scheme == QuantScheme(bits=4, group_size=64)
+    assert build_params(QuantizeParams, {"bits": 4, "group_size": 64}, "stage").scheme == QuantScheme(
+        bits=4, group_size=64
+    )
     with pytest.raises(ConfigError, match="5-bit weights are not supported"):
         build_params(QuantizeParams, {"bits": 5}, "stage")
     with pytest.raises(ConfigError, match="group_size=4"):
@@ -145,7 +161,15 @@ def test_quantizing_a_tied_lm_head_quantizes_the_embedding_with_it(tiny_model, t
     with torch.no_grad():
         before = tiny_model(ids).logits
     fp32_bytes = model_size(tiny_model).bytes
-    state = RunState(cfg=None, run_dir=tmp_path, model=tiny_model, tokenizer=tiny_tokenizer, source=None, source_sha256=None, device=torch.device("cpu"))
+    state = RunState(
+        cfg=None,
+        run_dir=tmp_path,
+        model=tiny_model,
+        tokenizer=tiny_tokenizer,
+        source=None,
+        source_sha256=None,
+        device=torch.device("cpu"),
+    )
     quantize(state, QuantizeParams(bits=8, targets=[r"model\.layers\.\d+\..*", "lm_head"]))
     embedding, head = tiny_model.get_input_embeddings(), tiny_model.get_output_embeddings()
     assert isinstance(head, QuantLinear) and isinstance(embedding, QuantEmbedding) and embedding.head is head

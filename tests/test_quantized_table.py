@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from slimlm.artifact import load_artifact, read_manifest
-from slimlm.compress.quantize import QuantizeParams, run as quantize
+from slimlm.compress.quantize import QuantizeParams
+from slimlm.compress.quantize import run as quantize
 from slimlm.eval.size import model_size
 from slimlm.inference.load import load_decoder
 from slimlm.inference.planner import packed_bytes
@@ -20,7 +21,15 @@ WITH_HEAD = [r"model\.layers\.\d+\..*", "lm_head"]
 
 
 def quantized(model, tokenizer, tmp_path, **params) -> RunState:
-    state = RunState(cfg=None, run_dir=tmp_path, model=model, tokenizer=tokenizer, source=None, source_sha256=None, device=torch.device("cpu"))
+    state = RunState(
+        cfg=None,
+        run_dir=tmp_path,
+        model=model,
+        tokenizer=tokenizer,
+        source=None,
+        source_sha256=None,
+        device=torch.device("cpu"),
+    )
     quantize(state, QuantizeParams(targets=WITH_HEAD, **params))
     return state
 
@@ -37,15 +46,25 @@ def untied(tiny_tokenizer):
 
 def test_an_untied_table_is_rounded_with_its_head(untied, tiny_tokenizer, tmp_path):
     ids = torch.randint(0, untied.config.vocab_size, (2, 12))
-    table, before, fp32 = untied.get_input_embeddings().weight.detach().clone(), logits(untied, ids), model_size(untied)
+    table, before, fp32 = (
+        untied.get_input_embeddings().weight.detach().clone(),
+        logits(untied, ids),
+        model_size(untied),
+    )
     state = quantized(untied, tiny_tokenizer, tmp_path, bits=8)
     embedding = untied.get_input_embeddings()
     assert isinstance(embedding, QuantTable) and embedding.scheme == QuantScheme(bits=8)
     assert state.schemes["model.embed_tokens"] == QuantScheme(bits=8).to_dict()
-    assert (embedding(ids) - table[ids]).abs().max() <= embedding.scales.float().max() / 2 + 1e-6  # within half a step
-    assert (logits(untied, ids) - before).norm() < 0.05 * before.norm()  # int8 everywhere: a few percent on this chaotic random model
+    assert (
+        embedding(ids) - table[ids]
+    ).abs().max() <= embedding.scales.float().max() / 2 + 1e-6  # within half a step
+    assert (
+        logits(untied, ids) - before
+    ).norm() < 0.05 * before.norm()  # int8 everywhere: a few percent on this chaotic random model
     size = model_size(untied)
-    assert size.parameters == fp32.parameters and size.bits_per_weight < 8.6  # every matrix int8, the table too
+    assert (
+        size.parameters == fp32.parameters and size.bits_per_weight < 8.6
+    )  # every matrix int8, the table too
 
 
 def test_the_artifact_stores_the_table_once_as_codes_and_reads_it_back(untied, tiny_tokenizer, tmp_path):
@@ -67,11 +86,15 @@ def test_the_decoder_reads_the_table_by_rows_as_planned(untied, tiny_tokenizer, 
     ids = torch.randint(0, untied.config.vocab_size, (1, 10))
     decoder.setup_cache(1, 16)
     with torch.inference_mode():
-        torch.testing.assert_close(decoder(ids, 0)[:, -1], logits(state.model, ids)[:, -1], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(
+            decoder(ids, 0)[:, -1], logits(state.model, ids)[:, -1], rtol=1e-4, atol=1e-4
+        )
         torch.testing.assert_close(decoder.embedding(ids), untied.get_input_embeddings()(ids))
     table = untied.get_input_embeddings()
     stored = sum(buffer.numel() * buffer.element_size() for buffer in table.buffers())
-    assert stored == packed_bytes(table.out_features, table.in_features, table.scheme)  # what the planner counts for it
+    assert stored == packed_bytes(
+        table.out_features, table.in_features, table.scheme
+    )  # what the planner counts for it
 
 
 def test_hf_and_compressed_tensors_exports_carry_the_table_dequantized(untied, tiny_tokenizer, tmp_path):
@@ -97,13 +120,19 @@ def test_the_gguf_export_writes_the_table_as_its_own_tensor(untied, tiny_tokeniz
 
     from slimlm.gguf_export import export_gguf
 
-    state = quantized(untied, tiny_tokenizer, tmp_path, bits=8, group_size=32)  # Q8_0's grid: the codes go over as they are
+    state = quantized(
+        untied, tiny_tokenizer, tmp_path, bits=8, group_size=32
+    )  # Q8_0's grid: the codes go over as they are
     export_gguf(state.model, tiny_tokenizer, tmp_path / "model.gguf", "Q8_0")
     tensors = {tensor.name: tensor for tensor in GGUFReader(tmp_path / "model.gguf").tensors}
     stored = tensors["token_embd.weight"]
     assert stored.tensor_type.name == "Q8_0" and "output.weight" in tensors
-    values = torch.from_numpy(dequantize(stored.data, stored.tensor_type).copy()).reshape(untied.config.vocab_size, 64)
-    torch.testing.assert_close(values, untied.get_input_embeddings().dequantize(), rtol=1e-3, atol=1e-6)  # the codes as they are (fp16 scales)
+    values = torch.from_numpy(dequantize(stored.data, stored.tensor_type).copy()).reshape(
+        untied.config.vocab_size, 64
+    )
+    torch.testing.assert_close(
+        values, untied.get_input_embeddings().dequantize(), rtol=1e-3, atol=1e-6
+    )  # the codes as they are (fp16 scales)
 
 
 @pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])

@@ -6,7 +6,13 @@ import pytest
 import torch
 
 from slimlm.errors import ConfigError
-from slimlm.inference.sampling import SMALLEST_TEMPERATURE, SamplingParams, next_tokens, sampling_probabilities, sampling_state
+from slimlm.inference.sampling import (
+    SMALLEST_TEMPERATURE,
+    SamplingParams,
+    next_tokens,
+    sampling_probabilities,
+    sampling_state,
+)
 
 
 @pytest.mark.parametrize("temperature", [1e-300, 1e-46, 1e-40])
@@ -30,10 +36,19 @@ def test_the_smallest_sampled_temperature_gives_a_distribution():
 @pytest.mark.parametrize(
     "setting",
     [
-        {"temperature": -1.0}, {"temperature": math.nan}, {"temperature": math.inf}, {"temperature": -math.inf},
-        {"top_p": 0.0}, {"top_p": 1.5}, {"top_p": math.nan}, {"top_k": 0},
-        {"max_new_tokens": 0}, {"max_new_tokens": -3},
-        {"repetition_penalty": 0.0}, {"repetition_penalty": math.inf}, {"repetition_penalty": math.nan},
+        {"temperature": -1.0},
+        {"temperature": math.nan},
+        {"temperature": math.inf},
+        {"temperature": -math.inf},
+        {"top_p": 0.0},
+        {"top_p": 1.5},
+        {"top_p": math.nan},
+        {"top_k": 0},
+        {"max_new_tokens": 0},
+        {"max_new_tokens": -3},
+        {"repetition_penalty": 0.0},
+        {"repetition_penalty": math.inf},
+        {"repetition_penalty": math.nan},
         {"seed": 2**70},
     ],
     ids=str,

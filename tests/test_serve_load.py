@@ -8,7 +8,13 @@ from tests.conftest import REPO
 
 
 def test_quick_serve_load_answers_every_valid_request_and_refuses_every_hostile_one(tmp_path):
-    result = subprocess.run([sys.executable, str(REPO / "bench" / "serve_load.py"), "--quick", "--workdir", str(tmp_path)], capture_output=True, text=True, cwd=REPO, timeout=900)
+    result = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "serve_load.py"), "--quick", "--workdir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=900,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     record = json.loads((tmp_path / "serve_load.json").read_text())
     unloaded, hostile = record["rows"]

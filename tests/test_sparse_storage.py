@@ -2,8 +2,10 @@ import pytest
 import torch
 
 from slimlm.artifact import WEIGHTS, load_artifact
-from slimlm.compress.sparsify import SparsifyParams, run as sparsify
-from slimlm.compress.quantize import QuantizeParams, run as quantize
+from slimlm.compress.quantize import QuantizeParams
+from slimlm.compress.quantize import run as quantize
+from slimlm.compress.sparsify import SparsifyParams
+from slimlm.compress.sparsify import run as sparsify
 from slimlm.errors import SlimlmError
 from slimlm.eval.size import model_size
 from slimlm.pipeline import RunState
@@ -12,7 +14,15 @@ from tests.test_artifact import export
 
 
 def sparse_state(model, tokenizer, tmp_path, pattern: str, quantize_params: dict | None):
-    state = RunState(cfg=None, run_dir=tmp_path, model=model, tokenizer=tokenizer, source=None, source_sha256=None, device=torch.device("cpu"))
+    state = RunState(
+        cfg=None,
+        run_dir=tmp_path,
+        model=model,
+        tokenizer=tokenizer,
+        source=None,
+        source_sha256=None,
+        device=torch.device("cpu"),
+    )
     sparsify(state, SparsifyParams(method="magnitude", sparsity=0.5, pattern=pattern))
     if quantize_params is not None:
         quantize(state, QuantizeParams(**quantize_params))
@@ -28,11 +38,22 @@ def test_bits_pack_and_unpack():
 
 @pytest.mark.parametrize("codes", [False, True])
 def test_bitmask_encoding_round_trips(codes):
-    values = torch.randint(0, 16, (6, 24), dtype=torch.uint8) if codes else torch.randn(6, 24) * (torch.rand(6, 24) > 0.6)
+    values = (
+        torch.randint(0, 16, (6, 24), dtype=torch.uint8)
+        if codes
+        else torch.randn(6, 24) * (torch.rand(6, 24) > 0.6)
+    )
     zero = 8 if codes else 0.0
     candidate = SparseCandidate("w.qweight" if codes else "w.weight", values, zero, 4 if codes else 32, codes)
     encoded = encode_bitmask(candidate)
-    rebuilt = decode_bitmask(encoded[f"{candidate.key}.bitmask"], encoded[f"{candidate.key}.nonzeros"], [6, 24], zero, candidate.bits, codes)
+    rebuilt = decode_bitmask(
+        encoded[f"{candidate.key}.bitmask"],
+        encoded[f"{candidate.key}.nonzeros"],
+        [6, 24],
+        zero,
+        candidate.bits,
+        codes,
+    )
     if codes:
         from slimlm.packing import unpack_codes
 
@@ -44,11 +65,29 @@ def test_bitmask_encoding_round_trips(codes):
 
 @pytest.mark.parametrize(
     "pattern, quantize_params",
-    [("2:4", None), ("unstructured", {"bits": 4, "group_size": 32}), ("2:4", {"bits": 4, "group_size": 32, "symmetric": False}), ("unstructured", {"bits": 8})],
+    [
+        ("2:4", None),
+        ("unstructured", {"bits": 4, "group_size": 32}),
+        ("2:4", {"bits": 4, "group_size": 32, "symmetric": False}),
+        ("unstructured", {"bits": 8}),
+    ],
     ids=["fp32-2:4", "int4-50%", "int4-asym-2:4", "int8-50%"],
 )
-def test_sparse_artifact_round_trips_and_shrinks(tiny_model, tiny_tokenizer, tmp_path, pattern, quantize_params):
-    dense = export(RunState(cfg=None, run_dir=tmp_path, model=tiny_model, tokenizer=tiny_tokenizer, source=None, source_sha256=None, device=torch.device("cpu")), tmp_path / "dense")
+def test_sparse_artifact_round_trips_and_shrinks(
+    tiny_model, tiny_tokenizer, tmp_path, pattern, quantize_params
+):
+    dense = export(
+        RunState(
+            cfg=None,
+            run_dir=tmp_path,
+            model=tiny_model,
+            tokenizer=tiny_tokenizer,
+            source=None,
+            source_sha256=None,
+            device=torch.device("cpu"),
+        ),
+        tmp_path / "dense",
+    )
     state = sparse_state(tiny_model, tiny_tokenizer, tmp_path, pattern, quantize_params)
     path = export(state, tmp_path / "sparse")
     loaded = load_artifact(path)
@@ -59,7 +98,9 @@ def test_sparse_artifact_round_trips_and_shrinks(tiny_model, tiny_tokenizer, tmp
     layer_keys = [key for key in loaded.manifest["sparse_tensors"] if key.startswith("model.layers.")]
     assert len(layer_keys) == 2 * 7  # every decoder Linear of both layers
     size = model_size(state.model)
-    assert size.stored_bytes < size.bytes and 0.3 < size.linear_zeros < 0.55  # half the decoder weights; the head is dense
+    assert (
+        size.stored_bytes < size.bytes and 0.3 < size.linear_zeros < 0.55
+    )  # half the decoder weights; the head is dense
     dense_file, sparse_file = (dense / WEIGHTS).stat().st_size, (path / WEIGHTS).stat().st_size
     assert sparse_file < dense_file
 

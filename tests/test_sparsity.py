@@ -3,7 +3,15 @@ import torch
 
 from slimlm.compress.gptq import gptq_quantize
 from slimlm.compress.rtn import dequantize_weight, quantize_rtn
-from slimlm.compress.sparsity import SparsityPattern, keep_mask, magnitude_mask, outlier_ratio, owl_ratios, sparsegpt_prune, wanda_mask
+from slimlm.compress.sparsity import (
+    SparsityPattern,
+    keep_mask,
+    magnitude_mask,
+    outlier_ratio,
+    owl_ratios,
+    sparsegpt_prune,
+    wanda_mask,
+)
 from slimlm.errors import ConfigError, SlimlmError
 from slimlm.qlinear import QuantScheme
 from tests.test_gptq import correlated_inputs, hessian_of
@@ -34,13 +42,20 @@ def test_unstructured_masks_drop_exactly_the_ratio(ratio):
 def test_nm_masks_keep_exactly_n_in_every_m(pattern, sparsity):
     nm = SparsityPattern.parse(sparsity, pattern)
     weight, x = layer(), correlated_inputs()
-    for keep in (magnitude_mask(weight, nm), wanda_mask(weight, torch.rand(64), nm), sparsegpt_prune(weight, hessian_of(x), nm, block_size=20) != 0):
+    for keep in (
+        magnitude_mask(weight, nm),
+        wanda_mask(weight, torch.rand(64), nm),
+        sparsegpt_prune(weight, hessian_of(x), nm, block_size=20) != 0,
+    ):
         assert torch.all(keep.reshape(48, -1, nm.m).sum(dim=-1) == nm.n)
 
 
 def test_magnitude_keeps_the_largest_weights():
     weight = torch.tensor([[0.1, -3.0, 2.0, -0.2], [5.0, 0.01, -0.5, 0.3]])
-    assert magnitude_mask(weight, TWO_FOUR).tolist() == [[False, True, True, False], [True, False, True, False]]
+    assert magnitude_mask(weight, TWO_FOUR).tolist() == [
+        [False, True, True, False],
+        [True, False, True, False],
+    ]
 
 
 def test_wanda_weighs_weights_by_input_norm():
@@ -75,7 +90,11 @@ def test_owl_ratios_average_the_target_and_follow_outliers():
     assert outlier_ratio([torch.tensor([1.0, 1.0, 1.0, 100.0])], threshold=2.0) == 0.25
 
 
-@pytest.mark.parametrize("scheme", [QuantScheme(bits=4, group_size=16), QuantScheme(bits=3, group_size=32, symmetric=False)], ids=str)
+@pytest.mark.parametrize(
+    "scheme",
+    [QuantScheme(bits=4, group_size=16), QuantScheme(bits=3, group_size=32, symmetric=False)],
+    ids=str,
+)
 def test_quantizing_a_pruned_weight_keeps_its_zeros(scheme):
     x, weight = correlated_inputs(), layer()
     pruned = sparsegpt_prune(weight, hessian_of(x), TWO_FOUR)
@@ -86,7 +105,13 @@ def test_quantizing_a_pruned_weight_keeps_its_zeros(scheme):
 
 
 def test_bad_patterns_are_refused():
-    for sparsity, pattern in [(1.0, "unstructured"), (-0.1, "unstructured"), (0.5, "4:2"), (0.5, "2-4"), (1.0, "0:4")]:
+    for sparsity, pattern in [
+        (1.0, "unstructured"),
+        (-0.1, "unstructured"),
+        (0.5, "4:2"),
+        (0.5, "2-4"),
+        (1.0, "0:4"),
+    ]:
         with pytest.raises(ConfigError):
             SparsityPattern.parse(sparsity, pattern)
     with pytest.raises(SlimlmError, match="not a multiple of 8"):
@@ -96,11 +121,22 @@ def test_bad_patterns_are_refused():
     assert keep_mask(torch.rand(3, 8), SparsityPattern.parse(0.0, "unstructured"), per_row=True).all()
 
 
-def test_sparsify_stage_refuses_a_pattern_the_layers_cannot_take_before_touching_them(tiny_model, tiny_tokenizer, tmp_path):
-    from slimlm.compress.sparsify import SparsifyParams, run as sparsify
+def test_sparsify_stage_refuses_a_pattern_the_layers_cannot_take_before_touching_them(
+    tiny_model, tiny_tokenizer, tmp_path
+):
+    from slimlm.compress.sparsify import SparsifyParams
+    from slimlm.compress.sparsify import run as sparsify
     from slimlm.pipeline import RunState
 
-    state = RunState(cfg=None, run_dir=tmp_path, model=tiny_model, tokenizer=tiny_tokenizer, source=None, source_sha256=None, device=torch.device("cpu"))
+    state = RunState(
+        cfg=None,
+        run_dir=tmp_path,
+        model=tiny_model,
+        tokenizer=tiny_tokenizer,
+        source=None,
+        source_sha256=None,
+        device=torch.device("cpu"),
+    )
     before = {k: v.clone() for k, v in tiny_model.state_dict().items()}
     with pytest.raises(SlimlmError, match=r"cannot sparsify model\.layers\.0\..*not a multiple of 7"):
         sparsify(state, SparsifyParams(method="magnitude", sparsity=4 / 7, pattern="3:7"))
@@ -117,15 +153,27 @@ def test_two_four_detection_chooses_the_semi_structured_kernel_only_where_it_run
     weight = layer(rows=64, cols=128)
     pruned = weight * magnitude_mask(weight, TWO_FOUR)
     assert is_two_four(pruned) and not is_two_four(weight)
-    assert not is_two_four(weight * magnitude_mask(weight, UNSTRUCTURED_50))  # 50% overall is not 2 in every 4
-    assert not semi_sparse_fits(pruned, torch.bfloat16, torch.device("cpu"))  # CPUs have no sparse tensor cores: dense kernel
+    assert not is_two_four(
+        weight * magnitude_mask(weight, UNSTRUCTURED_50)
+    )  # 50% overall is not 2 in every 4
+    assert not semi_sparse_fits(
+        pruned, torch.bfloat16, torch.device("cpu")
+    )  # CPUs have no sparse tensor cores: dense kernel
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0), reason="needs a GPU with sparse tensor cores")
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0),
+    reason="needs a GPU with sparse tensor cores",
+)
 def test_semi_structured_kernel_matches_the_dense_product_on_gpu():
     from slimlm.inference.linear import SemiSparseLinear
 
     weight = layer(rows=128, cols=256).cuda().half()
     pruned = weight * magnitude_mask(weight.float(), TWO_FOUR).cuda().half()
     x = torch.randn(3, 5, 256, device="cuda", dtype=torch.float16)
-    torch.testing.assert_close(SemiSparseLinear(pruned, None, torch.float16, torch.device("cuda"))(x), x @ pruned.T, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(
+        SemiSparseLinear(pruned, None, torch.float16, torch.device("cuda"))(x),
+        x @ pruned.T,
+        rtol=2e-2,
+        atol=2e-2,
+    )

@@ -11,7 +11,16 @@ from slimlm import memory
 from slimlm.compress.rtn import quantize_rtn
 from slimlm.errors import SlimlmError
 from slimlm.eval.bandwidth import CACHE_FILE, bandwidth_fraction, decode_bytes_per_token, memory_bandwidth
-from slimlm.eval.speed import PASSAGE, benchmark_prompt, bundled_decode, generate_decode, greedy_decode, measure_decoder_speed, measure_generate, measure_speed
+from slimlm.eval.speed import (
+    PASSAGE,
+    benchmark_prompt,
+    bundled_decode,
+    generate_decode,
+    greedy_decode,
+    measure_decoder_speed,
+    measure_generate,
+    measure_speed,
+)
 from slimlm.inference.build import build_decoder
 from slimlm.inference.decoder import Decoder
 from slimlm.memory import peak_memory
@@ -19,7 +28,15 @@ from slimlm.qlinear import QuantLinear, QuantScheme, set_submodule
 from tests.conftest import build_tiny_llama
 
 # The tiny Llama of conftest, by hand: hidden 64, MLP 128, 2 layers, 4 heads of 16, 2 KV heads, fp32.
-LAYER_LINEAR_SHAPES = [(64, 64), (32, 64), (32, 64), (64, 64), (128, 64), (128, 64), (64, 128)]  # q k v o gate up down (out, in)
+LAYER_LINEAR_SHAPES = [
+    (64, 64),
+    (32, 64),
+    (32, 64),
+    (64, 64),
+    (128, 64),
+    (128, 64),
+    (64, 128),
+]  # q k v o gate up down (out, in)
 LAYER_NORMS = 2 * 64
 FINAL_NORM = 64
 KV_BYTES_PER_CONTEXT_TOKEN = 2 * 2 * 2 * 16 * 4  # keys and values x layers x kv heads x head dim x fp32
@@ -27,7 +44,11 @@ FP32 = 4
 
 
 def decoder_linear_names(model: nn.Module) -> list[str]:
-    return [name for name, module in model.named_modules() if isinstance(module, nn.Linear) and name.startswith("model.layers.")]
+    return [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear) and name.startswith("model.layers.")
+    ]
 
 
 def static_bytes(model: nn.Module, layer_linear_bytes: int, head_bytes: int) -> int:
@@ -42,7 +63,13 @@ def test_decode_loop_produces_the_greedy_tokens_of_generate(tiny_tokenizer):
     input_ids = benchmark_prompt(tiny_tokenizer, 16).repeat(2, 1)
     run = greedy_decode(model, input_ids, 24)
     with torch.no_grad():
-        expected = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False, max_new_tokens=24, pad_token_id=0)[:, 16:]
+        expected = model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            do_sample=False,
+            max_new_tokens=24,
+            pad_token_id=0,
+        )[:, 16:]
     assert run.tokens.shape == (2, 24)
     assert torch.equal(run.tokens, expected)
     assert len(set(run.tokens[0].tolist())) > 5
@@ -62,7 +89,9 @@ def test_prompt_has_exactly_the_requested_tokens_of_the_passage(tiny_tokenizer, 
 def test_results_are_medians_of_the_timed_runs_after_warmup(tiny_model, tiny_tokenizer):
     steps = []
     tiny_model.register_forward_hook(lambda module, args, output: steps.append(module))
-    result = measure_speed(tiny_model, tiny_tokenizer, prompt_tokens=8, new_tokens=5, batch_size=3, warmup=2, repeats=3)
+    result = measure_speed(
+        tiny_model, tiny_tokenizer, prompt_tokens=8, new_tokens=5, batch_size=3, warmup=2, repeats=3
+    )
     assert len(steps) == (2 + 3) * 5  # warm-up runs, then timed runs, each exactly new_tokens forwards
     assert (result.batch_size, result.prompt_tokens, result.new_tokens, result.repeats) == (3, 8, 5, 3)
     assert len(result.runs) == 3
@@ -76,16 +105,22 @@ def test_results_are_medians_of_the_timed_runs_after_warmup(tiny_model, tiny_tok
 
 
 def test_generate_is_timed_by_the_same_protocol(tiny_model, tiny_tokenizer):
-    result = measure_generate(tiny_model, tiny_tokenizer, prompt_tokens=8, new_tokens=6, batch_size=2, warmup=0, repeats=2)
+    result = measure_generate(
+        tiny_model, tiny_tokenizer, prompt_tokens=8, new_tokens=6, batch_size=2, warmup=0, repeats=2
+    )
     assert result.method == "generate" and len(result.runs) == 2
     assert result.decode_tok_s == statistics.median(run.decode_tok_s for run in result.runs)
     assert all(0 < run.ttft_s < run.total_s for run in result.runs)
 
 
-def test_the_bundled_decoder_is_timed_by_the_same_protocol_and_decodes_the_same_tokens(tiny_model, tiny_tokenizer):
+def test_the_bundled_decoder_is_timed_by_the_same_protocol_and_decodes_the_same_tokens(
+    tiny_model, tiny_tokenizer
+):
     """A family the decoder runs is measured as `slimlm generate` runs it; on the fp32 tiny
     model it chooses the same greedy tokens as the transformers forward loop."""
-    result = measure_decoder_speed(tiny_model, tiny_tokenizer, prompt_tokens=8, new_tokens=6, batch_size=2, warmup=1, repeats=2)
+    result = measure_decoder_speed(
+        tiny_model, tiny_tokenizer, prompt_tokens=8, new_tokens=6, batch_size=2, warmup=1, repeats=2
+    )
     assert result.method == "bundled_decoder" and len(result.runs) == 2
     assert result.decode_tok_s == statistics.median(run.decode_tok_s for run in result.runs)
     assert all(0 < run.ttft_s < run.total_s for run in result.runs)
@@ -99,12 +134,15 @@ def test_a_single_new_token_has_no_decode_rate(tiny_model, tiny_tokenizer):
     assert result.decode_tok_s is None and result.total_s == pytest.approx(result.ttft_s, abs=1e-3)
 
 
-@pytest.mark.parametrize("arguments, message", [
-    ({"new_tokens": 0}, "new_tokens=0 is invalid"),
-    ({"batch_size": 0}, "batch_size=0 is invalid"),
-    ({"repeats": 0}, "repeats=0 is invalid"),
-    ({"prompt_tokens": 2.5}, "prompt_tokens=2.5 is invalid"),
-])
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        ({"new_tokens": 0}, "new_tokens=0 is invalid"),
+        ({"batch_size": 0}, "batch_size=0 is invalid"),
+        ({"repeats": 0}, "repeats=0 is invalid"),
+        ({"prompt_tokens": 2.5}, "prompt_tokens=2.5 is invalid"),
+    ],
+)
 def test_bad_arguments_are_errors(tiny_model, tiny_tokenizer, arguments, message):
     with pytest.raises(SlimlmError, match=message):
         measure_speed(tiny_model, tiny_tokenizer, **arguments)
@@ -145,32 +183,58 @@ def quantize_linears(model: nn.Module, names: list[str]) -> None:
     for name in names:
         linear = model.get_submodule(name)
         q = quantize_rtn(linear.weight, QuantScheme())
-        set_submodule(model, name, QuantLinear.from_codes(q.codes, q.scales, q.zeros, QuantScheme(), linear.bias))
+        set_submodule(
+            model, name, QuantLinear.from_codes(q.codes, q.scales, q.zeros, QuantScheme(), linear.bias)
+        )
 
 
 def test_bytes_per_token_of_quant_linear_layers(tiny_model, tiny_tokenizer):
     vocab, context = len(tiny_tokenizer), 32
     per_sequence = 64 * FP32 + KV_BYTES_PER_CONTEXT_TOKEN * context
-    int8_linears = sum(out * inp + 2 * out for out, inp in LAYER_LINEAR_SHAPES)  # int8 weights + fp16 row scales
+    int8_linears = sum(
+        out * inp + 2 * out for out, inp in LAYER_LINEAR_SHAPES
+    )  # int8 weights + fp16 row scales
     quantize_linears(tiny_model, decoder_linear_names(tiny_model))
-    assert decode_bytes_per_token(tiny_model, context) == static_bytes(tiny_model, int8_linears, vocab * 64 * FP32) + per_sequence
+    assert (
+        decode_bytes_per_token(tiny_model, context)
+        == static_bytes(tiny_model, int8_linears, vocab * 64 * FP32) + per_sequence
+    )
     quantize_linears(tiny_model, ["lm_head"])  # unties: the fp32 embedding is now read one row at a time
-    assert decode_bytes_per_token(tiny_model, context) == static_bytes(tiny_model, int8_linears, vocab * 64 + 2 * vocab) + per_sequence
+    assert (
+        decode_bytes_per_token(tiny_model, context)
+        == static_bytes(tiny_model, int8_linears, vocab * 64 + 2 * vocab) + per_sequence
+    )
     result = measure_speed(tiny_model, tiny_tokenizer, prompt_tokens=4, new_tokens=3, warmup=0, repeats=1)
     assert result.decode_tok_s > 0
 
 
 def test_a_quantized_table_is_read_one_row_per_token(tiny_tokenizer, tmp_path):
-    from slimlm.compress.quantize import QuantizeParams, run as quantize
+    from slimlm.compress.quantize import QuantizeParams
+    from slimlm.compress.quantize import run as quantize
     from slimlm.pipeline import RunState
 
     vocab, context = len(tiny_tokenizer), 32
     untied = build_tiny_llama(vocab, tie_word_embeddings=False)
-    state = RunState(cfg=None, run_dir=tmp_path, model=untied, tokenizer=tiny_tokenizer, source=None, source_sha256=None, device=torch.device("cpu"))
-    quantize(state, QuantizeParams(bits=8, targets=[r"model\.layers\.\d+\..*", "lm_head"]))  # the table is rounded with the head
+    state = RunState(
+        cfg=None,
+        run_dir=tmp_path,
+        model=untied,
+        tokenizer=tiny_tokenizer,
+        source=None,
+        source_sha256=None,
+        device=torch.device("cpu"),
+    )
+    quantize(
+        state, QuantizeParams(bits=8, targets=[r"model\.layers\.\d+\..*", "lm_head"])
+    )  # the table is rounded with the head
     int8_linears = sum(out * inp + 2 * out for out, inp in LAYER_LINEAR_SHAPES)
-    per_sequence = (64 + 2) + KV_BYTES_PER_CONTEXT_TOKEN * context  # one int8 row of the table and its fp16 scale, the KV cache
-    assert decode_bytes_per_token(untied, context) == static_bytes(untied, int8_linears, vocab * 64 + 2 * vocab) + per_sequence
+    per_sequence = (
+        64 + 2
+    ) + KV_BYTES_PER_CONTEXT_TOKEN * context  # one int8 row of the table and its fp16 scale, the KV cache
+    assert (
+        decode_bytes_per_token(untied, context)
+        == static_bytes(untied, int8_linears, vocab * 64 + 2 * vocab) + per_sequence
+    )
 
 
 def test_bytes_per_token_of_bitsandbytes_layers(tiny_model, tiny_tokenizer):
@@ -178,15 +242,35 @@ def test_bytes_per_token_of_bitsandbytes_layers(tiny_model, tiny_tokenizer):
     context = 16
     for name in decoder_linear_names(tiny_model):
         linear = tiny_model.get_submodule(name)
-        layer = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=False, compute_dtype=torch.float32, quant_type="nf4", compress_statistics=True)
-        layer.weight = bnb.nn.Params4bit(linear.weight.data.clone(), requires_grad=False, quant_type="nf4", compress_statistics=True)
+        layer = bnb.nn.Linear4bit(
+            linear.in_features,
+            linear.out_features,
+            bias=False,
+            compute_dtype=torch.float32,
+            quant_type="nf4",
+            compress_statistics=True,
+        )
+        layer.weight = bnb.nn.Params4bit(
+            linear.weight.data.clone(), requires_grad=False, quant_type="nf4", compress_statistics=True
+        )
         set_submodule(tiny_model, name, layer.to("cpu"))  # quantizes
     # Per matrix of n weights: packed 4-bit n/2, uint8 absmax per 64-block, its fp32 offset, fp32 code of
     # 16, and the nested statistics: one fp32 absmax per 256 blocks (one here) and an fp32 code of 256.
-    nf4_linears = sum(out * inp // 2 + out * inp // 64 + 4 + 16 * 4 + 4 + 256 * 4 for out, inp in LAYER_LINEAR_SHAPES)
-    expected = static_bytes(tiny_model, nf4_linears, len(tiny_tokenizer) * 64 * FP32) + 64 * FP32 + KV_BYTES_PER_CONTEXT_TOKEN * context
+    nf4_linears = sum(
+        out * inp // 2 + out * inp // 64 + 4 + 16 * 4 + 4 + 256 * 4 for out, inp in LAYER_LINEAR_SHAPES
+    )
+    expected = (
+        static_bytes(tiny_model, nf4_linears, len(tiny_tokenizer) * 64 * FP32)
+        + 64 * FP32
+        + KV_BYTES_PER_CONTEXT_TOKEN * context
+    )
     assert decode_bytes_per_token(tiny_model, context) == expected
-    assert measure_speed(tiny_model, tiny_tokenizer, prompt_tokens=4, new_tokens=3, warmup=0, repeats=1).decode_tok_s > 0
+    assert (
+        measure_speed(
+            tiny_model, tiny_tokenizer, prompt_tokens=4, new_tokens=3, warmup=0, repeats=1
+        ).decode_tok_s
+        > 0
+    )
 
 
 def test_bandwidth_is_measured_once_and_then_read_from_the_cache(tmp_path, monkeypatch):
