@@ -23,6 +23,8 @@ demo: setup
 	$(BIN)/slimlm recipe=demo
 
 test: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 clean:

@@ -51,7 +51,9 @@ class Difference:
 
     prompt: int
     token: int  # index of the first answer token that differs
-    margin: float  # the alone answer's log-probability lead over the runner-up at that token (NaN: the alone answer had ended)
+    # the alone answer's log-probability lead over the runner-up at that token (NaN: the alone
+    # answer had ended)
+    margin: float
 
 
 @dataclass
@@ -191,7 +193,11 @@ def measure(model_name: str, decoder: Decoder, prompts: list[list[int]], new_tok
         )
         row = rows[-1]
         print(
-            f"{row['name']}: {row['answered_differently']} of {len(prompts)} answered differently; {row['steps_bitwise_identical']} of {row['steps_compared']} steps' logits bitwise identical, largest difference {row['max_abs_logit_difference']:.3g}",
+            (
+                f"{row['name']}: {row['answered_differently']} of {len(prompts)} answered differently; "
+                f"{row['steps_bitwise_identical']} of {row['steps_compared']} steps' logits bitwise "
+                f"identical, largest difference {row['max_abs_logit_difference']:.3g}"
+            ),
             flush=True,
         )
     return rows
@@ -233,12 +239,21 @@ def markdown(rows: list[dict], model: str, command: str, seconds: float, threads
         "",
         f"- command: `{command}`",
         machine_line(machine_info(), f"{threads} threads", seconds),
-        f"- {model}; {rows[0]['prompts']} WikiText-2 test prompts, {rows[0]['new_tokens']} greedy tokens each; a ContinuousBatcher of {ROWS} rows",
+        (
+            f"- {model}; {rows[0]['prompts']} WikiText-2 test prompts, {rows[0]['new_tokens']} greedy tokens "
+            f"each; a ContinuousBatcher of {ROWS} rows"
+        ),
         "",
-        "| model, batch | prompts answered differently | first differing token of each | largest margin there (log-prob) | steps with bitwise the same logits | largest logit difference | alone steps whose top two logits are closer than twice that |",
+        (
+            "| model, batch | prompts answered differently | first differing token of each | largest margin "
+            "there (log-prob) | steps with bitwise the same logits | largest logit difference | alone steps "
+            "whose top two logits are closer than twice that |"
+        ),
         "|---|---:|---|---:|---:|---:|---:|",
         *(
-            f"| {r['name']} | {r['answered_differently']} of {r['prompts']} | {firsts(r)} | {lead(r)} | {r['steps_bitwise_identical']} of {r['steps_compared']} | {r['max_abs_logit_difference']:.3g} | {r['alone_steps_within_twice_that']} of {r['alone_steps']} |"
+            f"| {r['name']} | {r['answered_differently']} of {r['prompts']} | {firsts(r)} | {lead(r)} | "
+            f"{r['steps_bitwise_identical']} of {r['steps_compared']} | {r['max_abs_logit_difference']:.3g} "
+            f"| {r['alone_steps_within_twice_that']} of {r['alone_steps']} |"
             for r in rows
         ),
         "",

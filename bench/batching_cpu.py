@@ -67,7 +67,8 @@ def continuous(model, tokenizer, name: str, requests: list[tuple[list[int], int,
         sent, times = time.perf_counter(), []
         for item in batcher.submit(ids, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)):
             times.append(time.perf_counter())
-        produced.append(len(item.token_ids))
+            last = item  # the last item is the Generation
+        produced.append(len(last.token_ids))
         firsts[index] = times[0] - sent
         gaps.extend(
             later - earlier for earlier, later in zip(times[:-2], times[1:-1])
@@ -83,8 +84,9 @@ def continuous(model, tokenizer, name: str, requests: list[tuple[list[int], int,
     first_median, first_max = 1000 * statistics.median(firsts), 1000 * max(firsts)
     batcher.close()
     print(
-        f"{name}: {total:.1f} tok/s in all, {decode:.1f} in its {batcher.steps} decode steps; first piece {first_median:.0f} ms median, {first_max:.0f} ms longest;"
-        f" between pieces {gap_median:.0f} ms median, {gap_max:.0f} ms longest",
+        f"{name}: {total:.1f} tok/s in all, {decode:.1f} in its {batcher.steps} decode steps; first piece "
+        f"{first_median:.0f} ms median, {first_max:.0f} ms longest; between pieces {gap_median:.0f} ms "
+        f"median, {gap_max:.0f} ms longest",
         flush=True,
     )
     return {
@@ -229,14 +231,29 @@ def main() -> None:
         "",
         f"- command: `{command}`",
         machine_line(machine, f"{options.threads} threads", summary["seconds"]),
-        f"- default model, int4 g64 RTN (head too), bundled decoder, bf16 activations, eager (no compiled step); 16-token prompts; static batches decode {options.new_tokens} new tokens each",
-        "- continuous: 16 requests sent at once, 32 to 128 new tokens each, 8 cache rows: a request takes a row when one frees, prefills, and joins the running batch at the next step; 8 requests of 48-token prompts sent at once, 16 new tokens each; and 8 requests of 1,024-token prompts, 64 new tokens each (the time includes their prefills); and 4 answers of 128 tokens that four 1,024-token prompts (8 new tokens each) join after 1 s; and four 1,024-token prompts that four 16-token prompts join after 1 s (8 new tokens each)",
+        (
+            "- default model, int4 g64 RTN (head too), bundled decoder, bf16 activations, eager (no "
+            f"compiled step); 16-token prompts; static batches decode {options.new_tokens} new tokens each"
+        ),
+        (
+            "- continuous: 16 requests sent at once, 32 to 128 new tokens each, 8 cache rows: a request "
+            "takes a row when one frees, prefills, and joins the running batch at the next step; 8 requests "
+            "of 48-token prompts sent at once, 16 new tokens each; and 8 requests of 1,024-token prompts, 64 "
+            "new tokens each (the time includes their prefills); and 4 answers of 128 tokens that four "
+            "1,024-token prompts (8 new tokens each) join after 1 s; and four 1,024-token prompts that four "
+            "16-token prompts join after 1 s (8 new tokens each)"
+        ),
         "",
-        "| run | new tokens/s in all | vs batch 1 | per request tokens/s | tokens/s in decode steps (prefills aside) | ms to a request's first piece: median | longest | ms between an answer's pieces: median | longest |",
+        (
+            "| run | new tokens/s in all | vs batch 1 | per request tokens/s | tokens/s in decode steps "
+            "(prefills aside) | ms to a request's first piece: median | longest | ms between an answer's "
+            "pieces: median | longest |"
+        ),
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
         *[
-            f"| {r['name']} | {r['tok_s']:.1f} | {r['tok_s'] / single:.2f}x | {per_request(r)} | {r['decode_tok_s']:.1f} | {ms(r, 'first_piece_median_ms')} | {ms(r, 'first_piece_max_ms')} |"
-            f" {ms(r, 'gap_median_ms')} | {ms(r, 'gap_max_ms')} |"
+            f"| {r['name']} | {r['tok_s']:.1f} | {r['tok_s'] / single:.2f}x | {per_request(r)} | "
+            f"{r['decode_tok_s']:.1f} | {ms(r, 'first_piece_median_ms')} | {ms(r, 'first_piece_max_ms')} | "
+            f"{ms(r, 'gap_median_ms')} | {ms(r, 'gap_max_ms')} |"
             for r in rows
         ],
         "",

@@ -215,7 +215,8 @@ def local_request(
 
 
 def run_together(client: Callable[..., None], arguments: list[tuple]) -> None:
-    """`client(*each)` for each of `arguments`, all at once in threads (a server's clients); returns when all have."""
+    """`client(*each)` for each of `arguments`, all at once in threads (a server's clients);
+    returns when all have."""
     threads = [threading.Thread(target=client, args=each) for each in arguments]
     for thread in threads:
         thread.start()
@@ -257,7 +258,10 @@ def pass_table(heading: str, costs: list[dict]) -> list[str]:
 def machine_line(machine: dict, threads: str, seconds: float) -> str:
     """The `- machine:` line of a CPU benchmark's markdown: processor, CPUs, `threads` as the
     benchmark words them, torch, and how long the run took."""
-    return f"- machine: {machine['processor']}, {machine['cpu_count']} CPUs, {threads}; torch {machine['torch']}; {seconds / 60:.1f} min"
+    return (
+        f"- machine: {machine['processor']}, {machine['cpu_count']} CPUs, {threads}; torch "
+        f"{machine['torch']}; {seconds / 60:.1f} min"
+    )
 
 
 def llama_cpp_bytes(path: Path, config, cache_bytes_per_value: float) -> tuple[int, float]:
@@ -278,7 +282,10 @@ def check_llama_cpp(gguf: Path, threads: int) -> None:
     that dies on this processor stops the benchmark with a reason instead of killing it silently.
     Seen: llama.cpp's AMX matmul dies of SIGILL (`tilezero`) on AMX processors under some kernels
     and hypervisors; a build without AMX runs."""
-    probe = f"from llama_cpp import Llama; Llama(model_path={str(gguf)!r}, n_ctx=16, n_threads={threads}, verbose=False).eval([1, 2, 3])"
+    probe = (
+        f"from llama_cpp import Llama; Llama(model_path={str(gguf)!r}, n_ctx=16, n_threads={threads}, "
+        "verbose=False).eval([1, 2, 3])"
+    )
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
     if result.returncode == 0:
         return
@@ -288,10 +295,11 @@ def check_llama_cpp(gguf: Path, threads: int) -> None:
             f"llama-cpp-python could not evaluate {gguf.name} (exit {result.returncode}): {error}"
         )
     raise SystemExit(
-        f"llama-cpp-python died of {signal.Signals(-result.returncode).name} evaluating {gguf.name} on this processor. If the processor "
-        "has AMX, rebuild llama-cpp-python without it: CMAKE_ARGS=\"-DCMAKE_C_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16' "
-        "-DCMAKE_CXX_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16'\" .venv/bin/pip install --force-reinstall --no-deps --no-cache-dir "
-        "llama-cpp-python; or leave the llama.cpp rows out."
+        f"llama-cpp-python died of {signal.Signals(-result.returncode).name} evaluating {gguf.name} on this "
+        "processor. If the processor has AMX, rebuild llama-cpp-python without it: "
+        "CMAKE_ARGS=\"-DCMAKE_C_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16' "
+        "-DCMAKE_CXX_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16'\" .venv/bin/pip install "
+        "--force-reinstall --no-deps --no-cache-dir llama-cpp-python; or leave the llama.cpp rows out."
     )
 
 

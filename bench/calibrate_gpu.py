@@ -161,13 +161,16 @@ def report(
     command = command_line("calibrate_gpu.py", parser, options)
     machine = machine_info(query_gpu=not options.quick)
     details = [
-        f"- shape: Llama-3.2-1B (hidden {shape['hidden_size']}, intermediate {shape['intermediate_size']}, vocab {shape['vocab_size']}), first {options.layers} blocks, random bf16 weights, 16 x 512 random tokens"
+        f"- shape: Llama-3.2-1B (hidden {shape['hidden_size']}, intermediate {shape['intermediate_size']}, "
+        f"vocab {shape['vocab_size']}), first {options.layers} blocks, random bf16 weights, 16 x 512 random "
+        "tokens"
     ]
     table = [
         "| run | seconds | s / block | peak MiB | codes identical to the CPU's | max output difference |",
         "|---|---:|---:|---:|---:|---:|",
         *(
-            f"| {r['name']} | {r['seconds']:.2f} | {r['block_s']:.2f} | {r['peak_bytes'] / 2**20:,.0f} | {r.get('codes_identical', 1.0):.4f} | {r.get('max_output_rel_difference', 0.0):.2e} |"
+            f"| {r['name']} | {r['seconds']:.2f} | {r['block_s']:.2f} | {r['peak_bytes'] / 2**20:,.0f} | "
+            f"{r.get('codes_identical', 1.0):.4f} | {r.get('max_output_rel_difference', 0.0):.2e} |"
             for r in rows
         ),
     ]

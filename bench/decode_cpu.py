@@ -105,7 +105,8 @@ def eval_windows(tokenizer, count: int = 4, window: int = 512) -> torch.Tensor:
 @torch.inference_mode()
 def step_logprobs(decoder: Decoder, ids: torch.Tensor, positions: int) -> torch.Tensor:
     """[positions, vocab]: the next-token log-probabilities of `decoder`'s own decode step at the
-    last `positions` tokens of `ids` (teacher-forced: fed one at a time after a prefill of the ones before)."""
+    last `positions` tokens of `ids` (teacher-forced: fed one at a time after a prefill of the
+    ones before)."""
     start = len(ids) - positions
     decoder.prefill(ids[None, :start])
     # Each token a tensor made in inference mode, as generation passes them: a view of `ids` is an
@@ -374,7 +375,10 @@ def main() -> None:
     for row in rows:
         row["bandwidth_fraction"] = row["decode_tok_s"] * row["bytes_per_token"] / bandwidth
         print(
-            f"{row['name']}: {row['decode_tok_s']:.1f} tok/s, {100 * row['bandwidth_fraction']:.0f}% of bandwidth",
+            (
+                f"{row['name']}: {row['decode_tok_s']:.1f} tok/s, {100 * row['bandwidth_fraction']:.0f}% of "
+                "bandwidth"
+            ),
             flush=True,
         )
     reference = rows[0]["decode_tok_s"]
@@ -432,26 +436,53 @@ def markdown(rows: list[dict], summary: dict, command: str, kernels: list[dict])
         "",
         f"- command: `{command}`",
         machine_line(machine, f"{summary['threads']} threads for every row", summary["seconds"]),
-        f"- batch 1, a {summary['prompt_tokens']}-token prompt, exactly {summary['new_tokens']} new tokens (greedy), median of {summary['repeats']} rounds after a warm-up, every row decoding once per round (interleaved)",
-        f"- memory bandwidth (eval/bandwidth.py, one-thread-per-core read, measured at the start of this run): {summary['bandwidth_bytes_s'] / 1e9:.1f} GB/s; bytes per token = weights read per step + KV cache at the mean context",
-        f"- the processor's largest cache: {cache_cell(machine)}; weights that fit in it partly come from it, so a row can read faster than memory (bandwidth used above 100%)",
-        "- KL to fp32: mean per-token KL from the fp32 model to the bundled decoder's logits over the last 128 tokens of each of the first 4 windows of 512 tokens of WikiText-2 test, fed one at a time through the row's own decode step (compiled or eager) after a prefill of the tokens before",
+        (
+            f"- batch 1, a {summary['prompt_tokens']}-token prompt, exactly {summary['new_tokens']} new "
+            f"tokens (greedy), median of {summary['repeats']} rounds after a warm-up, every row decoding "
+            "once per round (interleaved)"
+        ),
+        (
+            "- memory bandwidth (eval/bandwidth.py, one-thread-per-core read, measured at the start of this "
+            f"run): {summary['bandwidth_bytes_s'] / 1e9:.1f} GB/s; bytes per token = weights read per step + "
+            "KV cache at the mean context"
+        ),
+        (
+            f"- the processor's largest cache: {cache_cell(machine)}; weights that fit in it partly come "
+            "from it, so a row can read faster than memory (bandwidth used above 100%)"
+        ),
+        (
+            "- KL to fp32: mean per-token KL from the fp32 model to the bundled decoder's logits over the "
+            "last 128 tokens of each of the first 4 windows of 512 tokens of WikiText-2 test, fed one at a "
+            "time through the row's own decode step (compiled or eager) after a prefill of the tokens before"
+        ),
         "",
-        "| decoder | decode tok/s | vs transformers fp32 | time to first token ms | weights MB | bandwidth used | KL to fp32 |",
+        (
+            "| decoder | decode tok/s | vs transformers fp32 | time to first token ms | weights MB | "
+            "bandwidth used | KL to fp32 |"
+        ),
         "|---|---:|---:|---:|---:|---:|---:|",
         *[
-            f"| {r['name']} | {r['decode_tok_s']:.1f} | {r['speedup_vs_transformers']:.2f}x | {1000 * r['ttft_s']:.1f} | {r['weight_bytes'] / 1e6:.1f} | {100 * r['bandwidth_fraction']:.0f}% | {kl_cell(r)} |"
+            f"| {r['name']} | {r['decode_tok_s']:.1f} | {r['speedup_vs_transformers']:.2f}x | "
+            f"{1000 * r['ttft_s']:.1f} | {r['weight_bytes'] / 1e6:.1f} | "
+            f"{100 * r['bandwidth_fraction']:.0f}% | {kl_cell(r)} |"
             for r in rows
         ],
         "",
         "![decode_cpu](decode_cpu.png)",
         "",
-        "Quantized layers of the same model at batch 1, one layer alone (weights warm in cache), median over 5 blocks of 100 calls:",
+        (
+            "Quantized layers of the same model at batch 1, one layer alone (weights warm in cache), median "
+            "over 5 blocks of 100 calls:"
+        ),
         "",
-        "| layer (out x in) | torch's kernel, bf16 activations (us) | slimlm's kernel, int8 activations (us) | speedup |",
+        (
+            "| layer (out x in) | torch's kernel, bf16 activations (us) | slimlm's kernel, int8 activations "
+            "(us) | speedup |"
+        ),
         "|---|---:|---:|---:|",
         *[
-            f"| {k['name']} ({k['out_features']} x {k['in_features']}) | {k['torch_us']:.1f} | {k['slimlm_us']:.1f} | {k['torch_us'] / k['slimlm_us']:.2f}x |"
+            f"| {k['name']} ({k['out_features']} x {k['in_features']}) | {k['torch_us']:.1f} | "
+            f"{k['slimlm_us']:.1f} | {k['torch_us'] / k['slimlm_us']:.2f}x |"
             for k in kernels
         ],
         "",

@@ -1,10 +1,11 @@
-"""Batch-1 int4 and int8 decode speed on CPU per instruction set: what a laptop processor without AVX-512 gets.
+"""Batch-1 int4 and int8 decode speed on CPU per instruction set: what a laptop processor without
+AVX-512 gets.
 
-slimlm's int4 x int8 and int8 x int8 kernels have three builds (inference/cpu_kernels.py): AVX512-VNNI, AVX-VNNI
-(Intel laptops since Alder Lake) and AVX2 (older laptops). This machine has all three, so each
-runs here in a process of its own that is limited to that instruction set: SLIMLM_CPU_ISA picks
-the kernel's build, and ATEN_CPU_CAPABILITY=avx2 limits torch's own kernels to 256-bit vectors
-as on such a laptop (the compiled step's generated code is 256-bit in every row:
+slimlm's int4 x int8 and int8 x int8 kernels have three builds (inference/cpu_kernels.py):
+AVX512-VNNI, AVX-VNNI (Intel laptops since Alder Lake) and AVX2 (older laptops). This machine has
+all three, so each runs here in a process of its own that is limited to that instruction set:
+SLIMLM_CPU_ISA picks the kernel's build, and ATEN_CPU_CAPABILITY=avx2 limits torch's own kernels to
+256-bit vectors as on such a laptop (the compiled step's generated code is 256-bit in every row:
 Decoder.compile_decode_step). Against each, torch's kernel for the same weights (int4 tinygemm or
 int8 weight-only) with bf16 activations under the same limit: what these processors ran before.
 
@@ -136,14 +137,17 @@ def available(row: Row) -> bool:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_decode_options(parser)
     parser.add_argument("--passes", type=int, default=2)
     parser.add_argument("--worker", choices=[row.name for row in ROWS], help=argparse.SUPPRESS)
     parser.add_argument(
         "--quick",
         action="store_true",
-        help=f"the tiny test model, {QUICK_SCHEME} rows only, 1 pass of 1 decode of 16 new tokens a row; results only printed (tests)",
+        help=(
+            f"the tiny test model, {QUICK_SCHEME} rows only, 1 pass of 1 decode of 16 new tokens a row; "
+            "results only printed (tests)"
+        ),
     )
     options = parser.parse_args()
     if options.quick and not options.worker:
@@ -219,20 +223,29 @@ def markdown(rows: list[dict], summary: dict, command: str) -> list[str]:
         "",
         f"- command: `{command}`",
         machine_line(machine, f"{summary['threads']} threads", summary["seconds"]),
-        f"- default model, int4 g64 RTN or int8 RTN per channel (decoder Linears and tied head), batch 1, a {summary['prompt_tokens']}-token prompt, exactly {summary['new_tokens']} new tokens (greedy), decode step compiled; "
-        f"median of {summary['passes']} passes x {summary['repeats']} decodes, one process per row and pass, rows taking turns",
-        "- a row limited to AVX2 runs with ATEN_CPU_CAPABILITY=avx2 (torch's own kernels use 256-bit vectors; the compiled step's generated code does in every row) and, for slimlm's kernel, SLIMLM_CPU_ISA naming its build; "
-        f"bandwidth used = bytes per token x tokens/s / this machine's {summary['bandwidth_bytes_s'] / 1e9:.1f} GB/s (a laptop's memory differs: compare rows, not tokens/s)",
+        "- default model, int4 g64 RTN or int8 RTN per channel (decoder Linears and tied head), batch 1, a "
+        f"{summary['prompt_tokens']}-token prompt, exactly {summary['new_tokens']} new tokens (greedy), "
+        f"decode step compiled; median of {summary['passes']} passes x {summary['repeats']} decodes, one "
+        "process per row and pass, rows taking turns",
+        "- a row limited to AVX2 runs with ATEN_CPU_CAPABILITY=avx2 (torch's own kernels use 256-bit "
+        "vectors; the compiled step's generated code does in every row) and, for slimlm's kernel, "
+        "SLIMLM_CPU_ISA naming its build; bandwidth used = bytes per token x tokens/s / this machine's "
+        f"{summary['bandwidth_bytes_s'] / 1e9:.1f} GB/s (a laptop's memory differs: compare rows, not "
+        "tokens/s)",
         *(
             [f"- not run (the processor lacks them): {', '.join(summary['skipped'])}"]
             if summary["skipped"]
             else []
         ),
         "",
-        "| decoder | vector width | decode tok/s | vs torch's kernel for those weights at that width | bandwidth used |",
+        (
+            "| decoder | vector width | decode tok/s | vs torch's kernel for those weights at that width | "
+            "bandwidth used |"
+        ),
         "|---|---|---:|---:|---:|",
         *[
-            f"| {r['name']} | {'256-bit' if r['aten_cpu_capability'] == 'avx2' else 'widest'} | {r['decode_tok_s']:.1f} | {r['speedup_vs_torch']:.2f}x | {100 * r['bandwidth_fraction']:.0f}% |"
+            f"| {r['name']} | {'256-bit' if r['aten_cpu_capability'] == 'avx2' else 'widest'} | "
+            f"{r['decode_tok_s']:.1f} | {r['speedup_vs_torch']:.2f}x | {100 * r['bandwidth_fraction']:.0f}% |"
             for r in rows
         ],
         "",

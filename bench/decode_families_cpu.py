@@ -311,23 +311,37 @@ def main() -> None:
             f"Decode speed on CPU by family (random weights, int4 g{options.group_size} against Q4_0)",
         )
     table = [
-        "| model and decoder | decode tok/s | vs llama.cpp | time to first token ms | weights MB | warm-up s | kernels |",
+        (
+            "| model and decoder | decode tok/s | vs llama.cpp | time to first token ms | weights MB | "
+            "warm-up s | kernels |"
+        ),
         "|---|---:|---:|---:|---:|---:|---|",
         *[
-            f"| {r['name']} | {r['decode_tok_s']:.1f} | {ratio_cell(r.get('vs_llama_cpp'))} | {1000 * r['ttft_s']:.1f} | {r['weight_bytes'] / 1e6:.1f} | {r.get('warmup_s', 0):.0f} | {r.get('kernels', '')} |"
+            f"| {r['name']} | {r['decode_tok_s']:.1f} | {ratio_cell(r.get('vs_llama_cpp'))} | "
+            f"{1000 * r['ttft_s']:.1f} | {r['weight_bytes'] / 1e6:.1f} | {r.get('warmup_s', 0):.0f} | "
+            f"{r.get('kernels', '')} |"
             for r in rows
         ],
         "",
-        f"The mixture of experts against the dense model of its active shape: **{moe['vs_dense_active']:.2f}x** its tokens/s (goal 0.7x).",
+        (
+            "The mixture of experts against the dense model of its active shape: "
+            f"**{moe['vs_dense_active']:.2f}x** its tokens/s (goal 0.7x)."
+        ),
         "",
         "| planner check | context | planned peak MB | measured peak MB | planned / measured |",
         "|---|---:|---:|---:|---:|",
-        f"| {planned['name']} | {planned['context']} | {planned['predicted_peak_bytes'] / 1e6:.0f} | {planned['measured_peak_bytes'] / 1e6:.0f} | {planned['predicted_to_measured']:.3f} |",
+        (
+            f"| {planned['name']} | {planned['context']} | {planned['predicted_peak_bytes'] / 1e6:.0f} | "
+            f"{planned['measured_peak_bytes'] / 1e6:.0f} | {planned['predicted_to_measured']:.3f} |"
+        ),
         "",
         "![decode_families_cpu](decode_families_cpu.png)",
     ]
     details = [
-        f"- batch 1, a {options.prompt_tokens}-token random prompt, exactly {options.new_tokens} greedy new tokens, median of {options.repeats} interleaved rounds after a warm-up; random weights: slimlm int4 g{options.group_size} RTN of every Linear and the head, llama.cpp the float weights rounded to Q4_0"
+        f"- batch 1, a {options.prompt_tokens}-token random prompt, exactly {options.new_tokens} greedy new "
+        f"tokens, median of {options.repeats} interleaved rounds after a warm-up; random weights: slimlm "
+        f"int4 g{options.group_size} RTN of every Linear and the head, llama.cpp the float weights rounded "
+        "to Q4_0"
     ]
     publish_table(
         "decode_families_cpu",

@@ -115,7 +115,8 @@ def slimlm_rows(shape: str, kernel: str, device: torch.device, options) -> list[
     build_s = time.perf_counter() - started
     if f"int4-{kernel}" not in describe_kernels(model):
         raise SystemExit(
-            f"the {kernel} kernel took no layer here ({describe_kernels(model)}); it needs a CUDA GPU (and Triton for triton)"
+            f"the {kernel} kernel took no layer here ({describe_kernels(model)}); it needs a CUDA GPU (and "
+            "Triton for triton)"
         )
     decoder = Decoder(model, IdsOnly(), reuse_prefixes=False)  # each repeat prefills its prompt
     slots = options.prompt_tokens + options.new_tokens
@@ -143,7 +144,13 @@ def slimlm_rows(shape: str, kernel: str, device: torch.device, options) -> list[
             run()
         warm_s = time.perf_counter() - started
         speed, ttft, speeds = median_runs(run, options.repeats)
-        name = f"slimlm int4 g64 {shape}, {kernel}, {'compiled (CUDA graph)' if compiled and device.type == 'cuda' else 'compiled' if compiled else 'eager'}"
+        if not compiled:
+            mode = "eager"
+        elif device.type == "cuda":
+            mode = "compiled (CUDA graph)"
+        else:
+            mode = "compiled"
+        name = f"slimlm int4 g64 {shape}, {kernel}, {mode}"
         rows.append(
             {
                 "name": name,
@@ -277,7 +284,10 @@ def capped_rows(shape: str, cap_gib: str, context: str, device: torch.device, op
     )
     stats = decoder.last_stats
     print(
-        f"{name}: predicted {predicted / GiB:.2f} GiB, measured {measured_peak / GiB:.2f} GiB, {stats.decode_tok_s:.1f} tok/s",
+        (
+            f"{name}: predicted {predicted / GiB:.2f} GiB, measured {measured_peak / GiB:.2f} GiB, "
+            f"{stats.decode_tok_s:.1f} tok/s"
+        ),
         flush=True,
     )
     return [
@@ -358,12 +368,20 @@ def report(rows: list[dict], failures: list[str], options, command: str, elapsed
         "",
         f"- command: `{command}`",
         f"- machine: {gpu}; torch {torch.__version__}; {elapsed_s / 60:.1f} min",
-        f"- batch 1, {options.prompt_tokens}-token random prompt, exactly {options.new_tokens} new tokens (greedy), median of {options.repeats} runs after warm-ups; random weights of each preset shape",
-        f"- bandwidth: a device-to-device copy, {bandwidth / 1e9:.0f} GB/s (bytes read + written); bound = bandwidth / (weights read per token + KV cache at the mean context)"
+        (
+            f"- batch 1, {options.prompt_tokens}-token random prompt, exactly {options.new_tokens} new "
+            f"tokens (greedy), median of {options.repeats} runs after warm-ups; random weights of each "
+            "preset shape"
+        ),
+        f"- bandwidth: a device-to-device copy, {bandwidth / 1e9:.0f} GB/s (bytes read + written); bound = "
+        "bandwidth / (weights read per token + KV cache at the mean context)"
         if bandwidth
         else "- bandwidth: not measured",
         "",
-        "| row | decode tok/s | vs transformers bf16 | time to first token ms | weights GB | bound tok/s | bandwidth used |",
+        (
+            "| row | decode tok/s | vs transformers bf16 | time to first token ms | weights GB | bound tok/s "
+            "| bandwidth used |"
+        ),
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
@@ -373,19 +391,26 @@ def report(rows: list[dict], failures: list[str], options, command: str, elapsed
         bound = f"{row['bound_tok_s']:.0f}" if "bound_tok_s" in row else ""
         used = f"{row['bandwidth_fraction']:.0%}" if "bandwidth_fraction" in row else ""
         lines.append(
-            f"| {row['name']} | {row['decode_tok_s']:.1f} | {ratio} | {row['ttft_ms']:.1f} | {row['weight_bytes'] / 1e9:.2f} | {bound} | {used} |"
+            f"| {row['name']} | {row['decode_tok_s']:.1f} | {ratio} | {row['ttft_ms']:.1f} | "
+            f"{row['weight_bytes'] / 1e9:.2f} | {bound} | {used} |"
         )
     capped = [row for row in rows if "context" in row]
     if capped:
         lines += [
             "",
-            "| memory cap row | plan | predicted peak GiB | measured peak GiB | prediction error | CUDA context GiB | prefill s | decode tok/s | streaming bound tok/s |",
+            (
+                "| memory cap row | plan | predicted peak GiB | measured peak GiB | prediction error | CUDA "
+                "context GiB | prefill s | decode tok/s | streaming bound tok/s |"
+            ),
             "|---|---|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for row in capped:
             bound = f"{row['stream_bound_tok_s']:.1f}" if row.get("stream_bound_tok_s") else ""
             lines.append(
-                f"| {row['name']} | {row['plan']} | {row['predicted_peak_bytes'] / GiB:.2f} | {row['measured_peak_bytes'] / GiB:.2f} | {row['prediction_error']:+.1%} | {row['runtime_bytes'] / GiB:.2f} | {row['prefill_s']:.1f} | {row['decode_tok_s']:.1f} | {bound} |"
+                f"| {row['name']} | {row['plan']} | {row['predicted_peak_bytes'] / GiB:.2f} | "
+                f"{row['measured_peak_bytes'] / GiB:.2f} | {row['prediction_error']:+.1%} | "
+                f"{row['runtime_bytes'] / GiB:.2f} | {row['prefill_s']:.1f} | {row['decode_tok_s']:.1f} | "
+                f"{bound} |"
             )
     if failures:
         lines += ["", "Sections that did not finish:", "", *[f"- {failure}" for failure in failures]]
@@ -457,7 +482,8 @@ def main() -> None:
         return
     if options.device == "cuda" and not torch.cuda.is_available():
         sys.exit(
-            "decode_gpu: no CUDA device here; run it on a GPU machine (bash bench/gpu.sh), or --tiny --device cpu for a dry run"
+            "decode_gpu: no CUDA device here; run it on a GPU machine (bash bench/gpu.sh), or --tiny "
+            "--device cpu for a dry run"
         )
     started = time.perf_counter()
     rows: list[dict] = []
@@ -477,7 +503,8 @@ def main() -> None:
         lines = result.stdout.strip().splitlines()
         if result.returncode or not lines:
             failures.append(
-                f"{label}: exit {result.returncode}: {(result.stderr.strip().splitlines() or ['no output'])[-1][:300]}"
+                f"{label}: exit {result.returncode}: "
+                f"{(result.stderr.strip().splitlines() or ['no output'])[-1][:300]}"
             )
         else:
             rows += json.loads(lines[-1])

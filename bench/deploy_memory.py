@@ -139,18 +139,28 @@ def main() -> None:
     bf16_bytes = 2 * parameters
     rows = [row(label, result, bf16_bytes, parameters) for label, result in results.items()]
     table = [
-        "| run | peak RSS GB | x bf16 weights | artifact weights MB | bits/weight | stage seconds | completion |",
+        (
+            "| run | peak RSS GB | x bf16 weights | artifact weights MB | bits/weight | stage seconds | "
+            "completion |"
+        ),
         "|---|---:|---:|---:|---:|---|---|",
         *(
-            f"| {r['name']} | {r['peak_rss_bytes'] / GB:.2f} | {r['peak_to_bf16']:.2f} | {r['artifact_weight_bytes'] / 1e6:.1f} | {r['bits_per_weight']:.2f} | "
+            f"| {r['name']} | {r['peak_rss_bytes'] / GB:.2f} | {r['peak_to_bf16']:.2f} | "
+            f"{r['artifact_weight_bytes'] / 1e6:.1f} | {r['bits_per_weight']:.2f} | "
             + ", ".join(f"{stage} {seconds}" for stage, seconds in r["stage_seconds"].items())
             + f" | {r['completion'][:60].replace('|', '/').replace(chr(10), ' ')} |"
             for r in rows
         ),
     ]
     details = [
-        f"- model: `{' '.join(model_args)}`, {parameters:,} parameters: bf16 weights {bf16_bytes / GB:.3f} GB, goal peak <= {GOAL}x = {GOAL * bf16_bytes / GB:.2f} GB",
-        f"- recipe: `{RECIPE.relative_to(REPO)}` (quantize rtn w8 with the head, export slimlm + reload, generate, export hf); peak RSS of the whole `slimlm` process by GNU time",
+        (
+            f"- model: `{' '.join(model_args)}`, {parameters:,} parameters: bf16 weights "
+            f"{bf16_bytes / GB:.3f} GB, goal peak <= {GOAL}x = {GOAL * bf16_bytes / GB:.2f} GB"
+        ),
+        (
+            f"- recipe: `{RECIPE.relative_to(REPO)}` (quantize rtn w8 with the head, export slimlm + reload, "
+            "generate, export hf); peak RSS of the whole `slimlm` process by GNU time"
+        ),
     ]
     publish_table(
         "deploy_memory",

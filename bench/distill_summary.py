@@ -54,7 +54,10 @@ def main() -> None:
     summary["lora_kl"] = {"before": quantized["kl_mean"], "after": recovered["kl_mean"]}
     lines += [
         "",
-        f"LoRA recovery of w4 g64 GPTQ: KL to the fp32 model {quantized['kl_mean']:.4f} → {recovered['kl_mean']:.4f}, perplexity {quantized['ppl']:.2f} → {recovered['ppl']:.2f}.",
+        (
+            f"LoRA recovery of w4 g64 GPTQ: KL to the fp32 model {quantized['kl_mean']:.4f} → "
+            f"{recovered['kl_mean']:.4f}, perplexity {quantized['ppl']:.2f} → {recovered['ppl']:.2f}."
+        ),
     ]
     for recipe in ("prune-distill", "draft"):
         if not (RUNS / recipe / "report.json").is_file():
@@ -65,8 +68,10 @@ def main() -> None:
             before, after = section["draft_before"], section["draft_after"]
             summary[f"draft_{recipe}"] = {"before": before, "after": after}
             lines.append(
-                f"{recipe} student as the teacher's draft: acceptance {100 * before['acceptance_rate']:.1f}% → {100 * after['acceptance_rate']:.1f}%, "
-                f"speed-up over plain greedy decoding {before['speedup']:.2f}x → {after['speedup']:.2f}x (outputs identical: {after['identical_to_plain']})."
+                f"{recipe} student as the teacher's draft: acceptance {100 * before['acceptance_rate']:.1f}% "
+                f"→ {100 * after['acceptance_rate']:.1f}%, speed-up over plain greedy decoding "
+                f"{before['speedup']:.2f}x → {after['speedup']:.2f}x (outputs identical: "
+                f"{after['identical_to_plain']})."
             )
     prune_file = RESULTS / "prune_default.json"
     if prune_file.is_file():
@@ -75,7 +80,8 @@ def main() -> None:
         )
         summary["student_decode_speedup"] = student["speedup_vs_unpruned"]
         lines.append(
-            f"The student's shape decodes {student['speedup_vs_unpruned']:.2f}x as fast as the teacher in the bundled decoder (fp32, batch 1; `bench/results/prune_default.md`)."
+            f"The student's shape decodes {student['speedup_vs_unpruned']:.2f}x as fast as the teacher in "
+            "the bundled decoder (fp32, batch 1; `bench/results/prune_default.md`)."
         )
     if options.quick:
         print("\n".join(lines))

@@ -89,17 +89,26 @@ def main() -> None:
             }
         )
     table = [
-        "| speed metric through | whole metric s | decode tok/s | time to first token s | prefill tok/s | peak memory MiB |",
+        (
+            "| speed metric through | whole metric s | decode tok/s | time to first token s | prefill tok/s "
+            "| peak memory MiB |"
+        ),
         "|---|---:|---:|---:|---:|---:|",
         *[
-            f"| {r['name']} | {r['metric_wall_s']:.1f} | {r['decode_tok_s']:.1f} | {r['ttft_s']:.3f} | {r['prefill_tok_s']:.0f} | {r['peak_memory_bytes'] / 2**20:,.0f} |"
+            f"| {r['name']} | {r['metric_wall_s']:.1f} | {r['decode_tok_s']:.1f} | {r['ttft_s']:.3f} | "
+            f"{r['prefill_tok_s']:.0f} | {r['peak_memory_bytes'] / 2**20:,.0f} |"
             for r in rows
         ],
         "",
-        f"The decoder decodes {rows[0]['decode_tok_s'] / rows[1]['decode_tok_s']:.1f}x as fast; the metric takes {rows[1]['metric_wall_s'] / rows[0]['metric_wall_s']:.1f}x less time.",
+        (
+            f"The decoder decodes {rows[0]['decode_tok_s'] / rows[1]['decode_tok_s']:.1f}x as fast; the "
+            f"metric takes {rows[1]['metric_wall_s'] / rows[0]['metric_wall_s']:.1f}x less time."
+        ),
     ]
     details = [
-        f"- {name}, int8 RTN of every decoder Linear and the LM head, in memory; `eval=quick`'s speed settings: {QUICK_SPEED['prompt_tokens']} prompt tokens, {QUICK_SPEED['new_tokens']} new, 1 warm-up, 3 timed runs (medians); the decoder's time includes building it"
+        f"- {name}, int8 RTN of every decoder Linear and the LM head, in memory; `eval=quick`'s speed "
+        f"settings: {QUICK_SPEED['prompt_tokens']} prompt tokens, {QUICK_SPEED['new_tokens']} new, 1 "
+        "warm-up, 3 timed runs (medians); the decoder's time includes building it"
     ]
     publish_table(
         "eval_speed_path",

@@ -44,7 +44,10 @@ metric_list:
     aggregation: mean
     higher_is_better: true
 """
-FUNCTIONS = "from lm_eval.tasks.winogrande.preprocess_winogrande import doc_to_choice, doc_to_target, doc_to_text  # noqa: F401\n"
+FUNCTIONS = (
+    "from lm_eval.tasks.winogrande.preprocess_winogrande import doc_to_choice, doc_to_target, "
+    "doc_to_text  # noqa: F401\n"
+)
 
 
 def harness_task_dir(name: str, data: Path, workdir: Path) -> Path:
@@ -59,7 +62,8 @@ def harness_task_dir(name: str, data: Path, workdir: Path) -> Path:
 def harness_scores(
     model, tokenizer, name: str, folder: Path, batch_size: int
 ) -> tuple[float, float, list[list[float]]]:
-    """The harness's accuracy, its standard error and, per document in file order, each option's log-likelihood."""
+    """The harness's accuracy, its standard error and, per document in file order, each option's
+    log-likelihood."""
     import lm_eval
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
@@ -129,8 +133,14 @@ def main() -> None:
     table = [
         "| scorer | items | acc % | ± | same choice as the other | largest log-likelihood difference |",
         "|---|---:|---:|---:|---:|---:|",
-        f"| {rows[0]['name']} | {ours.n} | {100 * ours.acc:.2f} | {100 * ours.acc_stderr:.2f} | {same_choice} of {ours.n} | {difference:.2e} |",
-        f"| {rows[1]['name']} | {len(their_lls)} | {100 * harness_acc:.2f} | {100 * harness_stderr:.2f} |  |  |",
+        (
+            f"| {rows[0]['name']} | {ours.n} | {100 * ours.acc:.2f} | {100 * ours.acc_stderr:.2f} | "
+            f"{same_choice} of {ours.n} | {difference:.2e} |"
+        ),
+        (
+            f"| {rows[1]['name']} | {len(their_lls)} | {100 * harness_acc:.2f} | {100 * harness_stderr:.2f} "
+            "|  |  |"
+        ),
         "",
         f"Accuracies {'identical' if ours.acc == harness_acc else 'DIFFERENT'}.",
     ]

@@ -41,7 +41,7 @@ import time
 import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from benchlib import REPO, command_line, local_request, machine_line, write_result
 
@@ -309,10 +309,16 @@ def run_file_case(
         if surface == "gguf":
             data, mutation = mutate_gguf(seed_gguf.read_bytes(), rng)
             (workdir / "case.gguf").write_bytes(data)
-            load: Callable[[], None] = lambda: load_gguf(workdir / "case.gguf")
+
+            def load() -> None:
+                load_gguf(workdir / "case.gguf")
+
         else:
             path, mutation = artifact_case(surface, seed_artifact, rng, workdir)
-            load = lambda: load_artifact_both_ways(path)
+
+            def load() -> None:
+                load_artifact_both_ways(path)
+
         resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
         try:
             load()
@@ -331,7 +337,10 @@ def run_file_case(
                 (
                     mutation,
                     "failed",
-                    f"{type(error).__name__}: {message.splitlines()[0][:200] if message else ''} ({Path(where.filename).name}:{where.lineno})",
+                    (
+                        f"{type(error).__name__}: {message.splitlines()[0][:200] if message else ''} "
+                        f"({Path(where.filename).name}:{where.lineno})"
+                    ),
                 )
             )
     finally:
@@ -512,12 +521,16 @@ def markdown(
         "",
         f"- command: `{command}`",
         machine_line(machine_info(), "1 process per file case", seconds),
-        f"- seed {options.seed}; a case fails on a traceback, HTTP 5xx, no answer within {options.timeout:g} s, or memory beyond {options.memory_gb:g} GB of address space",
+        (
+            f"- seed {options.seed}; a case fails on a traceback, HTTP 5xx, no answer within "
+            f"{options.timeout:g} s, or memory beyond {options.memory_gb:g} GB of address space"
+        ),
         "",
         "| surface | cases | accepted | refused in one line | failed | slowest case s |",
         "|---|---:|---:|---:|---:|---:|",
         *(
-            f"| {row['name']} | {row['cases']} | {row['accepted']} | {row['refused']} | {row['failed']} | {row['max_case_s']:.2f} |"
+            f"| {row['name']} | {row['cases']} | {row['accepted']} | {row['refused']} | {row['failed']} | "
+            f"{row['max_case_s']:.2f} |"
             for row in rows
         ),
         "",

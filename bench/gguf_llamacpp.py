@@ -15,9 +15,11 @@ same windows of WikiText-2 test token ids: perplexity and KL to the F32 file's l
 Writes bench/results/gguf_llamacpp.{md,json} for the default model, gguf_llamacpp_<model>.* for
 another model config (`--model qwen2.5-coder-0.5b`: the qwen2 family; `--samples` lowers GPTQ's
 calibration windows where a full run would take too long on a small machine). --quick (a test)
-makes every file afresh from the tiny test model under bench/runs/gguf_llamacpp/quick/ and only prints.
+makes every file afresh from the tiny test model under bench/runs/gguf_llamacpp/quick/ and only
+prints.
 
-    python bench/gguf_llamacpp.py [--model smollm2-135m --windows 16 --window 2048 --threads 2 --samples N] [--quick]
+    python bench/gguf_llamacpp.py [--model smollm2-135m --windows 16 --window 2048 --threads 2
+                                   --samples N] [--quick]
 """
 
 from __future__ import annotations
@@ -168,7 +170,10 @@ def main() -> None:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="the tiny test model (in place of --model), 4 GPTQ windows of the bundled data, 2 windows of 64 tokens; results only printed (tests)",
+        help=(
+            "the tiny test model (in place of --model), 4 GPTQ windows of the bundled data, 2 windows of 64 "
+            "tokens; results only printed (tests)"
+        ),
     )
     options = parser.parse_args()
     if options.quick:
@@ -246,14 +251,24 @@ def markdown(rows: list[dict], summary: dict, command: str) -> list[str]:
         f"# gguf_llamacpp: {summary['model']}",
         "",
         f"- command: `{command}`",
-        f"- machine: {machine['processor']}, {machine['cpu_count']} CPUs; llama-cpp-python {summary['llama_cpp_python']}; {summary['seconds'] / 60:.1f} min",
-        f"- text: the first {summary['windows']} windows of {summary['window']} tokens of WikiText-2 test ({summary['tokens_scored']:,} tokens scored), token ids fed to llama.cpp directly",
-        "- every file is scored by llama.cpp (llama-cpp-python, CPU); KL and top-1 agreement are against the F32 file's logits in llama.cpp",
+        (
+            f"- machine: {machine['processor']}, {machine['cpu_count']} CPUs; llama-cpp-python "
+            f"{summary['llama_cpp_python']}; {summary['seconds'] / 60:.1f} min"
+        ),
+        (
+            f"- text: the first {summary['windows']} windows of {summary['window']} tokens of WikiText-2 "
+            f"test ({summary['tokens_scored']:,} tokens scored), token ids fed to llama.cpp directly"
+        ),
+        (
+            "- every file is scored by llama.cpp (llama-cpp-python, CPU); KL and top-1 agreement are against "
+            "the F32 file's logits in llama.cpp"
+        ),
         "",
         "| file | ppl | KL to F32 | top-1 agreement % | bytes |",
         "|---|---:|---:|---:|---:|",
         *[
-            f"| {labels[r['name']]} | {r['ppl']:.3f} | {r['kl_mean']:.4f} | {100 * r['top1_agreement']:.1f} | {r['bytes']:,} |"
+            f"| {labels[r['name']]} | {r['ppl']:.3f} | {r['kl_mean']:.4f} | {100 * r['top1_agreement']:.1f} "
+            f"| {r['bytes']:,} |"
             for r in rows
         ],
         "",

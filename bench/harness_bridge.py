@@ -157,13 +157,15 @@ def main() -> None:
             )
             shown = (lambda v: f"{v:.4f}") if metric == "ppl" else (lambda v: f"{100 * v:.2f}")
             table.append(
-                f"| {name} | {ours[name]['n']} | {metric} | {shown(a)} | {'–' if b is None else shown(b)} | {'yes' if same else 'NO'} |"
+                f"| {name} | {ours[name]['n']} | {metric} | {shown(a)} | {'–' if b is None else shown(b)} | "
+                f"{'yes' if same else 'NO'} |"
             )
     agree = sum(row["same"] for row in rows)
     table += ["", f"{agree} of {len(rows)} numbers identical (perplexity: within 1e-4 relative)."]
     model_name = "the tiny test model" if options.quick else "the default model (SmolLM2-135M-Instruct)"
     details = [
-        f"- the demo recipe's w8 RTN artifact of {model_name}; the first {options.limit} items of each task in both; batch size {options.batch_size}"
+        f"- the demo recipe's w8 RTN artifact of {model_name}; the first {options.limit} items of each task "
+        f"in both; batch size {options.batch_size}"
     ]
     publish_table(
         "harness_bridge",

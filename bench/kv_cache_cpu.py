@@ -233,7 +233,10 @@ def main() -> None:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="a tiny random-weight model, contexts of 16 and 64 tokens, 4 new tokens, 1 round; results only printed (tests)",
+        help=(
+            "a tiny random-weight model, contexts of 16 and 64 tokens, 4 new tokens, 1 round; results only "
+            "printed (tests)"
+        ),
     )
     options = parser.parse_args()
     if options.quick:
@@ -245,7 +248,8 @@ def main() -> None:
     slots = max(options.contexts) + options.new_tokens
     if slots > config.max_position_embeddings or min(options.contexts) < 2 or options.new_tokens < 2:
         parser.error(
-            f"--contexts must be 2 to {config.max_position_embeddings - options.new_tokens} tokens and --new-tokens at least 2 (the model has {config.max_position_embeddings} positions)"
+            f"--contexts must be 2 to {config.max_position_embeddings - options.new_tokens} tokens and "
+            f"--new-tokens at least 2 (the model has {config.max_position_embeddings} positions)"
         )
     text = eval_ids(tokenizer, options.quick)
     bandwidth = memory_bandwidth("cpu", refresh=True).bytes_per_s
@@ -319,15 +323,32 @@ def markdown(rows: list[dict], summary: dict, command: str) -> list[str]:
         "",
         f"- command: `{command}`",
         machine_line(machine, f"{summary['threads']} threads for every row", summary["seconds"]),
-        f"- batch 1, a prompt of the context's length (WikiText-2 test), exactly {summary['new_tokens']} new tokens (greedy), median of {summary['repeats']} rounds after a warm-up, every row decoding once per round (interleaved)",
-        f"- memory bandwidth (eval/bandwidth.py, measured at the start of this run): {summary['bandwidth_bytes_s'] / 1e9:.1f} GB/s; the processor's largest cache: {cache_cell(machine)}",
-        "- bytes per token: weights read per step + the cache up to the mean context (llama.cpp: f16, 2 bytes a value; q8_0, 34 bytes per 32)",
-        f"- int8 cache against fp32 cache: mean per-token KL {summary['kl_int8_cache_vs_fp32_cache']:.5f} over the last {summary['kl_positions']} tokens of a {summary['kl_context_tokens']}-token window (same int4 weights, each through its compiled step)",
+        (
+            f"- batch 1, a prompt of the context's length (WikiText-2 test), exactly {summary['new_tokens']} "
+            f"new tokens (greedy), median of {summary['repeats']} rounds after a warm-up, every row decoding "
+            "once per round (interleaved)"
+        ),
+        (
+            "- memory bandwidth (eval/bandwidth.py, measured at the start of this run): "
+            f"{summary['bandwidth_bytes_s'] / 1e9:.1f} GB/s; the processor's largest cache: "
+            f"{cache_cell(machine)}"
+        ),
+        (
+            "- bytes per token: weights read per step + the cache up to the mean context (llama.cpp: f16, 2 "
+            "bytes a value; q8_0, 34 bytes per 32)"
+        ),
+        (
+            "- int8 cache against fp32 cache: mean per-token KL "
+            f"{summary['kl_int8_cache_vs_fp32_cache']:.5f} over the last {summary['kl_positions']} tokens of "
+            f"a {summary['kl_context_tokens']}-token window (same int4 weights, each through its compiled "
+            "step)"
+        ),
         "",
         "| decoder | context tokens | decode tok/s | MB read per token | bandwidth used |",
         "|---|---:|---:|---:|---:|",
         *[
-            f"| {r['name'].rsplit(', ', 1)[0]} | {r['context_tokens']} | {r['decode_tok_s']:.1f} | {r['bytes_per_token'] / 1e6:.1f} | {100 * r['bandwidth_fraction']:.0f}% |"
+            f"| {r['name'].rsplit(', ', 1)[0]} | {r['context_tokens']} | {r['decode_tok_s']:.1f} | "
+            f"{r['bytes_per_token'] / 1e6:.1f} | {100 * r['bandwidth_fraction']:.0f}% |"
             for r in rows
         ],
         "",

@@ -3,9 +3,10 @@
 A slimlm artifact whose quantized layers carry adapters (`recipe=w4-lora-recover`, exported by
 bench/lora_deploy.sh) is loaded twice: as it is, each adapter running inside its layer's
 int4 x int8 kernel call (inference/kernels/int8_activations_cpu.cpp), and with the adapters
-dropped (the same codes alone, i.e. the GPTQ model before LoRA). Both run as decode_cpu's fastest rows:
-int8 activations (slimlm's int4 x int8 kernel), the decode step compiled (each new decoder shape
-compiles three graphs of about eight minutes each on 2 cores; Inductor's cache keeps them). Batch 1, a 16-token prompt, exactly 128 new tokens, median of interleaved rounds (as
+dropped (the same codes alone, i.e. the GPTQ model before LoRA). Both run as decode_cpu's fastest
+rows: int8 activations (slimlm's int4 x int8 kernel), the decode step compiled (each new decoder
+shape compiles three graphs of about eight minutes each on 2 cores; Inductor's cache keeps them).
+Batch 1, a 16-token prompt, exactly 128 new tokens, median of interleaved rounds (as
 bench/decode_cpu.py), and the KL from the fp32 model to each row through its own decode step.
 A second table times the first block's layers one call at a time: the codes alone, the adapter
 inside the kernel's call, and the adapter beside it as two float32 matmuls (LowRankAdapter, how
@@ -127,7 +128,10 @@ def main() -> None:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="the tiny test model with random adapters, 16 new tokens, 1 round, 2 windows of 256 tokens for the KL, blocks of 10 layer calls; results only printed (tests)",
+        help=(
+            "the tiny test model with random adapters, 16 new tokens, 1 round, 2 windows of 256 tokens for "
+            "the KL, blocks of 10 layer calls; results only printed (tests)"
+        ),
     )
     options = parser.parse_args()
     if options.quick:
@@ -221,25 +225,49 @@ def markdown(rows: list[dict], summary: dict, command: str, layers: list[dict]) 
         "",
         f"- command: `{command}`",
         machine_line(machine_info(), f"{summary['threads']} threads", summary["seconds"]),
-        f"- batch 1, a {summary['prompt_tokens']}-token prompt, exactly {summary['new_tokens']} new tokens (greedy), median of {summary['repeats']} interleaved rounds after a warm-up",
-        f"- memory bandwidth (eval/bandwidth.py, measured right after the timed rounds): {summary['bandwidth_bytes_s'] / 1e9:.1f} GB/s; bytes per token = weights (adapters included) + KV cache at the mean context",
-        "- KL to fp32: mean per-token KL from the fp32 model to the row's logits over the last 128 tokens of each of the first 4 windows of 512 tokens of WikiText-2 test, through the row's own compiled decode step",
+        (
+            f"- batch 1, a {summary['prompt_tokens']}-token prompt, exactly {summary['new_tokens']} new "
+            f"tokens (greedy), median of {summary['repeats']} interleaved rounds after a warm-up"
+        ),
+        (
+            "- memory bandwidth (eval/bandwidth.py, measured right after the timed rounds): "
+            f"{summary['bandwidth_bytes_s'] / 1e9:.1f} GB/s; bytes per token = weights (adapters included) + "
+            "KV cache at the mean context"
+        ),
+        (
+            "- KL to fp32: mean per-token KL from the fp32 model to the row's logits over the last 128 "
+            "tokens of each of the first 4 windows of 512 tokens of WikiText-2 test, through the row's own "
+            "compiled decode step"
+        ),
         "",
-        "| decoder | decode tok/s | vs adapters dropped | weights MB | bandwidth used | KL to fp32 | kernels |",
+        (
+            "| decoder | decode tok/s | vs adapters dropped | weights MB | bandwidth used | KL to fp32 | "
+            "kernels |"
+        ),
         "|---|---:|---:|---:|---:|---:|---|",
         *[
-            f"| {r['name']} | {r['decode_tok_s']:.1f} | {ratio(r)} | {r['weight_bytes'] / 1e6:.1f} | {100 * r['bandwidth_fraction']:.0f}% | {r['kl_mean']:.4f} | {', '.join(f'{k} x{v}' for k, v in r['kernels'].items())} |"
+            f"| {r['name']} | {r['decode_tok_s']:.1f} | {ratio(r)} | {r['weight_bytes'] / 1e6:.1f} | "
+            f"{100 * r['bandwidth_fraction']:.0f}% | {r['kl_mean']:.4f} | "
+            f"{', '.join(f'{k} x{v}' for k, v in r['kernels'].items())} |"
             for r in rows
         ],
         "",
         "![lora_decode_cpu](lora_decode_cpu.png)",
         "",
-        "### One call per layer (the first block; bf16 activations, batch 1, weights warm in cache, median of 5 blocks of 100 calls)",
+        (
+            "### One call per layer (the first block; bf16 activations, batch 1, weights warm in cache, "
+            "median of 5 blocks of 100 calls)"
+        ),
         "",
-        "| layer | out x in | adapter rank | codes alone us | adapter inside the call us | adapter beside (2 fp32 matmuls) us | inside: extra us | beside: extra us |",
+        (
+            "| layer | out x in | adapter rank | codes alone us | adapter inside the call us | adapter "
+            "beside (2 fp32 matmuls) us | inside: extra us | beside: extra us |"
+        ),
         "|---|---|---:|---:|---:|---:|---:|---:|",
         *[
-            f"| {r['name']} | {r['out_features']} x {r['in_features']} | {r['rank']} | {r['alone_us']:.1f} | {r['inside_us']:.1f} | {r['beside_us']:.1f} | {r['inside_us'] - r['alone_us']:.1f} | {r['beside_us'] - r['alone_us']:.1f} |"
+            f"| {r['name']} | {r['out_features']} x {r['in_features']} | {r['rank']} | {r['alone_us']:.1f} | "
+            f"{r['inside_us']:.1f} | {r['beside_us']:.1f} | {r['inside_us'] - r['alone_us']:.1f} | "
+            f"{r['beside_us'] - r['alone_us']:.1f} |"
             for r in layers
         ],
         "",

@@ -64,7 +64,10 @@ def main() -> None:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="a tiny random-weight model's 2 layers, 2 Fisher windows, 1 window of 64 tokens, the bundled data; results only printed (tests)",
+        help=(
+            "a tiny random-weight model's 2 layers, 2 Fisher windows, 1 window of 64 tokens, the bundled "
+            "data; results only printed (tests)"
+        ),
     )
     options = parser.parse_args()
     if options.quick:
@@ -170,10 +173,22 @@ def markdown(rows: list[dict], summary: dict, command: str, options) -> list[str
         "# mixed_sensitivity",
         "",
         f"- command: `{command}`",
-        f"- machine: {machine['processor']}, {machine['cpu_count']} CPUs, torch {machine['torch']}; {summary['seconds'] / 60:.1f} min",
-        f"- {len(rows)} measurements: {len(KINDS)} Linear kinds in decoder layers {', '.join(map(str, options.layers))}, at int2/int3/int4 g64 symmetric RTN",
-        f"- predicted: ½·Σ F·(W − Q(W))² per token, F the empirical Fisher diagonal from {options.fisher_windows} Gutenberg windows of 256 tokens",
-        f"- measured: mean per-token KL(original ‖ one layer quantized) on the first {options.windows} windows of {options.window} tokens of WikiText-2 test",
+        (
+            f"- machine: {machine['processor']}, {machine['cpu_count']} CPUs, torch {machine['torch']}; "
+            f"{summary['seconds'] / 60:.1f} min"
+        ),
+        (
+            f"- {len(rows)} measurements: {len(KINDS)} Linear kinds in decoder layers "
+            f"{', '.join(map(str, options.layers))}, at int2/int3/int4 g64 symmetric RTN"
+        ),
+        (
+            "- predicted: ½·Σ F·(W − Q(W))² per token, F the empirical Fisher diagonal from "
+            f"{options.fisher_windows} Gutenberg windows of 256 tokens"
+        ),
+        (
+            f"- measured: mean per-token KL(original ‖ one layer quantized) on the first {options.windows} "
+            f"windows of {options.window} tokens of WikiText-2 test"
+        ),
         "",
         "| statistic | value |",
         "|---|---:|",

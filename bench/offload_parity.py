@@ -66,7 +66,7 @@ def in_memory(model, params: QuantizeParams, samples: torch.Tensor) -> tuple[tor
         source_sha256=None,
         device=torch.device("cpu"),
     )
-    state.memo["calibration_ids"] = (
+    state.memo.calibration_ids = (
         samples.flatten()
     )  # the windows themselves, in order: the same ones the offloaded runs see
     started = time.perf_counter()
@@ -158,13 +158,16 @@ def report(
     command = command_line("offload_parity.py", parser, options)
     machine = machine_info(query_gpu=False)
     details = [
-        f"- {options.samples} calibration windows of 256 tokens of data=shared; evaluation: the first {options.windows} windows of 2048 tokens of WikiText-2 test, KL over the original's top {TOP_K}"
+        f"- {options.samples} calibration windows of 256 tokens of data=shared; evaluation: the first "
+        f"{options.windows} windows of 2048 tokens of WikiText-2 test, KL over the original's top {TOP_K}"
     ]
     table = [
         "| path | ppl | KL | KL / in-memory | top-1 % | quantize s | calibration peak MiB |",
         "|---|---:|---:|---:|---:|---:|---:|",
         *(
-            f"| {r['name']} | {r['ppl']:.4f} | {r['kl']:.5f} | {r['kl_vs_in_memory']:.4f} | {100 * r['top1_agreement']:.2f} | {r['quantize_s']:.1f} | {r['calibration_peak_bytes'] / 2**20:,.0f} |"
+            f"| {r['name']} | {r['ppl']:.4f} | {r['kl']:.5f} | {r['kl_vs_in_memory']:.4f} | "
+            f"{100 * r['top1_agreement']:.2f} | {r['quantize_s']:.1f} | "
+            f"{r['calibration_peak_bytes'] / 2**20:,.0f} |"
             for r in rows
         ),
     ]

@@ -41,7 +41,10 @@ from slimlm.inference.decoder import Decoder, Generation
 from slimlm.inference.sampling import SamplingParams
 from slimlm.rundir import machine_info
 
-SYSTEM = "You are a careful assistant. Answer in plain English, briefly, and say so when a passage does not tell you something."
+SYSTEM = (
+    "You are a careful assistant. Answer in plain English, briefly, and say so when a passage does not tell "
+    "you something."
+)
 SHARED_REQUESTS = 8
 REFERENCE_TOKENS = 450
 PARAMS = SamplingParams(max_new_tokens=64, ignore_eos=True)
@@ -54,7 +57,8 @@ CROWD, CROWD_TURNS = (
 
 
 def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
-    """The prompt's token ids for `messages` under the tokenizer's chat template, as `slimlm chat` and the server make them."""
+    """The prompt's token ids for `messages` under the tokenizer's chat template, as `slimlm chat`
+    and the server make them."""
     return tokenizer(
         tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
         add_special_tokens=False,
@@ -74,7 +78,9 @@ class Chat:
         self.messages.append(
             {
                 "role": "user",
-                "content": f"{passage}\n\nWhat is this passage about, and how does it relate to the earlier ones?",
+                "content": (
+                    f"{passage}\n\nWhat is this passage about, and how does it relate to the earlier ones?"
+                ),
             }
         )
         return chat_ids(self.tokenizer, self.messages)
@@ -109,7 +115,10 @@ def one_at_a_time(model, tokenizer, texts: list[str], reuse: bool) -> list[dict]
         generation = decoder.generate_ids([ids], PARAMS)[0]
         chat.answered(ids, generation, decoder.last_stats.prefill_s)
         print(
-            f"one at a time, reuse {reuse}: turn {len(chat.turns)}: {len(ids)} prompt tokens, {generation.cached_tokens} cached, first token {chat.turns[-1]['first_token_ms']:.0f} ms",
+            (
+                f"one at a time, reuse {reuse}: turn {len(chat.turns)}: {len(ids)} prompt tokens, "
+                f"{generation.cached_tokens} cached, first token {chat.turns[-1]['first_token_ms']:.0f} ms"
+            ),
             flush=True,
         )
     return chat.turns
@@ -145,7 +154,11 @@ def batched(
     batcher.close()
     for turn in range(len(texts[0])):
         print(
-            f"batched, reuse {reuse}, {batcher.max_batch} at a time, {decoder.model.max_batch} rows: turn {turn + 1}: first token {statistics.median(c.turns[turn]['first_token_ms'] for c in chats):.0f} ms median",
+            (
+                f"batched, reuse {reuse}, {batcher.max_batch} at a time, {decoder.model.max_batch} rows: "
+                f"turn {turn + 1}: first token "
+                f"{statistics.median(c.turns[turn]['first_token_ms'] for c in chats):.0f} ms median"
+            ),
             flush=True,
         )
     return [chat.turns for chat in chats]
@@ -214,7 +227,10 @@ def shared_system(model, tokenizer, reference: str, questions: list[str], reuse:
         "seconds": seconds,
     }
     print(
-        f"{row['name']}: first piece {row['first_token_ms']:.0f} ms median, {row['first_token_max_ms']:.0f} ms longest, all answers in {seconds:.1f} s",
+        (
+            f"{row['name']}: first piece {row['first_token_ms']:.0f} ms median, "
+            f"{row['first_token_max_ms']:.0f} ms longest, all answers in {seconds:.1f} s"
+        ),
         flush=True,
     )
     return row
@@ -238,7 +254,8 @@ def table_row(name: str, turn: int, reused: list[dict], fresh: list[dict]) -> di
 
 
 def crowd_row(turn: int, chats: list[list[dict]], rows: int) -> dict:
-    """Turn `turn` (1-based) of the more-conversations-than-rows run with `rows` cache rows (medians over conversations)."""
+    """Turn `turn` (1-based) of the more-conversations-than-rows run with `rows` cache rows
+    (medians over conversations)."""
     turns = [chat[turn - 1] for chat in chats]
     return {
         "name": f"{len(chats)} conversations, {CONVERSATIONS} at a time, {rows} cache rows, turn {turn}",
@@ -345,17 +362,28 @@ def main() -> None:
         "",
         f"- command: `{command}`",
         machine_line(machine, f"{options.threads} threads", summary["seconds"]),
-        f"- default model, int4 g64 RTN (head too), bundled decoder, bf16 activations, eager; its chat template with a system prompt; each turn adds a user message"
-        f" ({PASSAGE_TOKENS} tokens of WikiText-2 test and a request) and a {PARAMS.max_new_tokens}-token greedy answer; the prompt is the whole conversation so far",
-        f"- one at a time: one conversation through `Decoder.generate_ids` (`slimlm chat`); batched: {CONVERSATIONS} conversations at once through a `ContinuousBatcher` of {CONVERSATIONS} rows"
-        " (`slimlm serve`), medians over the conversations",
-        "- time to the first token: the prefill (one at a time); from submitting to the first text piece (batched: the other conversations' work included)",
+        "- default model, int4 g64 RTN (head too), bundled decoder, bf16 activations, eager; its chat "
+        f"template with a system prompt; each turn adds a user message ({PASSAGE_TOKENS} tokens of "
+        f"WikiText-2 test and a request) and a {PARAMS.max_new_tokens}-token greedy answer; the prompt is "
+        "the whole conversation so far",
+        "- one at a time: one conversation through `Decoder.generate_ids` (`slimlm chat`); batched: "
+        f"{CONVERSATIONS} conversations at once through a `ContinuousBatcher` of {CONVERSATIONS} rows "
+        "(`slimlm serve`), medians over the conversations",
+        (
+            "- time to the first token: the prefill (one at a time); from submitting to the first text piece "
+            "(batched: the other conversations' work included)"
+        ),
         "",
-        "| run | prompt tokens | found in the cache | ms to the first token: reused | whole prompt | speed-up | same answer as without reuse |",
+        (
+            "| run | prompt tokens | found in the cache | ms to the first token: reused | whole prompt | "
+            "speed-up | same answer as without reuse |"
+        ),
         "|---|---:|---:|---:|---:|---:|---:|",
         *[
-            f"| {r['name']} | {r['prompt_tokens']:.0f} | {r['cached_tokens']:.0f} | {r['first_token_ms']:.0f} | {r['first_token_ms_without_reuse']:.0f} |"
-            f" {r['first_token_ms_without_reuse'] / r['first_token_ms']:.1f}x | {r['same_answers']} of {r['conversations']} |"
+            f"| {r['name']} | {r['prompt_tokens']:.0f} | {r['cached_tokens']:.0f} | "
+            f"{r['first_token_ms']:.0f} | {r['first_token_ms_without_reuse']:.0f} | "
+            f"{r['first_token_ms_without_reuse'] / r['first_token_ms']:.1f}x | {r['same_answers']} of "
+            f"{r['conversations']} |"
             for r in rows
         ],
         "",
@@ -365,32 +393,48 @@ def main() -> None:
     if not options.quick:
         write_plot(rows)
     lines[-2:-2] = [  # before the plot
-        f"{SHARED_REQUESTS} requests sent at once, each a question after the same system prompt (a reference passage of {REFERENCE_TOKENS} tokens), 32 new tokens each, {SHARED_REQUESTS} rows:",
+        (
+            f"{SHARED_REQUESTS} requests sent at once, each a question after the same system prompt (a "
+            f"reference passage of {REFERENCE_TOKENS} tokens), 32 new tokens each, {SHARED_REQUESTS} rows:"
+        ),
         "",
-        "| run | prompt tokens | found in the cache or copied | ms to the first piece: median | longest | s to the last answer |",
+        (
+            "| run | prompt tokens | found in the cache or copied | ms to the first piece: median | longest "
+            "| s to the last answer |"
+        ),
         "|---|---:|---:|---:|---:|---:|",
         *[
-            f"| {r['name']} | {r['prompt_tokens']:.0f} | {r['cached_tokens']:.0f} | {r['first_token_ms']:.0f} | {r['first_token_max_ms']:.0f} | {r['seconds']:.1f} |"
+            f"| {r['name']} | {r['prompt_tokens']:.0f} | {r['cached_tokens']:.0f} | "
+            f"{r['first_token_ms']:.0f} | {r['first_token_max_ms']:.0f} | {r['seconds']:.1f} |"
             for r in shared
         ],
         "",
-        f"{CROWD} conversations at once, {CROWD_TURNS} turns each (as above), through a batcher decoding {CONVERSATIONS} at a time (`slimlm serve --max-concurrent {CONVERSATIONS}`),"
-        f" its cache of {CONVERSATIONS} rows (the default) or {CROWD} (`--cache-rows {CROWD}`); all {CROWD * CROWD_TURNS} answers took"
-        f" {crowd_s[CONVERSATIONS]:.0f} s and {crowd_s[CROWD]:.0f} s:",
+        f"{CROWD} conversations at once, {CROWD_TURNS} turns each (as above), through a batcher decoding "
+        f"{CONVERSATIONS} at a time (`slimlm serve --max-concurrent {CONVERSATIONS}`), its cache of "
+        f"{CONVERSATIONS} rows (the default) or {CROWD} (`--cache-rows {CROWD}`); all {CROWD * CROWD_TURNS} "
+        f"answers took {crowd_s[CONVERSATIONS]:.0f} s and {crowd_s[CROWD]:.0f} s:",
         "",
-        "| run | prompt tokens | found in the cache or copied | ms from sending to the first piece (waiting for a free row included) |",
+        (
+            "| run | prompt tokens | found in the cache or copied | ms from sending to the first piece "
+            "(waiting for a free row included) |"
+        ),
         "|---|---:|---:|---:|",
         *[
-            f"| {r['name']} | {r['prompt_tokens']:.0f} | {r['cached_tokens']:.0f} | {r['first_token_ms']:.0f} |"
+            f"| {r['name']} | {r['prompt_tokens']:.0f} | {r['cached_tokens']:.0f} | "
+            f"{r['first_token_ms']:.0f} |"
             for r in crowd
         ],
         "",
-        "The second turn's first next-token logits, the first turn taken from the cache against the whole prompt prefilled (unquantized model in fp32; int4 in bf16):",
+        (
+            "The second turn's first next-token logits, the first turn taken from the cache against the "
+            "whole prompt prefilled (unquantized model in fp32; int4 in bf16):"
+        ),
         "",
         "| activations | tokens from the cache | largest logit difference | largest logit | same top token |",
         "|---|---:|---:|---:|---|",
         *[
-            f"| {g['activations']} | {g['cached_tokens']} | {g['max_logit_difference']:.2g} | {g['max_logit']:.1f} | {'yes' if g['same_argmax'] else 'no'} |"
+            f"| {g['activations']} | {g['cached_tokens']} | {g['max_logit_difference']:.2g} | "
+            f"{g['max_logit']:.1f} | {'yes' if g['same_argmax'] else 'no'} |"
             for g in gaps
         ],
         "",

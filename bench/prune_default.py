@@ -81,7 +81,10 @@ def measure(name: str, model, tokenizer, ids: torch.Tensor, prompt: list[int], o
         "weight_bytes": speed["weight_bytes"],
     }
     print(
-        f"{name}: {row['parameters'] / 1e6:.1f}M parameters, ppl {row['ppl']:.2f}, {row['decode_tok_s']:.1f} tok/s",
+        (
+            f"{name}: {row['parameters'] / 1e6:.1f}M parameters, ppl {row['ppl']:.2f}, "
+            f"{row['decode_tok_s']:.1f} tok/s"
+        ),
         flush=True,
     )
     return row
@@ -97,7 +100,10 @@ def main() -> None:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="the tiny test model pruned to 1 layer and half its width, 2 windows of 64 tokens, 16 new tokens, 1 repeat; results only printed (tests)",
+        help=(
+            "the tiny test model pruned to 1 layer and half its width, 2 windows of 64 tokens, 16 new "
+            "tokens, 1 repeat; results only printed (tests)"
+        ),
     )
     options = parser.parse_args()
     if options.quick:
@@ -184,14 +190,25 @@ def markdown(rows: list[dict], summary: dict, command: str) -> list[str]:
         "",
         f"- command: `{command}`",
         machine_line(machine, f"{summary['threads']} threads", summary["seconds"]),
-        f"- perplexity: the first {summary['windows']} windows of {summary['window']} tokens of WikiText-2 test ({tokens:,} tokens scored), before any training",
-        f"- decode: the bundled decoder, fp32 weights and activations, eager, batch 1, a {summary['prompt_tokens']}-token prompt, {summary['new_tokens']} new tokens, median of {summary['repeats']} runs",
+        (
+            f"- perplexity: the first {summary['windows']} windows of {summary['window']} tokens of "
+            f"WikiText-2 test ({tokens:,} tokens scored), before any training"
+        ),
+        (
+            "- decode: the bundled decoder, fp32 weights and activations, eager, batch 1, a "
+            f"{summary['prompt_tokens']}-token prompt, {summary['new_tokens']} new tokens, median of "
+            f"{summary['repeats']} runs"
+        ),
         "",
-        "| model | layers | hidden | MLP | heads (kv) | parameters | of unpruned | ppl | decode tok/s | speed-up |",
+        (
+            "| model | layers | hidden | MLP | heads (kv) | parameters | of unpruned | ppl | decode tok/s | "
+            "speed-up |"
+        ),
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         *[
-            f"| {r['name']} | {r['layers']} | {r['hidden_size']} | {r['intermediate_size']} | {r['heads']} ({r['kv_heads']}) | {r['parameters'] / 1e6:.1f}M | "
-            f"{100 * r['parameters_fraction']:.0f}% | {r['ppl']:.2f} | {r['decode_tok_s']:.1f} | {r['speedup_vs_unpruned']:.2f}x |"
+            f"| {r['name']} | {r['layers']} | {r['hidden_size']} | {r['intermediate_size']} | {r['heads']} "
+            f"({r['kv_heads']}) | {r['parameters'] / 1e6:.1f}M | {100 * r['parameters_fraction']:.0f}% | "
+            f"{r['ppl']:.2f} | {r['decode_tok_s']:.1f} | {r['speedup_vs_unpruned']:.2f}x |"
             for r in rows
         ],
         "",

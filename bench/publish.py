@@ -61,8 +61,8 @@ def publish(name: str, run_dirs: list[Path], command: str, notes: Path | None) -
         "",
         f"- command: `{command}`" + (f" (runs `{runs[0]}`)" if len(runs) == 1 else ""),
         *(["- runs: " + ", ".join(f"`{run}`" for run in runs)] if len(runs) > 1 else []),
-        f"- machine: {machine['processor']}, {machine['cpu_count']} CPUs ({machine['torch_threads']} torch threads), "
-        f"torch {machine['torch']}" + (f", {machine['cuda']}" if machine.get("cuda") else ""),
+        f"- machine: {machine['processor']}, {machine['cpu_count']} CPUs ({machine['torch_threads']} torch "
+        f"threads), torch {machine['torch']}" + (f", {machine['cuda']}" if machine.get("cuda") else ""),
         f"- wall time: {total_s / 60:.1f} min",
         "",
         *perplexity_note(rows, reports[0]["eval_text"]),

@@ -11,9 +11,9 @@ kernel kept for it (measured from outside, every page counted, no polling gaps):
   plan      `slimlm plan`'s functions on the artifact (config and manifest only): the weight
             bytes it predicts in the artifact's own packing against the artifact's, and in the
             CPU decoder's layouts against what the loaded decoder holds
-  gptq      w4 g128 GPTQ of the first 4 blocks ($SCALE_GPTQ_BLOCKS), one block in memory at a time (compress/offload.py)
-            on 16 windows of 512 random tokens, in bf16: seconds per block, the whole model's
-            projected time, peak RSS; goal: <= 6 GB
+  gptq      w4 g128 GPTQ of the first 4 blocks ($SCALE_GPTQ_BLOCKS), one block in memory at a
+            time (compress/offload.py) on 16 windows of 512 random tokens, in bf16: seconds per
+            block, the whole model's projected time, peak RSS; goal: <= 6 GB
   ppl       perplexity of the bf16 checkpoint over 2 windows of 512 random tokens, one block in
             memory at a time (eval/offloaded.py): seconds, peak RSS
   forward   one block's forward pass over 512 tokens in bf16 with torch's bf16 products and as
@@ -24,7 +24,8 @@ memory and speed figures: neither depends on the values.
 Writes bench/results/scale.{md,json} (--quick: small shapes, a few seconds a step, results
 only in the work directory; for tests).
 
-    python bench/scale.py [--layers 32] [--workdir bench/runs/scale] [--only rtn generate plan gptq ppl forward] [--quick]
+    python bench/scale.py [--layers 32] [--workdir bench/runs/scale]
+                          [--only rtn generate plan gptq ppl forward] [--quick]
 """
 
 from __future__ import annotations
@@ -368,7 +369,8 @@ def measure(step: Step, options: argparse.Namespace, run: Run) -> dict:
     inherits this process's high-water mark.)"""
     if not Path(TIME).is_file():
         raise SystemExit(
-            f"{TIME} (GNU time) is needed to measure each step's peak memory from outside: install the 'time' package"
+            f"{TIME} (GNU time) is needed to measure each step's peak memory from outside: install the "
+            "'time' package"
         )
     peak_file = run.workdir / f"{step.key}.maxrss"
     argv = [
@@ -397,23 +399,43 @@ def markdown(
     rows: list[dict], options: argparse.Namespace, command: str, machine: dict, seconds: float, config
 ) -> list[str]:
     rtn, generate, plan = (next(row for row in rows if row["name"] == step.name) for step in STEPS[:3])
-    shape = f"{config.num_hidden_layers} layers, hidden {config.hidden_size}, intermediate {config.intermediate_size}, vocab {config.vocab_size}"
+    shape = (
+        f"{config.num_hidden_layers} layers, hidden {config.hidden_size}, intermediate "
+        f"{config.intermediate_size}, vocab {config.vocab_size}"
+    )
     return [
         "# Scale: a Llama-3-8B-shaped checkpoint (random bf16 weights) on a CPU machine",
         "",
         f"- command: `{command}`",
         machine_line(machine, f"{torch.get_num_threads()} torch threads", seconds),
-        f"- model: {shape}; checkpoint {rtn['checkpoint_weight_bytes'] / GB:.2f} GB of bf16 safetensors; each step in its own process, peak RSS by /usr/bin/time (the kernel's maximum resident set size)",
+        (
+            f"- model: {shape}; checkpoint {rtn['checkpoint_weight_bytes'] / GB:.2f} GB of bf16 safetensors; "
+            "each step in its own process, peak RSS by /usr/bin/time (the kernel's maximum resident set "
+            "size)"
+        ),
         "",
         "| step | seconds | peak RSS GB | result |",
         "|---|---:|---:|---|",
-        f"| {rtn['name']} | {rtn['seconds']:.1f} | {rtn['peak_rss_gb']:.2f} | {rtn['artifact_weight_bytes'] / GB:.2f} GB in {rtn['shards']} shards |",
-        f"| {generate['name']} | {generate['load_seconds']:.1f} (load) | {generate['peak_rss_gb']:.2f} | {generate['tokens_per_s']:.2f} tokens/s ({generate['decode_tokens_per_s']:.2f} decoding), {generate['activations']} activations, decoder weights {generate['decoder_weight_bytes'] / GB:.2f} GB |",
-        f"| {plan['name']} | | {plan['peak_rss_gb']:.2f} | weights in the artifact's packing (h200, triton) {plan['plan_stored_layout_weight_bytes'] / GB:.3f} GB: {plan['plan_stored_layout_to_artifact']:.4f}x the artifact's {plan['artifact_weight_bytes'] / GB:.3f} GB; "
-        f"in the CPU layouts {plan['plan_cpu_weight_bytes'] / GB:.3f} GB: {plan['plan_cpu_to_decoder']:.4f}x the loaded decoder's, {plan['plan_cpu_to_artifact']:.4f}x the artifact's |",
+        (
+            f"| {rtn['name']} | {rtn['seconds']:.1f} | {rtn['peak_rss_gb']:.2f} | "
+            f"{rtn['artifact_weight_bytes'] / GB:.2f} GB in {rtn['shards']} shards |"
+        ),
+        (
+            f"| {generate['name']} | {generate['load_seconds']:.1f} (load) | {generate['peak_rss_gb']:.2f} | "
+            f"{generate['tokens_per_s']:.2f} tokens/s ({generate['decode_tokens_per_s']:.2f} decoding), "
+            f"{generate['activations']} activations, decoder weights "
+            f"{generate['decoder_weight_bytes'] / GB:.2f} GB |"
+        ),
+        f"| {plan['name']} | | {plan['peak_rss_gb']:.2f} | weights in the artifact's packing (h200, triton) "
+        f"{plan['plan_stored_layout_weight_bytes'] / GB:.3f} GB: "
+        f"{plan['plan_stored_layout_to_artifact']:.4f}x the artifact's "
+        f"{plan['artifact_weight_bytes'] / GB:.3f} GB; in the CPU layouts "
+        f"{plan['plan_cpu_weight_bytes'] / GB:.3f} GB: {plan['plan_cpu_to_decoder']:.4f}x the loaded "
+        f"decoder's, {plan['plan_cpu_to_artifact']:.4f}x the artifact's |",
         *(gptq_line(row) for row in rows if row["name"] == STEPS[3].name),
         *(
-            f"| {row['name']} | {row['seconds']:.1f} | {row['peak_rss_gb']:.2f} | {row['tokens_scored']} tokens scored, one block in memory at a time (random weights: ppl {row['ppl']:,.0f}) |"
+            f"| {row['name']} | {row['seconds']:.1f} | {row['peak_rss_gb']:.2f} | {row['tokens_scored']} "
+            f"tokens scored, one block in memory at a time (random weights: ppl {row['ppl']:,.0f}) |"
             for row in rows
             if row["name"] == STEPS[4].name
         ),
@@ -429,15 +451,17 @@ def forward_line(row: dict) -> str:
         else "bf16 products (this CPU multiplies bf16 fast)"
     )
     return (
-        f"| {row['name']} | {row['seconds']:.1f} | {row['peak_rss_gb']:.2f} | torch {row['torch_bf16_s']:.2f} s, slimlm {row['slimlm_s']:.2f} s with {how}: "
-        f"{row['speedup']:.1f}x; outputs differ by {row['max_rel_difference']:.1e} of their largest value |"
+        f"| {row['name']} | {row['seconds']:.1f} | {row['peak_rss_gb']:.2f} | torch "
+        f"{row['torch_bf16_s']:.2f} s, slimlm {row['slimlm_s']:.2f} s with {how}: {row['speedup']:.1f}x; "
+        f"outputs differ by {row['max_rel_difference']:.1e} of their largest value |"
     )
 
 
 def gptq_line(row: dict) -> str:
     return (
-        f"| {row['name']} | {row['seconds']:.1f} | {row['peak_rss_gb']:.2f} | {row['quantized_layers']} layers in {row['blocks']} blocks, {row['block_seconds']:.1f} s per block; "
-        f"every block projected at {row['projected_blocks_seconds'] / 3600:.1f} h (16 x 512 tokens, bf16) |"
+        f"| {row['name']} | {row['seconds']:.1f} | {row['peak_rss_gb']:.2f} | {row['quantized_layers']} "
+        f"layers in {row['blocks']} blocks, {row['block_seconds']:.1f} s per block; every block projected at "
+        f"{row['projected_blocks_seconds'] / 3600:.1f} h (16 x 512 tokens, bf16) |"
     )
 
 

@@ -13,7 +13,8 @@ under hostile load the valid clients' p99 time to first token stays under 2x its
 Writes bench/results/serve_load.{md,json} (--quick: the tiny test model, a few requests,
 nothing written but --workdir; tests/test_serve_load.py).
 
-    python bench/serve_load.py [--model <default model>] [--clients 4] [--requests 8] [--hostile 4] [--max-tokens 32] [--quick]
+    python bench/serve_load.py [--model <default model>] [--clients 4] [--requests 8] [--hostile 4]
+                               [--max-tokens 32] [--quick]
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ class Answer:
     complete: bool  # a finish reason and [DONE] arrived
     text: str
     greedy_prompt: int | None  # the greedy prompt's number: every client sends it, so the answers must agree
+    error: str | None = None  # what ended it short: an HTTP status, an error event, a broken connection
 
 
 @dataclass
@@ -122,29 +124,41 @@ def valid_body(client: int, index: int, max_tokens: int) -> tuple[str, dict]:
 
 
 def stream(port: int, route: str, body: dict) -> Answer:
-    """Send one streaming request and time its pieces."""
+    """Send one streaming request and time its pieces. Whatever ends it short (an HTTP error
+    status, an error event in the stream, a broken connection or a malformed event) is kept in
+    the Answer's `error`, never raised: the client goes on with its next request."""
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
     started = time.perf_counter()
-    times, finished, done, pieces = [], False, False, []
+    times, finished, done, pieces, error = [], False, False, [], None
     try:
         connection.request(
             "POST", route, body=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
         )
         response = connection.getresponse()
-        for line in response:
-            payload = line.decode().strip().removeprefix("data: ")
-            if payload == "[DONE]":
-                done = True
-                break
-            if payload:
-                choice = json.loads(payload)["choices"][0]
+        if response.status != 200:
+            error = f"HTTP {response.status}: {error_message(response.read())}"
+        else:
+            for line in response:
+                payload = line.decode().strip().removeprefix("data: ")
+                if payload == "[DONE]":
+                    done = True
+                    break
+                if not payload:
+                    continue
+                event = json.loads(payload)
+                if "error" in event:  # the server failed mid-stream: an error event, then [DONE]
+                    error = f"error event: {error_message(payload.encode())}"
+                    continue
+                choice = event["choices"][0]
                 finished = finished or choice.get("finish_reason") is not None
                 text = choice.get("text") or choice.get("delta", {}).get("content")
                 if text:
                     times.append(time.perf_counter())
                     pieces.append(text)
-    except (OSError, http.client.HTTPException, ValueError):
-        pass
+    except (OSError, http.client.HTTPException) as failure:
+        error = f"connection: {type(failure).__name__}"
+    except (ValueError, LookupError, TypeError, AttributeError) as failure:  # not the events the API sends
+        error = f"malformed event: {type(failure).__name__}: {failure}"
     finally:
         connection.close()
     gaps = [later - earlier for earlier, later in zip(times, times[1:])]
@@ -155,10 +169,19 @@ def stream(port: int, route: str, body: dict) -> Answer:
         times[0] - started if times else float("inf"),
         gaps,
         len(times),
-        finished and done,
+        finished and done and error is None,
         "".join(pieces),
         greedy,
+        error,
     )
+
+
+def error_message(body: bytes) -> str:
+    """The message of an OpenAI-style error body (`{"error": {"message": ...}}`), else the body's start."""
+    try:
+        return str(json.loads(body)["error"]["message"])
+    except (ValueError, LookupError, TypeError):
+        return body[:200].decode(errors="replace")
 
 
 def valid_client(
@@ -183,9 +206,8 @@ def hostile_client(port: int, max_tokens: int, ready, stop, results) -> None:
     while not (counts and stop.is_set()):
         counts[f"20 MB body: {status(port, 'POST', '/v1/completions', huge)}"] += 1
         counts[f"malformed body: {status(port, 'POST', '/v1/chat/completions', b'{not json')}"] += 1
-        counts[
-            f"prompt over the character limit (1 MB): {status(port, 'POST', '/v1/chat/completions', over_limit)}"
-        ] += 1
+        answer = status(port, "POST", "/v1/chat/completions", over_limit)
+        counts[f"prompt over the character limit (1 MB): {answer}"] += 1
         counts[f"stream dropped after its first piece: {drop_stream(port, max_tokens)}"] += 1
     results.put(counts)
 
@@ -264,6 +286,8 @@ def phase_row(phase: Phase, options: argparse.Namespace) -> dict:
         "mean_pieces": round(statistics.mean(answer.pieces for answer in phase.answers), 1)
         if phase.answers
         else 0,
+        # what ended valid requests short (an HTTP status, an error event, a broken connection)
+        "valid_errors": dict(sorted(Counter(a.error for a in phase.answers if a.error).items())),
         "hostile_requests": sum(phase.hostile.values()),
         "hostile_answers": dict(sorted(phase.hostile.items())),
         "seconds": round(phase.seconds, 1),
@@ -287,25 +311,55 @@ def peak_rss_bytes(pid: int) -> int:
     return 0
 
 
+TABLE_HEADER = (
+    "| phase | valid requests | complete | TTFT p50 ms | TTFT p99 ms | inter-token p50 ms | "
+    "inter-token p99 ms | greedy prompts answered differently | hostile requests | seconds |"
+)
+
+
+def table_row(row: dict) -> str:
+    cells = (
+        row["name"],
+        row["valid_requests"],
+        row["complete"],
+        row["ttft_p50_ms"],
+        row["ttft_p99_ms"],
+        row["itl_p50_ms"],
+        row["itl_p99_ms"],
+        f"{row['greedy_prompts_answered_differently']} of {row['greedy_prompts']}",
+        row["hostile_requests"],
+        row["seconds"],
+    )
+    return f"| {' | '.join(map(str, cells))} |"
+
+
 def markdown(
     rows: list[dict], summary: dict, command: str, seconds: float, options: argparse.Namespace
 ) -> list[str]:
     loaded = rows[1]
+    errors = [
+        f"- {row['name']}: {error}: {count}" for row in rows for error, count in row["valid_errors"].items()
+    ]
     lines = [
         "# Serve load: valid clients alone and beside hostile ones",
         "",
         f"- command: `{command}`",
         machine_line(machine_info(), f"server --threads {options.threads}", seconds),
-        f"- model: `{summary['model']}`; {options.clients} valid clients x {options.requests} streaming requests of {options.max_tokens} tokens each phase; {options.hostile} hostile client processes in the second",
-        f"- server peak RSS (VmHWM): {summary['server_peak_rss_bytes'] / 2**20:.0f} MiB; p99 time to first token under hostile load / unloaded: **{summary['ttft_p99_ratio']:.2f}x** (goal < 2x)",
+        f"- model: `{summary['model']}`; {options.clients} valid clients x {options.requests} streaming "
+        f"requests of {options.max_tokens} tokens each phase; {options.hostile} hostile client processes "
+        "in the second",
+        f"- server peak RSS (VmHWM): {summary['server_peak_rss_bytes'] / 2**20:.0f} MiB; p99 time to first "
+        f"token under hostile load / unloaded: **{summary['ttft_p99_ratio']:.2f}x** (goal < 2x)",
         "",
-        "| phase | valid requests | complete | TTFT p50 ms | TTFT p99 ms | inter-token p50 ms | inter-token p99 ms | greedy prompts answered differently | hostile requests | seconds |",
+        TABLE_HEADER,
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-        *(
-            f"| {r['name']} | {r['valid_requests']} | {r['complete']} | {r['ttft_p50_ms']} | {r['ttft_p99_ms']} | {r['itl_p50_ms']} | {r['itl_p99_ms']} | {r['greedy_prompts_answered_differently']} of {r['greedy_prompts']} | {r['hostile_requests']} | {r['seconds']} |"
-            for r in rows
-        ),
+        *map(table_row, rows),
         "",
+        *(
+            ["What ended valid requests short (phase: what the client got: requests):", "", *errors, ""]
+            if errors
+            else []
+        ),
         "What the hostile requests got back (HTTP status, or the error that ended the client's request):",
         "",
         *(f"- {kind}: {count}" for kind, count in loaded["hostile_answers"].items()),

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from functools import partial
 
 import torch
 from benchlib import command_line, kernel_and_torch_ms, load_bench_model, machine_line, publish
@@ -30,9 +31,9 @@ from slimlm.inference.speculative import generate_speculative
 from slimlm.rundir import machine_info
 
 PASSAGE = (
-    "The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. It is named after "
-    "the engineer Gustave Eiffel, whose company designed and built the tower from 1887 to 1889. Locally nicknamed "
-    "the Iron Lady, it was constructed as the centrepiece of the 1889 World's Fair."
+    "The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. It is named "
+    "after the engineer Gustave Eiffel, whose company designed and built the tower from 1887 to 1889. "
+    "Locally nicknamed the Iron Lady, it was constructed as the centrepiece of the 1889 World's Fair."
 )
 WEIGHTS = {
     "int8": "int8 (w8 RTN per-channel, head too) with bf16 activations",
@@ -40,7 +41,10 @@ WEIGHTS = {
 }
 PROMPTS = {
     "repeat a passage": f"Repeat the following text exactly, word for word.\n\n{PASSAGE}",
-    "edit a passage": f"Rewrite the following text, replacing 'tower' with 'monument' and changing nothing else.\n\n{PASSAGE}",
+    "edit a passage": (
+        "Rewrite the following text, replacing 'tower' with 'monument' and changing nothing else.\n\n"
+        f"{PASSAGE}"
+    ),
     "open question": "Explain in a few sentences why the sky is blue.",
 }
 
@@ -83,10 +87,13 @@ def verification_pass_costs(model: Transformer, lookahead: int, repeats: int = 9
             with torch.inference_mode():
                 model(random_ids(model, context, generator), 0)
                 checked = random_ids(model, 1 + lookahead, generator)
-                kernel_ms, torch_ms = kernel_and_torch_ms(lambda: model(checked, context), repeats)
+                kernel_ms, torch_ms = kernel_and_torch_ms(partial(model, checked, context), repeats)
             rows.append(
                 {
-                    "name": f"{1 + lookahead} tokens after {context} cached, {'int8' if cache_dtype else 'float'} cache",
+                    "name": (
+                        f"{1 + lookahead} tokens after {context} cached, "
+                        f"{'int8' if cache_dtype else 'float'} cache"
+                    ),
                     "kernel_pass_ms": kernel_ms,
                     "torch_pass_ms": torch_ms,
                 }
@@ -157,7 +164,10 @@ def main() -> None:
             }
         )
         print(
-            f"{name}: {plain_tok_s:.1f} -> {fast_tok_s:.1f} tok/s, acceptance {stats.acceptance_rate:.2f}, identical {rows[-1]['identical']}",
+            (
+                f"{name}: {plain_tok_s:.1f} -> {fast_tok_s:.1f} tok/s, acceptance "
+                f"{stats.acceptance_rate:.2f}, identical {rows[-1]['identical']}"
+            ),
             flush=True,
         )
     costs = verification_pass_costs(decoder.model, options.lookahead)
@@ -178,17 +188,31 @@ def main() -> None:
         f"# {name}",
         "",
         f"- command: `{command}`",
-        "- the same prompts decoded greedily: `speculative_cpu.md`"
-        if sampled
-        else f"- the same prompts with the other weights: `{'speculative_cpu_fp32.md' if options.weights == 'int8' else 'speculative_cpu.md'}` (`--weights {'fp32' if options.weights == 'int8' else 'int8'}`)",
+        (
+            "- the same prompts decoded greedily: `speculative_cpu.md`"
+            if sampled
+            else (
+                "- the same prompts with the other weights: "
+                f"`{'speculative_cpu_fp32.md' if options.weights == 'int8' else 'speculative_cpu.md'}` "
+                f"(`--weights {'fp32' if options.weights == 'int8' else 'int8'}`)"
+            )
+        ),
         machine_line(machine, f"{options.threads} threads", summary["seconds"]),
-        f"- default model, {WEIGHTS[options.weights]} in the bundled decoder, eager; {f'sampled at temperature {options.temperature:g} (seed 0)' if sampled else 'greedy'}, up to {options.new_tokens} new tokens, chat template; "
-        f"prompt lookup with n-grams of 3 down to 2 tokens and {options.lookahead} guesses per pass; median of {options.repeats} runs",
+        f"- default model, {WEIGHTS[options.weights]} in the bundled decoder, eager; "
+        f"{f'sampled at temperature {options.temperature:g} (seed 0)' if sampled else 'greedy'}, up to "
+        f"{options.new_tokens} new tokens, chat template; prompt lookup with n-grams of 3 down to 2 tokens "
+        f"and {options.lookahead} guesses per pass; median of {options.repeats} runs",
         "",
-        "| prompt | prompt tokens | new tokens | plain tok/s | speculative tok/s | speedup | acceptance | tokens per pass | identical output |",
+        (
+            "| prompt | prompt tokens | new tokens | plain tok/s | speculative tok/s | speedup | acceptance "
+            "| tokens per pass | identical output |"
+        ),
         "|---|---:|---:|---:|---:|---:|---:|---:|---|",
         *[
-            f"| {r['name']} | {r['prompt_tokens']} | {r['new_tokens']} | {r['plain_tok_s']:.1f} | {r['speculative_tok_s']:.1f} | {r['speedup']:.2f}x | {100 * r['acceptance_rate']:.0f}% | {r['tokens_per_pass']:.2f} | {'sampled' if r['identical'] is None else 'yes' if r['identical'] else 'NO'} |"
+            f"| {r['name']} | {r['prompt_tokens']} | {r['new_tokens']} | {r['plain_tok_s']:.1f} | "
+            f"{r['speculative_tok_s']:.1f} | {r['speedup']:.2f}x | {100 * r['acceptance_rate']:.0f}% | "
+            f"{r['tokens_per_pass']:.2f} | "
+            f"{'sampled' if r['identical'] is None else 'yes' if r['identical'] else 'NO'} |"
             for r in rows
         ],
         "",
@@ -201,7 +225,8 @@ def main() -> None:
         "| pass | slimlm's kernel ms | torch's attention ms | kernel speedup |",
         "|---|---:|---:|---:|",
         *[
-            f"| {r['name']} | {r['kernel_pass_ms']:.1f} | {r['torch_pass_ms']:.1f} | {r['torch_pass_ms'] / r['kernel_pass_ms']:.2f}x |"
+            f"| {r['name']} | {r['kernel_pass_ms']:.1f} | {r['torch_pass_ms']:.1f} | "
+            f"{r['torch_pass_ms'] / r['kernel_pass_ms']:.2f}x |"
             for r in costs
         ],
         "",

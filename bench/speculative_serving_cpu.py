@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from functools import partial
 
 import torch
 from benchlib import (
@@ -76,7 +77,7 @@ def guess_pass_costs(model: Transformer, lookahead: int, repeats: int = 7) -> li
                 for row in range(3)
             ]
             costs = kernel_and_torch_ms(
-                lambda: model.forward_segments(segments, [1 + lookahead] * 3), repeats
+                partial(model.forward_segments, segments, [1 + lookahead] * 3), repeats
             )
         for pass_ms, how in zip(
             costs, ("guesses as queries of the batched step", "an attention call per answer")
@@ -112,7 +113,9 @@ def main() -> None:
             lookahead=lookahead,
         )
         serve(batchers[lookahead], requests[:1], SamplingParams(max_new_tokens=4), together=False)  # warm-up
-    runs: dict = {}  # (together, lookahead) -> each repeat's answers and seconds; repeats alternate the two, the machine's drift shared
+    # (together, lookahead) -> each repeat's answers and seconds; repeats alternate the two, the
+    # machine's drift shared
+    runs: dict = {}
     for _ in range(options.repeats):
         for together in (False, True):
             for lookahead, batcher in batchers.items():
@@ -136,7 +139,10 @@ def main() -> None:
             row["speedup"] = row["lookup_tok_s"] / row["plain_tok_s"]
             rows.append(row)
             print(
-                f"{row['name']}: {row['plain_tok_s']:.1f} -> {row['lookup_tok_s']:.1f} tok/s ({row['speedup']:.2f}x), identical {row['identical']}",
+                (
+                    f"{row['name']}: {row['plain_tok_s']:.1f} -> {row['lookup_tok_s']:.1f} tok/s "
+                    f"({row['speedup']:.2f}x), identical {row['identical']}"
+                ),
                 flush=True,
             )
     summary = {
@@ -154,14 +160,21 @@ def main() -> None:
         "",
         f"- command: `{command}`",
         machine_line(machine_info(), f"{options.threads} threads", summary["seconds"]),
-        f"- default model, int8 (w8 RTN per-channel, head too) with bf16 activations in the bundled decoder, eager; a ContinuousBatcher of 3 rows as `slimlm serve` runs it, greedy, up to {options.new_tokens} new tokens, chat template;"
-        f" without guesses and with prompt lookup (`--prompt-lookup --lookahead {options.lookahead}`: n-grams of 3 down to 2 tokens); tokens/s of each request from sending to its last token (prefill included), median of {options.repeats} runs alternating the two",
+        "- default model, int8 (w8 RTN per-channel, head too) with bf16 activations in the bundled decoder, "
+        f"eager; a ContinuousBatcher of 3 rows as `slimlm serve` runs it, greedy, up to {options.new_tokens} "
+        "new tokens, chat template; without guesses and with prompt lookup (`--prompt-lookup --lookahead "
+        f"{options.lookahead}`: n-grams of 3 down to 2 tokens); tokens/s of each request from sending to its "
+        f"last token (prefill included), median of {options.repeats} runs alternating the two",
         f"- guesses kept over all runs: {100 * kept:.0f}%",
         "",
-        "| request | new tokens | tok/s without guesses | tok/s with prompt lookup | speedup | identical output (every run) |",
+        (
+            "| request | new tokens | tok/s without guesses | tok/s with prompt lookup | speedup | identical "
+            "output (every run) |"
+        ),
         "|---|---:|---:|---:|---:|---|",
         *[
-            f"| {r['name']} | {r['new_tokens']} | {r['plain_tok_s']:.1f} | {r['lookup_tok_s']:.1f} | {r['speedup']:.2f}x | {'yes' if r['identical'] else 'NO'} |"
+            f"| {r['name']} | {r['new_tokens']} | {r['plain_tok_s']:.1f} | {r['lookup_tok_s']:.1f} | "
+            f"{r['speedup']:.2f}x | {'yes' if r['identical'] else 'NO'} |"
             for r in rows
         ],
         "",

@@ -146,7 +146,7 @@ def awq_quantize_layer(
         if rows is None:
             continue
         scale, error, rtn_error = search_scale(
-            [l.weight for l in linears], [schemes[n] for n in names], stats[names[0]], options
+            [linear.weight for linear in linears], [schemes[n] for n in names], stats[names[0]], options
         )
         apply_scale(previous, rows, linears, scale, mapping.norm_offset)
         for accumulator in {id(stats[n]): stats[n] for n in names}.values():  # q/k/v share one

@@ -85,8 +85,9 @@ class BlockProgress:
                 else ["all"]
             )
             raise SlimlmError(
-                f"'{self.directory}' holds the blocks of another calibration (it differs in {', '.join(differs)}); "
-                "rerun with the settings, checkpoint and data that wrote it to resume, or remove it to start over"
+                f"'{self.directory}' holds the blocks of another calibration "
+                f"(it differs in {', '.join(differs)}); rerun with the settings, checkpoint and data "
+                "that wrote it to resume, or remove it to start over"
             )
 
     def resume_point(self) -> tuple[int, Optional[list[torch.Tensor]]]:
@@ -101,7 +102,8 @@ class BlockProgress:
         missing = [index for index in range(start) if not self._facts_path(index).is_file()]
         if missing:
             raise SlimlmError(
-                f"'{self.directory}' lacks block {missing[0]}, which it says is finished; remove it to start over"
+                f"'{self.directory}' lacks block {missing[0]}, which it says is finished; "
+                "remove it to start over"
             )
         log.info(
             "'%s' holds %d finished block(s) of this calibration from an earlier run: going on from block %d",

@@ -40,7 +40,8 @@ class CalibrationParams:
     def check_calibration(self, stage: str) -> None:
         if self.samples < 1 or self.seq_len < 2:
             raise ConfigError(
-                f"{stage}: samples ({self.samples}) must be at least 1 and seq_len ({self.seq_len}) at least 2"
+                f"{stage}: samples ({self.samples}) must be at least 1 and seq_len ({self.seq_len}) "
+                "at least 2"
             )
 
 
@@ -49,8 +50,9 @@ def calibration_samples(token_ids: torch.Tensor, samples: int, seq_len: int, see
     available = token_ids.numel() // seq_len
     if available < samples:
         raise SlimlmError(
-            f"the calibration text has {token_ids.numel():,} tokens: {available} windows of {seq_len}, fewer than the "
-            f"{samples} samples asked for; lower the stage's samples or seq_len, or use a longer data.calibration"
+            f"the calibration text has {token_ids.numel():,} tokens: {available} windows of {seq_len}, "
+            f"fewer than the {samples} samples asked for; lower the stage's samples or seq_len, "
+            "or use a longer data.calibration"
         )
     chosen = torch.randperm(available, generator=torch.Generator().manual_seed(seed))[:samples].sort().values
     return token_ids[: available * seq_len].view(available, seq_len)[chosen]
@@ -172,7 +174,8 @@ def calibrate_sequentially(
     outside = [name for name in targets if not name.startswith(prefix + ".")]
     if outside:
         raise SlimlmError(
-            f"calibration handles Linear layers inside decoder layers; {outside[0]} is outside them: leave it out of this stage's targets (quantize it in a separate rtn stage)"
+            f"calibration handles Linear layers inside decoder layers; {outside[0]} is outside them: "
+            "leave it out of this stage's targets (quantize it in a separate rtn stage)"
         )
     first = next(model.parameters())
 

@@ -52,7 +52,8 @@ def calibration_rows(inputs: torch.Tensor) -> torch.Tensor:
     x = inputs.detach().reshape(-1, inputs.shape[-1]).float()
     if not torch.isfinite(x).all():
         raise SlimlmError(
-            "calibration activations contain NaN or Inf; the model or calibration text is broken (check the fp32 perplexity first)"
+            "calibration activations contain NaN or Inf; "
+            "the model or calibration text is broken (check the fp32 perplexity first)"
         )
     return x
 
@@ -148,12 +149,14 @@ def inverse_hessian_factor(H: torch.Tensor, damp: float, name: str) -> torch.Ten
                 return torch.linalg.cholesky(H, upper=True, out=H)
             except torch.linalg.LinAlgError as error:
                 raise SlimlmError(
-                    f"{name}: the inverse Hessian is not positive definite at damping {damping:.3g}; raise quantize.damp"
+                    f"{name}: the inverse Hessian is not positive definite at damping {damping:.3g}; "
+                    "raise quantize.damp"
                 ) from error
         del lower
         log.warning("%s: Hessian not positive definite at damping %.3g; raising it", name, damping)
     raise SlimlmError(
-        f"{name}: the Hessian stayed singular with damping up to {damp * 1000:g} of its mean diagonal; use more or longer calibration samples"
+        f"{name}: the Hessian stayed singular with damping up to {damp * 1000:g} of its mean diagonal; "
+        "use more or longer calibration samples"
     )
 
 
@@ -165,7 +168,8 @@ def gptq_quantize(
     name: str = "layer",
 ) -> QuantizedWeight:
     """`weight` quantized by GPTQ against `hessian`, which it overwrites when it is already in the
-    layer's solve_dtype on the weight's device (pass a copy to keep it; LayerInputStatistics.take_hessian decides)."""
+    layer's solve_dtype on the weight's device (pass a copy to keep it;
+    LayerInputStatistics.take_hessian decides)."""
     out_features, in_features = weight.shape
     group = scheme.group_size or in_features
     device = weight.device  # every tensor below lives where the weight does (a block on a GPU)

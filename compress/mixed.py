@@ -53,7 +53,8 @@ def fisher_diagonal(model: nn.Module, samples: torch.Tensor, names: Sequence[str
             loss = model(input_ids=ids, labels=ids, use_cache=False).loss
             if not torch.isfinite(loss):
                 raise SlimlmError(
-                    "the model's loss on a calibration window is NaN or Inf; check the model's fp32 perplexity first"
+                    "the model's loss on a calibration window is NaN or Inf; "
+                    "check the model's fp32 perplexity first"
                 )
             loss.backward()
             for name, weight in weights.items():
@@ -100,7 +101,9 @@ def choose_bits(
     if used > budget + 1e-6:
         smallest = min(min(per_bits.values()) for _, per_bits in sizes.values())
         raise SlimlmError(
-            f"a budget of {budget_bpw} bits per weight is below what the smallest candidate needs ({used / total_weights:.3f}; {smallest:.3f} per weight at best); raise quantize.bpw or add smaller bit widths to quantize.candidate_bits"
+            f"a budget of {budget_bpw} bits per weight is below what the smallest candidate "
+            f"needs ({used / total_weights:.3f}; {smallest:.3f} per weight at best); "
+            "raise quantize.bpw or add smaller bit widths to quantize.candidate_bits"
         )
     heap = [_upgrade(name, hulls[name], 0) for name in hulls if len(hulls[name]) > 1]
     heapq.heapify(heap)

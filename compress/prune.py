@@ -25,7 +25,17 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from slimlm.architecture import FAMILIES, decoder_blocks, model_type, require_family
+from slimlm.architecture import (
+    FAMILIES,
+    HIDDEN,
+    KV_HEADS,
+    MLP,
+    QUERY_HEADS,
+    PruneSlice,
+    decoder_blocks,
+    model_type,
+    require_family,
+)
 from slimlm.compress.calibration import CalibrationParams
 from slimlm.compress.quantize import calibration_windows
 from slimlm.data import check_text_source
@@ -52,7 +62,8 @@ class PruneParams(CalibrationParams):
         }
         if all(value is None for value in targets.values()):
             raise ConfigError(
-                "prune: give at least one of layers, hidden_size, intermediate_size, kv_heads (the sizes to keep)"
+                "prune: give at least one of layers, hidden_size, intermediate_size, "
+                "kv_heads (the sizes to keep)"
             )
         for key, value in targets.items():
             if value is not None and value < 1:
@@ -101,7 +112,9 @@ def check_targets(shape: Shape, params: PruneParams) -> None:
     hidden = params.hidden_size or shape.hidden_size
     if hidden % heads:
         raise SlimlmError(
-            f"the pruned model would have hidden_size {hidden} and {heads} attention heads; transformers requires the hidden size to be a multiple of the heads: choose prune.hidden_size (or kv_heads) to match"
+            f"the pruned model would have hidden_size {hidden} and {heads} attention heads; "
+            "transformers requires the hidden size to be a multiple of the heads: "
+            "choose prune.hidden_size (or kv_heads) to match"
         )
 
 
@@ -167,7 +180,8 @@ def width_importance(
     ]
     if len(norms) != 2 * len(layers) + 1:
         raise SlimlmError(
-            f"{type(model).__name__}: expected input/post-attention RMSNorms in every layer and a final model.norm; width pruning supports Llama-family models"
+            f"{type(model).__name__}: expected input/post-attention RMSNorms in every layer and a final "
+            "model.norm; width pruning supports Llama-family models"
         )
     handles += [norm.register_forward_hook(add_hidden) for norm in norms]
 
@@ -222,63 +236,75 @@ class Keep:
     kv_groups: Optional[list[torch.Tensor]] = None
 
 
+BLOCKS = "model.layers."  # the decoder blocks' tensors, numbered after this prefix
+
+
 def sliced_state_dict(model: nn.Module, keep: Keep, shape: Shape) -> dict[str, torch.Tensor]:
-    """The pruned model's tensors under its new names (layers renumbered from 0)."""
-    state = {
-        key: tensor.detach().cpu() for key, tensor in model.state_dict().items()
-    }  # slicing indices live on the CPU
+    """The pruned model's tensors under its new names (layers renumbered from 0), each block's
+    sliced as its family's pruning table says (slimlm/architecture.py)."""
+    table = {entry.module: entry for entry in require_prunable(model_type(model))}
+    # slicing indices live on the CPU
+    state = {key: tensor.detach().cpu() for key, tensor in model.state_dict().items()}
     out: dict[str, torch.Tensor] = {}
-    hidden = keep.hidden
-
-    def take(tensor: torch.Tensor, dim: int, index: Optional[torch.Tensor]) -> torch.Tensor:
-        return tensor if index is None else tensor.index_select(dim, index)
-
     for key, tensor in state.items():
-        if not key.startswith("model.layers."):
+        if not key.startswith(BLOCKS):
             # embed_tokens, lm_head: [vocab, hidden]; the final norm: [hidden]
-            out[key] = take(tensor, tensor.dim() - 1, hidden).clone()
+            out[key] = take(tensor, tensor.dim() - 1, keep.hidden).clone()
     for new, old in enumerate(keep.layers):
-        prefix, new_prefix = f"model.layers.{old}.", f"model.layers.{new}."
-        channels = None if keep.intermediate is None else keep.intermediate[new]
-        q_rows = k_rows = None
-        if keep.kv_groups is not None:
-            group = shape.heads // shape.kv_heads
-            groups = keep.kv_groups[new]
-            q_heads = (groups.unsqueeze(1) * group + torch.arange(group)).flatten()
-            q_rows, k_rows = head_rows(q_heads, shape.head_dim), head_rows(groups, shape.head_dim)
+        prefix = f"{BLOCKS}{old}."
+        widths = block_widths(keep, shape, new)
         for key, tensor in state.items():
-            if not key.startswith(prefix):
-                continue
-            local = key[len(prefix) :]
-            if local.endswith("layernorm.weight"):
-                tensor = take(tensor, 0, hidden)
-            elif local.startswith(("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")):
-                rows = q_rows if local.startswith("self_attn.q_proj") else k_rows
-                tensor = take(tensor, 0, rows)
-                tensor = take(tensor, 1, hidden) if tensor.dim() == 2 else tensor
-            elif local.startswith("self_attn.o_proj"):
-                tensor = (
-                    take(take(tensor, 1, q_rows), 0, hidden) if tensor.dim() == 2 else take(tensor, 0, hidden)
-                )
-            elif local.startswith(("mlp.gate_proj", "mlp.up_proj")):
-                tensor = take(tensor, 0, channels)
-                tensor = take(tensor, 1, hidden) if tensor.dim() == 2 else tensor
-            elif local.startswith("mlp.down_proj"):
-                tensor = (
-                    take(take(tensor, 1, channels), 0, hidden)
-                    if tensor.dim() == 2
-                    else take(tensor, 0, hidden)
-                )
-            else:
-                raise SlimlmError(
-                    f"cannot prune {key}: slimlm prunes Llama-family layers (q/k/v/o_proj, gate/up/down_proj, two RMSNorms)"
-                )
-            out[new_prefix + local] = tensor.clone()
+            if key.startswith(prefix):
+                local = key[len(prefix) :]
+                entry = table_entry(table, key, local)
+                out[f"{BLOCKS}{new}.{local}"] = sliced(tensor, entry, widths).clone()
     return out
+
+
+def take(tensor: torch.Tensor, dim: int, index: Optional[torch.Tensor]) -> torch.Tensor:
+    return tensor if index is None else tensor.index_select(dim, index)
+
+
+Widths = dict[str, Optional[torch.Tensor]]  # what a block keeps along each width (None: all of it)
+
+
+def block_widths(keep: Keep, shape: Shape, block: int) -> Widths:
+    """The indices kept block `block` (new numbering) keeps along each width the tables name."""
+    query_rows = kv_rows = None
+    if keep.kv_groups is not None:
+        group = shape.heads // shape.kv_heads
+        groups = keep.kv_groups[block]
+        query_heads = (groups.unsqueeze(1) * group + torch.arange(group)).flatten()
+        query_rows, kv_rows = head_rows(query_heads, shape.head_dim), head_rows(groups, shape.head_dim)
+    return {
+        HIDDEN: keep.hidden,
+        QUERY_HEADS: query_rows,
+        KV_HEADS: kv_rows,
+        MLP: None if keep.intermediate is None else keep.intermediate[block],
+    }
 
 
 def head_rows(heads: torch.Tensor, head_dim: int) -> torch.Tensor:
     return (heads.unsqueeze(1) * head_dim + torch.arange(head_dim)).flatten()
+
+
+def table_entry(table: dict[str, PruneSlice], key: str, local: str) -> PruneSlice:
+    """The entry for a block tensor, `local` its name in the block (`self_attn.q_proj.weight`:
+    the entry for `self_attn.q_proj`)."""
+    module = local.rpartition(".")[0]
+    if module not in table:
+        raise SlimlmError(
+            f"cannot prune {key}: slimlm prunes Llama-family layers "
+            "(q/k/v/o_proj, gate/up/down_proj, two RMSNorms)"
+        )
+    return table[module]
+
+
+def sliced(tensor: torch.Tensor, entry: PruneSlice, widths: Widths) -> torch.Tensor:
+    """One table entry applied to a tensor of its module: the rows (of a weight, a bias or a
+    norm), then a weight's columns."""
+    tensor = take(tensor, 0, widths.get(entry.rows))
+    return take(tensor, 1, widths.get(entry.columns)) if tensor.dim() == 2 else tensor
 
 
 def pruned_config(config, keep: Keep, shape: Shape):
@@ -293,10 +319,8 @@ def pruned_config(config, keep: Keep, shape: Shape):
         kv = int(keep.kv_groups[0].numel())
         config.num_attention_heads = kv * (shape.heads // shape.kv_heads)
         config.num_key_value_heads = kv
-    for (
-        key,
-        value,
-    ) in config.to_dict().items():  # per-layer settings (layer_types, ...) follow the kept layers
+    # per-layer settings (layer_types, ...) follow the kept layers
+    for key, value in config.to_dict().items():
         if isinstance(value, list) and len(value) == shape.layers and key != "architectures":
             setattr(config, key, [value[i] for i in keep.layers])
     return config
@@ -317,7 +341,8 @@ def rebuild(model: nn.Module, keep: Keep, shape: Shape) -> nn.Module:
     missing = set(result.missing_keys) - ({"lm_head.weight"} if tied else set())
     if missing or result.unexpected_keys:
         raise SlimlmError(
-            f"the pruned weights do not fit the pruned config: missing {sorted(missing)[:3]}, unexpected {sorted(result.unexpected_keys)[:3]}"
+            f"the pruned weights do not fit the pruned config: missing {sorted(missing)[:3]}, "
+            f"unexpected {sorted(result.unexpected_keys)[:3]}"
         )
     if tied:
         pruned.tie_weights()
@@ -337,7 +362,8 @@ def prune_model(model: nn.Module, samples: torch.Tensor, params: PruneParams) ->
     """The pruned model and what the report says about it (scores, what was removed, sizes)."""
     if any(isinstance(m, QuantLinear) for m in model.modules()):
         raise SlimlmError(
-            "the model is already quantized: put the prune stage before any quantize stage (prune, distill, then quantize)"
+            "the model is already quantized: put the prune stage before any quantize stage (prune, distill, "
+            "then quantize)"
         )
     shape = Shape.of(model.config)
     check_targets(shape, params)
@@ -379,7 +405,8 @@ def run(state: RunState, params: PruneParams) -> None:
     state.model, section = prune_model(state.model, samples, params)
     after = section["shape_after"]
     state.mark_changed(
-        f"pruned to {after['layers']} layers, hidden {after['hidden_size']}, MLP {after['intermediate_size']}, {after['kv_heads']} kv heads"
+        f"pruned to {after['layers']} layers, hidden {after['hidden_size']}, "
+        f"MLP {after['intermediate_size']}, {after['kv_heads']} kv heads"
     )
     section["seconds"] = round(time.perf_counter() - started, 2)
     state.sections.setdefault("pruning", []).append(section)
@@ -391,12 +418,16 @@ def check(cfg, params: PruneParams, source) -> None:
         require_prunable(source.architecture)
 
 
-def require_prunable(architecture: Optional[str]) -> None:
-    if not require_family(architecture, "prune").prunable:
-        prunable = sorted(name for name, family in FAMILIES.items() if family.prunable)
+def require_prunable(architecture: Optional[str]) -> tuple[PruneSlice, ...]:
+    """The family's pruning table, or one line saying that it has none."""
+    table = require_family(architecture, "prune").pruning
+    if not table:
+        prunable = sorted(name for name, family in FAMILIES.items() if family.pruning)
         raise SlimlmError(
-            f"prune slices Llama-style blocks ({', '.join(prunable)}); '{architecture}' has other width-dependent tensors, so it cannot be pruned yet"
+            f"prune slices Llama-style blocks ({', '.join(prunable)}); '{architecture}' has other "
+            "width-dependent tensors, so it cannot be pruned yet"
         )
+    return table
 
 
 PRUNE = Stage(name="prune", params=PruneParams, run=run, check=check)

@@ -95,15 +95,18 @@ class QuantizeParams(CalibrationParams):
         for bits in [self.bits] if self.bpw is None else self.candidate_bits:
             if bits is not None and bits not in PACKABLE_BITS:
                 raise ConfigError(
-                    f"quantize: {bits}-bit weights are not supported; choose from {', '.join(map(str, PACKABLE_BITS))}"
+                    f"quantize: {bits}-bit weights are not supported; "
+                    f"choose from {', '.join(map(str, PACKABLE_BITS))}"
                 )
         if self.bpw is not None and len(set(self.candidate_bits)) < 2:
             raise ConfigError(
-                f"quantize.candidate_bits={self.candidate_bits}: mixed precision needs at least two bit widths to choose from"
+                f"quantize.candidate_bits={self.candidate_bits}: "
+                "mixed precision needs at least two bit widths to choose from"
             )
         if self.group_size is not None and self.group_size < 8:
             raise ConfigError(
-                f"quantize.group_size={self.group_size} must be at least 8 (or null for one scale per output channel)"
+                f"quantize.group_size={self.group_size} must be at "
+                "least 8 (or null for one scale per output channel)"
             )
         self.check_calibration("quantize")
         if self.sensitivity_samples < 1:
@@ -116,7 +119,8 @@ class QuantizeParams(CalibrationParams):
             )
         if not self.targets:
             raise ConfigError(
-                "quantize.targets is empty: give at least one regex over module names, e.g. 'model\\.layers\\.\\d+\\..*'"
+                "quantize.targets is empty: give at least one regex "
+                "over module names, e.g. 'model\\.layers\\.\\d+\\..*'"
             )
         compile_patterns([*self.targets, *self.ignore])
 
@@ -137,16 +141,17 @@ def check_shapes(model, names: list[str], scheme: QuantScheme) -> None:
         problem = scheme.shape_problem(model.get_submodule(name).in_features)
         if problem:
             raise SlimlmError(
-                f"cannot quantize {name}: {problem}; change the stage's group_size or exclude the layer with its ignore list (+recipe.stages.N.ignore=[...] on the command line)"
+                f"cannot quantize {name}: {problem}; change the stage's group_size or exclude the "
+                "layer with its ignore list (+recipe.stages.N.ignore=[...] on the command line)"
             )
 
 
 @torch.no_grad()
 def run(state: RunState, params: QuantizeParams) -> None:
     started = time.perf_counter()
-    split_experts(
-        state.model
-    )  # a transformers model given directly: its fused experts become Linear layers, as slimlm's loaders make them
+    # a transformers model given directly: its fused experts become Linear layers, as slimlm's
+    # loaders make them
+    split_experts(state.model)
     names = select_linear_modules(state.model, params.targets, params.ignore)
     check_shapes(state.model, names, params.scheme)
     section = section_header(params, len(names))
@@ -397,7 +402,8 @@ class CalibratedQuantizer:
         result: dict[str, Any] = {}
         if self.unseen:
             log.info(
-                "%d layer(s) saw no calibration token (experts nothing was routed to) and were rounded with RTN",
+                "%d layer(s) saw no calibration token (experts "
+                "nothing was routed to) and were rounded with RTN",
                 len(self.unseen),
             )
             result["uncalibrated_layers"] = self.unseen
@@ -416,11 +422,11 @@ def describe_bits(schemes: dict[str, QuantScheme]) -> str:
 def calibration_token_ids(state: RunState, tokenizer: Any = None) -> torch.Tensor:
     """data.calibration as token ids, tokenized once per run (by `tokenizer` while no model is
     loaded: the one of the files the model lies in)."""
-    if "calibration_ids" not in state.memo:
-        state.memo["calibration_ids"] = tokenize_text(
+    if state.memo.calibration_ids is None:
+        state.memo.calibration_ids = tokenize_text(
             tokenizer or state.tokenizer, load_text(state.cfg.data.calibration, "calibration")
         )
-    return state.memo["calibration_ids"]
+    return state.memo.calibration_ids
 
 
 def calibration_windows(state: RunState, samples: int, seq_len: int, seed: int) -> torch.Tensor:

@@ -65,12 +65,15 @@ class SparsifyParams(CalibrationParams):
         pattern = self.parsed_pattern  # checks sparsity and pattern
         if self.owl and (pattern.is_nm or self.method == "magnitude"):
             raise ConfigError(
-                "sparsify.owl sets per-layer unstructured ratios from activations: use it with method wanda or sparsegpt and pattern 'unstructured'"
+                "sparsify.owl sets per-layer unstructured ratios from activations: "
+                "use it with method wanda or sparsegpt and pattern 'unstructured'"
             )
         if self.owl and not 0 <= 2 * self.owl_spread <= min(self.sparsity, 1 - self.sparsity):
-            # the ratios span 2 x spread around their mean, so one layer can sit up to 2 x spread from the target
+            # the ratios span 2 x spread around their mean, so one layer can sit up to 2 x spread
+            # from the target
             raise ConfigError(
-                f"sparsify.owl_spread={self.owl_spread} must keep every layer's ratio within [0, 1): at most {min(self.sparsity, 1 - self.sparsity) / 2:g} here"
+                f"sparsify.owl_spread={self.owl_spread} must keep every layer's ratio within [0, 1): "
+                f"at most {min(self.sparsity, 1 - self.sparsity) / 2:g} here"
             )
         if self.owl_threshold <= 0:
             raise ConfigError(
@@ -103,7 +106,8 @@ def run(state: RunState, params: SparsifyParams) -> None:
         problem = pattern.shape_problem(state.model.get_submodule(name).in_features)
         if problem:
             raise SlimlmError(
-                f"cannot sparsify {name}: {problem}; choose another pattern or exclude it with sparsify.ignore"
+                f"cannot sparsify {name}: {problem}; choose another pattern or exclude it with "
+                "sparsify.ignore"
             )
     section: dict = {
         "method": params.method,
@@ -216,7 +220,8 @@ def check_not_quantized(state: RunState, targets: list[str]) -> None:
     ]
     if quantized:
         raise SlimlmError(
-            f"{quantized[0]} is already quantized: put the sparsify stage before the quantize stage (prune, then quantize the survivors)"
+            f"{quantized[0]} is already quantized: put the sparsify stage before the quantize stage (prune, "
+            "then quantize the survivors)"
         )
 
 

@@ -53,7 +53,8 @@ class SparsityPattern:
         n, m = int(match[1]), int(match[2])
         if abs(sparsity - (1 - n / m)) > 1e-9:
             raise ConfigError(
-                f"sparsity={sparsity} disagrees with pattern '{pattern}', which zeroes {1 - n / m:g} of the weights; set sparsity: {1 - n / m:g}"
+                f"sparsity={sparsity} disagrees with pattern '{pattern}', "
+                f"which zeroes {1 - n / m:g} of the weights; set sparsity: {1 - n / m:g}"
             )
         return cls(ratio=1 - n / m, n=n, m=m)
 
@@ -66,7 +67,10 @@ class SparsityPattern:
 
     def shape_problem(self, in_features: int) -> Optional[str]:
         if self.is_nm and in_features % self.m:
-            return f"its {in_features} input features are not a multiple of {self.m}, so the {self} pattern cannot tile them"
+            return (
+                f"its {in_features} input features are not a multiple of {self.m}, "
+                f"so the {self} pattern cannot tile them"
+            )
         return None
 
 
@@ -131,11 +135,13 @@ def sparsegpt_prune(
     name: str = "layer",
 ) -> torch.Tensor:
     """The weight with `pattern` pruned SparseGPT's way (float32, zeros in place). `hessian` is
-    overwritten when it is already in the layer's solve_dtype on the weight's device, as in gptq_quantize.
+    overwritten when it is already in the layer's solve_dtype on the weight's device, as in
+    gptq_quantize.
 
     Masks are chosen on the partly updated weights (adaptive mask selection): N:M per run of M
-    columns as the sweep reaches it; unstructured per block of columns, each block dropping its share of the whole matrix's budget (running total), so the
-    matrix ends with exactly floor(ratio * numel) zeros.
+    columns as the sweep reaches it; unstructured per block of columns, each block dropping its
+    share of the whole matrix's budget (running total), so the matrix ends with exactly
+    floor(ratio * numel) zeros.
     """
     rows, cols = weight.shape
     problem = pattern.shape_problem(cols)

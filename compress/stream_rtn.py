@@ -74,7 +74,8 @@ def stream_rtn(
         problem = scheme.shape_problem(skeleton.get_submodule(name).in_features)
         if problem:
             raise SlimlmError(
-                f"cannot quantize {name}: {problem}; change the group size or add the layer to the ignore patterns"
+                f"cannot quantize {name}: {problem}; change the group size or add the layer to the ignore "
+                "patterns"
             )
     table = untied_table(skeleton)
     if table is not None and any(
@@ -138,7 +139,8 @@ def artifact_specs(
             )
         elif checkpoint.shape(key) != tuple(meta.shape):
             raise SlimlmError(
-                f"checkpoint '{checkpoint.directory}': {key} has the shape {list(checkpoint.shape(key))}, its config.json gives {list(meta.shape)}"
+                f"checkpoint '{checkpoint.directory}': {key} has the shape {list(checkpoint.shape(key))}, "
+                f"its config.json gives {list(meta.shape)}"
             )
         else:
             stored = checkpoint.dtype(key)

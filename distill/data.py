@@ -27,8 +27,9 @@ def cut_windows(token_ids: torch.Tensor, seq_len: int, held_out: int, batch_size
     available = token_ids.numel() // seq_len
     if available < held_out + batch_size:
         raise SlimlmError(
-            f"the training text has {token_ids.numel():,} tokens: {available} windows of {seq_len}, fewer than the {held_out} held out "
-            f"plus one batch of {batch_size}; use a longer training text, or lower distill.seq_len, batch_size or eval_windows"
+            f"the training text has {token_ids.numel():,} tokens: {available} windows of "
+            f"{seq_len}, fewer than the {held_out} held out plus one batch of {batch_size}; "
+            "use a longer training text, or lower distill.seq_len, batch_size or eval_windows"
         )
     windows = token_ids[: available * seq_len].view(available, seq_len)
     return Windows(train=windows[: available - held_out], held_out=windows[available - held_out :])

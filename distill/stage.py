@@ -17,6 +17,7 @@ import math
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import List, Optional
 
 import torch
@@ -24,13 +25,13 @@ from omegaconf import OmegaConf
 
 from slimlm.compress.quantize import calibration_token_ids
 from slimlm.data import check_text_source
-from slimlm.distill.data import BatchOrder, cut_windows
+from slimlm.distill.data import BatchOrder, Windows, cut_windows
 from slimlm.distill.draft import draft_report
 from slimlm.distill.losses import LOSSES, HiddenProjector
 from slimlm.distill.teacher import OnlineTeacher, check_same_vocabulary, offline_teacher
 from slimlm.distill.train import Trainer, TrainSettings
 from slimlm.errors import ConfigError, SlimlmError
-from slimlm.models import load_model
+from slimlm.models import LoadedModel, load_model
 from slimlm.pipeline import RunState, Stage
 from slimlm.qlinear import QuantEmbedding, QuantLinear, set_submodule
 
@@ -83,18 +84,21 @@ class DistillParams:
             )
         if self.beta is not None and not (0 < self.beta < 1 if self.loss == "jsd" else 0 <= self.beta < 1):
             raise ConfigError(
-                f"distill.beta={self.beta}: JSD needs 0 < beta < 1 and skew KL 0 <= alpha < 1 (at the ends the student gets no gradient)"
+                f"distill.beta={self.beta}: JSD needs 0 < beta < 1 and skew "
+                "KL 0 <= alpha < 1 (at the ends the student gets no gradient)"
             )
         if not 0 <= self.on_policy_fraction <= 1:
             raise ConfigError(f"distill.on_policy_fraction={self.on_policy_fraction} must lie within [0, 1]")
         needs_online = self.on_policy_fraction > 0 or self.hidden_weight > 0
         if needs_online and self.top_k is not None:
             raise ConfigError(
-                "distill: on-policy samples and hidden-state losses need the teacher online; set distill.top_k: null"
+                "distill: on-policy samples and hidden-state losses "
+                "need the teacher online; set distill.top_k: null"
             )
         if self.loss == "ce" and (needs_online or self.ce_weight):
             raise ConfigError(
-                "distill.loss=ce is plain fine-tuning without a teacher: drop ce_weight, hidden_weight and on_policy_fraction"
+                "distill.loss=ce is plain fine-tuning without a teacher: "
+                "drop ce_weight, hidden_weight and on_policy_fraction"
             )
         if self.top_k is not None and self.top_k < 1:
             raise ConfigError(
@@ -106,15 +110,18 @@ class DistillParams:
             or self.seq_len < 2
         ):
             raise ConfigError(
-                "distill: seq_len (at least 2), batch_size, accumulation, eval_windows and checkpoint_every must be positive"
+                "distill: seq_len (at least 2), batch_size, accumulation, "
+                "eval_windows and checkpoint_every must be positive"
             )
         if self.tokens < self.seq_len * self.batch_size * self.accumulation:
             raise ConfigError(
-                f"distill.tokens={self.tokens} is less than one optimizer step ({self.seq_len * self.batch_size * self.accumulation} tokens)"
+                f"distill.tokens={self.tokens} is less than one optimizer step "
+                f"({self.seq_len * self.batch_size * self.accumulation} tokens)"
             )
         if not 0 < self.lr < math.inf or not 0 <= self.warmup_fraction < 1:
             raise ConfigError(
-                f"distill: lr={self.lr} must be a positive number and warmup_fraction={self.warmup_fraction} within [0, 1)"
+                f"distill: lr={self.lr} must be a positive number and "
+                f"warmup_fraction={self.warmup_fraction} within [0, 1)"
             )
         if (
             not 0 <= self.draft_prompts <= self.eval_windows
@@ -122,7 +129,9 @@ class DistillParams:
             or (self.draft_prompts and self.seq_len < 33)
         ):
             raise ConfigError(
-                f"distill.draft_prompts={self.draft_prompts} must lie within [0, eval_windows={self.eval_windows}] (prompts come from the held-out windows, which need seq_len above 32) and draft_new_tokens be at least 1"
+                f"distill.draft_prompts={self.draft_prompts} must lie within [0, "
+                f"eval_windows={self.eval_windows}] (prompts come from the held-out windows, "
+                "which need seq_len above 32) and draft_new_tokens be at least 1"
             )
         if self.lora_rank is not None and (self.lora_rank < 1 or not self.lora_targets):
             raise ConfigError(
@@ -135,47 +144,20 @@ def loss_beta(params: DistillParams) -> float:
 
 
 def run(state: RunState, params: DistillParams) -> None:
-    from accelerate import Accelerator
-
+    """Train the current model (or `student`) against the teacher; the trained model becomes the
+    current one, and the report gains a distillation section."""
     started = time.perf_counter()
     if state.sections.get("sparsity"):
         raise SlimlmError(
-            "the model was sparsified: training would fill its zeros again; put the distill stage before sparsify (prune, distill, then sparsify or quantize)"
+            "the model was sparsified: training would fill its zeros again; put the "
+            "distill stage before sparsify (prune, distill, then sparsify or quantize)"
         )
-    index = (
-        len(state.sections.get("distillation", [])) + 1
-    )  # each distill stage of a recipe trains in its own directory
+    # each distill stage of a recipe trains in its own directory
+    index = len(state.sections.get("distillation", [])) + 1
     out_dir = state.run_dir / ("distill" if index == 1 else f"distill-{index}")
-    tracker = "tensorboard" if importlib.util.find_spec("tensorboard") else None
-    precision = "no"
-    if state.device.type == "cuda":
-        precision = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
-    accelerator = Accelerator(
-        gradient_accumulation_steps=params.accumulation,
-        mixed_precision=precision,
-        cpu=state.device.type == "cpu",
-        log_with=tracker,
-        project_dir=str(out_dir),
-    )
-    if tracker:
-        accelerator.init_trackers("distill")
-    if params.student is not None:
-        state.adopt(
-            load_model(OmegaConf.merge(state.cfg.model, {"path": params.student, "bnb": None}), state.device),
-            f"student {params.student}",
-        )
-    if params.lora_rank is not None:
-        check_lora_targets(state.model, params.lora_targets)  # before the teacher's cache is computed
-    teacher_cfg = (
-        state.original_model_cfg()
-        if params.teacher is None
-        else OmegaConf.merge(state.cfg.model, {"path": params.teacher, "bnb": None})
-    )
-    teacher = (
-        None if params.loss == "ce" and not params.draft_prompts else load_model(teacher_cfg, state.device)
-    )
-    if teacher is not None:
-        check_same_vocabulary(state.tokenizer, teacher.tokenizer, state.model, teacher.model)
+    accelerator = make_accelerator(state, params, out_dir)
+    prepare_student(state, params)
+    teacher = load_teacher(state, params)
     windows = cut_windows(
         calibration_token_ids(state), params.seq_len, params.eval_windows, params.batch_size
     )
@@ -186,23 +168,8 @@ def run(state: RunState, params: DistillParams) -> None:
         world=accelerator.num_processes,
         seed=params.seed,
     )
-    steps = params.tokens // (
-        params.seq_len * params.batch_size * params.accumulation * accelerator.num_processes
-    )
-    if steps < 1:
-        raise SlimlmError(
-            f"distill.tokens={params.tokens} is less than one optimizer step over {accelerator.num_processes} processes; raise it"
-        )
-    section: dict = {
-        "loss": params.loss,
-        "steps": steps,
-        "tokens": steps
-        * params.seq_len
-        * params.batch_size
-        * params.accumulation
-        * accelerator.num_processes,
-        "processes": accelerator.num_processes,
-    }
+    steps = optimizer_steps(params, accelerator.num_processes)
+    section = section_header(params, steps, accelerator.num_processes)
     prompts = [window[:32].tolist() for window in windows.held_out[: params.draft_prompts]]
     draft_teacher = teacher.model if prompts else None
     if prompts:
@@ -211,28 +178,7 @@ def run(state: RunState, params: DistillParams) -> None:
         )
     signal = None
     if params.loss != "ce" and params.top_k is not None:
-        if params.top_k > state.model.config.vocab_size:
-            raise ConfigError(
-                f"distill.top_k={params.top_k} exceeds the vocabulary ({state.model.config.vocab_size})"
-            )
-        teacher_key = teacher.sha256 or f"id:{teacher.source.id}"
-        with accelerator.main_process_first():  # the main process computes the cache; the others then read it
-            signal, cache, reused = offline_teacher(
-                teacher.model,
-                teacher_key,
-                windows.train,
-                order.used(steps),
-                params.top_k,
-                params.temperature,
-                params.batch_size,
-            )
-        section.update(
-            {
-                "teacher_signal": f"offline top-{params.top_k}",
-                "teacher_cache": cache.name,
-                "teacher_cache_reused": reused,
-            }
-        )
+        signal = cached_teacher_signal(state, params, teacher, accelerator, windows, order, steps, section)
         teacher = None  # never runs again (unless it judges drafts): free its memory for training
         gc.collect()
     elif params.loss != "ce":
@@ -241,40 +187,13 @@ def run(state: RunState, params: DistillParams) -> None:
     student = state.model
     if params.lora_rank is not None:
         student = with_lora(student, params)
-    projector = None
-    if params.hidden_weight > 0:
-        s, t = student.config, teacher.model.config
-        projector = HiddenProjector(
-            s.hidden_size, t.hidden_size, s.num_hidden_layers, t.num_hidden_layers, params.hidden_loss
-        ).to(state.device)
-    settings = TrainSettings(
-        steps=steps,
-        loss=params.loss,
-        temperature=params.temperature,
-        beta=loss_beta(params),
-        ce_weight=params.ce_weight,
-        hidden_weight=params.hidden_weight,
-        on_policy_fraction=params.on_policy_fraction,
-        lr=params.lr,
-        weight_decay=params.weight_decay,
-        warmup_fraction=params.warmup_fraction,
-        max_grad_norm=params.max_grad_norm,
-        eval_every=params.eval_every,
-        checkpoint_every=params.checkpoint_every,
-        seed=params.seed,
-    )
-    fingerprint = {
-        "stages": OmegaConf.to_container(state.cfg.recipe.stages, resolve=True),
-        "distill_stage": index,
-        "model": str(state.cfg.model.path),
-        "data": str(state.cfg.data.calibration.path),
-        "processes": accelerator.num_processes,
-    }
+    projector = hidden_projector(params, student, teacher, state.device)
+    settings = train_settings(params, steps)
+    fingerprint = run_fingerprint(state, index, accelerator.num_processes)
     trainer = Trainer(student, signal, windows, order, settings, out_dir, fingerprint, accelerator, projector)
     result = trainer.run()
-    trained = accelerator.unwrap_model(
-        trainer.student, keep_fp32_wrapper=False
-    )  # later stages run in the model's own precision
+    # later stages run in the model's own precision
+    trained = accelerator.unwrap_model(trainer.student, keep_fp32_wrapper=False)
     if params.lora_rank is not None:
         trained = finish_lora(trained)
     state.model = trained.eval()
@@ -297,6 +216,157 @@ def run(state: RunState, params: DistillParams) -> None:
         }
     )
     state.sections.setdefault("distillation", []).append(section)
+
+
+def make_accelerator(state: RunState, params: DistillParams, out_dir: Path):
+    """The `accelerate` Accelerator the training runs under: mixed precision on a GPU (bf16 where
+    it is supported), TensorBoard logs into `out_dir` when tensorboard is installed."""
+    from accelerate import Accelerator
+
+    tracker = "tensorboard" if importlib.util.find_spec("tensorboard") else None
+    precision = "no"
+    if state.device.type == "cuda":
+        precision = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    accelerator = Accelerator(
+        gradient_accumulation_steps=params.accumulation,
+        mixed_precision=precision,
+        cpu=state.device.type == "cpu",
+        log_with=tracker,
+        project_dir=str(out_dir),
+    )
+    if tracker:
+        accelerator.init_trackers("distill")
+    return accelerator
+
+
+def prepare_student(state: RunState, params: DistillParams) -> None:
+    """Make `student`, when given, the run's current model, and check the LoRA targets before
+    the teacher's cache is computed."""
+    if params.student is not None:
+        state.adopt(
+            load_model(OmegaConf.merge(state.cfg.model, {"path": params.student, "bnb": None}), state.device),
+            f"student {params.student}",
+        )
+    if params.lora_rank is not None:
+        check_lora_targets(state.model, params.lora_targets)
+
+
+def load_teacher(state: RunState, params: DistillParams) -> Optional[LoadedModel]:
+    """The teacher (`teacher`, else the run's original model), checked to share the student's
+    vocabulary; None when nothing needs it (plain fine-tuning without draft prompts)."""
+    teacher_cfg = (
+        state.original_model_cfg()
+        if params.teacher is None
+        else OmegaConf.merge(state.cfg.model, {"path": params.teacher, "bnb": None})
+    )
+    teacher = (
+        None if params.loss == "ce" and not params.draft_prompts else load_model(teacher_cfg, state.device)
+    )
+    if teacher is not None:
+        check_same_vocabulary(state.tokenizer, teacher.tokenizer, state.model, teacher.model)
+    return teacher
+
+
+def optimizer_steps(params: DistillParams, processes: int) -> int:
+    """The optimizer steps `params.tokens` makes over `processes` processes (at least one)."""
+    steps = params.tokens // (params.seq_len * params.batch_size * params.accumulation * processes)
+    if steps < 1:
+        raise SlimlmError(
+            f"distill.tokens={params.tokens} is less than one optimizer "
+            f"step over {processes} processes; raise it"
+        )
+    return steps
+
+
+def section_header(params: DistillParams, steps: int, processes: int) -> dict:
+    """The report section's opening: the loss and how much training `steps` make."""
+    return {
+        "loss": params.loss,
+        "steps": steps,
+        "tokens": steps * params.seq_len * params.batch_size * params.accumulation * processes,
+        "processes": processes,
+    }
+
+
+def cached_teacher_signal(
+    state: RunState,
+    params: DistillParams,
+    teacher: LoadedModel,
+    accelerator,
+    windows: Windows,
+    order: BatchOrder,
+    steps: int,
+    section: dict,
+):
+    """The offline teacher signal: its top-k log-probs over the windows the training uses,
+    computed once and cached on disk (or read from the cache); `section` records which."""
+    if params.top_k > state.model.config.vocab_size:
+        raise ConfigError(
+            f"distill.top_k={params.top_k} exceeds the vocabulary ({state.model.config.vocab_size})"
+        )
+    teacher_key = teacher.sha256 or f"id:{teacher.source.id}"
+    with accelerator.main_process_first():  # the main process computes the cache; the others then read it
+        signal, cache, reused = offline_teacher(
+            teacher.model,
+            teacher_key,
+            windows.train,
+            order.used(steps),
+            params.top_k,
+            params.temperature,
+            params.batch_size,
+        )
+    section.update(
+        {
+            "teacher_signal": f"offline top-{params.top_k}",
+            "teacher_cache": cache.name,
+            "teacher_cache_reused": reused,
+        }
+    )
+    return signal
+
+
+def hidden_projector(
+    params: DistillParams, student, teacher: Optional[LoadedModel], device: torch.device
+) -> Optional[HiddenProjector]:
+    """With `hidden_weight`, the trained projection of the student's hidden states onto the
+    teacher's for the hidden-state loss; else None."""
+    if params.hidden_weight > 0:
+        s, t = student.config, teacher.model.config
+        return HiddenProjector(
+            s.hidden_size, t.hidden_size, s.num_hidden_layers, t.num_hidden_layers, params.hidden_loss
+        ).to(device)
+    return None
+
+
+def train_settings(params: DistillParams, steps: int) -> TrainSettings:
+    return TrainSettings(
+        steps=steps,
+        loss=params.loss,
+        temperature=params.temperature,
+        beta=loss_beta(params),
+        ce_weight=params.ce_weight,
+        hidden_weight=params.hidden_weight,
+        on_policy_fraction=params.on_policy_fraction,
+        lr=params.lr,
+        weight_decay=params.weight_decay,
+        warmup_fraction=params.warmup_fraction,
+        max_grad_norm=params.max_grad_norm,
+        eval_every=params.eval_every,
+        checkpoint_every=params.checkpoint_every,
+        seed=params.seed,
+    )
+
+
+def run_fingerprint(state: RunState, index: int, processes: int) -> dict:
+    """What a checkpoint in the stage's directory must have been trained with for a rerun to
+    resume from it (the recipe's stages, this stage's place among them, model, data, processes)."""
+    return {
+        "stages": OmegaConf.to_container(state.cfg.recipe.stages, resolve=True),
+        "distill_stage": index,
+        "model": str(state.cfg.model.path),
+        "data": str(state.cfg.data.calibration.path),
+        "processes": processes,
+    }
 
 
 def with_lora(model, params: DistillParams):
@@ -330,7 +400,8 @@ def check_lora_targets(model, targets: List[str]) -> None:
         head == target or head.endswith(f".{target}") for target in targets
     ):  # peft matches names by suffix
         raise ConfigError(
-            f"distill.lora_targets names the LM head ({head}), which is quantized and tied to the embedding: an adapter there would part the two; leave it out"
+            f"distill.lora_targets names the LM head ({head}), which is quantized and "
+            "tied to the embedding: an adapter there would part the two; leave it out"
         )
 
 

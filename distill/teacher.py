@@ -43,13 +43,15 @@ def check_same_vocabulary(
     if student_vocab != teacher_vocab:
         differing = sorted(set(student_vocab.items()) ^ set(teacher_vocab.items()))[:1]
         raise SlimlmError(
-            f"the teacher's tokenizer ({len(teacher_vocab):,} tokens) differs from the student's ({len(student_vocab):,} tokens; "
-            f"first difference: {differing}); distillation needs a student that shares the teacher's tokenizer"
+            f"the teacher's tokenizer ({len(teacher_vocab):,} tokens) differs from the "
+            f"student's ({len(student_vocab):,} tokens; first difference: {differing}); "
+            "distillation needs a student that shares the teacher's tokenizer"
         )
     rows = [m.config.vocab_size for m in (student, teacher)]
     if rows[0] != rows[1]:
         raise SlimlmError(
-            f"the student's vocabulary has {rows[0]:,} entries and the teacher's {rows[1]:,}; they must share one"
+            f"the student's vocabulary has {rows[0]:,} entries "
+            f"and the teacher's {rows[1]:,}; they must share one"
         )
 
 

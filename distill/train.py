@@ -83,7 +83,8 @@ class Trainer:
         self.out_dir, self.fingerprint, self.accelerator = Path(out_dir), fingerprint, accelerator
         if accelerator.gradient_accumulation_steps != order.accumulation:
             raise SlimlmError(
-                f"the accelerator accumulates {accelerator.gradient_accumulation_steps} micro-batches per step but the batch order {order.accumulation}; build both from one setting"
+                f"the accelerator accumulates {accelerator.gradient_accumulation_steps} micro-batches "
+                f"per step but the batch order {order.accumulation}; build both from one setting"
             )
         trainable = [p for p in student.parameters() if p.requires_grad] + (
             [] if projector is None else list(projector.parameters())
@@ -288,8 +289,10 @@ class Trainer:
                     if not finite:
                         last = self.checkpoints()
                         raise SlimlmError(
-                            f"the distillation loss became {float(terms['loss'].detach())} (on this or another process) at step {step + 1}: training stopped; the last good "
-                            f"checkpoint is {last[-1] if last else 'none (none was written yet)'}; rerunning unchanged would meet the same batches: lower distill.lr "
+                            f"the distillation loss became {float(terms['loss'].detach())} (on this "
+                            f"or another process) at step {step + 1}: training stopped; the last good "
+                            f"checkpoint is {last[-1] if last else 'none (none was written yet)'}; "
+                            "rerunning unchanged would meet the same batches: lower distill.lr "
                             "(or raise distill.temperature) and run in a fresh run directory"
                         )
                     acc.backward(terms["loss"])

@@ -61,11 +61,13 @@ def memory_bandwidth(
     device = torch.device(device)
     if buffer_bytes < 4 or repeats < 1:
         raise SlimlmError(
-            f"memory_bandwidth needs buffer_bytes >= 4 (the default measures memory, not caches) and repeats >= 1, got {buffer_bytes} and {repeats}"
+            "memory_bandwidth needs buffer_bytes >= 4 (the default measures memory, "
+            f"not caches) and repeats >= 1, got {buffer_bytes} and {repeats}"
         )
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SlimlmError(
-            f"cannot measure the bandwidth of '{device}': torch sees no CUDA GPU here; measure 'cpu' or run on the GPU machine"
+            f"cannot measure the bandwidth of '{device}': torch sees "
+            "no CUDA GPU here; measure 'cpu' or run on the GPU machine"
         )
     key = machine_key(device, buffer_bytes)
     path = cache_dir() / CACHE_FILE
@@ -84,7 +86,10 @@ def memory_bandwidth(
 def machine_key(device: torch.device, buffer_bytes: int) -> str:
     """CPU model, CPU counts, torch threads, device name and buffer size: what the result depends on."""
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return f"{_cpu_model()} | {os.cpu_count()} cpus, {usable} usable | torch threads {torch.get_num_threads()} | {_device_name(device)} | buffer {buffer_bytes}"
+    return (
+        f"{_cpu_model()} | {os.cpu_count()} cpus, {usable} usable | torch threads "
+        f"{torch.get_num_threads()} | {_device_name(device)} | buffer {buffer_bytes}"
+    )
 
 
 def _device_name(device: torch.device) -> str:
@@ -174,15 +179,17 @@ def decode_bytes_per_token(model: nn.Module, context_tokens: int, batch_size: in
     batch 1 it is the whole step. Weights are the stored bytes of every parameter and buffer
     (each shared tensor once), plus bitsandbytes' quantization state (int8 row scales; 4-bit
     block absmax, code book, nested statistics), which it keeps outside parameters and buffers.
-    An embedding table (float, or quantized: QuantTable) counts as one row, except when it is also the LM head (tied weights):
-    then the LM head reads all of it, counted once. Norms and biases are parameters, counted.
+    An embedding table (float, or quantized: QuantTable) counts as one row, except when it is
+    also the LM head (tied weights): then the LM head reads all of it, counted once. Norms and
+    biases are parameters, counted.
     The KV cache assumes every layer attends to the whole context (no sliding window) and is
     stored in the model's floating-point dtype (the activation dtype). This is the minimum a
     step must read; layers that dequantize into a temporary (QuantLinear) move more.
     """
     if context_tokens < 0 or batch_size < 1:
         raise SlimlmError(
-            f"decode_bytes_per_token needs context_tokens >= 0 and batch_size >= 1, got {context_tokens} and {batch_size}"
+            "decode_bytes_per_token needs context_tokens >= 0 and "
+            f"batch_size >= 1, got {context_tokens} and {batch_size}"
         )
     stored = {t.data_ptr(): t for t in (*model.parameters(), *model.buffers(), *_quantization_state(model))}
     head = model.get_output_embeddings()
@@ -207,13 +214,15 @@ def decode_bytes_per_token(model: nn.Module, context_tokens: int, batch_size: in
 
 
 def kv_cache_bytes(model: nn.Module, context_tokens: int) -> int:
-    """One sequence's keys and values at `context_tokens`: 2 x layers x kv_heads x head_dim x context x dtype bytes."""
+    """One sequence's keys and values at `context_tokens`:
+    2 x layers x kv_heads x head_dim x context x dtype bytes."""
     config = model.config.get_text_config()
     try:
         layers, heads = config.num_hidden_layers, config.num_attention_heads
     except AttributeError as error:
         raise SlimlmError(
-            f"cannot size the KV cache: the model's config has no {error.name}; decode_bytes_per_token needs a decoder-only transformer config"
+            f"cannot size the KV cache: the model's config has no {error.name}; "
+            "decode_bytes_per_token needs a decoder-only transformer config"
         ) from None
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -243,6 +252,7 @@ def bandwidth_fraction(decode_tok_s: float, bytes_per_token: int, bandwidth_byte
     """The share of the memory bandwidth decoding uses: tok/s x bytes per token / bytes per s."""
     if decode_tok_s <= 0 or bytes_per_token <= 0 or bandwidth_bytes_s <= 0:
         raise SlimlmError(
-            f"bandwidth_fraction needs positive numbers, got decode_tok_s={decode_tok_s}, bytes_per_token={bytes_per_token}, bandwidth_bytes_s={bandwidth_bytes_s}"
+            f"bandwidth_fraction needs positive numbers, got decode_tok_s={decode_tok_s}, "
+            f"bytes_per_token={bytes_per_token}, bandwidth_bytes_s={bandwidth_bytes_s}"
         )
     return decode_tok_s * bytes_per_token / bandwidth_bytes_s

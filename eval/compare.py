@@ -23,12 +23,14 @@ def find_reports(paths: Sequence[Path]) -> list[Path]:
             below = sorted(path.rglob("report.json"))
             if not below:
                 raise SlimlmError(
-                    f"'{path}' holds no finished run (no report.json below it); give run directories or a sweep directory"
+                    f"'{path}' holds no finished run (no report.json below it); "
+                    "give run directories or a sweep directory"
                 )
             found.extend(below)
         else:
             raise SlimlmError(
-                f"'{path}' {'is not a directory' if path.exists() else 'does not exist'}; give run directories (runs/<recipe>/<time>) or a sweep directory (multirun/<time>)"
+                f"'{path}' {'is not a directory' if path.exists() else 'does not exist'}; "
+                "give run directories (runs/<recipe>/<time>) or a sweep directory (multirun/<time>)"
             )
     return found
 
@@ -43,7 +45,8 @@ def compare(paths: Sequence[Path], out_dir: Path) -> str:
         )
         if not rows_ok or not isinstance(report.get("recipe"), str):
             raise SlimlmError(
-                f"'{report_file}' is not a slimlm report (no recipe and rows); rerun that run, or leave its directory out"
+                f"'{report_file}' is not a slimlm report (no recipe "
+                "and rows); rerun that run, or leave its directory out"
             )
         for row in report["rows"]:
             rows.append(
@@ -94,7 +97,8 @@ def zeroshot_differences(rows: Sequence[dict]) -> list[str]:
                 difference = row[key] - first[key]
                 noise = Z_95 * (row[f"{key}_stderr"] ** 2 + first[f"{key}_stderr"] ** 2) ** 0.5
                 cells.append(
-                    f"| {row['name']} | {TASK_TITLES.get(task, task)} | {100 * difference:+.2f} | {100 * noise:.2f} | {'yes' if abs(difference) > noise else 'no'} |"
+                    f"| {row['name']} | {TASK_TITLES.get(task, task)} | {100 * difference:+.2f} "
+                    f"| {100 * noise:.2f} | {'yes' if abs(difference) > noise else 'no'} |"
                 )
     if not cells:
         return []

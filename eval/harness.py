@@ -24,7 +24,8 @@ import torch
 
 from slimlm.errors import SlimlmError
 
-# local task name -> (the harness's task file under lm_eval/tasks, its split, the data file under the data root)
+# local task name -> (the harness's task file under lm_eval/tasks, its split, the data file
+# under the data root)
 LOCAL_TASKS: dict[str, tuple[str, str, str]] = {
     "local_arc_easy": ("arc/arc_easy.yaml", "test", "arc/ARC-Easy-test.jsonl"),
     "local_piqa": ("piqa/piqa.yaml", "validation", "piqa/valid.jsonl"),

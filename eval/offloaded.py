@@ -5,9 +5,9 @@ The windows go through the model one decoder block at a time, as calibration doe
 to embed a group of windows, then each block is read from the checkpoint's safetensors, run
 over the group's hidden states and released; last, the model's own forward turns the final
 hidden states into logits (fed as input embeddings, its layers stood in for by
-pass-throughs), so the final norm, the head and any logit soft-capping are the model's. Memory holds one block, the head and the
-group's hidden states; the windows are split into groups that keep those under
-`hidden_bytes`, and each group reads the checkpoint once more.
+pass-throughs), so the final norm, the head and any logit soft-capping are the model's.
+Memory holds one block, the head and the group's hidden states; the windows are split into
+groups that keep those under `hidden_bytes`, and each group reads the checkpoint once more.
 
 The scores are those of eval/perplexity.score_text for the same windows (WindowScorer).
 `checkpoint_size` gives eval/size.model_size's report the same way, a block at a time.

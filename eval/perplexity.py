@@ -47,7 +47,8 @@ def window_count(n_tokens: int, window: int, max_windows: Optional[int]) -> int:
     available = n_tokens // window
     if available == 0:
         raise SlimlmError(
-            f"the evaluation text has {n_tokens} tokens, fewer than one window of {window}; lower eval.perplexity.window or use a longer text"
+            f"the evaluation text has {n_tokens} tokens, fewer than one window "
+            f"of {window}; lower eval.perplexity.window or use a longer text"
         )
     return available if max_windows is None else min(available, max_windows)
 
@@ -66,7 +67,8 @@ class WindowScorer:
     ):
         if reference is not None and reference.log_probs.shape[0] != n_windows * (window - 1):
             raise SlimlmError(
-                "the cached reference logits do not cover the same windows; delete the reference cache entry and rerun"
+                "the cached reference logits do not cover the same windows; "
+                "delete the reference cache entry and rerun"
             )
         self.n_windows, self.window, self.reference = n_windows, window, reference
         self.collector = TopKCollector(collect_top_k) if collect_top_k else None

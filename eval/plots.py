@@ -13,6 +13,7 @@ matplotlib.use("Agg")  # files only; never needs a display
 import matplotlib.pyplot as plt  # noqa: E402
 
 from slimlm.eval.size import comparable_bytes  # noqa: E402
+from slimlm.rundir import as_created  # noqa: E402
 
 
 def save_figure(figure, path: Path) -> Path:
@@ -21,6 +22,7 @@ def save_figure(figure, path: Path) -> Path:
     figure.tight_layout()
     fd, temp = tempfile.mkstemp(prefix=f".{path.name}-", suffix=path.suffix, dir=path.parent)
     os.close(fd)
+    as_created(temp)
     try:
         figure.savefig(temp, dpi=120)
         os.replace(temp, path)

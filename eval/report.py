@@ -143,9 +143,9 @@ def perplexity_note(rows: Sequence[dict], eval_text: str) -> list[str]:
         return []
     return [
         f"Perplexity over {row['windows']} non-overlapping windows of {row['window']} tokens "
-        f"({row['tokens_scored']:,} tokens scored) of `{eval_text}`. KL: mean per-token KL divergence "
-        "to the original model's next-token distribution (its top-k log-probs plus the rest, k = eval.kl.top_k); top-1: how often both models' "
-        "most likely token agree.",
+        f"({row['tokens_scored']:,} tokens scored) of `{eval_text}`. KL: mean per-token KL "
+        "divergence to the original model's next-token distribution (its top-k log-probs plus "
+        "the rest, k = eval.kl.top_k); top-1: how often both models' most likely token agree.",
         "",
     ]
 
@@ -157,13 +157,15 @@ def render_markdown(report: dict[str, Any], plots: Sequence[str]) -> str:
         "",
         f"- command: `{report['command']}`",
         f"- run directory: `{report['run_dir']}`",
-        f"- machine: {machine['processor']}, {machine['cpu_count']} CPUs ({machine['torch_threads']} torch threads), torch {machine['torch']}"
+        f"- machine: {machine['processor']}, {machine['cpu_count']} CPUs "
+        f"({machine['torch_threads']} torch threads), torch {machine['torch']}"
         + (f", {machine['cuda']}" if machine.get("cuda") else ""),
         "",
     ]
     if report.get("stages_done", 0) < report.get("stages", 0):
         lines[-1:-1] = [
-            f"- **incomplete**: {report['stages_done']} of {report['stages']} stages finished (the run is still going, or stopped); the rows below are those measured so far"
+            f"- **incomplete**: {report['stages_done']} of {report['stages']} stages finished "
+            "(the run is still going, or stopped); the rows below are those measured so far"
         ]
     if report["rows"]:
         lines += [
@@ -180,10 +182,12 @@ def render_markdown(report: dict[str, Any], plots: Sequence[str]) -> str:
         lines += [
             "## Quantization",
             "",
-            f"{quantization_title(quant)}: {quant['layers']} Linear layers in {quant['seconds']:.1f} s; relative weight error "
-            f"‖W−Q(W)‖/‖W‖ mean {sum(errors) / len(errors):.5f}, max {max(errors):.5f}."
+            f"{quantization_title(quant)}: {quant['layers']} Linear layers "
+            f"in {quant['seconds']:.1f} s; relative weight error ‖W−Q(W)‖/‖W‖ "
+            f"mean {sum(errors) / len(errors):.5f}, max {max(errors):.5f}."
             + (
-                f" Peak memory while calibrating layer by layer: {quant['calibration_peak_memory_bytes'] / 2**20:,.0f} MiB."
+                " Peak memory while calibrating layer by layer: "
+                f"{quant['calibration_peak_memory_bytes'] / 2**20:,.0f} MiB."
                 if "calibration_peak_memory_bytes" in quant
                 else ""
             ),
@@ -195,11 +199,12 @@ def render_markdown(report: dict[str, Any], plots: Sequence[str]) -> str:
                 b: sum(1 for chosen in mixed["bits"].values() if chosen == b) for b in mixed["candidate_bits"]
             }
             lines += [
-                f"Mixed precision: budget {mixed['budget_bpw']} bits per weight, achieved {mixed['achieved_bpw']:.3f} "
-                f"(scales counted); layers per width: "
+                f"Mixed precision: budget {mixed['budget_bpw']} bits per weight, "
+                f"achieved {mixed['achieved_bpw']:.3f} (scales counted); layers per width: "
                 + ", ".join(f"int{b}: {n}" for b, n in counts.items())
-                + f"; predicted KL {mixed['predicted_kl']:.4f} (Fisher proxy, {mixed['sensitivity_windows']} windows; "
-                f"peak memory of that pass {mixed['sensitivity_peak_memory_bytes'] / 2**20:,.0f} MiB).",
+                + f"; predicted KL {mixed['predicted_kl']:.4f} (Fisher proxy, "
+                f"{mixed['sensitivity_windows']} windows; peak memory of that "
+                f"pass {mixed['sensitivity_peak_memory_bytes'] / 2**20:,.0f} MiB).",
                 "",
             ]
     lines += compression_stage_lines(report)
@@ -218,10 +223,11 @@ def compression_stage_lines(report: dict[str, Any]) -> list[str]:
         lines += [
             "## Sparsity",
             "",
-            f"{section['method']}{' + OWL per-layer ratios' if section['owl'] else ''}, {section['pattern']}: {section['layers']} Linear layers, "
-            f"{100 * section['achieved_sparsity']:.2f}% of their weights zero, in {section['seconds']:.1f} s. "
-            "Zeros do not make dense kernels faster; they make the artifact smaller (bitmask storage) and, as 2:4, "
-            "can run on GPUs with sparse tensor cores.",
+            f"{section['method']}{' + OWL per-layer ratios' if section['owl'] else ''}, "
+            f"{section['pattern']}: {section['layers']} Linear layers, "
+            f"{100 * section['achieved_sparsity']:.2f}% of their weights zero, "
+            f"in {section['seconds']:.1f} s. Zeros do not make dense kernels faster; they make the "
+            "artifact smaller (bitmask storage) and, as 2:4, can run on GPUs with sparse tensor cores.",
             "",
         ]
     for section in report.get("pruning", []):
@@ -234,7 +240,8 @@ def compression_stage_lines(report: dict[str, Any]) -> list[str]:
         lines += [
             "## Structured pruning",
             "",
-            f"{changed}: {section['parameters_before']:,} → {section['parameters_after']:,} parameters, in {section['seconds']:.1f} s."
+            f"{changed}: {section['parameters_before']:,} → "
+            f"{section['parameters_after']:,} parameters, in {section['seconds']:.1f} s."
             + (
                 f" Removed layers (lowest block influence): {section['removed_layers']}."
                 if section.get("removed_layers")
@@ -248,11 +255,13 @@ def compression_stage_lines(report: dict[str, Any]) -> list[str]:
         lines += [
             "## Distillation" if section["loss"] != "ce" else "## Fine-tuning (cross-entropy)",
             "",
-            f"{section['loss']}, teacher {section.get('teacher_signal', 'none')}: {section['steps']} optimizer steps, {section['tokens']:,} tokens, "
-            f"{section['processes']} process(es), {section['train_seconds']:.0f} s of training ({section['seconds']:.0f} s with the teacher's cache); "
-            f"loss {first['loss']:.4f} → {last['loss']:.4f}"
+            f"{section['loss']}, teacher {section.get('teacher_signal', 'none')}: {section['steps']} "
+            f"optimizer steps, {section['tokens']:,} tokens, {section['processes']} process(es), "
+            f"{section['train_seconds']:.0f} s of training ({section['seconds']:.0f} s "
+            f"with the teacher's cache); loss {first['loss']:.4f} → {last['loss']:.4f}"
             + (
-                f"; held-out perplexity {evals[0]['held_out_ppl']:.2f} (step {evals[0]['step']}) → {evals[-1]['held_out_ppl']:.2f} (step {evals[-1]['step']})"
+                f"; held-out perplexity {evals[0]['held_out_ppl']:.2f} (step {evals[0]['step']}) "
+                f"→ {evals[-1]['held_out_ppl']:.2f} (step {evals[-1]['step']})"
                 if evals
                 else ""
             )
@@ -267,10 +276,14 @@ def compression_stage_lines(report: dict[str, Any]) -> list[str]:
         if "draft_before" in section:
             before, after = section["draft_before"], section["draft_after"]
             lines += [
-                f"As a speculative-decoding draft for the teacher ({before['prompts']} held-out prompts, {before['new_tokens']} new tokens, lookahead {before['lookahead']}, greedy): "
-                f"acceptance {100 * before['acceptance_rate']:.1f}% before training → {100 * after['acceptance_rate']:.1f}% after; tokens per teacher pass "
-                f"{before['tokens_per_teacher_pass']:.2f} → {after['tokens_per_teacher_pass']:.2f}; speed-up over plain decoding {before['speedup']:.2f}x → {after['speedup']:.2f}x"
-                f" (outputs identical to plain decoding: {before['identical_to_plain'] and after['identical_to_plain']}).",
+                f"As a speculative-decoding draft for the teacher ({before['prompts']} held-out "
+                f"prompts, {before['new_tokens']} new tokens, lookahead {before['lookahead']}, "
+                f"greedy): acceptance {100 * before['acceptance_rate']:.1f}% "
+                f"before training → {100 * after['acceptance_rate']:.1f}% after; "
+                f"tokens per teacher pass {before['tokens_per_teacher_pass']:.2f} → "
+                f"{after['tokens_per_teacher_pass']:.2f}; speed-up over plain decoding "
+                f"{before['speedup']:.2f}x → {after['speedup']:.2f}x (outputs identical to plain "
+                f"decoding: {before['identical_to_plain'] and after['identical_to_plain']}).",
                 "",
             ]
     return lines
@@ -280,12 +293,16 @@ def artifact_and_generation_lines(report: dict[str, Any]) -> list[str]:
     """Markdown for what a run wrote out (exports) and the completions it generated."""
     lines: list[str] = []
     for artifact in report.get("artifacts", []):
-        line = f"`{artifact['path']}` in the run directory ({artifact['format']}), {artifact['bytes_on_disk']:,} bytes on disk."
+        line = (
+            f"`{artifact['path']}` in the run directory ({artifact['format']}), "
+            f"{artifact['bytes_on_disk']:,} bytes on disk."
+        )
         if artifact["format"] == "gguf":
             line += (
-                f" Block type {artifact['gguf_type']}: {len(artifact['exact'])} quantized weights written exactly as slimlm chose them, "
-                f"{len(artifact['requantized'])} re-quantized from another grid, {len(artifact['dequantized'])} dequantized, "
-                f"{len(artifact['rounded'])} rounded from float."
+                f" Block type {artifact['gguf_type']}: {len(artifact['exact'])} quantized "
+                f"weights written exactly as slimlm chose them, {len(artifact['requantized'])} "
+                f"re-quantized from another grid, {len(artifact['dequantized'])} "
+                f"dequantized, {len(artifact['rounded'])} rounded from float."
                 + (
                     f" Token embedding and LM head in {artifact['head_type']}."
                     if artifact.get("head_type", artifact["gguf_type"]) != artifact["gguf_type"]
@@ -294,8 +311,9 @@ def artifact_and_generation_lines(report: dict[str, Any]) -> list[str]:
             )
         if "weights_accounted_bytes" in artifact:
             line += (
-                f" Weights file {artifact['weights_file_bytes']:,} bytes against {artifact['weights_accounted_bytes']:,} accounted for by the "
-                f"codes, scales, zero points and float tensors ({100 * artifact['weights_overhead']:+.3f}%: the safetensors header)."
+                f" Weights file {artifact['weights_file_bytes']:,} bytes against "
+                f"{artifact['weights_accounted_bytes']:,} accounted for by the codes, scales, zero points "
+                f"and float tensors ({100 * artifact['weights_overhead']:+.3f}%: the safetensors header)."
             )
         if artifact.get("quantized_layers"):
             line += f" {artifact['quantized_layers']} quantized layers kept packed."
@@ -304,7 +322,8 @@ def artifact_and_generation_lines(report: dict[str, Any]) -> list[str]:
         lines += [
             "## Greedy completion",
             "",
-            f"Model: {gen['model']}; {gen['new_tokens']} new tokens at {gen['decode_tok_s']} tokens/s (prefill included), through the {gen.get('engine', 'transformers generate')}.",
+            f"Model: {gen['model']}; {gen['new_tokens']} new tokens at {gen['decode_tok_s']} "
+            f"tokens/s (prefill included), through the {gen.get('engine', 'transformers generate')}.",
             "",
             f"> **Prompt:** {gen['prompt']}",
             ">",

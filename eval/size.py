@@ -82,5 +82,6 @@ def size_counts(model: nn.Module) -> SizeCounts:
 
 
 def comparable_bytes(row: dict) -> int:
-    """The size report rows are compared by: as stored (sparse matrices compact) when known, else in memory."""
+    """The size report rows are compared by: as stored (sparse matrices compact) when known,
+    else in memory."""
     return row.get("stored_bytes") or row["bytes"]

@@ -3,9 +3,10 @@
 Two paths: slimlm's bundled decoder (measure_decoder_speed), which runs every model family it
 knows (float or with slimlm's quantized layers) as `slimlm generate` does, and the model's own
 transformers forward (measure_speed; `generate` for the peer comparison) for any other model,
-such as bitsandbytes int8/NF4 peers. Rows of one path compare like with like. Protocol: the same fixed English prompt for every model,
-`warmup` untimed runs, then `repeats` timed runs; every reported metric is the median over the
-timed runs (the per-run values are kept in `runs` to show the spread).
+such as bitsandbytes int8/NF4 peers. Rows of one path compare like with like. Protocol: the
+same fixed English prompt for every model, `warmup` untimed runs, then `repeats` timed runs;
+every reported metric is the median over the timed runs (the per-run values are kept in `runs`
+to show the spread).
 """
 
 from __future__ import annotations
@@ -61,7 +62,9 @@ class RunMetrics:
 
 @dataclass(frozen=True)
 class SpeedResult:
-    method: str  # "bundled_decoder" (measure_decoder_speed), "forward_loop" (measure_speed) or "generate" (measure_generate)
+    # "bundled_decoder" (measure_decoder_speed), "forward_loop" (measure_speed) or "generate"
+    # (measure_generate)
+    method: str
     device: str
     batch_size: int
     prompt_tokens: int  # per sequence
@@ -90,7 +93,8 @@ def device_clock(device: torch.device) -> float:
 
 
 def benchmark_prompt(tokenizer, prompt_tokens: int, prompt_text: Optional[str] = None) -> torch.Tensor:
-    """Exactly `prompt_tokens` ids of `prompt_text` (default PASSAGE), repeated paragraph by paragraph as needed."""
+    """Exactly `prompt_tokens` ids of `prompt_text` (default PASSAGE), repeated paragraph by
+    paragraph as needed."""
     from slimlm.data import (
         tokenize_text,
     )  # here: the GPU benchmark imports this module where the data stack is absent
@@ -164,7 +168,8 @@ class _FirstTokenClock(BaseStreamer):
 def generate_decode(
     model: nn.Module, input_ids: torch.Tensor, new_tokens: int, pad_token_id: Optional[int] = None
 ) -> DecodeRun:
-    """Greedy `model.generate` forced to exactly `new_tokens` (min = max), split at the first token by a streamer."""
+    """Greedy `model.generate` forced to exactly `new_tokens` (min = max), split at the first
+    token by a streamer."""
     device = input_ids.device
     clock = _FirstTokenClock(device)
     start = device_clock(device)
@@ -313,7 +318,9 @@ def _measure(
             run = decoder(model, input_ids, new_tokens)
         if tuple(run.tokens.shape) != (batch_size, new_tokens):
             raise SlimlmError(
-                f"{method} produced tokens of shape {tuple(run.tokens.shape)}, expected ({batch_size}, {new_tokens}); something in the model's generation_config (stop_strings, max_length) ends it early"
+                f"{method} produced tokens of shape {tuple(run.tokens.shape)}, "
+                f"expected ({batch_size}, {new_tokens}); something in the model's "
+                "generation_config (stop_strings, max_length) ends it early"
             )
         runs.append(_run_metrics(run, peak.bytes, batch_size, prompt_tokens, new_tokens))
     return SpeedResult(

@@ -15,6 +15,7 @@ import gc
 import importlib.util
 import json
 import math
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional
 
@@ -71,14 +72,23 @@ def run(state: RunState, params: EvaluateParams) -> None:
                     desc=f"perplexity [{params.label}]",
                 )
 
-            row.update(text_metrics(state, state.tokenizer, "kl" in metrics, score))
+            row.update(
+                timed("perplexity", lambda: text_metrics(state, state.tokenizer, "kl" in metrics, score))
+            )
         if "zeroshot" in metrics:
-            row.update(zeroshot_metrics(state))
+            row.update(timed("zeroshot", lambda: zeroshot_metrics(state)))
     if "size" in metrics:
         row.update(model_size(state.model).to_dict())
     if "speed" in metrics:
-        row.update(speed_metrics(state))
+        row.update(timed("speed", lambda: speed_metrics(state)))
     state.evaluations.append(row)
+
+
+def timed(metric: str, compute: Callable[[], dict]) -> dict:
+    """`compute()`'s keys and its wall seconds as `<metric>_s`: where an evaluation's time goes."""
+    began = time.perf_counter()
+    values = compute()
+    return {**values, f"{metric}_s": round(time.perf_counter() - began, 1)}
 
 
 def row_header(state: RunState, params: EvaluateParams) -> dict:
@@ -126,7 +136,8 @@ def run_from_disk(state: RunState, params: EvaluateParams) -> None:
                 device=state.device,
             )
 
-        row.update(text_metrics(state, checkpoint_tokenizer(directory), "kl" in metrics, score))
+        tokenizer = checkpoint_tokenizer(directory)
+        row.update(timed("perplexity", lambda: text_metrics(state, tokenizer, "kl" in metrics, score)))
     if "size" in metrics:
         row.update(checkpoint_size(directory, dtype).to_dict())
     state.evaluations.append(row)
@@ -141,11 +152,9 @@ def check_window(window: int, context: Optional[int]) -> None:
 
 def eval_token_ids(state: RunState, tokenizer: Any):
     """The evaluation text, tokenized once per run: every row scores the same windows."""
-    if "eval_token_ids" not in state.memo:
-        state.memo["eval_token_ids"] = tokenize_text(
-            tokenizer, load_text(state.cfg.data.eval_text, "eval_text")
-        )
-    return state.memo["eval_token_ids"]
+    if state.memo.eval_token_ids is None:
+        state.memo.eval_token_ids = tokenize_text(tokenizer, load_text(state.cfg.data.eval_text, "eval_text"))
+    return state.memo.eval_token_ids
 
 
 def text_metrics(
@@ -224,17 +233,18 @@ def reference_file(state: RunState, ids):
 
 def cached_reference(state: RunState, ids) -> Optional[ReferenceLogits]:
     path = reference_file(state, ids)
-    if path not in state.memo:
+    cached = state.memo.reference_logits
+    if path not in cached:
         if not path.is_file():
             return None
-        state.memo[path] = ReferenceLogits.load(path)
-    return state.memo[path]
+        cached[path] = ReferenceLogits.load(path)
+    return cached[path]
 
 
 def store_reference(state: RunState, ids, reference: ReferenceLogits) -> None:
     path = reference_file(state, ids)
     reference.save(path)
-    state.memo[path] = reference
+    state.memo.reference_logits[path] = reference
 
 
 def compute_reference_from_source(state: RunState, ids) -> ReferenceLogits:
@@ -345,7 +355,8 @@ def check(cfg, params: EvaluateParams, source) -> None:
         check_tasks(cfg.eval.zeroshot.tasks, cfg.data.benchmarks_root)
         if cfg.eval.zeroshot.harness_tasks and importlib.util.find_spec("lm_eval") is None:
             raise ConfigError(
-                f"eval.zeroshot.harness_tasks={list(cfg.eval.zeroshot.harness_tasks)} needs lm-evaluation-harness: pip install -e '.[harness]', or drop them"
+                f"eval.zeroshot.harness_tasks={list(cfg.eval.zeroshot.harness_tasks)} "
+                "needs lm-evaluation-harness: pip install -e '.[harness]', or drop them"
             )
 
 
@@ -358,7 +369,8 @@ def check_tasks(tasks: List[str], data_root) -> None:
         name = load_task(given, data_root).spec.name
         if name in names:
             raise ConfigError(
-                f"eval.zeroshot.tasks: '{given}' and '{names[name]}' are both named '{name}', and results are reported by name; give one of them another name:"
+                f"eval.zeroshot.tasks: '{given}' and '{names[name]}' are both named '{name}', "
+                "and results are reported by name; give one of them another name:"
             )
         names[name] = given
 

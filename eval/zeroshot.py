@@ -71,7 +71,10 @@ CHOICE_FIELDS = (
 ANSWER_STYLES = ("index", "number", "letter")  # an answer as 0, 1, ...; as 1, 2, ...; as A, B, ...
 DATA_ROOT_ENV = "SLIMLM_DATA_DIR"
 DEFAULT_DATA_ROOT = "../shared/data"
-DATA_HINT = f"task data is read from beside the task file, else from the data root: ${DATA_ROOT_ENV}, default {DEFAULT_DATA_ROOT} (see its DATA.md)"
+DATA_HINT = (
+    "task data is read from beside the task file, else from the data root: "
+    f"${DATA_ROOT_ENV}, default {DEFAULT_DATA_ROOT} (see its DATA.md)"
+)
 HEAD_CHUNK = 1024  # LM-head rows per matmul: bounds the (rows x vocab) logits in memory
 TEMPLATE_FIELD = re.compile(r"\{([A-Za-z_][\w.]*)\}")
 
@@ -179,7 +182,8 @@ def load_task(name_or_path: str, data_root: Optional[Union[str, Path]] = None) -
     _check_spec(spec, keys, str(file))
     if spec.name in BUNDLED_TASKS and name_or_path != spec.name:
         raise SlimlmError(
-            f"task file '{file}' is named '{spec.name}', as a bundled task is, and results are reported by name; give it another name: (or run the bundled task as '{spec.name}')"
+            f"task file '{file}' is named '{spec.name}', as a bundled task is, and results are "
+            f"reported by name; give it another name: (or run the bundled task as '{spec.name}')"
         )
     root = default_data_root(data_root)
     if isinstance(file, Path) and (file.parent / spec.data).is_file():  # a task file's own data beside it
@@ -201,12 +205,14 @@ def _task_file(name_or_path: str) -> Traversable:
         path = Path(name_or_path).expanduser()
         if not path.is_file():
             raise SlimlmError(
-                f"task file '{name_or_path}' not found; give the path of a task YAML or a bundled task: {', '.join(BUNDLED_TASKS)}"
+                f"task file '{name_or_path}' not found; give the path of "
+                f"a task YAML or a bundled task: {', '.join(BUNDLED_TASKS)}"
             )
         return path
     if name_or_path not in BUNDLED_TASKS:
         raise SlimlmError(
-            f"unknown task '{name_or_path}'; bundled tasks: {', '.join(BUNDLED_TASKS)} (or give the path of a task YAML)"
+            f"unknown task '{name_or_path}'; bundled tasks: "
+            f"{', '.join(BUNDLED_TASKS)} (or give the path of a task YAML)"
         )
     return importlib.resources.files("slimlm.eval.tasks").joinpath(f"{name_or_path}.yaml")
 
@@ -233,7 +239,8 @@ def _read_spec(file: Traversable) -> tuple[TaskSpec, set[str]]:
     for key, value in raw.items():
         if not _has_type(value, hints[key]):
             raise SlimlmError(
-                f"task file '{file}': field '{key}' must be {_describe(hints[key])}, not {type(value).__name__} ({value!r})"
+                f"task file '{file}': field '{key}' must be "
+                f"{_describe(hints[key])}, not {type(value).__name__} ({value!r})"
             )
     return TaskSpec(**raw), set(raw)
 
@@ -264,30 +271,35 @@ def _check_spec(spec: TaskSpec, keys: set[str], source: str) -> None:
         )
     if spec.preprocess is not None and spec.preprocess not in PREPROCESSORS:
         raise SlimlmError(
-            f"task file '{source}': preprocess '{spec.preprocess}' is unknown; use one of {', '.join(PREPROCESSORS)}"
+            f"task file '{source}': preprocess '{spec.preprocess}' "
+            f"is unknown; use one of {', '.join(PREPROCESSORS)}"
         )
     if spec.kind == "last_word":
         extra = [key for key in (*CHOICE_FIELDS, "blank") if key in keys]
         if extra:
             raise SlimlmError(
-                f"task file '{source}': field '{extra[0]}' is for tasks with choices only; last_word scores the text's last word"
+                f"task file '{source}': field '{extra[0]}' is for tasks "
+                "with choices only; last_word scores the text's last word"
             )
         return
     if spec.kind == "fill_blank" and "continuation" in keys:
         raise SlimlmError(
-            f"task file '{source}': fill_blank's continuation is the text after the blank; drop the field 'continuation'"
+            f"task file '{source}': fill_blank's continuation is "
+            "the text after the blank; drop the field 'continuation'"
         )
     if spec.kind == "multiple_choice" and "blank" in keys:
         raise SlimlmError(f"task file '{source}': field 'blank' is for kind fill_blank only")
     if spec.answer_style not in ANSWER_STYLES:
         raise SlimlmError(
-            f"task file '{source}': answer_style '{spec.answer_style}' is unknown; use one of {', '.join(ANSWER_STYLES)}"
+            f"task file '{source}': answer_style '{spec.answer_style}' "
+            f"is unknown; use one of {', '.join(ANSWER_STYLES)}"
         )
     if not spec.blank:
         raise SlimlmError(f"task file '{source}': field 'blank' must be a non-empty marker, e.g. '_'")
     if spec.choices is None:
         raise SlimlmError(
-            f"task file '{source}': field 'choices' is required for kind {spec.kind} (a list field, or a list of templates)"
+            f"task file '{source}': field 'choices' is required for "
+            f"kind {spec.kind} (a list field, or a list of templates)"
         )
     if (spec.answer_field is None) == (spec.answer_file is None):
         raise SlimlmError(
@@ -316,7 +328,8 @@ def _read_rows(root: Path, spec: TaskSpec) -> list[dict]:
                 row = json.loads(line)
             except json.JSONDecodeError as error:
                 raise SlimlmError(
-                    f"task '{spec.name}': data file '{path}' line {number} is not JSON ({error.msg}); {DATA_HINT}"
+                    f"task '{spec.name}': data file '{path}' line "
+                    f"{number} is not JSON ({error.msg}); {DATA_HINT}"
                 ) from None
             if not isinstance(row, dict):
                 raise SlimlmError(
@@ -333,7 +346,8 @@ def _read_answer_file(root: Path, spec: TaskSpec, n_rows: int) -> list[str]:
     answers = [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     if len(answers) != n_rows:
         raise SlimlmError(
-            f"task '{spec.name}': answer file '{path}' has {len(answers)} answers for {n_rows} rows of '{spec.data}'; {DATA_HINT}"
+            f"task '{spec.name}': answer file '{path}' has {len(answers)} "
+            f"answers for {n_rows} rows of '{spec.data}'; {DATA_HINT}"
         )
     return answers
 
@@ -358,7 +372,8 @@ def _make_item(spec: TaskSpec, row: dict, file_answer: Optional[str], where: str
             row = PREPROCESSORS[spec.preprocess](row)
         except KeyError as missing:
             raise SlimlmError(
-                f"{where}: preprocess '{spec.preprocess}' needs field {missing}; the row's fields are {', '.join(row)}"
+                f"{where}: preprocess '{spec.preprocess}' needs field "
+                f"{missing}; the row's fields are {', '.join(row)}"
             ) from None
     text = _render(spec.context, row, where)
     if spec.kind == "last_word":
@@ -411,7 +426,8 @@ def _answer_index(spec: TaskSpec, row: dict, answer: Any, n_choices: int, where:
         index = int(text) - (1 if spec.answer_style == "number" else 0)
     else:
         raise SlimlmError(
-            f"{where}: answer {answer!r} is not a choice {spec.answer_style}; set answer_style (index, number, letter) or answer_labels to the field listing the labels"
+            f"{where}: answer {answer!r} is not a choice {spec.answer_style}; set answer_style "
+            "(index, number, letter) or answer_labels to the field listing the labels"
         )
     if not 0 <= index < n_choices:
         raise SlimlmError(f"{where}: answer index {index} is out of range for {n_choices} choices")
@@ -453,7 +469,8 @@ def _encode(tokenizer, items: Sequence[Item], where: str) -> list[Packed]:
         continuations = [next(whole_ids)[len(context) :] for _ in item.continuations]
         if not all(continuations):
             raise SlimlmError(
-                f"{where}: item {number}: a continuation has no tokens of its own (it merges into the context's last token); change the task's continuation template"
+                f"{where}: item {number}: a continuation has no tokens of its own (it merges "
+                "into the context's last token); change the task's continuation template"
             )
         packed.append(_pack(prefix + context or _empty_context(tokenizer), continuations))
     return packed
@@ -464,7 +481,8 @@ def _empty_context(tokenizer) -> list[int]:
     token = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
     if token is None:
         raise SlimlmError(
-            "an item has an empty context and the tokenizer has neither a BOS nor an EOS token to condition on"
+            "an item has an empty context and the tokenizer "
+            "has neither a BOS nor an EOS token to condition on"
         )
     return [token]
 

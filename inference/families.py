@@ -117,8 +117,9 @@ def family_of(config: dict) -> Family:
     model_type = config.get("model_type")
     if model_type not in FAMILIES:
         raise SlimlmError(
-            f"the bundled decoder runs {', '.join(FAMILIES)} models; this one is '{model_type}': quantize and export it with slimlm"
-            " (export=hf or export=compressed-tensors) and serve it with transformers or vLLM"
+            f"the bundled decoder runs {', '.join(FAMILIES)} models; this one is '{model_type}': "
+            "quantize it with slimlm, export it in a recipe stage {stage: export, format: hf} or "
+            "{format: compressed-tensors}, and serve it with transformers or vLLM"
         )
     return FAMILIES[model_type]
 

@@ -130,8 +130,8 @@ class Int4Linear(nn.Module):
 class Int8ActivationLinear(nn.Module):
     """int4 or int8 weights (groups of 32 or multiples of 64) times activations rounded to int8
     per block of 64 inputs (x86 CPUs with AVX512-VNNI, AVX-VNNI or AVX2; inference/cpu_kernels.py),
-    and the layer's LoRA adapter in the same call. Its layout can be read row by row, so a tied head also serves as the
-    embedding table without a second copy."""
+    and the layer's LoRA adapter in the same call. Its layout can be read row by row, so a tied
+    head also serves as the embedding table without a second copy."""
 
     def __init__(self, layer: QuantLinear, dtype: torch.dtype, device: torch.device):
         super().__init__()

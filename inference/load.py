@@ -43,7 +43,9 @@ def load_decoder(
         fill(layer, f"model.layers.{index}.")
         blocks.append(parts.block(index, layer))
         layer.to("meta")  # the block holds its own layout now: drop the source copy
-        return_freed_memory()  # and hand its pages back: glibc keeps freed tensors of a few MB in its heap, so a model of many experts would peak near twice its size
+        # and hand its pages back: glibc keeps freed tensors of a few MB in its heap, so a model of
+        # many experts would peak near twice its size
+        return_freed_memory()
     fill(skeleton.model.norm, "model.norm.")
     head, embedding = skeleton.get_output_embeddings(), skeleton.get_input_embeddings()
     head_stored = artifact.stores("lm_head.")
@@ -55,6 +57,7 @@ def load_decoder(
             head.weight = embedding.weight
     if artifact.unread:
         raise SlimlmError(
-            f"artifact '{path}' holds tensors its config.json has no place for (e.g. {sorted(artifact.unread)[0]}); re-export it"
+            f"artifact '{path}' holds tensors its config.json has no place for "
+            f"(e.g. {sorted(artifact.unread)[0]}); re-export it"
         )
     return parts.assemble(blocks), manifest

@@ -175,7 +175,9 @@ class Segment:
     tokens: list[int]
 
 
-SHORT_RUN = 8  # runs of a row up to this long (guesses being checked) attend as one-token queries where the CPU kernel runs
+# Runs of a row up to this long (guesses being checked) attend as one-token queries where the
+# CPU kernel runs.
+SHORT_RUN = 8
 
 
 @dataclass(frozen=True)
@@ -196,9 +198,14 @@ class Segments:
     ]  # each run's row, slots, mask [1, 1, length, end] and end
 
 
+# An Attention layer's cache slots as stored: key codes, key scales, value codes, value scales
+Stored = tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, Optional[torch.Tensor]]
+
+
 class Attention(nn.Module):
     """Grouped-query attention; q, k and v come from one fused projection. `q_norm` and `k_norm`
-    (Qwen3, Gemma 3, OLMoE) norm the queries and keys before RoPE."""
+    (Qwen3, Gemma 3, OLMoE) norm the queries and keys before RoPE. How it reads its cache
+    (`paths`, a `TorchPaths` or `KernelPaths`) is chosen when `decode_kernel` is set."""
 
     def __init__(
         self,
@@ -217,7 +224,16 @@ class Attention(nn.Module):
         for name in CACHE_NAMES:  # scales: int8 caches only
             self.register_buffer(name, None, persistent=False)
         self.attention_dtype = torch.float32  # what cached keys and values are read as
-        self.decode_kernel = False  # whether decode steps and short runs attend in slimlm's CPU kernel
+        self.decode_kernel = False
+
+    @property
+    def decode_kernel(self) -> bool:
+        """Whether decode steps and short runs attend in slimlm's CPU kernel (`KernelPaths`)."""
+        return isinstance(self.paths, KernelPaths)
+
+    @decode_kernel.setter
+    def decode_kernel(self, kernel: bool) -> None:
+        self.paths = KERNEL_PATHS if kernel else TORCH_PATHS  # chosen here, not at each step
 
     def forward(
         self,
@@ -233,6 +249,22 @@ class Attention(nn.Module):
         `slots` a `Segments`, x [1, tokens] packing several sequences' tokens, each written to
         its own row at its own slots (`Transformer.forward_segments`)."""
         batch, length, _ = x.shape
+        q, k, v = self.project(x, cos, sin)
+        out = (
+            self.attend_segments(q, k, v, slots)
+            if isinstance(slots, Segments)
+            else self.paths.rows(self, q, k, v, slots, mask, end, first_row)
+        )
+        return self.o_proj(
+            out.transpose(1, 2).reshape(batch, length, self.n_heads * self.head_dim).to(x.dtype)
+        )
+
+    def project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries [batch, heads, length, head_dim], keys and values [batch, kv_heads, length,
+        head_dim] of x [batch, length, dim]: clamped, normed and rotated as the family does."""
+        batch, length, _ = x.shape
         heads, kv_heads = self.n_heads, self.n_kv_heads
         qkv = self.qkv(x).view(batch, length, heads + 2 * kv_heads, self.head_dim)
         if self.clip is not None:
@@ -242,83 +274,22 @@ class Attention(nn.Module):
             qk = torch.cat((self.q_norm(qk[:, :, :heads]), self.k_norm(qk[:, :, heads:])), dim=2)
         qk = rotate(qk, cos, sin)  # q and k heads rotated in one go
         q, k = qk[:, :, :heads].transpose(1, 2), qk[:, :, heads:].transpose(1, 2)
-        v = qkv[:, :, heads + kv_heads :].transpose(1, 2)
-        out = (
-            self.attend_segments(q, k, v, slots)
-            if isinstance(slots, Segments)
-            else self.attend(q, k, v, slots, mask, end, first_row)
-        )
-        return self.o_proj(out.transpose(1, 2).reshape(batch, length, heads * self.head_dim).to(x.dtype))
-
-    def attend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        slots: torch.Tensor,
-        mask: Optional[torch.Tensor],
-        end: int,
-        rows: Union[torch.Tensor, int],
-    ) -> torch.Tensor:
-        """Write k and v [batch, kv_heads, length, head_dim] at `slots` of the cache rows and
-        attend q [batch, heads, length, head_dim] over the rows' slots up to `end` under `mask`.
-        `rows`: an int, the first of `batch` consecutive rows, all written at `slots`; or a
-        tensor, each sequence's own row (one token per row, `slots` then each row's own slot)."""
-        batch, length, heads, kv_heads = q.shape[0], q.shape[2], self.n_heads, self.n_kv_heads
-        # The kernel reads each sequence's own row where it lies, an int8 one as stored; torch's
-        # attention reads a float view of consecutive rows, or a gathered copy of scattered ones,
-        # and for an int8 cache a dequantized copy of either. A short run of a row (speculative
-        # guesses being checked, a prompt's last few tokens) goes to the kernel as one query per
-        # token, each a sequence of that row with its own row of the mask.
-        short = 1 < length <= SHORT_RUN and isinstance(rows, int) and mask is not None
-        kernel = self.decode_kernel and (length == 1 or short)
-        every_row = kernel and not isinstance(rows, int)
-        k_codes, k_scale = self.cached(self.k_cache, self.k_cache_scale, k, slots, end, rows, every_row)
-        v_codes, v_scale = self.cached(self.v_cache, self.v_cache_scale, v, slots, end, rows, every_row)
-        if (
-            kernel and short
-        ):  # query j of row b: sequence b * length + j of the kernel, with its own row of the mask
-            queries = q.transpose(1, 2).reshape(batch * length, heads, 1, self.head_dim)
-            masks = mask.expand(batch, 1, length, end).reshape(batch * length, 1, 1, end)
-            readers = torch.arange(batch, device=q.device).repeat_interleave(length)
-            out = cpu_kernels.ops().decode_attention(
-                queries, k_codes, k_scale, v_codes, v_scale, masks, self.scale, readers
-            )
-            return out.view(batch, length, heads, self.head_dim).transpose(1, 2)
-        if kernel:  # the cache read as it is stored (inference/kernels/)
-            return cpu_kernels.ops().decode_attention(
-                q,
-                k_codes,
-                k_scale,
-                v_codes,
-                v_scale,
-                mask,
-                self.scale,
-                None if isinstance(rows, int) else rows,
-            )
-        keys, values = (
-            from_cache(k_codes, k_scale, self.attention_dtype),
-            from_cache(v_codes, v_scale, self.attention_dtype),
-        )
-        q = q.to(keys.dtype)  # fp32 on CPU (bf16 matmuls are slow there), the activations' dtype on GPUs
-        if length == 1:
-            return self.attend_one(q, keys, values, mask)
-        return F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=heads != kv_heads
-        )
+        return q, k, qkv[:, :, heads + kv_heads :].transpose(1, 2)
 
     def attend_segments(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: "Segments"
     ) -> torch.Tensor:
         """Attention of a packed pass [1, heads, tokens, head_dim]: the single queries (packed
-        first) together as one decode step of their rows, each longer segment as a prefill of its row."""
+        first) together as one decode step of their rows, each longer segment as a prefill of
+        its row."""
         n, parts = segments.singles, []
         if n:
             as_batch = [
                 t[0, :, :n].transpose(0, 1)[:, :, None].contiguous() for t in (q, k, v)
             ]  # [n, heads, 1, head_dim]
             parts.append(
-                self.attend(
+                self.paths.each_row(
+                    self,
                     *as_batch,
                     segments.single_slots,
                     segments.single_mask,
@@ -328,35 +299,62 @@ class Attention(nn.Module):
             )
         for offset, (row, slots, mask, end) in zip(segments.offsets, segments.runs):
             span = slice(offset, offset + len(slots))
-            parts.append(self.attend(q[:, :, span], k[:, :, span], v[:, :, span], slots, mask, end, row))
+            parts.append(
+                self.paths.rows(self, q[:, :, span], k[:, :, span], v[:, :, span], slots, mask, end, row)
+            )
         return torch.cat([p.to(parts[0].dtype) for p in parts], dim=2) if len(parts) > 1 else parts[0]
 
-    def cached(
-        self,
-        cache: torch.Tensor,
-        scale: Optional[torch.Tensor],
-        new: torch.Tensor,
-        slots: torch.Tensor,
-        end: int,
-        rows: Union[torch.Tensor, int],
-        every_row: bool = False,
-    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """Write `new` [batch, kv_heads, length, head_dim] at `slots` of the cache rows; return
-        the slots up to `end` as stored (codes and scales for an int8 cache) of the rows written
-        (a view for an int `rows`, a gathered copy for a tensor of rows), or with `every_row` of
-        the whole cache (a view, for the kernel that reads each sequence's row by its index)."""
-        codes, new_scale = to_cache(new, cache.dtype)
-        for store, values in ((cache, codes), (scale, new_scale)):
-            if store is None:
-                continue
-            if isinstance(rows, int):
-                store[rows : rows + new.shape[0]].index_copy_(2, slots, values)
-            else:
-                store[rows, :, slots] = values[:, :, 0]
-        select = (
-            slice(None) if every_row else slice(rows, rows + new.shape[0]) if isinstance(rows, int) else rows
+    def write_rows(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, first: int) -> None:
+        """Write k and v [batch, kv_heads, length, head_dim] at `slots` of the consecutive cache
+        rows first..first+batch-1 (codes and scales for an int8 cache)."""
+        rows = slice(first, first + k.shape[0])
+        for cache, scale, new in (
+            (self.k_cache, self.k_cache_scale, k),
+            (self.v_cache, self.v_cache_scale, v),
+        ):
+            codes, new_scale = to_cache(new, cache.dtype)
+            cache[rows].index_copy_(2, slots, codes)
+            if scale is not None:
+                scale[rows].index_copy_(2, slots, new_scale)
+
+    def write_each_row(
+        self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor
+    ) -> None:
+        """Write k and v [batch, kv_heads, 1, head_dim], one token per sequence: sequence b's at
+        slot slots[b] of cache row rows[b]."""
+        for cache, scale, new in (
+            (self.k_cache, self.k_cache_scale, k),
+            (self.v_cache, self.v_cache_scale, v),
+        ):
+            codes, new_scale = to_cache(new, cache.dtype)
+            cache[rows, :, slots] = codes[:, :, 0]
+            if scale is not None:
+                scale[rows, :, slots] = new_scale[:, :, 0]
+
+    def stored(self, rows: Union[slice, torch.Tensor], end: int) -> Stored:
+        """The cache's slots up to `end` of `rows` (an index of the rows dimension: a slice
+        gives views, a tensor of rows a gathered copy) as stored: key codes, key scales, value
+        codes, value scales (scales None but for an int8 cache)."""
+        k_scale, v_scale = self.k_cache_scale, self.v_cache_scale
+        return (
+            self.k_cache[rows, :, :end],
+            None if k_scale is None else k_scale[rows, :, :end],
+            self.v_cache[rows, :, :end],
+            None if v_scale is None else v_scale[rows, :, :end],
         )
-        return cache[select, :, :end], None if scale is None else scale[select, :, :end]
+
+    def attend_stored(self, q: torch.Tensor, stored: Stored, mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """Torch's attention of q [batch, heads, length, head_dim] over keys and values read
+        from `stored` (dequantized for an int8 cache) under `mask`."""
+        k_codes, k_scale, v_codes, v_scale = stored
+        keys = from_cache(k_codes, k_scale, self.attention_dtype)
+        values = from_cache(v_codes, v_scale, self.attention_dtype)
+        q = q.to(keys.dtype)  # fp32 on CPU (bf16 matmuls are slow there), the activations' dtype on GPUs
+        if q.shape[2] == 1:
+            return self.attend_one(q, keys, values, mask)
+        return F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=self.n_heads != self.n_kv_heads
+        )
 
     def attend_one(
         self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: Optional[torch.Tensor]
@@ -386,6 +384,102 @@ class Attention(nn.Module):
             else torch.matmul(weights, values)
         )
         return out.reshape(batch, self.n_heads, 1, self.head_dim)
+
+
+class TorchPaths:
+    """How an `Attention` layer writes its cache and attends over it in torch's attention: a
+    view of consecutive rows, or a gathered copy of scattered ones, dequantized for an int8
+    cache. `rows` and `each_row` take q [batch, heads, length, head_dim], k and v [batch,
+    kv_heads, length, head_dim], and return the attention's output shaped as q."""
+
+    def rows(
+        self,
+        layer: Attention,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        slots: torch.Tensor,
+        mask: Optional[torch.Tensor],
+        end: int,
+        first: int,
+    ) -> torch.Tensor:
+        """Sequences in the consecutive rows first..first+batch-1, all written at `slots`; each
+        query attends over its row's slots up to `end` under `mask`."""
+        layer.write_rows(k, v, slots, first)
+        return layer.attend_stored(q, layer.stored(slice(first, first + q.shape[0]), end), mask)
+
+    def each_row(
+        self,
+        layer: Attention,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        slots: torch.Tensor,
+        mask: Optional[torch.Tensor],
+        end: int,
+        rows: torch.Tensor,
+    ) -> torch.Tensor:
+        """One token per sequence, each in its own row: sequence b's written at slot slots[b]
+        of row rows[b]."""
+        layer.write_each_row(k, v, slots, rows)
+        return layer.attend_stored(q, layer.stored(rows, end), mask)
+
+
+class KernelPaths(TorchPaths):
+    """Decode steps attend in slimlm's CPU kernel (inference/kernels/), which reads each
+    sequence's own row where it lies, an int8 one as stored. A short run of a row (speculative
+    guesses being checked, a prompt's last few tokens) goes to the kernel as one query per
+    token, each a sequence of that row with its own row of the mask; longer runs, torch's."""
+
+    def rows(
+        self,
+        layer: Attention,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        slots: torch.Tensor,
+        mask: Optional[torch.Tensor],
+        end: int,
+        first: int,
+    ) -> torch.Tensor:
+        """As `TorchPaths.rows`: a decode step or a short run in the kernel, a longer run in torch."""
+        length = q.shape[2]
+        if length != 1 and (length > SHORT_RUN or mask is None):
+            return super().rows(layer, q, k, v, slots, mask, end, first)
+        layer.write_rows(k, v, slots, first)
+        stored = layer.stored(slice(first, first + q.shape[0]), end)
+        if length == 1:
+            return cpu_kernels.ops().decode_attention(q, *stored, mask, layer.scale, None)
+        return self.short_run(layer, q, stored, mask, end)
+
+    def short_run(
+        self, layer: Attention, q: torch.Tensor, stored: Stored, mask: torch.Tensor, end: int
+    ) -> torch.Tensor:
+        """Query j of row b as sequence b * length + j of the kernel, with its own row of the mask."""
+        batch, heads, length, head_dim = q.shape
+        queries = q.transpose(1, 2).reshape(batch * length, heads, 1, head_dim)
+        masks = mask.expand(batch, 1, length, end).reshape(batch * length, 1, 1, end)
+        readers = torch.arange(batch, device=q.device).repeat_interleave(length)
+        out = cpu_kernels.ops().decode_attention(queries, *stored, masks, layer.scale, readers)
+        return out.view(batch, length, heads, head_dim).transpose(1, 2)
+
+    def each_row(
+        self,
+        layer: Attention,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        slots: torch.Tensor,
+        mask: Optional[torch.Tensor],
+        end: int,
+        rows: torch.Tensor,
+    ) -> torch.Tensor:
+        """The kernel reads the whole cache (a view), each sequence's row by its index in `rows`."""
+        layer.write_each_row(k, v, slots, rows)
+        return cpu_kernels.ops().decode_attention(q, *layer.stored(slice(None), end), mask, layer.scale, rows)
+
+
+TORCH_PATHS, KERNEL_PATHS = TorchPaths(), KernelPaths()
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -559,7 +653,8 @@ class Transformer(nn.Module):
         it holds them (a conversation's next turn needs a longer cache, not a new prefill)."""
         if max_seq > self.args.max_position_embeddings:
             raise SlimlmError(
-                f"a context of {max_seq} tokens is longer than the model's {self.args.max_position_embeddings}; ask for fewer new tokens or a shorter prompt"
+                f"a context of {max_seq} tokens is longer than the model's "
+                f"{self.args.max_position_embeddings}; ask for fewer new tokens or a shorter prompt"
             )
         device = self.device
         float_dtype = self.dtype if device.type == "cuda" else torch.float32
@@ -696,7 +791,8 @@ class Transformer(nn.Module):
         """Refuse a step whose rows or slots the cache does not have (none when none was allocated)."""
         if slots > self.max_seq or rows > self.max_batch:
             raise SlimlmError(
-                f"the cache holds {self.max_batch} sequences of {self.max_seq} slots; this step needs {rows} of {slots}"
+                f"the cache holds {self.max_batch} sequences of {self.max_seq} slots; "
+                f"this step needs {rows} of {slots}"
             )
 
     def run_layers(
@@ -727,7 +823,8 @@ class Transformer(nn.Module):
         return x if self.embed_scale is None else x * self.embed_scale
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
-        """Logits of the final hidden states, soft-capped (cap * tanh(logits / cap)) where the model's config asks."""
+        """Logits of the final hidden states, soft-capped (cap * tanh(logits / cap)) where the
+        model's config asks."""
         logits = self.output(self.norm(x))
         cap = self.args.final_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
@@ -748,7 +845,9 @@ class Transformer(nn.Module):
                 or segment.start + len(segment.tokens) > self.max_seq
             ):
                 raise SlimlmError(
-                    f"the cache holds {self.max_batch} sequences of {self.max_seq} slots; a segment of {len(segment.tokens)} tokens from slot {segment.start} of row {segment.row} does not fit"
+                    f"the cache holds {self.max_batch} sequences of {self.max_seq} slots; a segment of "
+                    f"{len(segment.tokens)} tokens from slot {segment.start} of row {segment.row} "
+                    "does not fit"
                 )
             if not 1 <= wanted <= len(segment.tokens):
                 raise SlimlmError(

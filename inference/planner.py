@@ -178,7 +178,8 @@ class Plan:
         )
 
     def streamed_bytes(self) -> list[int]:
-        """The bytes of each block kept in host memory: the ones the decoder streams (streaming.streamed_layers)."""
+        """The bytes of each block kept in host memory: the ones the decoder streams
+        (streaming.streamed_layers)."""
         layers = self.budget.layer_bytes
         return (
             [layers[i] for i in streamed_layers(len(layers), self.streamed_layers)]
@@ -335,6 +336,29 @@ def adapter_bytes(
     return total
 
 
+@dataclass(frozen=True)
+class Storage:
+    """How the decoder stores weights, adapters and its cache on a hardware, for budget's steps."""
+
+    matvec: bool  # int4 layers run in slimlm's Triton kernel (GPU, gpu_int4="triton")
+    int8_kernels: bool  # int4 and int8 layers run in slimlm's int8-activation kernels (CPU)
+    act_bytes: int  # bf16/fp16 activations: the fast path of every packed kernel
+    float_kv: int  # a float cache's element: the CPU cache is fp32 (inference/model.py)
+    adapter_element: int  # CPU adapters beside torch's kernels run in fp32 (inference/linear.py)
+
+    @classmethod
+    def of(cls, hardware: Hardware, int8_activations: bool, gpu_int4: str) -> Storage:
+        act_bytes = 2
+        on_gpu = hardware.device == "cuda"
+        return cls(
+            matvec=on_gpu and gpu_int4 == "triton",
+            int8_kernels=int8_activations and hardware.device == "cpu",
+            act_bytes=act_bytes,
+            float_kv=act_bytes if on_gpu else 4,
+            adapter_element=act_bytes if on_gpu else 4,
+        )
+
+
 def budget(
     args: ModelArgs,
     schemes: dict[str, QuantScheme],
@@ -356,73 +380,127 @@ def budget(
     a tied head serves as the embedding, and a prefill chunk dequantizes one layer at a time.
     `adapter_ranks`: the rank of the LoRA adapter beside each quantized layer that has one."""
     adapter_ranks = adapter_ranks or {}
-    matvec = hardware.device == "cuda" and gpu_int4 == "triton"
-    int8_kernels = int8_activations and hardware.device == "cpu"
-    act_bytes = 2  # bf16/fp16 activations: the fast path of every packed kernel
-    float_kv = act_bytes if hardware.device == "cuda" else 4  # the CPU cache is fp32 (inference/model.py)
-    adapter_element = (
-        act_bytes if hardware.device == "cuda" else 4
-    )  # CPU adapters beside torch's kernels run in fp32 (inference/linear.py)
-    per_slot = args.n_kv_heads * (
-        args.head_dim + 4 if kv_int8 else args.head_dim * float_kv
-    )  # bytes of one slot's keys
-    q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
-    layers, experts = [], []
-    for index in range(args.n_layers):
-        groups = linear_groups(args, index)
-        total = qk_norm_bytes(args, act_bytes) + len(args.family.norms) * args.dim * act_bytes
-        if args.is_expert_layer(index):
-            total += args.routing.experts * args.dim * 4  # the router, fp32
-        routed = 0
-        for group in groups:
-            names = [f"model.layers.{index}.{name}" for name in group]
-            shapes = [linear_shape(args, name) for name in group]
-            ranks = [adapter_ranks.get(name, 0) for name in names]
-            part = adapter_bytes(
-                shapes, [schemes.get(name) for name in names], ranks, adapter_element, int8_kernels
+    storage = Storage.of(hardware, int8_activations, gpu_int4)
+    sizes = [layer_bytes(args, index, schemes, adapter_ranks, storage) for index in range(args.n_layers)]
+    layers, experts = [total for total, _ in sizes], [routed for _, routed in sizes]
+    head = head_bytes(args, schemes, adapter_ranks, storage)
+    # Loading on a CPU holds the largest layer in its stored and its kernel layout at once (the
+    # stored copy is dropped before the next is read); a GPU plan leaves that host-side.
+    transit = max(*layers, head) if hardware.device == "cpu" else 0
+    fraction = args.routing.top_k / args.routing.experts if args.routing else 1.0
+    return Budget(
+        layers,
+        head,
+        table_bytes(args, schemes, storage),
+        args.dim * storage.act_bytes,
+        kv_cache_bytes(args, context, batch, kv_int8, storage),
+        activation_bytes(args, schemes, context, batch, prefill_chunk, kv_int8, storage),
+        hardware.reserve_bytes,
+        transit,
+        experts,
+        fraction,
+    )
+
+
+def layer_bytes(
+    args: ModelArgs,
+    index: int,
+    schemes: dict[str, QuantScheme],
+    adapter_ranks: dict[str, int],
+    storage: Storage,
+) -> tuple[int, int]:
+    """Decoder layer `index`'s bytes (norms, router, linear layers with their biases and
+    adapters), and of them its routed experts' (0 for a dense layer)."""
+    act_bytes = storage.act_bytes
+    total = qk_norm_bytes(args, act_bytes) + len(args.family.norms) * args.dim * act_bytes
+    if args.is_expert_layer(index):
+        total += args.routing.experts * args.dim * 4  # the router, fp32
+    routed = 0
+    for group in linear_groups(args, index):
+        names = [f"model.layers.{index}.{name}" for name in group]
+        shapes = [linear_shape(args, name) for name in group]
+        ranks = [adapter_ranks.get(name, 0) for name in names]
+        part = adapter_bytes(
+            shapes,
+            [schemes.get(name) for name in names],
+            ranks,
+            storage.adapter_element,
+            storage.int8_kernels,
+        )
+        for name, (out_features, in_features) in zip(group, shapes):
+            part += linear_bytes(
+                out_features,
+                in_features,
+                schemes.get(f"model.layers.{index}.{name}"),
+                act_bytes,
+                storage.matvec,
+                storage.int8_kernels,
             )
-            for name, (out_features, in_features) in zip(group, shapes):
-                part += linear_bytes(
-                    out_features,
-                    in_features,
-                    schemes.get(f"model.layers.{index}.{name}"),
-                    act_bytes,
-                    matvec,
-                    int8_kernels,
-                )
-                if args.qkv_bias and name.startswith("self_attn.") and name != "self_attn.o_proj":
-                    part += out_features * act_bytes
-            total += part
-            routed += part if group[0].startswith("mlp.experts.") else 0
-        layers.append(total)
-        experts.append(routed)
+            if args.qkv_bias and name.startswith("self_attn.") and name != "self_attn.o_proj":
+                part += out_features * act_bytes
+        total += part
+        routed += part if group[0].startswith("mlp.experts.") else 0
+    return total, routed
+
+
+def head_bytes(
+    args: ModelArgs, schemes: dict[str, QuantScheme], adapter_ranks: dict[str, int], storage: Storage
+) -> int:
+    """The LM head's bytes, with its adapter."""
     head_scheme = schemes.get("lm_head")
-    head = linear_bytes(args.vocab_size, args.dim, head_scheme, act_bytes, matvec, int8_kernels)
-    head += adapter_bytes(
+    head = linear_bytes(
+        args.vocab_size, args.dim, head_scheme, storage.act_bytes, storage.matvec, storage.int8_kernels
+    )
+    return head + adapter_bytes(
         [(args.vocab_size, args.dim)],
         [head_scheme],
         [adapter_ranks.get("lm_head", 0)],
-        adapter_element,
-        int8_kernels,
+        storage.adapter_element,
+        storage.int8_kernels,
     )
+
+
+def table_bytes(args: ModelArgs, schemes: dict[str, QuantScheme], storage: Storage) -> int:
+    """The input embedding table's bytes; 0 where the head's layout serves as the table."""
+    head_scheme = schemes.get("lm_head")
     table_scheme = schemes.get(TABLE)
     if not args.tie_embeddings:
-        table = (
-            args.vocab_size * args.dim * act_bytes
+        return (
+            args.vocab_size * args.dim * storage.act_bytes
             if table_scheme is None
             else packed_bytes(args.vocab_size, args.dim, table_scheme)
         )  # a quantized table keeps its stored packing
-    elif int8_kernels and cpu_kernels.fits(head_scheme, args.vocab_size, args.dim):
-        table = 0
-    elif matvec and matvec_fits(head_scheme, args.dim):
-        table = 0  # the head's stored codes are read by rows
-    elif tinygemm_fits(head_scheme, args.dim):
-        table = packed_bytes(
+    if storage.int8_kernels and cpu_kernels.fits(head_scheme, args.vocab_size, args.dim):
+        return 0
+    if storage.matvec and matvec_fits(head_scheme, args.dim):
+        return 0  # the head's stored codes are read by rows
+    if tinygemm_fits(head_scheme, args.dim):
+        return packed_bytes(
             args.vocab_size, args.dim, head_scheme
         )  # a tinygemm head cannot be read by rows: the packed codes again
-    else:
-        table = 0
-    kv_cache = 2 * args.n_layers * per_slot * context * batch
+    return 0
+
+
+def kv_cache_bytes(args: ModelArgs, context: int, batch: int, kv_int8: bool, storage: Storage) -> int:
+    """The static key/value cache: every layer's keys and values for `batch` rows of `context` slots."""
+    per_slot = args.n_kv_heads * (
+        args.head_dim + 4 if kv_int8 else args.head_dim * storage.float_kv
+    )  # bytes of one slot's keys
+    return 2 * args.n_layers * per_slot * context * batch
+
+
+def activation_bytes(
+    args: ModelArgs,
+    schemes: dict[str, QuantScheme],
+    context: int,
+    batch: int,
+    prefill_chunk: int,
+    kv_int8: bool,
+    storage: Storage,
+) -> int:
+    """The activations of a prefill chunk and the last position's logits."""
+    act_bytes = storage.act_bytes
+    q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
     tokens = batch * min(prefill_chunk, context)
     inner = (
         max(args.intermediate_size, args.routing.top_k * args.routing.expert_size)
@@ -431,28 +509,13 @@ def budget(
     )
     hidden = tokens * (4 * args.dim + q + 2 * kv + 3 * inner) * act_bytes
     if kv_int8:
-        hidden += 2 * batch * context * kv * float_kv
-    if matvec and any(matvec_fits(scheme, args.dim) for scheme in schemes.values()):
+        hidden += 2 * batch * context * kv * storage.float_kv
+    if storage.matvec and any(matvec_fits(scheme, args.dim) for scheme in schemes.values()):
         # a prefill chunk multiplies by a dequantized weight: the largest fused layer's unpacked
         # codes (a byte each) and two activation-dtype copies while it is scaled
         hidden += 2 * args.intermediate_size * args.dim * (1 + 2 * act_bytes)
     logits = batch * args.vocab_size * 4
-    # Loading on a CPU holds the largest layer in its stored and its kernel layout at once (the
-    # stored copy is dropped before the next is read); a GPU plan leaves that host-side.
-    transit = max(*layers, head) if hardware.device == "cpu" else 0
-    fraction = args.routing.top_k / args.routing.experts if args.routing else 1.0
-    return Budget(
-        layers,
-        head,
-        table,
-        args.dim * act_bytes,
-        kv_cache,
-        hidden + logits,
-        hardware.reserve_bytes,
-        transit,
-        experts,
-        fraction,
-    )
+    return hidden + logits
 
 
 def qk_norm_bytes(args: ModelArgs, act_bytes: int) -> int:
@@ -460,6 +523,12 @@ def qk_norm_bytes(args: ModelArgs, act_bytes: int) -> int:
     if args.family.qk_norm == "projection":
         return (args.n_heads + args.n_kv_heads) * args.head_dim * act_bytes
     return 2 * args.head_dim * act_bytes if args.family.qk_norm else 0
+
+
+TABLE_NOTE = (
+    "the embedding table stays in host memory (one row per token is copied over): "
+    "run with --embedding-on-host"
+)
 
 
 def make_plan(
@@ -481,16 +550,11 @@ def make_plan(
     host_table = (
         hardware.device == "cuda" and not args.tie_embeddings and TABLE not in schemes
     )  # a quantized table is small: on the device
-    table_note = (
-        [
-            "the embedding table stays in host memory (one row per token is copied over): run with --embedding-on-host"
-        ]
-        if host_table
-        else []
-    )
-
-    def plans_at(length: int) -> list[Plan]:
-        """What can be tried at a context of `length` tokens, in order of preference."""
+    contexts = [context]
+    while contexts[-1] > 256:  # halving, not below 256 tokens: a shorter context is of little use
+        contexts.append(contexts[-1] // 2)
+    attempts = []  # the plans tried at each context, for the refusal
+    for length in contexts:
         b = budget(
             args,
             schemes,
@@ -502,75 +566,89 @@ def make_plan(
             gpu_int4=gpu_int4,
             adapter_ranks=adapter_ranks,
         )
-        on_device = "device" if length == context else "shorter-context"
-        plans = [Plan(hardware, length, batch, b, on_device)]
-        if host_table:
-            plans.append(
-                Plan(hardware, length, batch, b, on_device, table_on_host=True, notes=list(table_note))
-            )
-        if b.all_expert_bytes and hardware.host_bandwidth_bytes_s is not None:
-            plans.append(
-                Plan(
-                    hardware,
-                    length,
-                    batch,
-                    b,
-                    on_device,
-                    table_on_host=host_table,
-                    experts_on_host=True,
-                    notes=[*table_note, experts_note(b, hardware)],
-                )
-            )
-        if hardware.host_link_bytes_s is not None:
-            plans += [
-                Plan(
-                    hardware,
-                    length,
-                    batch,
-                    b,
-                    "stream",
-                    streamed_layers=n,
-                    table_on_host=host_table,
-                    notes=list(table_note),
-                )
-                for n in range(1, args.n_layers + 1)
-            ]
-        return plans
-
-    contexts = [context]
-    while contexts[-1] > 256:  # halving, not below 256 tokens: a shorter context is of little use
-        contexts.append(contexts[-1] // 2)
-    attempts = []  # the plans tried at each context, for the refusal
-    for length in contexts:
-        attempts.append(plans_at(length))
+        attempts.append(candidate_plans(args, hardware, b, length, context, batch, host_table))
         fits = next((plan for plan in attempts[-1] if plan.fits()), None)
-        if fits is None:
-            continue
-        if fits.kind == "stream":
-            fits.notes.append(
-                f"{fits.streamed_layers} of {args.n_layers} decoder layers stay in pinned host memory and stream in one layer ahead of use: run with --stream-layers {fits.streamed_layers}"
+        if fits is not None:
+            return noted(fits, args, context)
+    raise nothing_fits(args, hardware, context, contexts, attempts)
+
+
+def candidate_plans(
+    args: ModelArgs, hardware: Hardware, b: Budget, length: int, context: int, batch: int, host_table: bool
+) -> list[Plan]:
+    """What can be tried at a context of `length` tokens (of `context` asked), whose budget is
+    `b`, in order of preference. `host_table`: an untied float embedding table on a GPU."""
+    table_note = [TABLE_NOTE] if host_table else []
+    on_device = "device" if length == context else "shorter-context"
+    plans = [Plan(hardware, length, batch, b, on_device)]
+    if host_table:
+        plans.append(Plan(hardware, length, batch, b, on_device, table_on_host=True, notes=list(table_note)))
+    if b.all_expert_bytes and hardware.host_bandwidth_bytes_s is not None:
+        plans.append(
+            Plan(
+                hardware,
+                length,
+                batch,
+                b,
+                on_device,
+                table_on_host=host_table,
+                experts_on_host=True,
+                notes=[*table_note, experts_note(b, hardware)],
             )
-        if length < context:
-            fits.notes.append(f"the context is capped at {length} tokens (of {context} asked)")
-        return fits
+        )
+    if hardware.host_link_bytes_s is not None:
+        plans += [
+            Plan(
+                hardware,
+                length,
+                batch,
+                b,
+                "stream",
+                streamed_layers=n,
+                table_on_host=host_table,
+                notes=list(table_note),
+            )
+            for n in range(1, args.n_layers + 1)
+        ]
+    return plans
+
+
+def noted(plan: Plan, args: ModelArgs, context: int) -> Plan:
+    """`plan`, its notes saying how to run it streamed and that its context is capped."""
+    if plan.kind == "stream":
+        plan.notes.append(
+            f"{plan.streamed_layers} of {args.n_layers} decoder layers stay in pinned host memory and stream "
+            f"in one layer ahead of use: run with --stream-layers {plan.streamed_layers}"
+        )
+    if plan.context < context:
+        plan.notes.append(f"the context is capped at {plan.context} tokens (of {context} asked)")
+    return plan
+
+
+def nothing_fits(
+    args: ModelArgs, hardware: Hardware, context: int, contexts: list[int], attempts: list[list[Plan]]
+) -> SlimlmError:
+    """The refusal when no plan fits at any of `contexts`: what was tried (`attempts`, the
+    plans at each), and the budget at the context asked."""
     first, last = attempts[0], attempts[-1]
-    tried = [
-        f"everything on the device, {[plan for plan in first if plan.kind == 'device'][-1].device_bytes() / GiB:.2f} GiB"
-    ]
+    on_device = [plan for plan in first if plan.kind == "device"][-1]
+    tried = [f"everything on the device, {on_device.device_bytes() / GiB:.2f} GiB"]
     if first[-1].kind == "stream":
         host = (
-            f" on the device and {first[-1].host_bytes() / GiB:.2f} GiB in host memory (of {hardware.host_memory_bytes / GiB:.0f} GiB)"
+            f" on the device and {first[-1].host_bytes() / GiB:.2f} GiB in host memory "
+            f"(of {hardware.host_memory_bytes / GiB:.0f} GiB)"
             if hardware.host_memory_bytes
             else ""
         )
         tried.append(
-            f"all {args.n_layers} layers streamed from host memory, {first[-1].device_bytes() / GiB:.2f} GiB{host}"
+            f"all {args.n_layers} layers streamed from host memory, "
+            f"{first[-1].device_bytes() / GiB:.2f} GiB{host}"
         )
     if len(contexts) > 1:
         tried.append(f"a context of {contexts[-1]} tokens, at least {last[-1].device_bytes() / GiB:.2f} GiB")
-    raise SlimlmError(
-        f"nothing fits {hardware.name} ({hardware.memory_bytes / GiB:.1f} GiB); tried {'; '.join(tried)}. At {context} tokens:\n"
-        + format_budget(first[0].budget, hardware)
+    return SlimlmError(
+        f"nothing fits {hardware.name} ({hardware.memory_bytes / GiB:.1f} GiB); tried {'; '.join(tried)}. "
+        f"At {context} tokens:\n" + format_budget(first[0].budget, hardware)
     )
 
 
@@ -580,10 +658,17 @@ def experts_note(b: Budget, hardware: Hardware) -> str:
     host memory faster than the host link moves it (60 against 12 GB/s on a laptop)."""
     read = b.all_expert_bytes * b.routed_fraction
     cpu_ms, link_ms = read / hardware.host_bandwidth_bytes_s * 1e3, read / hardware.host_link_bytes_s * 1e3
-    line = f"the routed experts ({b.all_expert_bytes / GiB:.2f} GiB) stay in host memory and run on the CPU: a token reads {read / GiB:.2f} GiB of them, {cpu_ms:.1f} ms at {hardware.host_bandwidth_bytes_s / 1e9:.0f} GB/s"
+    line = (
+        f"the routed experts ({b.all_expert_bytes / GiB:.2f} GiB) stay in host memory and run on the CPU: "
+        f"a token reads {read / GiB:.2f} GiB of them, {cpu_ms:.1f} ms at "
+        f"{hardware.host_bandwidth_bytes_s / 1e9:.0f} GB/s"
+    )
     if cpu_ms <= link_ms:
         return f"{line}, against {link_ms:.1f} ms to copy them over the host link; run with --experts-on-host"
-    return f"{line}; copying them over the host link would take {link_ms:.1f} ms, which the decoder does not do yet; run with --experts-on-host"
+    return (
+        f"{line}; copying them over the host link would take {link_ms:.1f} ms, which the decoder does not "
+        "do yet; run with --experts-on-host"
+    )
 
 
 def format_budget(b: Budget, hardware: Hardware) -> str:
@@ -625,7 +710,8 @@ def format_plan(plan: Plan, model_name: str) -> str:
         format_budget(b, hw),
         budget_line("peak on the device", plan.device_bytes()),
         *([budget_line("in host memory", plan.host_bytes())] if plan.host_bytes() else []),
-        f"  {'decode bound (batch 1)':<{LABEL_WIDTH}} {bound:9.1f} tokens/s at {hw.bandwidth_bytes_s / 1e9:.0f} GB/s"
+        f"  {'decode bound (batch 1)':<{LABEL_WIDTH}} {bound:9.1f} tokens/s at "
+        f"{hw.bandwidth_bytes_s / 1e9:.0f} GB/s"
         + (f" and {hw.host_link_bytes_s / 1e9:.0f} GB/s host link" if plan.kind == "stream" else "")
         + (f" and {hw.host_bandwidth_bytes_s / 1e9:.0f} GB/s host memory" if plan.experts_on_host else ""),
         *[f"  note: {note}" for note in plan.notes],

@@ -12,13 +12,17 @@ are special tokens, so no message can open a turn of its own. Templates and toke
 tokenizer thread, never on the event loop, so a large prompt holds up no other client (nor /health).
 With a ContinuousBatcher (`slimlm serve` makes one) admitted requests decode together, joining and
 leaving the batch between steps; without one they decode one at a time. A request is admitted
-until its response ends, however it ends: a client that goes away frees its slot, and its decoding
-stops at its next step (a stream's when its response ends, a whole completion's when its endpoint,
-watching the connection, sees it close).
+until its response ends, however it ends, and a client that goes away stops its decoding at its
+next step: a stream's when the server sees its connection close, which also frees its slot at
+once (not only once its decoding has stopped), a whole completion's when its endpoint, watching
+the connection, sees it close.
 A malformed request, or one asking for what this server does not do (n > 1, logprobs, echo,
 best_of, presence or frequency penalties), gets HTTP 400 with an OpenAI-style JSON error; one
 that reaches a batcher already closed a 503; any other failure a JSON 500 (or, mid-stream, an
 error event before `[DONE]`). The server keeps serving.
+
+The request bodies are server_models.py's; the app's state (the decoder, the limits, the
+admissions, the tokenizer thread) is a ServerState on `app.state.server`.
 """
 
 # No `from __future__ import annotations`: FastAPI reads the request models from the endpoint signatures.
@@ -32,9 +36,25 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator, Literal, Optional, Union
+from typing import Callable, Iterator, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.responses import JSONResponse, StreamingResponse
 
 from slimlm.errors import SlimlmError
+from slimlm.inference.batching import BatcherClosed, ContinuousBatcher, Submission
+from slimlm.inference.decoder import Decoder, Generation, until_stop
+from slimlm.inference.sampling import SamplingParams
+from slimlm.inference.server_models import (
+    ChatRequest,
+    CompletionRequest,
+    Message,
+    Sampling,
+    chat_request_model,
+)
 
 
 @dataclass(frozen=True)
@@ -45,22 +65,141 @@ class ServerLimits:
     max_stop_strings: int = 4  # as OpenAI's API: each is checked against the text at every token
     max_stop_chars: int = 256
     default_max_tokens: int = 128  # for a request that names none (at most max_new_tokens)
-    max_body_bytes: int = (
-        1 << 20
-    )  # a larger request body gets 413 before it is read (JSON parsing is on the event loop)
+    # a larger request body gets 413 before it is read (JSON parsing is on the event loop)
+    max_body_bytes: int = 1 << 20
     max_messages: int = 256  # a chat's messages
-    max_prompt_chars: Optional[int] = (
-        None  # None: what max_prompt_tokens tokens can spell (twice the tokens times the longest token)
+    # None: what max_prompt_tokens tokens can spell (twice the tokens times the longest token)
+    max_prompt_chars: Optional[int] = None
+
+
+@dataclass
+class ServerState:
+    """What the app's handlers share: the model, the limits, the admissions and the tokenizer
+    thread (`app.state.server`)."""
+
+    decoder: Decoder
+    model_name: str
+    limits: ServerLimits
+    batcher: Optional[ContinuousBatcher]
+    # One thread renders templates and tokenizes: off the event loop, and the tokenizer's
+    # split_special_tokens switch (state it sets per call) is never flipped by two calls at once.
+    tokenizing: ThreadPoolExecutor
+    admitted: threading.BoundedSemaphore  # a slot per request admitted at once
+    max_prompt_chars: int  # a longer prompt is refused before tokenizing
+
+    @classmethod
+    def create(
+        cls, decoder: Decoder, model_name: str, limits: ServerLimits, batcher: Optional[ContinuousBatcher]
+    ) -> "ServerState":
+        return cls(
+            decoder,
+            model_name,
+            limits,
+            batcher,
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="slimlm-tokenizer"),
+            threading.BoundedSemaphore(limits.max_concurrent),
+            limits.max_prompt_chars or 2 * limits.max_prompt_tokens * longest_token(decoder.tokenizer),
+        )
+
+
+def longest_token(tokenizer) -> int:
+    """The most characters a token spells. By default a text longer than the prompt limit times
+    this (twice, for normalizations that shorten text) is refused before tokenizing: the tokenizer
+    thread would be busy with it while other requests wait for theirs."""
+    return max(map(len, tokenizer.get_vocab()), default=1)
+
+
+def create_app(
+    decoder: Decoder,
+    model_name: str,
+    limits: ServerLimits = ServerLimits(),
+    batcher: Optional[ContinuousBatcher] = None,
+) -> FastAPI:
+    """The server's app over `decoder` (batched by `batcher` when given), answering as `model_name`."""
+    check_chat_support(decoder.tokenizer)
+    app = FastAPI(
+        title="slimlm",
+        description="OpenAI-compatible completions from the bundled decoder",
+        lifespan=lifespan,
     )
+    app.state.server = ServerState.create(decoder, model_name, limits, batcher)
+    app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes)
+    for error, handler in ERROR_HANDLERS.items():
+        app.add_exception_handler(error, handler)
+    app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/v1/models", models, methods=["GET"])
+    # The endpoints run on the event loop, so that a request without `stream` can watch its
+    # connection; they only check what is cheap to check (sizes, sampling) there, and hand the
+    # template and tokenizing to the tokenizer thread, the decoding to worker threads.
+    app.add_api_route("/v1/completions", completions, methods=["POST"])
+    app.add_api_route(
+        "/v1/chat/completions", chat_endpoint(chat_request_model(limits.max_messages)), methods=["POST"]
+    )
+    return app
 
 
-def error_response(status: int, message: str, kind: str = "invalid_request_error"):
+@asynccontextmanager
+async def lifespan(app: FastAPI):
+    yield
+    app.state.server.tokenizing.shutdown(wait=False)
+
+
+def server_state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+# --- errors -------------------------------------------------------------------------------------
+
+
+def error_response(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
     """An OpenAI-style JSON error."""
-    from starlette.responses import JSONResponse
-
     return JSONResponse(
         status_code=status, content={"error": {"message": message, "type": kind, "code": status}}
     )
+
+
+async def bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+    problems = "; ".join(
+        f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}" for e in exc.errors()
+    )
+    return error_response(400, f"malformed request: {problems}")
+
+
+async def refused(request: Request, exc: SlimlmError) -> JSONResponse:
+    return error_response(400, str(exc))
+
+
+async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+    kind = (
+        "rate_limit_error"
+        if exc.status_code == 429
+        else "invalid_request_error"
+        if exc.status_code < 500
+        else "server_error"
+    )
+    return error_response(exc.status_code, str(exc.detail), kind)
+
+
+async def closing(request: Request, exc: BatcherClosed) -> JSONResponse:
+    return error_response(503, f"{exc}: the server is shutting down", "server_error")
+
+
+async def failed(request: Request, exc: Exception) -> JSONResponse:
+    return error_response(
+        500, f"the server failed on this request: {type(exc).__name__}: {exc}", "server_error"
+    )
+
+
+ERROR_HANDLERS = {
+    RequestValidationError: bad_request,
+    SlimlmError: refused,
+    HTTPException: http_error,
+    BatcherClosed: closing,
+    Exception: failed,
+}
+
+
+# --- the request body's size --------------------------------------------------------------------
 
 
 @dataclass
@@ -90,9 +229,8 @@ class BodyLimit:
         await self.app(scope, replaying(bytes(body), receive), send)
 
     async def refuse(self, scope: dict, receive: Callable, send: Callable) -> None:
-        await error_response(413, f"the request body is over this server's limit of {self.max_bytes} bytes")(
-            scope, receive, send
-        )
+        message = f"the request body is over this server's limit of {self.max_bytes} bytes"
+        await error_response(413, message)(scope, receive, send)
 
 
 def replaying(body: bytes, receive: Callable) -> Callable:
@@ -107,6 +245,9 @@ def replaying(body: bytes, receive: Callable) -> Callable:
         return {"type": "http.request", "body": body, "more_body": False}
 
     return replay
+
+
+# --- prompts ------------------------------------------------------------------------------------
 
 
 def text_prompt_ids(tokenizer, text: str) -> list[int]:
@@ -130,10 +271,7 @@ def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
             sanitize_control_tokens=True,
             return_dict=False,
         )
-    except (
-        TemplateError,
-        ValueError,
-    ) as exc:  # the template's own refusals (roles must alternate, ...) and transformers'
+    except (TemplateError, ValueError) as exc:  # the template's own refusals (roles must alternate, ...)
         raise SlimlmError(f"the model's chat template refused these messages: {exc}") from None
 
 
@@ -145,379 +283,365 @@ def check_chat_support(tokenizer) -> None:
         and "sanitize_control_tokens" not in inspect.signature(tokenizer.apply_chat_template).parameters
     ):
         raise SlimlmError(
-            "serving chat needs a transformers whose apply_chat_template takes sanitize_control_tokens (5.20 or later): pip install -U transformers"
+            "serving chat needs a transformers whose apply_chat_template takes sanitize_control_tokens "
+            "(5.20 or later): pip install -U transformers"
         )
 
 
-def create_app(decoder, model_name: str, limits: ServerLimits = ServerLimits(), batcher=None):
-    from fastapi import FastAPI, Request
-    from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse, StreamingResponse
-    from pydantic import BaseModel, ConfigDict, Field
-    from starlette.concurrency import run_in_threadpool
-    from starlette.exceptions import HTTPException
+def checked_text(text: str, what: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise SlimlmError(
+            f"{what} is not valid Unicode text ({exc.reason} at character {exc.start})"
+        ) from None
+    return text
 
-    from slimlm.inference.batching import BatcherClosed
-    from slimlm.inference.decoder import Generation, until_stop
-    from slimlm.inference.sampling import SamplingParams
 
-    class Sampling(BaseModel):
-        model_config = ConfigDict(extra="ignore", strict=True)  # "3" is not a number, nor "yes" a boolean
-        model: Optional[str] = None
-        max_tokens: Optional[int] = Field(default=None, ge=1)
-        max_completion_tokens: Optional[int] = Field(default=None, ge=1)  # the chat API's newer name for it
-        temperature: float = Field(default=1.0, ge=0)
-        top_p: Optional[float] = Field(default=None, gt=0, le=1)
-        top_k: Optional[int] = Field(default=None, ge=1)
-        repetition_penalty: float = Field(default=1.0, gt=0)
-        seed: Optional[int] = None
-        stop: Union[str, list[str], None] = None
-        stream: bool = False
-        # OpenAI options this server does not implement: refused unless left at their defaults
-        n: int = 1
-        best_of: Optional[int] = None
-        logprobs: Union[bool, int, None] = None
-        top_logprobs: Optional[int] = None
-        echo: bool = False
-        presence_penalty: float = 0.0
-        frequency_penalty: float = 0.0
+def check_chars(state: ServerState, characters: int) -> None:
+    if characters > state.max_prompt_chars:
+        raise SlimlmError(
+            f"the prompt has {characters} characters, more than this server's limit of "
+            f"{state.max_prompt_chars}"
+        )
 
-    class CompletionRequest(Sampling):
-        prompt: str
 
-    class Message(BaseModel):
-        model_config = ConfigDict(strict=True)
-        role: Literal["system", "user", "assistant"]
-        content: str
+def checked_ids(ids: list[int], limits: ServerLimits) -> list[int]:
+    if not ids:
+        raise SlimlmError("the prompt is empty")
+    if len(ids) > limits.max_prompt_tokens:
+        raise SlimlmError(
+            f"the prompt has {len(ids)} tokens; this server accepts at most {limits.max_prompt_tokens}"
+        )
+    return ids
 
-    class ChatRequest(Sampling):
-        messages: list[Message] = Field(min_length=1, max_length=limits.max_messages)
 
-    check_chat_support(decoder.tokenizer)
-    # One thread renders templates and tokenizes: off the event loop, and the tokenizer's
-    # split_special_tokens switch (state it sets per call) is never flipped by two calls at once.
-    tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slimlm-tokenizer")
+def completion_ids(state: ServerState, prompt: str) -> list[int]:
+    """The prompt's tokens (on the tokenizer thread)."""
+    ids = text_prompt_ids(state.decoder.tokenizer, checked_text(prompt, "the prompt"))
+    return checked_ids(ids, state.limits)
 
-    @asynccontextmanager
-    async def lifespan(app: FastAPI):
-        yield
-        tokenizing.shutdown(wait=False)
 
-    app = FastAPI(
-        title="slimlm",
-        description="OpenAI-compatible completions from the bundled decoder",
-        lifespan=lifespan,
+def chat_ids(state: ServerState, messages: list[Message]) -> list[int]:
+    """The chat's rendering, tokenized (on the tokenizer thread)."""
+    turns = [
+        {"role": m.role, "content": checked_text(m.content, f"message {i}'s content")}
+        for i, m in enumerate(messages)
+    ]
+    return checked_ids(chat_prompt_ids(state.decoder.tokenizer, turns), state.limits)
+
+
+# --- sampling -----------------------------------------------------------------------------------
+
+
+def params_of(body: Sampling, limits: ServerLimits) -> SamplingParams:
+    """The request's sampling, refused (SlimlmError) where it asks for what this server does not do
+    or more than its limits."""
+    refuse_unsupported(body)
+    max_tokens = (
+        body.max_completion_tokens or body.max_tokens or min(limits.default_max_tokens, limits.max_new_tokens)
     )
-    app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes)
-    admitted = threading.BoundedSemaphore(limits.max_concurrent)
-
-    @app.exception_handler(RequestValidationError)
-    async def bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}" for e in exc.errors()
-        )
-        return error_response(400, f"malformed request: {problems}")
-
-    @app.exception_handler(SlimlmError)
-    async def refused(request: Request, exc: SlimlmError) -> JSONResponse:
-        return error_response(400, str(exc))
-
-    @app.exception_handler(HTTPException)
-    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
-        kind = (
-            "rate_limit_error"
-            if exc.status_code == 429
-            else "invalid_request_error"
-            if exc.status_code < 500
-            else "server_error"
-        )
-        return error_response(exc.status_code, str(exc.detail), kind)
-
-    @app.exception_handler(BatcherClosed)
-    async def closing(request: Request, exc: BatcherClosed) -> JSONResponse:
-        return error_response(503, f"{exc}: the server is shutting down", "server_error")
-
-    @app.exception_handler(Exception)
-    async def failed(request: Request, exc: Exception) -> JSONResponse:
-        return error_response(
-            500, f"the server failed on this request: {type(exc).__name__}: {exc}", "server_error"
-        )
-
-    def params_of(body: Sampling) -> SamplingParams:
-        unsupported = {
-            "n": body.n != 1,
-            "best_of": body.best_of not in (None, 1),
-            "logprobs": bool(body.logprobs) or body.top_logprobs is not None,
-            "echo": body.echo,
-            "presence_penalty": body.presence_penalty != 0,
-            "frequency_penalty": body.frequency_penalty != 0,
-        }
-        asked = [name for name, used in unsupported.items() if used]
-        if asked:
-            raise SlimlmError(
-                f"this server does not support {', '.join(asked)}: it returns one choice, without log probabilities or the prompt (penalties: use repetition_penalty)"
-            )
-        max_tokens = (
-            body.max_completion_tokens
-            or body.max_tokens
-            or min(limits.default_max_tokens, limits.max_new_tokens)
-        )
-        if max_tokens > limits.max_new_tokens:
-            raise SlimlmError(
-                f"max_tokens={max_tokens} exceeds this server's limit of {limits.max_new_tokens}"
-            )
-        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        if len(stops) > limits.max_stop_strings or not all(
-            0 < len(stop) <= limits.max_stop_chars for stop in stops
-        ):
-            raise SlimlmError(
-                f"stop must be at most {limits.max_stop_strings} non-empty strings of at most {limits.max_stop_chars} characters each"
-            )
-        return SamplingParams(
-            max_new_tokens=max_tokens,
-            temperature=body.temperature,
-            top_k=body.top_k,
-            top_p=body.top_p,
-            repetition_penalty=body.repetition_penalty,
-            seed=body.seed,
-            stop=[checked_text(stop, "a stop string") for stop in stops],
-        )
-
-    def checked_text(text: str, what: str) -> str:
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise SlimlmError(
-                f"{what} is not valid Unicode text ({exc.reason} at character {exc.start})"
-            ) from None
-        return text
-
-    # By default, a token spells at most this many characters, so a text longer than the prompt
-    # limit times it (twice, for normalizations that shorten text) is refused before tokenizing:
-    # the tokenizer thread would be busy with it while other requests wait for theirs.
-    longest_token = max(map(len, decoder.tokenizer.get_vocab()), default=1)
-    max_prompt_chars = limits.max_prompt_chars or 2 * limits.max_prompt_tokens * longest_token
-
-    def check_chars(characters: int) -> None:
-        if characters > max_prompt_chars:
-            raise SlimlmError(
-                f"the prompt has {characters} characters, more than this server's limit of {max_prompt_chars}"
-            )
-
-    def completion_ids(prompt: str) -> list[int]:
-        return checked_ids(text_prompt_ids(decoder.tokenizer, checked_text(prompt, "the prompt")))
-
-    def chat_ids(messages: list[Message]) -> list[int]:
-        turns = [
-            {"role": m.role, "content": checked_text(m.content, f"message {i}'s content")}
-            for i, m in enumerate(messages)
-        ]
-        return checked_ids(chat_prompt_ids(decoder.tokenizer, turns))
-
-    def checked_ids(ids: list[int]) -> list[int]:
-        if not ids:
-            raise SlimlmError("the prompt is empty")
-        if len(ids) > limits.max_prompt_tokens:
-            raise SlimlmError(
-                f"the prompt has {len(ids)} tokens; this server accepts at most {limits.max_prompt_tokens}"
-            )
-        return ids
-
-    def admission() -> Callable[[], None]:
-        """Admit a request (429 when full); returns its release, safe to call more than once."""
-        if not admitted.acquire(blocking=False):
-            raise HTTPException(
-                429, f"the server is busy ({limits.max_concurrent} requests admitted); retry later"
-            )
-        once = threading.Lock()
-
-        def release() -> None:
-            if once.acquire(blocking=False):
-                admitted.release()
-
-        return release
-
-    class AdmittedStream(StreamingResponse):
-        """Ends its request's admission however the response ends, also when the client left
-        before the body started (Starlette then never runs the body's generator)."""
-
-        def __init__(self, body: Iterator[str], end_admission: Callable[[], None]):
-            super().__init__(body, media_type="text/event-stream")
-            self.end_admission = end_admission
-
-        async def __call__(self, scope, receive, send) -> None:
-            try:
-                await super().__call__(scope, receive, send)
-            finally:
-                self.end_admission()
-
-    def begin(ids: list[int], params: SamplingParams):
-        """Queue the request with the batcher, or check that the decoder can complete it: its
-        refusals come before any response. Returns the batcher's submission (None one at a
-        time), the event a one-at-a-time decoding stops at, and the call that stops either."""
-        gone = threading.Event()
-        if batcher is not None:
-            submission = batcher.submit(ids, params)
-            return submission, gone, submission.cancel
-        decoder.check_prompts([ids], params)
-        return None, gone, gone.set
-
-    async def completed_unless_gone(request: Request, ids: list[int], params: SamplingParams) -> Generation:
-        """The whole completion, decoded in a worker thread while this watches the connection:
-        a client that goes away stops the decoding at its next token (its answer would go nowhere)."""
-        submission, gone, stop = begin(ids, params)
-
-        def on_token(row: int, token: int) -> None:
-            if gone.is_set():
-                raise SlimlmError("the client went away")
-
-        work = (
-            (lambda: list(submission)[-1])
-            if submission is not None
-            else (lambda: decoder.generate_ids([ids], params, on_token)[0])
-        )
-        task = asyncio.ensure_future(run_in_threadpool(work))
-        while not (await asyncio.wait({task}, timeout=0.1))[0]:
-            if await request.is_disconnected():
-                stop()
-                break
-        return await task
-
-    async def respond(
-        request: Request, prepare: Callable[[], list[int]], params: SamplingParams, stream: bool, chat: bool
+    if max_tokens > limits.max_new_tokens:
+        raise SlimlmError(f"max_tokens={max_tokens} exceeds this server's limit of {limits.max_new_tokens}")
+    stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    if len(stops) > limits.max_stop_strings or not all(
+        0 < len(stop) <= limits.max_stop_chars for stop in stops
     ):
-        """Admit the request, then tokenize it (`prepare`, on the tokenizer thread: only admitted
-        requests queue there) and answer it."""
-        release = admission()
-        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-        created = int(time.time())
-        try:
-            ids = await asyncio.get_running_loop().run_in_executor(tokenizing, prepare)
-            if stream:  # refusals (a prompt too long for a row or the model) come now, as a 400, not in a started stream
-                submission, cancel, stop = begin(ids, params)
-            else:
-                generation = await completed_unless_gone(request, ids, params)
-        except BaseException:
-            release()
-            raise
-        if not stream:
-            release()
-            usage = {
-                "prompt_tokens": len(ids),
-                "completion_tokens": len(generation.token_ids),
-                "total_tokens": len(ids) + len(generation.token_ids),
-                "prompt_tokens_details": {"cached_tokens": generation.cached_tokens},
-            }  # found in the cache, not prefilled again
-            if chat:
-                choice = {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": generation.text},
-                    "finish_reason": generation.finish_reason,
-                }
-            else:
-                choice = {
-                    "index": 0,
-                    "text": generation.text,
-                    "logprobs": None,
-                    "finish_reason": generation.finish_reason,
-                }
-            return {
-                "id": request_id,
-                "object": "chat.completion" if chat else "text_completion",
-                "created": created,
-                "model": model_name,
-                "choices": [choice],
-                "usage": usage,
-            }
+        raise SlimlmError(
+            f"stop must be at most {limits.max_stop_strings} non-empty strings of at most "
+            f"{limits.max_stop_chars} characters each"
+        )
+    return SamplingParams(
+        max_new_tokens=max_tokens,
+        temperature=body.temperature,
+        top_k=body.top_k,
+        top_p=body.top_p,
+        repetition_penalty=body.repetition_penalty,
+        seed=body.seed,
+        stop=[checked_text(stop, "a stop string") for stop in stops],
+    )
 
-        def end_admission() -> None:
-            stop()  # a no-op once the decoding has finished
-            release()
 
-        return AdmittedStream(
-            events(request_id, created, ids, params, chat, submission, cancel, end_admission), end_admission
+def refuse_unsupported(body: Sampling) -> None:
+    """Refuse the OpenAI options this server does not implement, unless left at their defaults."""
+    unsupported = {
+        "n": body.n != 1,
+        "best_of": body.best_of not in (None, 1),
+        "logprobs": bool(body.logprobs) or body.top_logprobs is not None,
+        "echo": body.echo,
+        "presence_penalty": body.presence_penalty != 0,
+        "frequency_penalty": body.frequency_penalty != 0,
+    }
+    asked = [name for name, used in unsupported.items() if used]
+    if asked:
+        raise SlimlmError(
+            f"this server does not support {', '.join(asked)}: it returns one choice, without log "
+            "probabilities or the prompt (penalties: use repetition_penalty)"
         )
 
-    def batched_pieces(submission, results: list) -> Iterator[str]:
-        """The batcher's text pieces; its final Generation goes to `results`."""
-        for item in submission:
-            if isinstance(item, Generation):
-                results.append(item)
-            else:
-                yield item
 
-    def events(
-        request_id: str,
-        created: int,
-        ids: list[int],
-        params: SamplingParams,
-        chat: bool,
-        submission,
-        cancel: threading.Event,
-        end_admission: Callable[[], None],
-    ) -> Iterator[str]:
-        kind = "chat.completion.chunk" if chat else "text_completion"
+# --- admission and decoding ---------------------------------------------------------------------
 
-        def chunk(piece: Optional[str], finish: Optional[str], first: bool = False) -> str:
-            if chat:
-                delta = {"role": "assistant"} if first else ({} if piece is None else {"content": piece})
-                choice = {"index": 0, "delta": delta, "finish_reason": finish}
-            else:
-                choice = {"index": 0, "text": piece or "", "logprobs": None, "finish_reason": finish}
-            return f"data: {json.dumps({'id': request_id, 'object': kind, 'created': created, 'model': model_name, 'choices': [choice]})}\n\n"
 
-        try:
-            if chat:
-                yield chunk(None, None, first=True)
-            results: list[
-                Generation
-            ] = []  # the Generation, whose finish reason the last chunk gives; none after a stop string
-            if submission is not None:
-                source = batched_pieces(submission, results)
-                for piece in until_stop(source, params.stop):
-                    yield chunk(piece, None)
-                for _ in source:  # after a stop string: the sequence ends at once; collect its Generation
-                    pass
-            else:
-                for piece in decoder.stream_ids(ids, params, results, cancel):
-                    yield chunk(piece, None)
-            yield chunk(None, results[0].finish_reason if results else "stop")
-        except Exception as exc:  # the headers went out with 200: the client learns of it in the stream
-            failure = {
-                "message": f"{type(exc).__name__}: {exc}",
-                "type": "invalid_request_error" if isinstance(exc, SlimlmError) else "server_error",
+def admission(state: ServerState) -> Callable[[], None]:
+    """Admit a request (429 when full); returns its release, safe to call more than once."""
+    if not state.admitted.acquire(blocking=False):
+        raise HTTPException(
+            429, f"the server is busy ({state.limits.max_concurrent} requests admitted); retry later"
+        )
+    once = threading.Lock()
+
+    def release() -> None:
+        if once.acquire(blocking=False):
+            state.admitted.release()
+
+    return release
+
+
+@dataclass
+class Decoding:
+    """A request handed to the decoding: the batcher's submission (None one at a time), the event
+    a one-at-a-time decoding stops at, and the call that stops either."""
+
+    submission: Optional[Submission]
+    cancel: threading.Event
+    stop: Callable[[], None]
+
+
+def begin(state: ServerState, ids: list[int], params: SamplingParams) -> Decoding:
+    """Queue the request with the batcher, or check that the decoder can complete it: its
+    refusals come before any response."""
+    gone = threading.Event()
+    if state.batcher is not None:
+        submission = state.batcher.submit(ids, params)
+        return Decoding(submission, gone, submission.cancel)
+    state.decoder.check_prompts([ids], params)
+    return Decoding(None, gone, gone.set)
+
+
+async def completed_unless_gone(
+    state: ServerState, request: Request, ids: list[int], params: SamplingParams
+) -> Generation:
+    """The whole completion, decoded in a worker thread while this watches the connection:
+    a client that goes away stops the decoding at its next token (its answer would go nowhere)."""
+    decoding = begin(state, ids, params)
+
+    def on_token(row: int, token: int) -> None:
+        if decoding.cancel.is_set():
+            raise SlimlmError("the client went away")
+
+    def work() -> Generation:
+        if decoding.submission is not None:
+            return list(decoding.submission)[-1]
+        return state.decoder.generate_ids([ids], params, on_token)[0]
+
+    task = asyncio.ensure_future(run_in_threadpool(work))
+    while not (await asyncio.wait({task}, timeout=0.1))[0]:
+        if await request.is_disconnected():
+            decoding.stop()
+            break
+    return await task
+
+
+# --- answers ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Reply:
+    """What every part of one answer carries: its id, when it was made, the model, and whether it
+    answers a chat."""
+
+    id: str
+    created: int
+    model: str
+    chat: bool
+
+    @classmethod
+    def new(cls, model: str, chat: bool) -> "Reply":
+        return cls(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", int(time.time()), model, chat)
+
+    def whole(self, ids: list[int], generation: Generation) -> dict:
+        """The answer without `stream`."""
+        usage = {
+            "prompt_tokens": len(ids),
+            "completion_tokens": len(generation.token_ids),
+            "total_tokens": len(ids) + len(generation.token_ids),
+            # found in the cache, not prefilled again
+            "prompt_tokens_details": {"cached_tokens": generation.cached_tokens},
+        }
+        if self.chat:
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": generation.text},
+                "finish_reason": generation.finish_reason,
             }
-            yield f"data: {json.dumps({'error': failure})}\n\n"
-        finally:
-            end_admission()
-        yield "data: [DONE]\n\n"
-
-    @app.get("/health")
-    def health() -> dict:
-        return {"status": "ok", "model": model_name}
-
-    @app.get("/v1/models")
-    def models() -> dict:
+        else:
+            choice = {
+                "index": 0,
+                "text": generation.text,
+                "logprobs": None,
+                "finish_reason": generation.finish_reason,
+            }
         return {
-            "object": "list",
-            "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "slimlm"}],
+            "id": self.id,
+            "object": "chat.completion" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            "usage": usage,
         }
 
-    # The endpoints run on the event loop, so that a request without `stream` can watch its
-    # connection; they only check what is cheap to check (sizes, sampling) there, and hand the
-    # template and tokenizing to the tokenizer thread, the decoding to worker threads.
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
-        params = params_of(body)
-        check_chars(len(body.prompt))
-        return await respond(request, lambda: completion_ids(body.prompt), params, body.stream, chat=False)
+    def chunk(self, piece: Optional[str], finish: Optional[str], first: bool = False) -> str:
+        """One event of the answer with `stream`."""
+        if self.chat:
+            delta = {"role": "assistant"} if first else ({} if piece is None else {"content": piece})
+            choice = {"index": 0, "delta": delta, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": piece or "", "logprobs": None, "finish_reason": finish}
+        event = {
+            "id": self.id,
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+        }
+        return f"data: {json.dumps(event)}\n\n"
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatRequest, request: Request):
-        if not getattr(decoder.tokenizer, "chat_template", None):
-            raise SlimlmError(f"model '{model_name}' has no chat template; use /v1/completions")
-        params = params_of(body)
-        check_chars(sum(len(m.content) for m in body.messages))
-        return await respond(request, lambda: chat_ids(body.messages), params, body.stream, chat=True)
 
-    return app
+async def respond(
+    request: Request, prepare: Callable[[], list[int]], params: SamplingParams, stream: bool, chat: bool
+):
+    """Admit the request, then tokenize it (`prepare`, on the tokenizer thread: only admitted
+    requests queue there) and answer it."""
+    state = server_state(request)
+    release = admission(state)
+    reply = Reply.new(state.model_name, chat)
+    try:
+        ids = await asyncio.get_running_loop().run_in_executor(state.tokenizing, prepare)
+        if stream:  # refusals (a prompt too long for a row or the model) come now, as a 400, not in a stream
+            decoding = begin(state, ids, params)
+        else:
+            generation = await completed_unless_gone(state, request, ids, params)
+    except BaseException:
+        release()
+        raise
+    if not stream:
+        release()
+        return reply.whole(ids, generation)
+
+    def end_admission() -> None:
+        decoding.stop()  # a no-op once the decoding has finished
+        release()
+
+    return AdmittedStream(events(state, reply, ids, params, decoding, end_admission), end_admission)
+
+
+class AdmittedStream(StreamingResponse):
+    """Ends its request's admission however the response ends: as soon as the client's connection
+    closes (its decoding stopping at its next step, and its slot free at once, not only once that
+    step is over), also when the client left before the body started (Starlette then never runs
+    the body's generator)."""
+
+    def __init__(self, body: Iterator[str], end_admission: Callable[[], None]):
+        super().__init__(body, media_type="text/event-stream")
+        self.end_admission = end_admission
+
+    async def __call__(self, scope, receive, send) -> None:
+        async def watched() -> dict:  # Starlette stops the stream at the disconnect this hands it
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                self.end_admission()
+            return message
+
+        try:
+            await super().__call__(scope, watched, send)
+        finally:
+            self.end_admission()
+
+
+def events(
+    state: ServerState,
+    reply: Reply,
+    ids: list[int],
+    params: SamplingParams,
+    decoding: Decoding,
+    end_admission: Callable[[], None],
+) -> Iterator[str]:
+    """The answer's server-sent events, ending in `[DONE]`; the admission ends before that."""
+    try:
+        if reply.chat:
+            yield reply.chunk(None, None, first=True)
+        # the Generation, whose finish reason the last chunk gives; none after a stop string
+        results: list[Generation] = []
+        for piece in pieces(state, ids, params, decoding, results):
+            yield reply.chunk(piece, None)
+        yield reply.chunk(None, results[0].finish_reason if results else "stop")
+    except Exception as exc:  # the headers went out with 200: the client learns of it in the stream
+        failure = {
+            "message": f"{type(exc).__name__}: {exc}",
+            "type": "invalid_request_error" if isinstance(exc, SlimlmError) else "server_error",
+        }
+        yield f"data: {json.dumps({'error': failure})}\n\n"
+    finally:
+        end_admission()
+    yield "data: [DONE]\n\n"
+
+
+def pieces(
+    state: ServerState, ids: list[int], params: SamplingParams, decoding: Decoding, results: list
+) -> Iterator[str]:
+    """The answer's text pieces, up to a stop string; its Generation goes to `results`."""
+    if decoding.submission is None:
+        yield from state.decoder.stream_ids(ids, params, results, decoding.cancel)
+        return
+    source = batched_pieces(decoding.submission, results)
+    yield from until_stop(source, params.stop)
+    for _ in source:  # after a stop string: the sequence ends at once; collect its Generation
+        pass
+
+
+def batched_pieces(submission: Submission, results: list) -> Iterator[str]:
+    """The batcher's text pieces; its final Generation goes to `results`."""
+    for item in submission:
+        if isinstance(item, Generation):
+            results.append(item)
+        else:
+            yield item
+
+
+# --- endpoints --------------------------------------------------------------------------------
+
+
+def health(request: Request) -> dict:
+    return {"status": "ok", "model": server_state(request).model_name}
+
+
+def models(request: Request) -> dict:
+    card = {"id": server_state(request).model_name, "object": "model", "created": 0, "owned_by": "slimlm"}
+    return {"object": "list", "data": [card]}
+
+
+async def completions(body: CompletionRequest, request: Request):
+    state = server_state(request)
+    params = params_of(body, state.limits)
+    check_chars(state, len(body.prompt))
+    return await respond(request, lambda: completion_ids(state, body.prompt), params, body.stream, chat=False)
+
+
+async def answer_chat(body: ChatRequest, request: Request):
+    state = server_state(request)
+    if not getattr(state.decoder.tokenizer, "chat_template", None):
+        raise SlimlmError(f"model '{state.model_name}' has no chat template; use /v1/completions")
+    params = params_of(body, state.limits)
+    check_chars(state, sum(len(m.content) for m in body.messages))
+    return await respond(request, lambda: chat_ids(state, body.messages), params, body.stream, chat=True)
+
+
+def chat_endpoint(model: type[ChatRequest]) -> Callable:
+    """The chat endpoint, reading its body as `model` (a ChatRequest with the server's limit on
+    messages, which FastAPI takes from the signature)."""
+
+    async def chat_completions(body: model, request: Request):
+        return await answer_chat(body, request)
+
+    return chat_completions

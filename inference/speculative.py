@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Optional, Sequence
 
 import torch
@@ -99,7 +99,8 @@ class DraftProposer:
     def __init__(self, draft: Decoder, target_vocab: int):
         if draft.model.args.vocab_size != target_vocab:
             raise SlimlmError(
-                f"the draft model's vocabulary ({draft.model.args.vocab_size}) differs from the target's ({target_vocab}); a draft must share the target's tokenizer"
+                f"the draft model's vocabulary ({draft.model.args.vocab_size}) differs from the target's "
+                f"({target_vocab}); a draft must share the target's tokenizer"
             )
         self.draft = draft
         self.consumed = 0  # tokens of the sequence the draft's cache holds correctly
@@ -205,6 +206,136 @@ def verify(
     return kept, choices[kept]
 
 
+@dataclass
+class Answer:
+    """A speculative generation's sequence as it grows: each kept token joins `tokens` and
+    `new`, the prompt lookup's index, the repetition penalty's tokens `seen`, and is shown to
+    `on_token`."""
+
+    target: Decoder
+    params: SamplingParams
+    tokens: list[int]  # the prompt, then the kept tokens
+    seen: torch.Tensor  # [1, vocab]
+    generator: Optional[torch.Generator]
+    lookup: Optional[PromptLookup]  # None: a draft model guesses
+    on_token: Optional[TokenCallback]
+    end_ids: set[int]
+    new: list[int] = field(default_factory=list)  # the kept tokens
+
+    def keep(self, token: int) -> bool:
+        """Add a kept token; whether the answer ends with it (a stop string)."""
+        self.new.append(token)
+        self.tokens.append(token)
+        if self.lookup is not None:
+            self.lookup.extend((token,))
+        if self.params.repetition_penalty != 1.0:
+            self.seen[0, token] = True
+        if self.on_token is not None:
+            self.on_token(0, token)
+        return bool(self.params.stop) and self.target._hits_stop_string(self.new, self.params.stop)
+
+    def take(self, token: int) -> bool:
+        """Keep `token` unless it is an end token; whether the answer is over (an end token, a
+        stop string, or max_new_tokens)."""
+        return token in self.end_ids or self.keep(token) or len(self.new) >= self.params.max_new_tokens
+
+    def take_all(self, tokens: Sequence[int]) -> bool:
+        """`take` each of `tokens` in turn until one ends the answer; whether one did."""
+        for token in tokens:
+            if self.take(token):
+                return True
+        return False
+
+
+def check_request(
+    target: Decoder,
+    prompt: Sequence[int],
+    params: SamplingParams,
+    draft: Optional[Decoder],
+    lookahead: int,
+    ngram: int,
+    min_ngram: int,
+) -> int:
+    """Refuse settings generate_speculative cannot honour; the cache slots it needs."""
+    if lookahead < 1 or not 1 <= min_ngram <= ngram:
+        raise SlimlmError(
+            f"lookahead ({lookahead}) must be at least 1 and 1 <= min_ngram ({min_ngram}) <= ngram ({ngram})"
+        )
+    model, device = target.model, target.device
+    max_seq = len(prompt) + params.max_new_tokens + lookahead + 1
+    if max_seq > model.args.max_position_embeddings:
+        raise SlimlmError(
+            f"a prompt of {len(prompt)} tokens plus {params.max_new_tokens} new tokens exceeds the model's "
+            f"context of {model.args.max_position_embeddings}"
+        )
+    if draft is not None and not params.greedy and draft.device != device:
+        raise SlimlmError(
+            "speculative sampling draws the draft's guesses with the target's generator: put the draft on "
+            f"the target's device ({device}, not {draft.device})"
+        )
+    return max_seq
+
+
+def start_answer(
+    target: Decoder,
+    prompt: Sequence[int],
+    params: SamplingParams,
+    lookup: Optional[PromptLookup],
+    on_token: Optional[TokenCallback],
+) -> tuple[Answer, int, int]:
+    """Prefill what target's row 0 does not hold of `prompt`: the answer (its prompt alone so
+    far), how many of the prompt's tokens the row held, and the target's first token."""
+    model, device = target.model, target.device
+    seen, generator = sampling_state([prompt], params, model.args.vocab_size, device)
+    answer = Answer(target, params, list(prompt), seen, generator, lookup, on_token, target.end_ids(params))
+    cached = target.reusable(0, prompt)
+    logits = target.prefill(torch.tensor([answer.tokens[cached:]], device=device), cached)
+    return answer, cached, int(next_tokens(logits, params, seen, generator))
+
+
+def guess(
+    answer: Answer, proposer: Optional[DraftProposer], room: int, draft_params: SamplingParams
+) -> tuple[list[int], Optional[torch.Tensor]]:
+    """Up to `room` guesses after the answer so far, from the draft model or else by prompt
+    lookup, and the distributions a draft sampled them from (None for greedy or lookup)."""
+    if proposer is not None:
+        return proposer.propose(answer.tokens, room, draft_params, answer.generator)
+    return answer.lookup.propose(room), None
+
+
+def check_guesses(answer: Answer, guesses: list[int], draft_q: Optional[torch.Tensor]) -> tuple[int, int]:
+    """One target pass over the last kept token and `guesses`: how many guesses it keeps, and
+    its own token after them."""
+    target = answer.target
+    step = torch.tensor([[answer.tokens[-1], *guesses]], device=target.device)
+    logits = target.model(step, len(answer.tokens) - 1)[0]
+    return verify(logits, guesses, answer.params, answer.seen, answer.generator, draft_q)
+
+
+def decode_with_guesses(
+    answer: Answer,
+    first: int,
+    proposer: Optional[DraftProposer],
+    lookahead: int,
+    stats: SpeculativeStats,
+) -> None:
+    """Take `first` (the prefill's token), then until the answer is over, a pass a step: the
+    target checks up to `lookahead` guesses and its kept guesses and own token are taken."""
+    params = answer.params
+    draft_params = dataclasses.replace(
+        params, repetition_penalty=1.0
+    )  # the draft's guesses need not follow it: the target judges them
+    finished = answer.take(first)
+    while not finished:
+        room = min(lookahead, params.max_new_tokens - len(answer.new))
+        guesses, draft_q = guess(answer, proposer, room, draft_params)
+        kept, token = check_guesses(answer, guesses, draft_q)
+        stats.target_passes += 1
+        stats.proposed += len(guesses)
+        stats.accepted += kept
+        finished = answer.take_all(guesses[:kept]) or answer.take(token)
+
+
 @torch.inference_mode()
 def generate_speculative(
     target: Decoder,
@@ -219,78 +350,25 @@ def generate_speculative(
     """Generation of `prompt` by `target` under `params` (greedy or sampled), with guesses from
     `draft` or prompt lookup; `on_token` sees each token (row 0) as it is kept, a pass's
     accepted guesses one by one."""
-    if lookahead < 1 or not 1 <= min_ngram <= ngram:
-        raise SlimlmError(
-            f"lookahead ({lookahead}) must be at least 1 and 1 <= min_ngram ({min_ngram}) <= ngram ({ngram})"
-        )
-    model, device = target.model, target.device
-    max_seq = len(prompt) + params.max_new_tokens + lookahead + 1
-    if max_seq > model.args.max_position_embeddings:
-        raise SlimlmError(
-            f"a prompt of {len(prompt)} tokens plus {params.max_new_tokens} new tokens exceeds the model's context of {model.args.max_position_embeddings}"
-        )
-    if draft is not None and not params.greedy and draft.device != device:
-        raise SlimlmError(
-            f"speculative sampling draws the draft's guesses with the target's generator: put the draft on the target's device ({device}, not {draft.device})"
-        )
-    proposer = DraftProposer(draft, model.args.vocab_size) if draft is not None else None
+    max_seq = check_request(target, prompt, params, draft, lookahead, ngram, min_ngram)
+    proposer = DraftProposer(draft, target.model.args.vocab_size) if draft is not None else None
     lookup = PromptLookup(prompt, ngram, min_ngram) if draft is None else None
-    draft_params = dataclasses.replace(
-        params, repetition_penalty=1.0
-    )  # the draft's guesses need not follow it: the target judges them
     stats = SpeculativeStats()
     with target.lock:
         target.ensure_cache(1, max_seq)
         if proposer is not None:
             proposer.start(max_seq, prompt)
         started = time.perf_counter()
-        tokens = list(prompt)
-        seen, generator = sampling_state([prompt], params, model.args.vocab_size, device)
-        cached = target.reusable(0, prompt)
-        logits = target.prefill(torch.tensor([tokens[cached:]], device=device), cached)
-        next_token = int(next_tokens(logits, params, seen, generator))
-        end_ids = target.end_ids(params)
-        new: list[int] = []
-
-        def keep(token: int) -> bool:
-            """Add a kept token; whether the answer ends with it (a stop string)."""
-            new.append(token)
-            tokens.append(token)
-            if lookup is not None:
-                lookup.extend((token,))
-            if params.repetition_penalty != 1.0:
-                seen[0, token] = True
-            if on_token is not None:
-                on_token(0, token)
-            return bool(params.stop) and target._hits_stop_string(new, params.stop)
-
-        finished = False
+        answer, cached, first = start_answer(target, prompt, params, lookup, on_token)
         try:
-            while not finished:
-                if next_token in end_ids or keep(next_token) or len(new) >= params.max_new_tokens:
-                    break
-                room = min(lookahead, params.max_new_tokens - len(new))
-                guesses, draft_q = (
-                    proposer.propose(tokens, room, draft_params, generator)
-                    if proposer is not None
-                    else (lookup.propose(room), None)
-                )
-                step = torch.tensor([[tokens[-1], *guesses]], device=device)
-                kept, next_token = verify(
-                    model(step, len(tokens) - 1)[0], guesses, params, seen, generator, draft_q
-                )
-                stats.target_passes += 1
-                stats.proposed += len(guesses)
-                stats.accepted += kept
-                for token in guesses[:kept]:
-                    if token in end_ids or keep(token) or len(new) >= params.max_new_tokens:
-                        finished = True
-                        break
-        finally:  # every token of `new` but the last has been fed to the target (as a checked guess or its own choice)
-            target.remember(0, prompt, new)
+            decode_with_guesses(answer, first, proposer, lookahead, stats)
+        finally:
+            # every token of `new` but the last has been fed to the target (as a checked guess or
+            # its own choice)
+            target.remember(0, prompt, answer.new)
             if proposer is not None:
-                proposer.remember(tokens, len(prompt))
-        stats.new_tokens = len(new)
+                proposer.remember(answer.tokens, len(prompt))
+        stats.new_tokens = len(answer.new)
         stats.seconds = time.perf_counter() - started
-    reason = "length" if len(new) >= params.max_new_tokens else "stop"
-    return target._finish(new, params, reason, len(prompt), cached), stats
+    reason = "length" if len(answer.new) >= params.max_new_tokens else "stop"
+    return target._finish(answer.new, params, reason, len(prompt), cached), stats

@@ -51,7 +51,7 @@ def run_from_artifact(state: RunState, params: GenerateParams) -> None:
 def record(state: RunState, completion: Completion) -> None:
     state.sections.setdefault("generations", []).append(
         {
-            "model": state.memo.get("model_origin", "in-memory"),
+            "model": state.memo.model_origin or "in-memory",
             "prompt": completion.prompt,
             "completion": completion.text,
             "new_tokens": completion.new_tokens,

@@ -81,13 +81,16 @@ def config_cache_shape(c: dict[str, Any], directory: Path) -> CacheShape:
     layers, heads, hidden = c.get("num_hidden_layers"), c.get("num_attention_heads"), c.get("hidden_size")
     if not all(isinstance(v, int) and v > 0 for v in (layers, heads)):
         raise SlimlmError(
-            f"'{directory / 'config.json'}' gives no attention shape (num_hidden_layers, num_attention_heads): a model without a key/value cache of that kind (a state-space model?) cannot be planned by slimlm plan"
+            f"'{directory / 'config.json'}' gives no attention shape (num_hidden_layers, "
+            "num_attention_heads): a model without a key/value cache of that kind (a state-space model?) "
+            "cannot be planned by slimlm plan"
         )
     kv_heads = c.get("num_key_value_heads") or heads
     head_dim = c.get("head_dim") or (hidden // heads if isinstance(hidden, int) else None)
     if not all(isinstance(v, int) and v > 0 for v in (kv_heads, head_dim)):
         raise SlimlmError(
-            f"'{directory / 'config.json'}' gives no head size (head_dim or hidden_size) to size the key/value cache; fix the config"
+            f"'{directory / 'config.json'}' gives no head size (head_dim or hidden_size) to size the "
+            "key/value cache; fix the config"
         )
     kinds = c.get("layer_types") if isinstance(c.get("layer_types"), list) else []
     window = c.get("sliding_window") if isinstance(c.get("sliding_window"), int) else None
@@ -122,7 +125,9 @@ def gguf_model(path: Path) -> StoredModel:
             else ""
         )
         raise SlimlmError(
-            f"GGUF file '{path.name}' ({arch}) gives no single attention shape{per_layer} ({arch}.block_count, .attention.head_count, .embedding_length); slimlm plan cannot size its key/value cache"
+            f"GGUF file '{path.name}' ({arch}) gives no single attention shape{per_layer} "
+            f"({arch}.block_count, .attention.head_count, .embedding_length); "
+            "slimlm plan cannot size its key/value cache"
         )
     key_dim = number("attention.key_length") or width // heads
     shape = CacheShape(
@@ -154,7 +159,8 @@ def format_stored_plan(
         raise SlimlmError(f"context ({context}) and batch ({batch}) must be at least 1")
     if model.max_context is not None and context > model.max_context:
         raise SlimlmError(
-            f"a context of {context} is longer than the model's {model.max_context}; give --context {model.max_context} or less"
+            f"a context of {context} is longer than the model's {model.max_context}; "
+            f"give --context {model.max_context} or less"
         )
     kv = model.cache.bytes(context, batch, KV_ELEMENT_BYTES[kv_cache])
     total = model.weight_bytes + kv + hardware.reserve_bytes
@@ -162,12 +168,14 @@ def format_stored_plan(
         model.weight_bytes + model.cache.bytes(context, 1, KV_ELEMENT_BYTES[kv_cache]) / 2
     )  # the cache half full on average
     lines = [
-        f"{name} ({model.family}) on {hardware.name}: {'fits' if total <= hardware.memory_bytes else 'does not fit'}; context {context}, batch {batch}",
+        f"{name} ({model.family}) on {hardware.name}: "
+        f"{'fits' if total <= hardware.memory_bytes else 'does not fit'}; context {context}, batch {batch}",
         f"  note: {note}",
         f"  note: weights as stored: {model.stored_as}",
         *(
             [
-                f"  note: {model.cache.window_layers} of {model.cache.layers} layers keep only a {model.cache.window}-token window in the cache"
+                f"  note: {model.cache.window_layers} of {model.cache.layers} layers keep only a "
+                f"{model.cache.window}-token window in the cache"
             ]
             if model.cache.window_layers
             else []
@@ -177,12 +185,13 @@ def format_stored_plan(
         budget_line("runtime reserve", hardware.reserve_bytes),
         budget_line("total", total),
         budget_line(f"{hardware.name} memory", hardware.memory_bytes),
-        f"  {'decode bound (batch 1)':<{LABEL_WIDTH}} {hardware.bandwidth_bytes_s / per_token:9.1f} tokens/s at {hardware.bandwidth_bytes_s / 1e9:.0f} GB/s"
+        f"  {'decode bound (batch 1)':<{LABEL_WIDTH}} {hardware.bandwidth_bytes_s / per_token:9.1f} "
+        f"tokens/s at {hardware.bandwidth_bytes_s / 1e9:.0f} GB/s"
         + (" (a mixture of experts reads only its routed experts: faster)" if model.experts else ""),
     ]
     if total > hardware.memory_bytes:
         raise SlimlmError(
-            f"{name} does not fit {hardware.name} ({hardware.memory_bytes / GiB:.1f} GiB) as stored at {context} tokens: {total / GiB:.2f} GiB. Plan:\n"
-            + "\n".join(lines)
+            f"{name} does not fit {hardware.name} ({hardware.memory_bytes / GiB:.1f} GiB) as stored at "
+            f"{context} tokens: {total / GiB:.2f} GiB. Plan:\n" + "\n".join(lines)
         )
     return "\n".join(lines)

@@ -5,7 +5,8 @@ the model's ModuleList with one entry per hidden layer, and the layers to compre
 nn.Linear modules. What cannot be found that way is written once per family in FAMILIES: which
 operation feeds which Linear layers (AWQ folds its scales there), how the norms compute
 (Gemma's RMSNorm multiplies by 1 + w), what the mixture-of-experts projections are called in
-the family's checkpoints, and whether the logits are a plain LM-head product.
+the family's checkpoints, whether the logits are a plain LM-head product, and which block
+tensors structured pruning slices along which width.
 """
 
 from __future__ import annotations
@@ -44,6 +45,25 @@ class ExpertNames:
     down: str
 
 
+# The widths structured pruning (compress/prune.py) narrows: the hidden (residual stream)
+# channels, the query heads' rows (head_dim each, whole GQA groups), the key/value heads' rows
+# and the MLP's intermediate channels.
+HIDDEN, QUERY_HEADS, KV_HEADS, MLP = "hidden", "query_heads", "kv_heads", "mlp"
+
+
+@dataclass(frozen=True)
+class PruneSlice:
+    """A module of a decoder block whose tensors pruning slices (`module`.weight and .bias).
+
+    The outputs (a Linear's weight rows and its bias, a norm's weight) follow the width `rows`,
+    a Linear's inputs (its weight columns) the width `columns`; None: that axis keeps its size.
+    """
+
+    module: str
+    rows: Optional[str] = None
+    columns: Optional[str] = None
+
+
 @dataclass(frozen=True)
 class Family:
     """What one model family needs written down."""
@@ -51,9 +71,8 @@ class Family:
     mappings: tuple[ScaleMapping, ...]
     experts: Optional[ExpertNames] = None
     plain_logits: bool = True  # logits = lm_head(final hidden state), nothing scaled or capped
-    # compress/prune.py slices Llama blocks: q/k/v/o, gate/up/down and the two RMSNorms
-    # (hidden width), nothing else that depends on a width
-    prunable: bool = False
+    # every block tensor that depends on a width, for compress/prune.py; empty: not prunable
+    pruning: tuple[PruneSlice, ...] = ()
 
 
 ATTENTION = (
@@ -64,8 +83,21 @@ DENSE_MLP = (
     ScaleMapping("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
     ScaleMapping("mlp.up_proj", ("mlp.down_proj",)),
 )
-LLAMA = Family(mappings=ATTENTION + DENSE_MLP, prunable=True)
-QWEN3 = Family(mappings=ATTENTION + DENSE_MLP)  # its q/k norms are not in prune's slicing table
+LLAMA_PRUNING = (
+    PruneSlice("input_layernorm", rows=HIDDEN),
+    # heads: q/k/v rows (and biases), o_proj columns
+    PruneSlice("self_attn.q_proj", rows=QUERY_HEADS, columns=HIDDEN),
+    PruneSlice("self_attn.k_proj", rows=KV_HEADS, columns=HIDDEN),
+    PruneSlice("self_attn.v_proj", rows=KV_HEADS, columns=HIDDEN),
+    PruneSlice("self_attn.o_proj", rows=HIDDEN, columns=QUERY_HEADS),
+    PruneSlice("post_attention_layernorm", rows=HIDDEN),
+    # MLP width: gate/up rows, down_proj columns
+    PruneSlice("mlp.gate_proj", rows=MLP, columns=HIDDEN),
+    PruneSlice("mlp.up_proj", rows=MLP, columns=HIDDEN),
+    PruneSlice("mlp.down_proj", rows=HIDDEN, columns=MLP),
+)
+LLAMA = Family(mappings=ATTENTION + DENSE_MLP, pruning=LLAMA_PRUNING)
+QWEN3 = Family(mappings=ATTENTION + DENSE_MLP)  # no pruning table: its q/k norms are not in one yet
 GEMMA3 = Family(
     mappings=(
         ScaleMapping(
@@ -127,7 +159,8 @@ def require_family(model_type: Optional[str], what: str) -> Family:
     family = family_of(model_type)
     if family is None:
         raise SlimlmError(
-            f"{what} needs a table of which layers feed which for the model family; '{model_type}' has none (families with one: {', '.join(sorted(FAMILIES))}); RTN and GPTQ work on any family"
+            f"{what} needs a table of which layers feed which for the model family; '{model_type}' has none "
+            f"(families with one: {', '.join(sorted(FAMILIES))}); RTN and GPTQ work on any family"
         )
     return family
 
@@ -142,13 +175,15 @@ def check_compressible(where: str, model_type: Optional[str]) -> None:
 
     if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise SlimlmError(
-            f"model '{where}' has architecture '{model_type}', which transformers does not build as a causal language model; slimlm compresses causal LMs (llama, qwen3, gemma3, phi3, mixtral, ...)"
+            f"model '{where}' has architecture '{model_type}', which transformers does not build as a causal "
+            "language model; slimlm compresses causal LMs (llama, qwen3, gemma3, phi3, mixtral, ...)"
         )
     config = AutoConfig.for_model(model_type)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     if getattr(text, "num_attention_heads", None) is None:
         raise SlimlmError(
-            f"model '{where}' has architecture '{model_type}', a model without attention blocks (a state-space or recurrent model); slimlm compresses transformer decoders"
+            f"model '{where}' has architecture '{model_type}', a model without attention blocks "
+            "(a state-space or recurrent model); slimlm compresses transformer decoders"
         )
 
 
@@ -167,7 +202,8 @@ def decoder_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
             if len({type(block) for block in module}) == 1 and not isinstance(module[0], nn.Linear):
                 return name, module
     raise SlimlmError(
-        f"{type(model).__name__} has no list of {layers} decoder blocks; slimlm's layer-by-layer stages need one"
+        f"{type(model).__name__} has no list of {layers} decoder blocks; "
+        "slimlm's layer-by-layer stages need one"
     )
 
 

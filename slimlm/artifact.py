@@ -53,7 +53,10 @@ from slimlm.shards import DEFAULT_SHARD_BYTES, SINGLE, TensorSpec, write_weights
 from slimlm.sparse_storage import decode_bitmask, encode_bitmask, sparse_candidates, zero_codes
 
 FORMAT = "slimlm"
-FORMAT_VERSION = 6  # 6: weights may be sharded (model-0000N-of-0000M.safetensors and model.safetensors.index.json); 5: low-rank adapters beside quantized layers; 4: bitmask storage of sparse weights; 3: module shapes, packing, sparsity and a size account; 2: packed codes with group scales
+# 6: weights may be sharded (model-0000N-of-0000M.safetensors and model.safetensors.index.json);
+# 5: low-rank adapters beside quantized layers; 4: bitmask storage of sparse weights; 3: module
+# shapes, packing, sparsity and a size account; 2: packed codes with group scales
+FORMAT_VERSION = 6
 OLDEST_READABLE = 2
 PACKING = "lsb-8"  # slimlm.packing: 8 codes fill `bits` bytes, code i at bits [i*b, (i+1)*b)
 SCHEME_FIELDS = tuple(QuantScheme.__dataclass_fields__)
@@ -194,7 +197,8 @@ def _rebuild_sparse(model, tensors: dict[str, torch.Tensor], entries: dict[str, 
             )
         except (KeyError, AttributeError, ValueError, RuntimeError) as error:
             raise SlimlmError(
-                f"artifact '{path}': the sparse tensor {key} cannot be rebuilt ({error}); re-export the artifact"
+                f"artifact '{path}': the sparse tensor {key} cannot "
+                f"be rebuilt ({error}); re-export the artifact"
             ) from None
 
 
@@ -288,15 +292,18 @@ def parse_manifest(path: Path) -> dict:
     version = manifest.get("format_version")
     if type(version) is not int:
         raise SlimlmError(
-            f"'{manifest_file}' is damaged (format_version {version!r} is not a whole number); re-export the artifact"
+            f"'{manifest_file}' is damaged (format_version {version!r} "
+            "is not a whole number); re-export the artifact"
         )
     if version > FORMAT_VERSION:
         raise SlimlmError(
-            f"'{path}' uses artifact format version {version}, newer than this slimlm reads ({FORMAT_VERSION}); upgrade slimlm"
+            f"'{path}' uses artifact format version {version}, "
+            f"newer than this slimlm reads ({FORMAT_VERSION}); upgrade slimlm"
         )
     if version < OLDEST_READABLE:
         raise SlimlmError(
-            f"'{path}' uses artifact format version {version}, older than this slimlm reads ({OLDEST_READABLE}); re-export it from its run"
+            f"'{path}' uses artifact format version {version}, older than "
+            f"this slimlm reads ({OLDEST_READABLE}); re-export it from its run"
         )
     problem = _layout_problem(manifest)
     if problem:
@@ -357,7 +364,8 @@ def read_manifest(path: Path) -> dict:
     )
     if unlisted:
         raise SlimlmError(
-            f"artifact '{path}' holds '{unlisted[0]}', for which its manifest has no checksum; remove the file or re-export the artifact"
+            f"artifact '{path}' holds '{unlisted[0]}', for which its manifest "
+            "has no checksum; remove the file or re-export the artifact"
         )
     for name, expected in files.items():
         file = path / name
@@ -375,7 +383,9 @@ def hf_file(reader, path: Path, what: str):
     damaged artifact: the checksums tell that a file changed, not that it was written well."""
     try:
         return reader(path)
-    except Exception as error:  # transformers and tokenizers raise many kinds (a bare Exception from Rust); each means the file is unusable
+    except Exception as error:
+        # transformers and tokenizers raise many kinds (a bare Exception from Rust); each means
+        # the file is unusable
         raise SlimlmError(
             f"artifact '{path}': its {what} cannot be read ({first_line(error)}); re-export the artifact"
         ) from None
@@ -427,7 +437,8 @@ def install_quantized_layers(model, modules: dict[str, dict], tied: bool, path: 
         table = name == table_name
         if not (table or isinstance(module, torch.nn.Linear)):
             raise SlimlmError(
-                f"artifact '{path}' names module '{name}', which is not a Linear layer of its config.json's model; re-export the artifact"
+                f"artifact '{path}' names module '{name}', which is not a "
+                "Linear layer of its config.json's model; re-export the artifact"
             )
         in_features, out_features = (
             (module.embedding_dim, module.num_embeddings)
@@ -437,11 +448,13 @@ def install_quantized_layers(model, modules: dict[str, dict], tied: bool, path: 
         shape = record.get("shape", [out_features, in_features])  # format 2 did not record shapes
         if list(shape) != [out_features, in_features]:
             raise SlimlmError(
-                f"artifact '{path}': manifest gives {name} the shape {list(shape)}, config.json gives {[out_features, in_features]}; re-export the artifact"
+                f"artifact '{path}': manifest gives {name} the shape {list(shape)}, "
+                f"config.json gives {[out_features, in_features]}; re-export the artifact"
             )
         if record.get("packing", PACKING) != PACKING:
             raise SlimlmError(
-                f"artifact '{path}': {name} is packed as '{record['packing']}', which this slimlm does not read (it reads '{PACKING}')"
+                f"artifact '{path}': {name} is packed as '{record['packing']}', "
+                f"which this slimlm does not read (it reads '{PACKING}')"
             )
         if table:
             layer = QuantTable(
@@ -513,7 +526,8 @@ class ArtifactParts:
         )
         if result.missing_keys or result.unexpected_keys:
             raise SlimlmError(
-                f"artifact '{self.path}' does not match its config.json under {prefix}: missing {result.missing_keys[:3]}, unexpected {result.unexpected_keys[:3]}"
+                f"artifact '{self.path}' does not match its config.json under {prefix}: "
+                f"missing {result.missing_keys[:3]}, unexpected {result.unexpected_keys[:3]}"
             )
 
     def stores(self, prefix: str) -> bool:
@@ -532,14 +546,16 @@ def load_artifact(path: Path, device: torch.device = torch.device("cpu")) -> Art
     missing = set(result.missing_keys) - ({"lm_head.weight"} if tied else set())
     if missing or result.unexpected_keys:
         raise SlimlmError(
-            f"artifact '{path}' does not match its config.json: missing {sorted(missing)[:3]}, unexpected {sorted(result.unexpected_keys)[:3]}"
+            f"artifact '{path}' does not match its config.json: missing "
+            f"{sorted(missing)[:3]}, unexpected {sorted(result.unexpected_keys)[:3]}"
         )
     if tied and not isinstance(model.get_output_embeddings(), QuantLinear):
         model.tie_weights()
     unfilled = [name for name, tensor in model.state_dict().items() if tensor.is_meta]
     if unfilled:
         raise SlimlmError(
-            f"artifact '{path}' does not fill {unfilled[0]} of its config.json's model; re-export the artifact"
+            f"artifact '{path}' does not fill {unfilled[0]} of "
+            "its config.json's model; re-export the artifact"
         )
     tokenizer = artifact_tokenizer(path)
     return Artifact(model=model.to(device).eval(), tokenizer=tokenizer, manifest=manifest, path=path)

@@ -122,7 +122,8 @@ class Checkpoint:
         missing = [prefix + key for key in expected if not self.has(prefix + key)]
         if missing:
             raise SlimlmError(
-                f"checkpoint '{self.directory}' lacks {len(missing)} tensors of {prefix or 'the model'} (e.g. {missing[0]}); it does not match its config.json"
+                f"checkpoint '{self.directory}' lacks {len(missing)} tensors of "
+                f"{prefix or 'the model'} (e.g. {missing[0]}); it does not match its config.json"
             )
         shared = {key: source for key in expected if (source := self._tie_within(prefix, key)) in expected}
         tensors = {}
@@ -131,7 +132,8 @@ class Checkpoint:
                 continue
             if self.shape(prefix + key) != tuple(meta.shape):
                 raise SlimlmError(
-                    f"checkpoint '{self.directory}': {prefix + key} has the shape {list(self.shape(prefix + key))}, its config.json gives {list(meta.shape)}"
+                    f"checkpoint '{self.directory}': {prefix + key} has the shape "
+                    f"{list(self.shape(prefix + key))}, its config.json gives {list(meta.shape)}"
                 )
             tensors[key] = self.tensor(
                 prefix + key, dtype if dtype is not None and meta.is_floating_point() else meta.dtype
@@ -178,7 +180,8 @@ def _weights_files(directory: Path) -> dict[Path, Optional[set[str]]]:
         return {single: None}
     if not index.is_file():
         raise SlimlmError(
-            f"'{directory}' holds no {SINGLE} or {INDEX}; give a Hugging Face checkpoint directory with safetensors weights"
+            f"'{directory}' holds no {SINGLE} or {INDEX}; give a "
+            "Hugging Face checkpoint directory with safetensors weights"
         )
     weight_map = read_json_object(index, "replace the checkpoint's index").get("weight_map")
     if (
@@ -193,7 +196,8 @@ def _weights_files(directory: Path) -> dict[Path, Optional[set[str]]]:
     for name, file in weight_map.items():
         if Path(file).name != file or file in (".", "..") or not file.endswith(".safetensors"):
             raise SlimlmError(
-                f"'{index}' names '{file}', which is not a safetensors file of its directory; replace the checkpoint's index"
+                f"'{index}' names '{file}', which is not a safetensors "
+                "file of its directory; replace the checkpoint's index"
             )
         if not (directory / file).is_file():
             raise SlimlmError(
@@ -208,7 +212,8 @@ def _check_shard(file: Path, names: set[str], expected: Optional[set[str]], seen
     twice = sorted(names & seen.keys())
     if twice:
         raise SlimlmError(
-            f"tensor {twice[0]} is in both '{seen[twice[0]].name}' and '{file.name}'; the checkpoint is damaged"
+            f"tensor {twice[0]} is in both '{seen[twice[0]].name}' "
+            f"and '{file.name}'; the checkpoint is damaged"
         )
     if expected is not None and names != expected:
         extra, lacking = sorted(names - expected), sorted(expected - names)
@@ -237,7 +242,8 @@ def _place_unstored_buffers(module: nn.Module, device: torch.device) -> None:
                 fresh = type(sub)(sub.config)
             except (AttributeError, TypeError) as error:
                 raise SlimlmError(
-                    f"the buffer {name}.{unstored[0]} is not stored in checkpoints and {type(sub).__name__} cannot compute it again ({error})"
+                    f"the buffer {name}.{unstored[0]} is not stored in checkpoints "
+                    f"and {type(sub).__name__} cannot compute it again ({error})"
                 ) from None
             for key in unstored:
                 setattr(sub, key, getattr(fresh, key))

@@ -265,13 +265,16 @@ def check_writable(directory: Path) -> None:
     existing = next(p for p in (directory.absolute(), *directory.absolute().parents) if p.exists())
     if not existing.is_dir():
         raise SlimlmError(
-            f"cannot create the run directory '{directory}': '{existing}' is a file; set hydra.run.dir (hydra.sweep.dir with -m) elsewhere"
+            f"cannot create the run directory '{directory}': '{existing}' is "
+            "a file; set hydra.run.dir (hydra.sweep.dir with -m) elsewhere"
         )
     try:  # a real attempt: permissions alone do not tell (a root user, a read-only mount)
         os.rmdir(tempfile.mkdtemp(prefix=".slimlm-probe-", dir=existing))
     except OSError as error:
         raise SlimlmError(
-            f"cannot create the run directory '{directory}': '{existing}' is not writable ({error.strerror}); run from a writable directory or set hydra.run.dir (hydra.sweep.dir with -m)"
+            f"cannot create the run directory '{directory}': '{existing}' "
+            f"is not writable ({error.strerror}); run from a writable "
+            "directory or set hydra.run.dir (hydra.sweep.dir with -m)"
         ) from None
 
 
@@ -290,7 +293,8 @@ def compose_or_explain(compose, overrides: list[str]) -> DictConfig:
             if top != group:
                 what = "a name or the path of a .yaml file" if top == "recipe" else "a name"
                 raise SlimlmError(
-                    f"{top}= takes {what} ({', '.join(options)}), not '{missing[len(top) + 1 :]}'; {own_option(top, '<name>')}"
+                    f"{top}= takes {what} ({', '.join(options)}), "
+                    f"not '{missing[len(top) + 1 :]}'; {own_option(top, '<name>')}"
                 ) from None
             raise SlimlmError(
                 f"unknown {group} '{name}': choose one of {', '.join(options)} ({own_option(top, name)})"

@@ -39,7 +39,8 @@ class ModelPackageConfig:
             re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", d) for d in self.distributions
         ):
             raise ConfigError(
-                f"model.package.distributions={list(self.distributions)} must list PyPI distribution names, part 1 first"
+                f"model.package.distributions={list(self.distributions)} "
+                "must list PyPI distribution names, part 1 first"
             )
         if not re.fullmatch(r"[0-9][0-9A-Za-z.+!-]*", self.version):
             raise ConfigError(f"model.package.version='{self.version}' is not a version; pin one, e.g. 0.9.0")
@@ -102,7 +103,8 @@ class PerplexityConfig:
             raise ConfigError(f"eval.perplexity.window={self.window} must be at least 2 tokens")
         if self.max_windows is not None and self.max_windows < 1:
             raise ConfigError(
-                f"eval.perplexity.max_windows={self.max_windows} must be at least 1 (or null for the whole text)"
+                f"eval.perplexity.max_windows={self.max_windows} "
+                "must be at least 1 (or null for the whole text)"
             )
         if self.batch_size < 1:
             raise ConfigError(f"eval.perplexity.batch_size={self.batch_size} must be at least 1")

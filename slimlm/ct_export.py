@@ -38,7 +38,8 @@ def _ct_modules():
         from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
     except ImportError as error:
         raise SlimlmError(
-            "the compressed-tensors export needs the `compressed-tensors` package: pip install 'slimlm[hf]' (or compressed-tensors)"
+            "the compressed-tensors export needs the `compressed-tensors` "
+            "package: pip install 'slimlm[hf]' (or compressed-tensors)"
         ) from error
     return pack_to_int32, QuantizationArgs, QuantizationConfig, QuantizationScheme
 
@@ -95,19 +96,22 @@ def export_compressed(model: nn.Module, tokenizer: Any, path: Path, dtype: str) 
     }
     if not quantized:
         raise SlimlmError(
-            "the compressed-tensors export needs a quantized model: add a quantize stage before it (or use export.format=hf)"
+            "the compressed-tensors export needs a quantized model: "
+            "add a quantize stage before it (or use export.format=hf)"
         )
     adapted = sorted(name for name, layer in quantized.items() if layer.adapter_rank)
     if adapted:
         raise SlimlmError(
-            f"the compressed-tensors export has no place for the LoRA adapters beside {len(adapted)} quantized layers (e.g. {adapted[0]}): "
-            "export format=slimlm (keeps them; the bundled decoder runs them) or format=hf (merged into dequantized weights)"
+            "the compressed-tensors export has no place for the LoRA adapters beside "
+            f"{len(adapted)} quantized layers (e.g. {adapted[0]}): export format=slimlm (keeps them; "
+            "the bundled decoder runs them) or format=hf (merged into dequantized weights)"
         )
     asymmetric = sorted(name for name, layer in quantized.items() if not layer.scheme.symmetric)
     if asymmetric:
         raise SlimlmError(
-            f"the compressed-tensors export holds symmetric schemes only ({len(asymmetric)} layers, e.g. {asymmetric[0]}, are asymmetric): "
-            "transformers cannot load packed zero points yet; quantize with symmetric: true, or export format=hf (dequantized)"
+            f"the compressed-tensors export holds symmetric schemes only ({len(asymmetric)} layers, "
+            f"e.g. {asymmetric[0]}, are asymmetric): transformers cannot load packed zero "
+            "points yet; quantize with symmetric: true, or export format=hf (dequantized)"
         )
     torch_dtype = DTYPES[dtype]
     tensors = plain_tensors(model, torch_dtype)

@@ -28,7 +28,9 @@ def check_text_source(src: TextSourceConfig, role: str) -> Optional[Path]:
             f"data file for data.{role} not found: '{src.path}'. The bundled demo data needs no setup "
             "(data=demo); other data sets are read from the folder in $SLIMLM_DATA_DIR (data=shared)"
         )
-    text = False  # whether anything but whitespace was seen: an empty file is refused now, not after the model loads
+    # whether anything but whitespace was seen: an empty file is refused now, not after the
+    # model loads
+    text = False
     try:
         with open(
             path, encoding="utf-8", newline="\n"
@@ -39,7 +41,8 @@ def check_text_source(src: TextSourceConfig, role: str) -> Optional[Path]:
                         continue
                     if not isinstance(json_object(line), dict):
                         raise SlimlmError(
-                            f"data.{role}: line {number} of '{src.path}' is not a JSON object; a jsonl file holds one object per line"
+                            f"data.{role}: line {number} of '{src.path}' is not a "
+                            "JSON object; a jsonl file holds one object per line"
                         )
                     text = True
             else:
@@ -75,7 +78,8 @@ def load_text(src: TextSourceConfig, role: str) -> str:
                 dataset = load_dataset(src.path, src.subset, split=src.split)
             except Exception as error:  # offline, unknown id or split: datasets raises many kinds
                 raise SlimlmError(
-                    f"data.{role}: could not load hub data set '{src.path}' ({str(error).splitlines()[0]}); without network, use a local text or jsonl file"
+                    f"data.{role}: could not load hub data set '{src.path}' "
+                    f"({str(error).splitlines()[0]}); without network, use a local text or jsonl file"
                 ) from None
         if src.field not in dataset.column_names:
             raise SlimlmError(

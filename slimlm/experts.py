@@ -132,5 +132,6 @@ def _refuse_other_experts(model: nn.Module) -> None:
             three_d = [p for p, tensor in module.named_parameters(recurse=False) if tensor.dim() == 3]
             if three_d:
                 raise SlimlmError(
-                    f"{name} keeps its experts as {', '.join(three_d)}, a layout slimlm does not split into per-expert layers; {model_type(model)} models are not supported yet"
+                    f"{name} keeps its experts as {', '.join(three_d)}, a layout slimlm does not "
+                    f"split into per-expert layers; {model_type(model)} models are not supported yet"
                 )

@@ -88,7 +88,7 @@ def run(state: RunState, params: ExportParams) -> None:
         artifact = load_artifact(path, state.device)
         state.model = artifact.model
         state.tokenizer = artifact.tokenizer
-        state.memo["model_origin"] = f"reloaded from {path.name}/"
+        state.memo.model_origin = f"reloaded from {path.name}/"
 
 
 def record_artifact(state: RunState, path: Path) -> None:
@@ -102,8 +102,9 @@ def record_artifact(state: RunState, path: Path) -> None:
 
 
 def export_file(state: RunState, params: ExportParams) -> None:
-    """GGUF, HF or compressed-tensors export; with reload, the run continues on the exported model as transformers
-    reads it: what a user of that format gets, measured with the same metrics."""
+    """GGUF, HF or compressed-tensors export; with reload, the run continues on the exported
+    model as transformers reads it: what a user of that format gets, measured with the same
+    metrics."""
     path = state.output_path(params.name)
     if params.format == "gguf":
         source_gguf = state.source.path if state.source.kind == "gguf" else None
@@ -175,7 +176,8 @@ def check(cfg, params: ExportParams, source) -> None:
         and source.architecture not in ARCHITECTURES
     ):
         raise ConfigError(
-            f"export.format=gguf supports {', '.join(ARCHITECTURES)} models; this one is {source.architecture}"
+            f"export.format=gguf supports {', '.join(ARCHITECTURES)} "
+            f"models; this one is {source.architecture}"
         )
 
 

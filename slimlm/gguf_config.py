@@ -104,7 +104,8 @@ def _qwen3moe(arch: str, fields: dict, tensors: dict) -> dict:
 def _llama(arch: str, fields: dict, tensors: dict) -> dict:
     if f"{arch}.expert_count" in fields:
         raise SlimlmError(
-            "this GGUF file is a llama-architecture mixture of experts (Mixtral), which transformers' GGUF reader reads as a dense Llama without its experts; convert the original checkpoint instead"
+            "this GGUF file is a llama-architecture mixture of experts (Mixtral), which transformers' GGUF "
+            "reader reads as a dense Llama without its experts; convert the original checkpoint instead"
         )
     if "rope_freqs.weight" not in tensors:
         return {}
@@ -133,7 +134,8 @@ def llama3_parameters(inverse: np.ndarray, divisors: np.ndarray) -> dict:
     between = (smooth > 1e-4) & (smooth < 1 - 1e-4)
     if between.sum() < 2:
         raise SlimlmError(
-            "the GGUF file's rope_freqs blend fewer than two frequencies, too few to read Llama 3's RoPE scaling back; convert the original checkpoint instead"
+            "the GGUF file's rope_freqs blend fewer than two frequencies, too few to "
+            "read Llama 3's RoPE scaling back; convert the original checkpoint instead"
         )
     # smooth = context / (high - low) / wavelength - low / (high - low), with low = 1
     slope, intercept = np.polyfit(1.0 / wavelength[between], smooth[between], 1)
@@ -147,7 +149,8 @@ def llama3_parameters(inverse: np.ndarray, divisors: np.ndarray) -> dict:
     }
     if not np.allclose(llama3_divisors(inverse, parameters), divisors, rtol=1e-4):
         raise SlimlmError(
-            "the GGUF file's rope_freqs are not Llama 3's RoPE scaling (no factor, low/high frequency factors and context give them); convert the original checkpoint instead"
+            "the GGUF file's rope_freqs are not Llama 3's RoPE scaling (no factor, low/high "
+            "frequency factors and context give them); convert the original checkpoint instead"
         )
     return parameters
 

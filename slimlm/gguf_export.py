@@ -17,8 +17,9 @@ returned summary says which tensors were written exactly, rounded from float, re
 (for F16/F32 files) dequantized.
 
 Tensor names are llama.cpp's for the model's family (gguf's name map: `token_embd`,
-`blk.N.attn_q`, ...; a block's experts stacked into `blk.N.ffn_gate_exps` and the like); what differs between families (architecture, rotary layout, norm convention,
-hyper-parameters, RoPE scaling) is one table entry each in slimlm/gguf_families.py. The tokenizer
+`blk.N.attn_q`, ...; a block's experts stacked into `blk.N.ffn_gate_exps` and the like); what
+differs between families (architecture, rotary layout, norm convention, hyper-parameters, RoPE
+scaling) is one table entry each in slimlm/gguf_families.py. The tokenizer
 comes from the source GGUF when there was one (every `tokenizer.*` key copied), otherwise from the
 Hugging Face tokenizer, written as llama.cpp's converter writes it (slimlm/gguf_tokenizer.py).
 """
@@ -40,13 +41,15 @@ from slimlm.experts import ExpertList, split_experts
 from slimlm.gguf_families import FAMILIES, Family, family_of, write_hyperparameters
 from slimlm.gguf_tokenizer import write_tokenizer
 from slimlm.qlinear import QuantEmbedding, QuantLinear, QuantScheme, QuantTable
+from slimlm.rundir import as_created
 
 GGUF_TYPES = ("F32", "F16", "Q8_0", "Q4_0", "Q4_1")
 BLOCK = 32
 # The grid of each block type: (bits, symmetric). A slimlm layer with groups of 32, as many bits
 # or fewer and the same symmetry lies on it (int3 codes are int4 codes that use half the range).
 GRIDS = {"Q8_0": (8, True), "Q4_0": (4, True), "Q4_1": (4, False)}
-# transformers' model types, and "gemma3": what a Gemma 3 GGUF source says (transformers loads it as gemma3_text).
+# transformers' model types, and "gemma3": what a Gemma 3 GGUF source says (transformers loads
+# it as gemma3_text).
 ARCHITECTURES = (*FAMILIES, "gemma3")
 
 
@@ -63,37 +66,10 @@ def export_gguf(
     `head_type` gives the LM head its own block type, as llama.cpp's mixes do (they keep it
     wider than the rest: it is the most sensitive matrix): the output matrix, which is the
     token embedding when the two are tied; an untied embedding keeps `gguf_type`."""
-    import gguf
-
-    config = model.config
-    family = family_of(config)
+    family = family_of(model.config)
     split_experts(model)  # transformers' fused experts as one Linear per projection, stacked again below
-    for chosen in (gguf_type, head_type or gguf_type):
-        if chosen not in GGUF_TYPES:
-            raise SlimlmError(f"unknown GGUF type '{chosen}'; choose one of {', '.join(GGUF_TYPES)}")
-    types = _TypeChoice(
-        gguf_type, head_type, head_is_tied(model) and not family.output_required
-    )  # decided once: comparing the tables reads both whole
-    layers = [
-        (name, value) for name, value in _each_tensor(model, types.tied) if isinstance(value, QuantLinear)
-    ]
-    adapted = [name for name, value in layers if value.adapter_rank and types.of(name) in GRIDS]
-    if adapted and not requantize:
-        raise SlimlmError(
-            f"GGUF {types.of(adapted[0])} has no place for the LoRA adapters beside {len(adapted)} quantized layer(s) (e.g. {adapted[0]}): "
-            "allow merging them into the weights and rounding again with requantize=true, or export format=slimlm (keeps them)"
-        )
-    off_grid = [
-        (name, value.scheme, types.of(name))
-        for name, value in layers
-        if not on_grid(value.scheme, types.of(name))
-    ]
-    if off_grid and not requantize and any(kind in GRIDS for *_, kind in off_grid):
-        name, scheme, kind = off_grid[0]
-        raise SlimlmError(
-            f"GGUF {kind} cannot hold {len(off_grid)} quantized layer(s) as they are (e.g. {name}: "
-            f"{_describe(scheme)}); quantize with group_size 32 for this type, or allow rounding them again with requantize=true"
-        )
+    types = _choose_types(model, family, gguf_type, head_type)
+    _check_quantized_layers(model, types, requantize)
     path = Path(path)
     if path.exists():
         raise SlimlmError(
@@ -102,29 +78,9 @@ def export_gguf(
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, partial = tempfile.mkstemp(prefix=f".{path.name}-partial-", dir=path.parent)
     os.close(fd)
+    as_created(partial)
     try:
-        writer = gguf.GGUFWriter(partial, family.arch)
-        writer.add_name(getattr(config, "_name_or_path", "") or "slimlm export")
-        extra = write_hyperparameters(writer, config, family)
-        writer.add_file_type(
-            int(
-                gguf.LlamaFileType[
-                    {"F32": "ALL_F32", "F16": "MOSTLY_F16"}.get(gguf_type, f"MOSTLY_{gguf_type}")
-                ]
-            )
-        )
-        writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-        if source_gguf is not None:
-            _copy_tokenizer(writer, source_gguf)
-        else:
-            write_tokenizer(writer, tokenizer, config.vocab_size)
-        for name, values in extra.items():
-            writer.add_tensor(name, values)
-        stored = _write_tensors(writer, model, types, family)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
+        stored = _write_file(partial, model, tokenizer, family, types, gguf_type, source_gguf)
         os.replace(partial, path)
     finally:
         if os.path.exists(partial):
@@ -139,6 +95,77 @@ def export_gguf(
     for how in ("exact", "rounded", "requantized", "dequantized"):
         summary[how] = sorted(name for name, stored_as in stored.items() if stored_as == how)
     return summary
+
+
+def _choose_types(model: nn.Module, family: Family, gguf_type: str, head_type: Optional[str]) -> _TypeChoice:
+    """The block type of each tensor, the two types given checked first."""
+    for chosen in (gguf_type, head_type or gguf_type):
+        if chosen not in GGUF_TYPES:
+            raise SlimlmError(f"unknown GGUF type '{chosen}'; choose one of {', '.join(GGUF_TYPES)}")
+    # decided once: comparing the tables reads both whole
+    return _TypeChoice(gguf_type, head_type, head_is_tied(model) and not family.output_required)
+
+
+def _check_quantized_layers(model: nn.Module, types: _TypeChoice, requantize: bool) -> None:
+    """Refuse, unless `requantize` allows rounding them again, quantized layers that a block
+    type of theirs cannot hold as they are: with LoRA adapters, or off its grid."""
+    layers = [
+        (name, value) for name, value in _each_tensor(model, types.tied) if isinstance(value, QuantLinear)
+    ]
+    adapted = [name for name, value in layers if value.adapter_rank and types.of(name) in GRIDS]
+    if adapted and not requantize:
+        raise SlimlmError(
+            f"GGUF {types.of(adapted[0])} has no place for the LoRA adapters beside {len(adapted)} "
+            f"quantized layer(s) (e.g. {adapted[0]}): allow merging them into the weights "
+            "and rounding again with requantize=true, or export format=slimlm (keeps them)"
+        )
+    off_grid = [
+        (name, value.scheme, types.of(name))
+        for name, value in layers
+        if not on_grid(value.scheme, types.of(name))
+    ]
+    if off_grid and not requantize and any(kind in GRIDS for *_, kind in off_grid):
+        name, scheme, kind = off_grid[0]
+        raise SlimlmError(
+            f"GGUF {kind} cannot hold {len(off_grid)} quantized layer(s) as they "
+            f"are (e.g. {name}: {_describe(scheme)}); quantize with group_size "
+            "32 for this type, or allow rounding them again with requantize=true"
+        )
+
+
+def _write_file(
+    partial: str,
+    model: nn.Module,
+    tokenizer: Any,
+    family: Family,
+    types: _TypeChoice,
+    gguf_type: str,
+    source_gguf: Optional[Path],
+) -> dict[str, str]:
+    """Write the GGUF file at `partial`: metadata, tokenizer, then the tensors; returns how each
+    weight was stored."""
+    import gguf
+
+    config = model.config
+    writer = gguf.GGUFWriter(partial, family.arch)
+    writer.add_name(getattr(config, "_name_or_path", "") or "slimlm export")
+    extra = write_hyperparameters(writer, config, family)
+    writer.add_file_type(
+        int(gguf.LlamaFileType[{"F32": "ALL_F32", "F16": "MOSTLY_F16"}.get(gguf_type, f"MOSTLY_{gguf_type}")])
+    )
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    if source_gguf is not None:
+        _copy_tokenizer(writer, source_gguf)
+    else:
+        write_tokenizer(writer, tokenizer, config.vocab_size)
+    for name, values in extra.items():
+        writer.add_tensor(name, values)
+    stored = _write_tensors(writer, model, types, family)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return stored
 
 
 @dataclass(frozen=True)
@@ -327,7 +354,8 @@ def _encode(value, gguf_type: str, heads: Optional[int]) -> tuple[np.ndarray, An
     qtype = gguf.GGMLQuantizationType[gguf_type]
     if array.shape[-1] % BLOCK:
         raise SlimlmError(
-            f"GGUF {gguf_type} needs rows that are a multiple of {BLOCK} values; a tensor of shape {tuple(array.shape)} is not; export as F16"
+            f"GGUF {gguf_type} needs rows that are a multiple of {BLOCK} values; "
+            f"a tensor of shape {tuple(array.shape)} is not; export as F16"
         )
     return (
         gguf.quants.quantize(array, qtype),

@@ -50,7 +50,8 @@ def _gemma3_keys(writer, config) -> None:
     )  # llama.cpp's 27B rule
     if config.query_pre_attn_scalar != expected_scale or getattr(config, "attn_logit_softcapping", None):
         raise SlimlmError(
-            f"GGUF export: llama.cpp scales Gemma 3's attention by 1/sqrt({expected_scale}) without soft-capping; this config differs"
+            "GGUF export: llama.cpp scales Gemma 3's attention by "
+            f"1/sqrt({expected_scale}) without soft-capping; this config differs"
         )
     writer.add_sliding_window(config.sliding_window)
     writer.add_sliding_window_pattern([kind == "sliding_attention" for kind in config.layer_types])
@@ -67,11 +68,13 @@ def _phi3_keys(writer, config) -> None:
 def _olmoe_keys(writer, config) -> None:
     if (config.num_key_value_heads or config.num_attention_heads) != config.num_attention_heads:
         raise SlimlmError(
-            "GGUF export: llama.cpp's olmoe norms the keys over the hidden size, so it has no grouped-query attention; this config has fewer key/value heads than query heads"
+            "GGUF export: llama.cpp's olmoe norms the keys over the hidden size, so it has no "
+            "grouped-query attention; this config has fewer key/value heads than query heads"
         )
     if getattr(config, "clip_qkv", None):
         raise SlimlmError(
-            "GGUF export: llama.cpp's olmoe does not clamp queries, keys and values where transformers does (measured: the logits part after a few tokens); this config sets clip_qkv"
+            "GGUF export: llama.cpp's olmoe does not clamp queries, keys and values where transformers "
+            "does (measured: the logits part after a few tokens); this config sets clip_qkv"
         )
     _experts_keys(normalized=False)(writer, config)
 
@@ -83,14 +86,17 @@ def _experts_keys(normalized: bool) -> Callable[[Any, Any], None]:
         experts = getattr(config, "num_experts", None) or config.num_local_experts
         if bool(getattr(config, "norm_topk_prob", normalized)) != normalized:
             raise SlimlmError(
-                f"GGUF export: llama.cpp's {config.model_type} {'rescales' if normalized else 'does not rescale'} the chosen experts' weights to sum to 1; this config's norm_topk_prob says otherwise"
+                f"GGUF export: llama.cpp's {config.model_type} "
+                f"{'rescales' if normalized else 'does not rescale'} the chosen experts' "
+                "weights to sum to 1; this config's norm_topk_prob says otherwise"
             )
         if (
             getattr(config, "mlp_only_layers", None)
             or (getattr(config, "decoder_sparse_step", None) or 1) != 1
         ):
             raise SlimlmError(
-                "GGUF export: llama.cpp runs experts in every block; this config keeps dense MLPs in some (mlp_only_layers, decoder_sparse_step)"
+                "GGUF export: llama.cpp runs experts in every block; this config "
+                "keeps dense MLPs in some (mlp_only_layers, decoder_sparse_step)"
             )
         writer.add_expert_count(experts)
         writer.add_expert_used_count(config.num_experts_per_tok)
@@ -190,7 +196,8 @@ def _rope_scaling(writer, config, family: Family, rotary: int) -> ExtraTensors:
     kind = parameters.get("rope_type", "default")
     if kind not in family.rope_kinds:
         raise SlimlmError(
-            f"GGUF export: llama.cpp's {family.arch} takes RoPE scaling {', '.join(family.rope_kinds)}; this model uses '{kind}'"
+            f"GGUF export: llama.cpp's {family.arch} takes RoPE scaling "
+            f"{', '.join(family.rope_kinds)}; this model uses '{kind}'"
         )
     inverse = 1.0 / parameters["rope_theta"] ** (np.arange(0, rotary, 2, dtype=np.float64) / rotary)
     if kind == "linear":

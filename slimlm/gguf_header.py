@@ -70,7 +70,8 @@ class _Cursor:
         """Advance over `length` bytes (after checking they exist); returns where they start."""
         if length < 0 or length > self.size - self.offset:
             raise _Damaged(
-                f"{what} at byte {self.offset} runs {length} bytes past the end of the file ({self.size} bytes)"
+                f"{what} at byte {self.offset} runs {length} bytes "
+                f"past the end of the file ({self.size} bytes)"
             )
         start = self.offset
         self.offset += length
@@ -90,7 +91,8 @@ class _Cursor:
             raise _Damaged(f"{what} at byte {start} is not UTF-8") from None
 
     def skip_array(self, item_type: int, count: int, what: str, depth: int) -> None:
-        """Move past `count` items without building them: fixed sizes by arithmetic, strings by their lengths."""
+        """Move past `count` items without building them: fixed sizes by arithmetic, strings
+        by their lengths."""
         if item_type in _FIXED:
             self.take(count * struct.calcsize(_FIXED[item_type]), what)
         elif item_type == _STRING:
@@ -158,7 +160,8 @@ def _parse(cursor: _Cursor) -> GGUFHeader:
         kv_count * 13 > cursor.size or tensor_count * 32 > cursor.size
     ):  # the smallest key/value and tensor info
         raise _Damaged(
-            f"it claims {kv_count} keys and {tensor_count} tensors, more than its {cursor.size} bytes can hold"
+            f"it claims {kv_count} keys and {tensor_count} tensors, "
+            f"more than its {cursor.size} bytes can hold"
         )
     header = GGUFHeader(version, tensor_count)
     for index in range(kv_count):
@@ -206,5 +209,6 @@ def _check_tensor_extents(cursor: _Cursor, tensor_count: int, alignment) -> None
     for name, end in extents:
         if data_start + end > cursor.size:
             raise _Damaged(
-                f"tensor '{name}' ends at byte {data_start + end}, past the end of the file ({cursor.size} bytes): it was cut short"
+                f"tensor '{name}' ends at byte {data_start + end}, "
+                f"past the end of the file ({cursor.size} bytes): it was cut short"
             )

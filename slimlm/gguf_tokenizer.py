@@ -28,12 +28,14 @@ from slimlm.errors import SlimlmError
 # llama.cpp's text for naming a pre-tokenizer (convert_hf_to_gguf.py, get_vocab_base_pre) and the hashes of
 # the ids that the tokenizers of the families we export give for it.
 CHECK_TEXT = (
-    "\n \n\n \n\n\n \t \t\t \t\n  \n   \n    \n     \n\U0001f680 (normal) \U0001f636\u200d\U0001f32b\ufe0f (multiple emojis concatenated) "
-    "\u2705 \U0001f999\U0001f999 3 33 333 3333 33333 333333 3333333 33333333 3.3 3..3 3...3 "
+    "\n \n\n \n\n\n \t \t\t \t\n  \n   \n    \n     \n\U0001f680 (normal) "
+    "\U0001f636\u200d\U0001f32b\ufe0f (multiple emojis concatenated) \u2705 "
+    "\U0001f999\U0001f999 3 33 333 3333 33333 333333 3333333 33333333 3.3 3..3 3...3 "
     "\u1780\u17b6\u1793\u17cb\u178f\u17c2\u1796\u17b7\u179f\u17c1\u179f\u17a2\u17b6\u1785\U0001f601 "
     "?\u6211\u60f3\u5728apple\u5de5\u4f5c1314151\u5929\uff5e ------======= "
     "\u043d\u0435\u0449\u043e \u043d\u0430 \u0411\u044a\u043b\u0433\u0430\u0440\u0441\u043a\u0438 "
-    "''''''```````\"\"\"\"......!!!!!!?????? I've been 'told he's there, 'RE you sure? 'M not sure I'll make it, 'D you like some tea? We'Ve a'lL"
+    "''''''```````\"\"\"\"......!!!!!!?????? I've been 'told he's there, "
+    "'RE you sure? 'M not sure I'll make it, 'D you like some tea? We'Ve a'lL"
 )
 PRE_TOKENIZERS = {
     "0ef9807a4087ebef797fc749390439009c3b9eda9ad1a097abbe738f486c01e5": "llama-bpe",  # Llama 3
@@ -94,7 +96,8 @@ def _vocabulary(tokenizer: Any, spec: dict, rows: int) -> Vocabulary:
     model = spec.get("model") or {}
     if model.get("type") != "BPE":
         raise SlimlmError(
-            f"GGUF export writes BPE tokenizers (byte-level or SentencePiece-style); this one is a {model.get('type')} tokenizer"
+            "GGUF export writes BPE tokenizers (byte-level or "
+            f"SentencePiece-style); this one is a {model.get('type')} tokenizer"
         )
     ids = tokenizer.get_vocab()
     if max(ids.values()) >= rows:
@@ -131,7 +134,8 @@ def _token_type(text: str, added, sentencepiece: bool, unknown: str | None) -> i
 
 
 def _merge_ranks(merges: list) -> dict[str, int]:
-    """The rank of the first merge that makes each piece (tokenizer.json writes a merge as "a b" or [a, b])."""
+    """The rank of the first merge that makes each piece (tokenizer.json writes a merge as
+    "a b" or [a, b])."""
     ranks: dict[str, int] = {}
     for rank, merge in enumerate(merges):
         left, right = merge.split(" ", 1) if isinstance(merge, str) else merge
@@ -156,7 +160,8 @@ def _adds_space_prefix(spec: dict) -> bool:
 
 
 def _pre_tokenizer(tokenizer: Any, spec: dict) -> str:
-    """llama.cpp's name for the byte-level BPE's pre-tokenizer: by llama.cpp's hash, else a plain GPT-2 ByteLevel."""
+    """llama.cpp's name for the byte-level BPE's pre-tokenizer: by llama.cpp's hash, else a
+    plain GPT-2 ByteLevel."""
     digest = sha256(str(tokenizer.encode(CHECK_TEXT)).encode()).hexdigest()
     if digest in PRE_TOKENIZERS:
         return PRE_TOKENIZERS[digest]
@@ -165,7 +170,8 @@ def _pre_tokenizer(tokenizer: Any, spec: dict) -> str:
         return "gpt-2"  # the GPT-2 regex, which llama.cpp's gpt-2 pre-tokenizer applies
     known = ", ".join(sorted(set(PRE_TOKENIZERS.values())))
     raise SlimlmError(
-        f"GGUF export does not know this tokenizer's pre-tokenizer (hash {digest[:12]}); llama.cpp's known ones include {known}"
+        "GGUF export does not know this tokenizer's pre-tokenizer "
+        f"(hash {digest[:12]}); llama.cpp's known ones include {known}"
     )
 
 

@@ -54,7 +54,8 @@ def read_model_config(directory: Path, remedy: str):
             value = getattr(part, key, None)
             if value is not None and not (type(value) is int and 0 < value <= limit):
                 raise SlimlmError(
-                    f"'{Path(directory) / 'config.json'}' gives {key} = {str(value)[:40]}, not a whole number from 1 to {limit:,}; {remedy}"
+                    f"'{Path(directory) / 'config.json'}' gives {key} = {str(value)[:40]}, "
+                    f"not a whole number from 1 to {limit:,}; {remedy}"
                 )
     return config
 
@@ -72,14 +73,16 @@ def empty_model(config, dtype: Optional[torch.dtype], directory: Path, remedy: s
     chosen = getattr(torch, chosen, None) if isinstance(chosen, str) else chosen
     if not isinstance(chosen, torch.dtype):
         raise SlimlmError(
-            f"'{Path(directory) / 'config.json'}' gives dtype {str(getattr(config, 'dtype', None))[:40]}, not a torch dtype; {remedy}"
+            f"'{Path(directory) / 'config.json'}' gives dtype "
+            f"{str(getattr(config, 'dtype', None))[:40]}, not a torch dtype; {remedy}"
         )
     try:
         with no_init_weights(), init_empty_weights(include_buffers=False):
             return AutoModelForCausalLM.from_config(config, dtype=chosen)
     except Exception as error:  # as above: transformers checks values as it builds
         raise SlimlmError(
-            f"'{Path(directory) / 'config.json'}' describes no model transformers can build ({first_line(error)}); {remedy}"
+            f"'{Path(directory) / 'config.json'}' describes no model "
+            f"transformers can build ({first_line(error)}); {remedy}"
         ) from None
 
 

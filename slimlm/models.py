@@ -48,7 +48,8 @@ def resolve_model(cfg: ModelConfig) -> ModelSource:
         config_file = path / "config.json"
         if not config_file.is_file():
             raise SlimlmError(
-                f"model.path '{cfg.path}' is a directory without config.json: point it at a Hugging Face checkpoint directory, a slimlm artifact or a .gguf file"
+                f"model.path '{cfg.path}' is a directory without config.json: point it at "
+                "a Hugging Face checkpoint directory, a slimlm artifact or a .gguf file"
             )
         config = read_json_object(config_file, "fix or replace the checkpoint's config.json")
         kind = "artifact" if (path / MANIFEST).is_file() else "hf-dir"
@@ -61,7 +62,8 @@ def resolve_model(cfg: ModelConfig) -> ModelSource:
         source = ModelSource(cfg.path, "hub", None, None)
     else:
         raise SlimlmError(
-            f"model.path '{cfg.path}' does not exist: give a local checkpoint directory, a .gguf file or a hub id (org/name)"
+            f"model.path '{cfg.path}' does not exist: give a local "
+            "checkpoint directory, a .gguf file or a hub id (org/name)"
         )
     architecture = (
         gguf_model_type(cfg.path, source.architecture) if source.kind == "gguf" else source.architecture
@@ -87,7 +89,9 @@ def gguf_model_type(path: str, architecture: str) -> str:
     model_type = GGUF_ARCHITECTURES.get(architecture, architecture)
     if model_type not in GGUF_SUPPORTED_ARCHITECTURES:
         raise SlimlmError(
-            f"model '{path}' is a GGUF file of architecture '{architecture}', which transformers cannot read (it reads {', '.join(sorted(GGUF_SUPPORTED_ARCHITECTURES))}); give a Hugging Face checkpoint directory instead"
+            f"model '{path}' is a GGUF file of architecture '{architecture}', which transformers "
+            f"cannot read (it reads {', '.join(sorted(GGUF_SUPPORTED_ARCHITECTURES))}); "
+            "give a Hugging Face checkpoint directory instead"
         )
     return model_type
 
@@ -197,12 +201,14 @@ def _from_pretrained(
     except OSError as error:
         if source.kind == "hub":
             raise SlimlmError(
-                f"could not fetch '{location}' from the Hugging Face hub ({str(error).splitlines()[0]}); without network, point model.path at a local checkpoint directory or .gguf file"
+                f"could not fetch '{location}' from the Hugging Face hub ({str(error).splitlines()[0]}); "
+                "without network, point model.path at a local checkpoint directory or .gguf file"
             ) from None
         raise SlimlmError(f"could not load the model at '{location}': {str(error).splitlines()[0]}") from None
     except Exception as error:  # safetensors and the quantizers raise their own kinds on damaged files
         raise SlimlmError(
-            f"could not load the model at '{location}' ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else 'damaged'}); re-download or re-export it"
+            f"could not load the model at '{location}' ({type(error).__name__}: "
+            f"{str(error).splitlines()[0] if str(error) else 'damaged'}); re-download or re-export it"
         ) from None
     # transformers fills missing tensors with random values and only warns: a damaged checkpoint
     # would then score like a broken model. A tied head is the one tensor allowed to be absent.
@@ -210,7 +216,8 @@ def _from_pretrained(
     missing = sorted(set(info.get("missing_keys", [])) - tied)
     if missing:
         raise SlimlmError(
-            f"the checkpoint at '{location}' lacks {len(missing)} tensors its config needs (e.g. {missing[0]}); re-download or re-export it"
+            f"the checkpoint at '{location}' lacks {len(missing)} tensors its "
+            f"config needs (e.g. {missing[0]}); re-download or re-export it"
         )
     return model, tokenizer
 
@@ -269,7 +276,8 @@ def gguf_checkpoint(gguf_path: Path, sha256: str) -> Path:
             )
         except Exception as error:  # transformers' GGUF reader raises many kinds on a file it cannot take
             raise SlimlmError(
-                f"GGUF file '{gguf_path.name}' cannot be converted ({first_line(error)}); re-download or re-export it"
+                f"GGUF file '{gguf_path.name}' cannot be converted "
+                f"({first_line(error)}); re-download or re-export it"
             ) from None
         # The weights are now plain float tensors; the GGUF quantization record no longer applies.
         model.hf_quantizer = None

@@ -20,7 +20,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -30,7 +30,44 @@ from slimlm.artifact import is_artifact, parse_manifest, scheme_of
 from slimlm.errors import ConfigError
 from slimlm.memory import return_freed_memory
 
+if TYPE_CHECKING:
+    from slimlm.eval.kl import ReferenceLogits
+
 log = logging.getLogger("slimlm")
+
+
+@dataclass
+class RunMemo:
+    """What the stages of one run remember and reuse, never reported: how the current model
+    came to be, and inputs that are computed once per run however many stages read them."""
+
+    model_origin: Optional[str] = None
+    """How the current model came to be, as the report's generations name it: "artifact <id>",
+    "reloaded from hf", "streamed into ...". None: the run's source model as loaded, which is how
+    RunState.is_original tells it. Set each time another model becomes the current one; loading
+    the files the model lies in keeps it."""
+
+    changes: list[str] = field(default_factory=list)
+    """How stages changed the current model without quantizing it (sparsified, pruned, distilled):
+    any change makes it no longer the original, although it has no schemes. Cleared when another
+    model becomes the current one."""
+
+    original_model_cfg: Optional[DictConfig] = None
+    """The model config that loads the uncompressed model the current one descends from, once a
+    loaded slimlm artifact named its source; None: the run's cfg.model. Kept for the whole run:
+    KL references and reloads of exported files need that model."""
+
+    calibration_ids: Optional[torch.Tensor] = None
+    """data.calibration as token ids, tokenized by the first stage that needs them (quantize,
+    distill) and reused by the rest."""
+
+    eval_token_ids: Optional[torch.Tensor] = None
+    """data.eval_text as token ids, tokenized once per run so that every evaluate row scores the
+    same windows."""
+
+    reference_logits: dict[Path, ReferenceLogits] = field(default_factory=dict)
+    """The original model's reference pass (slimlm.eval.kl.ReferenceLogits) by its cache file:
+    read from disk or computed once, then reused by every later evaluate stage of the run."""
 
 
 @dataclass
@@ -47,7 +84,7 @@ class RunState:
     schemes: dict[str, dict] = field(default_factory=dict)  # module name -> how it was compressed
     evaluations: list[dict] = field(default_factory=list)  # one row per evaluate stage
     sections: dict[str, Any] = field(default_factory=dict)  # other report sections by name
-    memo: dict[str, Any] = field(default_factory=dict)  # values stages reuse within a run, not reported
+    memo: RunMemo = field(default_factory=RunMemo)  # what stages reuse within the run, not reported
     # While model is None: the files the current model lies in (an artifact or a checkpoint a
     # stage wrote), or None for the run's source model.
     on_disk: Optional[Path] = None
@@ -71,7 +108,7 @@ class RunState:
 
     def is_original(self) -> bool:
         """True while the model is the source model as loaded (nothing compressed or swapped)."""
-        return not self.schemes and self.memo.get("model_origin") is None and not self.memo.get("changes")
+        return not self.schemes and self.memo.model_origin is None and not self.memo.changes
 
     def provenance(self) -> dict:
         """The source model as an artifact's manifest records it."""
@@ -89,11 +126,12 @@ class RunState:
     def mark_changed(self, how: str) -> None:
         """Record that a stage changed the model's weights or shape without quantizing it
         (sparsified, pruned): its rows are no longer the original model's."""
-        self.memo.setdefault("changes", []).append(how)
+        self.memo.changes.append(how)
 
     def original_model_cfg(self) -> Any:
         """The config that loads the uncompressed model this run's model descends from."""
-        return self.memo.get("original_model_cfg", self.cfg.model)
+        original = self.memo.original_model_cfg
+        return self.cfg.model if original is None else original
 
     def load(self) -> None:
         """Load the current model into memory: the source model, or the files it lies in."""
@@ -103,15 +141,15 @@ class RunState:
             self.adopt(load_model(self.cfg.model, self.device, self.source_sha256), origin=None)
             return
         model_cfg = OmegaConf.merge(self.original_model_cfg(), {"path": str(self.on_disk), "bnb": None})
-        self.adopt(load_model(model_cfg, self.device), self.memo.get("model_origin"))
+        self.adopt(load_model(model_cfg, self.device), self.memo.model_origin)
 
     def lies_in(self, path: Path, origin: str) -> None:
         """The current model is now the files at `path` (an artifact or a checkpoint directory that
         a stage wrote), not loaded: the next stage that needs it in memory loads it from there."""
         self.model = self.tokenizer = None
         self.on_disk = Path(path)
-        self.memo["model_origin"] = origin
-        self.memo.pop("changes", None)
+        self.memo.model_origin = origin
+        self.memo.changes = []
         self.schemes = (
             {name: scheme_of(record).to_dict() for name, record in parse_manifest(path)["modules"].items()}
             if is_artifact(path)
@@ -123,14 +161,14 @@ class RunState:
         self.model, self.tokenizer = loaded.model, loaded.tokenizer
         self.on_disk = None
         self.schemes = {}
-        self.memo["model_origin"] = origin
-        self.memo.pop("changes", None)
+        self.memo.model_origin = origin
+        self.memo.changes = []
         if loaded.manifest is not None:  # a slimlm artifact: compressed, made from its source model
             self.schemes = {
                 name: scheme_of(record).to_dict() for name, record in loaded.manifest["modules"].items()
             }
-            self.memo["model_origin"] = origin or f"artifact {loaded.source.id}"
-            self.memo["original_model_cfg"] = OmegaConf.merge(
+            self.memo.model_origin = origin or f"artifact {loaded.source.id}"
+            self.memo.original_model_cfg = OmegaConf.merge(
                 self.cfg.model, {"path": loaded.manifest["source"]["id"]}
             )
 

@@ -54,7 +54,10 @@ class QuantScheme:
         if self.bits not in PACKABLE_BITS:
             return f"{self.bits}-bit weights are not supported (choose one of {PACKABLE_BITS})"
         if self.group_size is not None and (self.group_size < 8 or in_features % self.group_size):
-            return f"group size {self.group_size} does not divide its {in_features} input features into groups of at least 8"
+            return (
+                f"group size {self.group_size} does not divide its "
+                f"{in_features} input features into groups of at least 8"
+            )
         if in_features % 8:
             return f"its {in_features} input features are not a multiple of 8 (needed to pack codes)"
         return None
@@ -132,7 +135,8 @@ class QuantLinear(nn.Module):
             or down.shape[0] != up.shape[1]
         ):
             raise ValueError(
-                f"an adapter of shapes {tuple(down.shape)} and {tuple(up.shape)} does not fit a {self.out_features}x{self.in_features} layer"
+                f"an adapter of shapes {tuple(down.shape)} and {tuple(up.shape)} "
+                f"does not fit a {self.out_features}x{self.in_features} layer"
             )
         down, up = down.detach(), up.detach()
         if self.lora_a is not None:
@@ -181,7 +185,10 @@ class QuantLinear(nn.Module):
     def extra_repr(self) -> str:
         s = self.scheme
         adapter = f", adapter_rank={self.adapter_rank}" if self.lora_a is not None else ""
-        return f"in_features={self.in_features}, out_features={self.out_features}, bits={s.bits}, group_size={s.group_size}, symmetric={s.symmetric}, method={s.method}{adapter}"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bits={s.bits}, "
+            f"group_size={s.group_size}, symmetric={s.symmetric}, method={s.method}{adapter}"
+        )
 
 
 def embedding_scale(embedding: nn.Module) -> float:
@@ -225,7 +232,10 @@ class QuantEmbedding(nn.Module):
         return lookup_rows(self.head, input_ids, self.dtype, self.scale)
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, tied to the quantized LM head ({self.head.scheme.bits}-bit)"
+        return (
+            f"{self.num_embeddings}, {self.embedding_dim}, "
+            f"tied to the quantized LM head ({self.head.scheme.bits}-bit)"
+        )
 
 
 class QuantTable(QuantLinear):
@@ -260,7 +270,10 @@ class QuantTable(QuantLinear):
         return lookup_rows(self, input_ids, self.dtype, self.scale)
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, quantized embedding ({self.scheme.bits}-bit, group_size={self.scheme.group_size})"
+        return (
+            f"{self.num_embeddings}, {self.embedding_dim}, quantized embedding "
+            f"({self.scheme.bits}-bit, group_size={self.scheme.group_size})"
+        )
 
 
 def tie_quantized_head(model: nn.Module) -> None:

@@ -1,4 +1,5 @@
-"""Locating files: package-relative paths (`pkg://`), the on-disk cache, file hashes, and JSON objects read from disk."""
+"""Locating files: package-relative paths (`pkg://`), the on-disk cache, file hashes, and JSON
+objects read from disk."""
 
 from __future__ import annotations
 

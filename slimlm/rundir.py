@@ -8,6 +8,7 @@ one whose process is gone was killed where no handler could run (kill -9, a powe
 
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import logging
@@ -27,12 +28,28 @@ from slimlm.errors import SlimlmError
 STATUS = "status.json"
 
 
+@functools.cache
+def _umask() -> int:
+    """The process's file-creation mask, read once (reading it means setting it)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def as_created(path: str | Path, directory: bool = False) -> None:
+    """Give a file or directory made by tempfile (private: 0600 / 0700) the permissions that
+    open() or mkdir() would have given it, so that exports are readable as other outputs are
+    (a llama.cpp server or Ollama running as another user)."""
+    os.chmod(path, (0o777 if directory else 0o666) & ~_umask())
+
+
 @contextmanager
 def _replaced_on_success(path: Path) -> Iterator[str]:
     """A temporary file beside `path` to write; renamed to `path` when the block succeeds,
     removed when it fails, so a reader sees the whole file or none."""
     fd, temp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
     os.close(fd)
+    as_created(temp)
     try:
         yield temp
         os.replace(temp, path)
@@ -69,6 +86,7 @@ def staged_directory(path: Path, what: str = "exports") -> Iterator[Path]:
     path.parent.mkdir(parents=True, exist_ok=True)
     sweep_abandoned_staging(path)
     staging = Path(tempfile.mkdtemp(prefix=f".{path.name}-partial-{os.getpid()}-", dir=path.parent))
+    as_created(staging, directory=True)
     try:
         yield staging
         staging.rename(path)
@@ -116,10 +134,12 @@ def claim_run_dir(run_dir: Path) -> bool:
     if previous.get("status") == "running" and type(pid) is int and pid > 0 and pid != os.getpid():
         if process_alive(pid):
             raise SlimlmError(
-                f"'{run_dir}' is in use by a run still going (process {pid}); wait for it to end, or give this run another hydra.run.dir"
+                f"'{run_dir}' is in use by a run still going (process {pid}); "
+                "wait for it to end, or give this run another hydra.run.dir"
             )
         logging.getLogger("slimlm").warning(
-            "'%s' held a run that was killed before it could end (process %s, started %s); this run replaces it",
+            "'%s' held a run that was killed before it could "
+            "end (process %s, started %s); this run replaces it",
             run_dir,
             pid,
             previous.get("time_utc"),

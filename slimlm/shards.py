@@ -132,7 +132,8 @@ def _write_shard(
             tensor = produce(spec)
             if tensor.dtype != spec.dtype or tuple(tensor.shape) != spec.shape:
                 raise ValueError(
-                    f"{spec.name}: produced {tensor.dtype} {tuple(tensor.shape)}, planned {spec.dtype} {spec.shape}"
+                    f"{spec.name}: produced {tensor.dtype} "
+                    f"{tuple(tensor.shape)}, planned {spec.dtype} {spec.shape}"
                 )
             handle.write(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
             if progress is not None:

@@ -91,7 +91,8 @@ def env_directories() -> list[Path]:
         directory = Path(entry).expanduser()
         if not directory.is_dir():
             raise SlimlmError(
-                f"{RECIPES_ENV} names '{entry}', which is not a directory; list directories of recipe .yaml files, separated by '{os.pathsep}'"
+                f"{RECIPES_ENV} names '{entry}', which is not a directory; "
+                f"list directories of recipe .yaml files, separated by '{os.pathsep}'"
             )
         directories.append(directory)
     return directories
@@ -141,7 +142,8 @@ def read_recipe(path: Path, bundled: Sequence[str]) -> DictConfig:
     shown = f"recipe file '{path}'"
     if not path.exists():
         raise SlimlmError(
-            f"{shown} does not exist; give the path of a recipe .yaml file (relative to the working directory) or a recipe name: {', '.join(sorted(bundled))}"
+            f"{shown} does not exist; give the path of a recipe .yaml file (relative "
+            f"to the working directory) or a recipe name: {', '.join(sorted(bundled))}"
         )
     if not path.is_file():
         raise SlimlmError(
@@ -150,7 +152,8 @@ def read_recipe(path: Path, bundled: Sequence[str]) -> DictConfig:
     stem = path.name.removesuffix(".yaml")
     if not OPTION_NAME.match(stem):
         raise SlimlmError(
-            f"{shown}: rename the file to letters, digits and '_', '.', '+', '-' (its name becomes the recipe's option name)"
+            f"{shown}: rename the file to letters, digits and '_', "
+            "'.', '+', '-' (its name becomes the recipe's option name)"
         )
     if stem in bundled:
         raise SlimlmError(
@@ -158,7 +161,8 @@ def read_recipe(path: Path, bundled: Sequence[str]) -> DictConfig:
         )
     if path.stat().st_size > MAX_RECIPE_BYTES:
         raise SlimlmError(
-            f"{shown} is {path.stat().st_size} bytes, larger than any recipe ({MAX_RECIPE_BYTES} at most); check the path"
+            f"{shown} is {path.stat().st_size} bytes, larger than "
+            f"any recipe ({MAX_RECIPE_BYTES} at most); check the path"
         )
     node = parse_mapping(path, shown)
     name = node.get("name")
@@ -166,7 +170,8 @@ def read_recipe(path: Path, bundled: Sequence[str]) -> DictConfig:
         node.name = stem
     elif name in bundled:
         raise SlimlmError(
-            f"{shown} sets name: {name}, a bundled recipe's name, so its runs would pass for that recipe's; set name: {stem} (or remove the line)"
+            f"{shown} sets name: {name}, a bundled recipe's name, so its runs "
+            f"would pass for that recipe's; set name: {stem} (or remove the line)"
         )
     node.file = str(path)
     return node
@@ -191,6 +196,7 @@ def parse_mapping(path: Path, shown: str) -> DictConfig:
     if node is None:
         kind = "an empty file" if value is None else f"a YAML {type(value).__name__}"
         raise SlimlmError(
-            f"{shown} holds {kind}, not a mapping; a recipe is a mapping with name, description and stages (see the bundled ones with `slimlm --cfg job recipe=demo`)"
+            f"{shown} holds {kind}, not a mapping; a recipe is a mapping with name, "
+            "description and stages (see the bundled ones with `slimlm --cfg job recipe=demo`)"
         )
     return node

@@ -14,7 +14,10 @@ import torch  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 CALIBRATION = REPO / "slimlm" / "assets" / "gutenberg" / "calibration.txt"
-CHAT_TEMPLATE = "{% for m in messages %}<|user|>{{ m['content'] }}<|end|>{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|user|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 
 
 @pytest.fixture(autouse=True, scope="session")

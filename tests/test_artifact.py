@@ -1,4 +1,5 @@
 import json
+import os
 
 import pytest
 import torch
@@ -136,7 +137,13 @@ def test_a_killed_writers_staging_is_swept_by_the_next_write_and_a_live_ones_kep
 
     from slimlm.rundir import staged_directory
 
-    killed = "import os, pathlib, signal, sys\nfrom slimlm.rundir import staged_directory\nwith staged_directory(pathlib.Path(sys.argv[1])) as staging:\n    (staging / 'half').write_text('x')\n    os.kill(os.getpid(), signal.SIGKILL)"
+    killed = (
+        "import os, pathlib, signal, sys\n"
+        "from slimlm.rundir import staged_directory\n"
+        "with staged_directory(pathlib.Path(sys.argv[1])) as staging:\n"
+        "    (staging / 'half').write_text('x')\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)"
+    )
     assert subprocess.run([sys.executable, "-c", killed, str(tmp_path / "artifact")]).returncode == -9
     (abandoned,) = tmp_path.glob(".artifact-partial-*")
     live = tmp_path / f".artifact-partial-{os.getpid()}-writing"  # this process's: still running
@@ -382,3 +389,18 @@ def test_a_format_5_artifact_still_loads(tiny_model, tiny_tokenizer, tmp_path):
     edit_manifest(path, lambda m: m.update(format_version=5))
     reloaded = load_artifact(path).model.state_dict()
     assert all(torch.equal(tensor, reloaded[name]) for name, tensor in state.model.state_dict().items())
+
+
+def test_exports_get_the_permissions_open_and_mkdir_give(tmp_path):
+    """Staged outputs come from tempfile, which makes them private (0700 / 0600); renamed into
+    place they must be readable by others as any file the process writes (umask 022 here)."""
+    from slimlm.rundir import staged_directory, write_atomic
+
+    old = os.umask(0o022)
+    try:
+        with staged_directory(tmp_path / "artifact") as staging:
+            write_atomic(staging / "manifest.json", "{}")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "artifact").stat().st_mode & 0o777 == 0o755
+    assert (tmp_path / "artifact" / "manifest.json").stat().st_mode & 0o777 == 0o644

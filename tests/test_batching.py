@@ -388,8 +388,10 @@ from slimlm.inference.decoder import Decoder
 from slimlm.inference.sampling import SamplingParams
 
 tokenizer = build_tokenizer()
-batcher = ContinuousBatcher(Decoder(build_decoder(build_tiny_llama(len(tokenizer))), tokenizer), max_batch=2, max_seq=512)
-answers = [batcher.submit(tokenizer("hello there")["input_ids"], SamplingParams(max_new_tokens=480, ignore_eos=True)) for _ in range(2)]
+batcher = ContinuousBatcher(Decoder(build_decoder(build_tiny_llama(len(tokenizer))), tokenizer), \
+max_batch=2, max_seq=512)
+answers = [batcher.submit(tokenizer("hello there")["input_ids"], \
+SamplingParams(max_new_tokens=480, ignore_eos=True)) for _ in range(2)]
 next(answers[0])
 print("exiting while the worker decodes")
 """

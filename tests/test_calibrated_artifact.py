@@ -1,4 +1,5 @@
-"""GPTQ and AWQ of a checkpoint, a block at a time, straight into an artifact (compress/calibrated_artifact.py)."""
+"""GPTQ and AWQ of a checkpoint, a block at a time, straight into an artifact
+(compress/calibrated_artifact.py)."""
 
 import json
 
@@ -48,7 +49,7 @@ def test_the_artifact_equals_the_one_the_in_memory_path_saves(tmp_path, tiny_tok
         source_sha256=None,
         device=torch.device("cpu"),
     )
-    state.memo["calibration_ids"] = SAMPLES.flatten()
+    state.memo.calibration_ids = SAMPLES.flatten()
     quantize(state, params)
     save_artifact(state.model, tiny_tokenizer, tmp_path / "memory", state.schemes, SOURCE)
 

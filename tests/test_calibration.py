@@ -39,7 +39,9 @@ def whole_model(model, samples, names):
         layer_names = [n for n in names if n.startswith(f"model.layers.{index}.")]
         hessians = {name: HessianAccumulator(model.get_submodule(name).in_features) for name in layer_names}
         handles = [
-            model.get_submodule(n).register_forward_hook(lambda m, i, o, n=n: hessians[n].add(i[0]))
+            model.get_submodule(n).register_forward_hook(
+                lambda m, i, o, n=n, hessians=hessians: hessians[n].add(i[0])
+            )
             for n in layer_names
         ]
         for chunk in samples.split(4):

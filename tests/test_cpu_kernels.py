@@ -260,7 +260,10 @@ def test_decode_attention_matches_attention_over_the_dequantized_cache(
         cached(rows, kv_heads, capacity, dim, 1, cache_dtype),
         cached(rows, kv_heads, capacity, dim, 2, cache_dtype),
     )
-    view = lambda t: None if t is None else t[1 : 1 + batch, :, :slots]  # noqa: E731
+
+    def view(t):
+        return None if t is None else t[1 : 1 + batch, :, :slots]
+
     q = torch.randn(batch, heads, 1, dim, generator=torch.Generator().manual_seed(3))
     visible = torch.rand(batch, 1, 1, slots, generator=torch.Generator().manual_seed(4)) > 0.3
     visible[0, ..., : slots // 2 + 1] = False
@@ -358,7 +361,10 @@ def test_the_kernels_fake_versions_agree_with_them(dtype):
             (slice(0, 2), None),
             (slice(None), torch.tensor([2, 0])),
         ):  # the first rows, or rows by index
-            view = lambda t: None if t is None else t[rows, :, :33]  # noqa: E731
+
+            def view(t, rows=rows):
+                return None if t is None else t[rows, :, :33]
+
             for visible in masks:
                 torch.library.opcheck(
                     cpu_kernels.ops().decode_attention,
@@ -379,8 +385,13 @@ def test_decode_attention_reads_each_sequence_from_its_own_cache_row(cache_dtype
     q = torch.randn(3, 4, 1, 16, generator=torch.Generator().manual_seed(3))
     visible = torch.rand(3, 1, 1, 33, generator=torch.Generator().manual_seed(4)) > 0.3
     visible[..., -1] = True
-    gathered = lambda t: None if t is None else t[rows, :, :33]  # noqa: E731
-    whole = lambda t: None if t is None else t[:, :, :33]  # noqa: E731
+
+    def gathered(t):
+        return None if t is None else t[rows, :, :33]
+
+    def whole(t):
+        return None if t is None else t[:, :, :33]
+
     expected = cpu_kernels.ops().decode_attention(
         q, gathered(k_codes), gathered(k_scales), gathered(v_codes), gathered(v_scales), visible, 0.25
     )
@@ -417,7 +428,10 @@ def test_sequences_sharing_a_row_each_attend_under_their_own_mask(cache_dtype):
     ends = torch.tensor([90, 40, 91, 92, 41, 93, 94])  # each query sees the slots up to its own
     visible = (torch.arange(100) <= ends[:, None])[:, None, None]
     visible[3, ..., :70] = False  # one of row 2's queries with a sliding window
-    gathered = lambda t: None if t is None else t[rows]  # noqa: E731
+
+    def gathered(t):
+        return None if t is None else t[rows]
+
     keys, values = (
         from_cache(gathered(k_codes), gathered(k_scales), torch.float32),
         from_cache(gathered(v_codes), gathered(v_scales), torch.float32),
@@ -645,14 +659,17 @@ def test_the_laptop_instruction_sets_pass_the_kernel_tests(isa):
         "emulation or lora or refuses or every_layer or decode_attention or attend",
         __file__,
     ]
-    run = lambda *extra: subprocess.run(
-        [*pytest_command, *extra],
-        cwd=Path(__file__).parent.parent,
-        env={**os.environ, cpu_kernels.ISA_ENV: isa},
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )  # noqa: E731
+
+    def run(*extra):
+        return subprocess.run(
+            [*pytest_command, *extra],
+            cwd=Path(__file__).parent.parent,
+            env={**os.environ, cpu_kernels.ISA_ENV: isa},
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+
     selected = int(
         re.match(r"\d+", run("--collect-only").stdout.strip().splitlines()[-1]).group()
     )  # "N/M tests collected"

@@ -161,7 +161,8 @@ def test_the_cache_is_allocated_once(tiny_model, tiny_tokenizer, cache_dtype, sl
     pointers = [t.data_ptr() for t in decoder.model.cache_tensors()]
     decoder.generate_ids([prompt_ids(5, 300, seed=1)], SamplingParams(max_new_tokens=30, ignore_eos=True))
     assert [t.data_ptr() for t in decoder.model.cache_tensors()] == pointers
-    # k and v, 2 layers, batch 1, 2 kv heads, 50 slots; a slot of head dim 16 in fp32, or 16 int8 codes and a float32 scale
+    # k and v, 2 layers, batch 1, 2 kv heads, 50 slots; a slot of head dim 16 in fp32, or 16 int8
+    # codes and a float32 scale
     assert decoder.model.cache_bytes() == 2 * 2 * 1 * 2 * 50 * slot_bytes
 
 
@@ -343,7 +344,7 @@ def test_incremental_text_pieces_join_to_the_decoded_text_decoding_a_bounded_win
 
 
 def test_bad_input_is_refused(tiny_model, tiny_tokenizer):
-    with pytest.raises(SlimlmError, match="'gpt2'.*export=hf or export=compressed-tensors"):
+    with pytest.raises(SlimlmError, match="'gpt2'.*format: hf} or {format: compressed-tensors}"):
         ModelArgs.from_hf_config({"model_type": "gpt2"})
     qwen2 = {
         "model_type": "qwen2",
@@ -376,9 +377,11 @@ def test_generate_and_chat_commands_stream_from_a_checkpoint(tiny_model_dir, tmp
     import subprocess
     import sys
 
-    run = lambda *args, **kw: subprocess.run(
-        [sys.executable, "-m", "slimlm.cli", *args], capture_output=True, text=True, cwd=tmp_path, **kw
-    )  # noqa: E731
+    def run(*args, **kw):
+        return subprocess.run(
+            [sys.executable, "-m", "slimlm.cli", *args], capture_output=True, text=True, cwd=tmp_path, **kw
+        )
+
     result = run(
         "generate",
         str(tiny_model_dir),
@@ -466,9 +469,11 @@ def test_chat_and_generate_decode_speculatively(tiny_model_dir, tmp_path):
     import subprocess
     import sys
 
-    run = lambda *args, **kw: subprocess.run(
-        [sys.executable, "-m", "slimlm.cli", *args], capture_output=True, text=True, cwd=tmp_path, **kw
-    )  # noqa: E731
+    def run(*args, **kw):
+        return subprocess.run(
+            [sys.executable, "-m", "slimlm.cli", *args], capture_output=True, text=True, cwd=tmp_path, **kw
+        )
+
     chat = run(
         "chat",
         str(tiny_model_dir),
@@ -519,7 +524,8 @@ def test_the_compiled_decode_step_gives_the_same_tokens(
     context_model, tiny_tokenizer, tmp_path, monkeypatch, static, cache_dtype, attention_kernel
 ):
     """One prompt, then two of different lengths (left padding: the attention mask's path); the
-    first prompt's eleven steps compile once. The static step is the one a GPU captures in a CUDA graph; here it is compiled for the CPU.
+    first prompt's eleven steps compile once. The static step is the one a GPU captures in a CUDA
+    graph; here it is compiled for the CPU.
     On x86 the compiled step calls slimlm's attention kernel; without it (other processors, or
     no compiler) Inductor fuses attention, and an int8 cache's dequantization, into one loop.
     With an int8 cache, Inductor's fused quantization can round a code the other way than

@@ -134,7 +134,7 @@ def test_a_family_the_decoder_does_not_run_is_refused_in_one_line(config):
     assert "\n" not in message and f"'{config['model_type']}'" in message
     assert (
         "llama, mistral, qwen2, qwen3, gemma3_text, phi3, qwen3_moe, mixtral, olmoe" in message
-        and "export=compressed-tensors" in message
+        and "{format: compressed-tensors}" in message
     )
 
 

@@ -39,7 +39,7 @@ def state_for(model, tokenizer, ids, tmp_path) -> RunState:
         source_sha256=None,
         device=torch.device("cpu"),
     )
-    state.memo["calibration_ids"] = ids  # what calibration_windows reads; no config needed
+    state.memo.calibration_ids = ids  # what calibration_windows reads; no config needed
     return state
 
 

@@ -137,7 +137,10 @@ def test_layers_off_the_grid_are_refused_unless_requantizing_is_allowed(tiny_mod
     model = quantized(tiny_model, tiny_tokenizer, tmp_path, bits=4, group_size=16)
     with pytest.raises(
         SlimlmError,
-        match=r"GGUF Q4_0 cannot hold 14 quantized layer\(s\) .*int4, groups of 16, symmetric.*requantize=true",
+        match=(
+            r"GGUF Q4_0 cannot hold 14 quantized layer\(s\) "
+            r".*int4, groups of 16, symmetric.*requantize=true"
+        ),
     ):
         export_gguf(model, tiny_tokenizer, tmp_path / "model.gguf", "Q4_0")
     assert not any(tmp_path.iterdir())
@@ -196,7 +199,8 @@ def test_an_untied_head_takes_the_head_type_and_the_embedding_the_files_as_in_ll
     )
 
 
-# ---- families: tiny random-weight models of each, read back by gguf and, where installed, scored by llama.cpp ----
+# ---- families: tiny random-weight models of each ----
+# read back by gguf and, where installed, scored by llama.cpp
 
 SPM_TEXT = "It was the best of times, it was the worst of times.\nHello world 12345 \u00e9t\u00e9 caf\u00e9"
 
@@ -253,7 +257,8 @@ CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 
 
 def _randomize(model, names: tuple[str, ...], scale: float):
-    """Random values where transformers initializes constants (biases, norms), so the export's handling of them shows."""
+    """Random values where transformers initializes constants (biases, norms), so the export's
+    handling of them shows."""
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if any(part in name for part in names):
@@ -298,7 +303,8 @@ def build_family(name: str, vocab_size: int, bos: int, eos: int):
             "long_factor": [1.0 + i / 4 for i in range(8)],
             "short_factor": [1.0 + i / 8 for i in range(8)],
         }
-        # llama.cpp takes the long factors when its context (padded to 256) exceeds the original 512; here it does not
+        # llama.cpp takes the long factors when its context (padded to 256) exceeds the original 512;
+        # here it does not
         config = transformers.Phi3Config(
             **{**common, "max_position_embeddings": 2048},
             original_max_position_embeddings=512,
@@ -435,7 +441,8 @@ def test_each_family_is_written_with_llama_cpp_names_and_keys(name, tiny_tokeniz
 
 
 def test_family_specific_values(tiny_tokenizer, spm_tokenizers, tmp_path):
-    """Gemma's norms as 1 + w; Phi-3's LongRoPE factors and keys; Llama 3's frequency divisors; qwen2's rows unpermuted."""
+    """Gemma's norms as 1 + w; Phi-3's LongRoPE factors and keys; Llama 3's frequency divisors;
+    qwen2's rows unpermuted."""
     from slimlm.gguf_families import llama3_divisors
 
     gemma, _, path = family_export("gemma3", tiny_tokenizer, spm_tokenizers, tmp_path)
@@ -479,7 +486,10 @@ def test_unsupported_families_and_configs_are_refused_in_one_line(tiny_tokenizer
     config = transformers.GPT2Config(vocab_size=len(tiny_tokenizer), n_embd=32, n_layer=1, n_head=2)
     with pytest.raises(
         SlimlmError,
-        match=r"GGUF export supports llama, mistral, qwen2, qwen3, gemma3_text, phi3, qwen3_moe, olmoe, mixtral models; this one is gpt2",
+        match=(
+            r"GGUF export supports llama, mistral, qwen2, qwen3, gemma3_text, phi3, qwen3_moe, olmoe, "
+            r"mixtral models; this one is gpt2"
+        ),
     ):
         export_gguf(transformers.GPT2LMHeadModel(config), tiny_tokenizer, tmp_path / "gpt2.gguf", "F32")
     gemma = transformers.Gemma3TextConfig(

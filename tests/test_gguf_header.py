@@ -1,4 +1,5 @@
-"""The bounded GGUF header reader: gguf's answers on a real file, speed on a large vocabulary, one line on damage."""
+"""The bounded GGUF header reader: gguf's answers on a real file, speed on a large vocabulary,
+one line on damage."""
 
 from __future__ import annotations
 

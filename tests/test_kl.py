@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from slimlm.eval.kl import ReferenceLogits, reference_path
 from slimlm.eval.perplexity import score_text
 from slimlm.eval.stage import cached_reference, store_reference
+from slimlm.pipeline import RunMemo
 
 
 def reference_of(model, ids, window, k):
@@ -90,7 +91,7 @@ def run_state(dtype: str, revision=None):
             perplexity=SimpleNamespace(window=24, max_windows=4), kl=SimpleNamespace(top_k=8)
         ),
     )
-    return SimpleNamespace(cfg=cfg, source_sha256="c" * 64, source=SimpleNamespace(id="tiny"), memo={})
+    return SimpleNamespace(cfg=cfg, source_sha256="c" * 64, source=SimpleNamespace(id="tiny"), memo=RunMemo())
 
 
 def test_a_bf16_run_does_not_read_an_fp32_runs_reference(tiny_model, ids):

@@ -98,6 +98,9 @@ def test_fisher_proxy_ranks_layers_like_their_measured_kl():
                 predicted_loss(model.get_submodule(name).weight, fisher[name], scheme, windows.shape[1])
             )
             measured.append(measure_kl_sensitivity(model, windows, name, scheme, reference))
-    rank = lambda values: torch.tensor(values).argsort().argsort().float()  # noqa: E731
+
+    def rank(values):
+        return torch.tensor(values).argsort().argsort().float()
+
     spearman = float(torch.corrcoef(torch.stack([rank(predicted), rank(measured)]))[0, 1])
     assert spearman > 0.8

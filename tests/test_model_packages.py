@@ -1,4 +1,5 @@
-"""A model shipped as PyPI chunk packages: assembled, verified and cached from small fake wheels (no download)."""
+"""A model shipped as PyPI chunk packages: assembled, verified and cached from small fake wheels
+(no download)."""
 
 import hashlib
 import os

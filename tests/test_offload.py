@@ -24,7 +24,7 @@ def in_memory(model, params):
         source_sha256=None,
         device=torch.device("cpu"),
     )
-    state.memo["calibration_ids"] = SAMPLES.flatten()
+    state.memo.calibration_ids = SAMPLES.flatten()
     quantize(state, params)
     return model
 

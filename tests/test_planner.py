@@ -134,12 +134,18 @@ def test_plans_fit_stream_shorten_or_refuse_with_numbers():
     assert capped.kind == "shorter-context" and capped.context < 8192
     with pytest.raises(
         SlimlmError,
-        match=r"nothing fits .*; tried everything on the device, [\d.]+ GiB; a context of 256 tokens, at least [\d.]+ GiB\. At 8192 tokens:\n.*decoder layers",
+        match=(
+            r"nothing fits .*; tried everything on the device, [\d.]+ GiB; a context of 256 tokens, "
+            r"at least [\d.]+ GiB\. At 8192 tokens:\n.*decoder layers"
+        ),
     ):
         make_plan(args, {}, dataclasses.replace(no_link, memory_bytes=2 * GiB), context=8192)
     with pytest.raises(
         SlimlmError,
-        match=r"tried everything on the device, [\d.]+ GiB; all 32 layers streamed from host memory, [\d.]+ GiB on the device and [\d.]+ GiB in host memory \(of 26 GiB\); a context of 256",
+        match=(
+            r"tried everything on the device, [\d.]+ GiB; all 32 layers streamed from host memory, "
+            r"[\d.]+ GiB on the device and [\d.]+ GiB in host memory \(of 26 GiB\); a context of 256"
+        ),
     ):
         make_plan(args, {}, dataclasses.replace(laptop, memory_bytes=2 * GiB), context=8192)
     assert "fits in the GPU" in format_plan(fits, "llama-3-8b")
@@ -225,9 +231,12 @@ def test_plan_command_reads_presets_and_artifacts(tiny_model, tiny_tokenizer, tm
 
     state = quantized(tiny_model, tiny_tokenizer, tmp_path, bits=4, group_size=32)
     save_artifact(state.model, tiny_tokenizer, tmp_path / "artifact", state.schemes, source={"id": "tiny"})
-    run = lambda *args: subprocess.run(
-        [sys.executable, "-m", "slimlm.cli", "plan", *args], capture_output=True, text=True
-    )  # noqa: E731
+
+    def run(*args):
+        return subprocess.run(
+            [sys.executable, "-m", "slimlm.cli", "plan", *args], capture_output=True, text=True
+        )
+
     preset = run("qwen2.5-32b", "--bits", "4", "--hardware", "laptop-8gb")
     assert preset.returncode == 0 and "streamed from host memory" in preset.stdout
     too_large = run(
@@ -236,6 +245,10 @@ def test_plan_command_reads_presets_and_artifacts(tiny_model, tiny_tokenizer, tm
     assert too_large.returncode == 2 and "GiB in host memory (of 26 GiB)" in too_large.stderr
     artifact = run(str(tmp_path / "artifact"), "--hardware", "cpu", "--context", "256")
     assert artifact.returncode == 0 and "fits in RAM" in artifact.stdout
+    capped = run(str(tmp_path / "artifact"), "--hardware", "cpu")  # the model's 512, not 8192
+    assert capped.returncode == 0 and "fits in RAM" in capped.stdout
+    too_long = run(str(tmp_path / "artifact"), "--hardware", "cpu", "--context", "1024")
+    assert too_long.returncode == 2 and "longer than the model's 512" in too_long.stderr
     assert run("nonsense").returncode == 2
 
 
@@ -369,7 +382,10 @@ def test_a_gguf_file_is_planned_from_its_header(tmp_path):
         ),
         (
             {
-                "config.json": '{"model_type": "gemma2", "num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 64}',
+                "config.json": (
+                    '{"model_type": "gemma2", "num_hidden_layers": 2, "num_attention_heads": 4, '
+                    '"hidden_size": 64}'
+                ),
                 "pytorch_model.bin": b"x",
             },
             [],

@@ -27,7 +27,8 @@ def test_a_conversation_prefills_only_its_new_turn(context_model, tiny_tokenizer
     )
 
     def check(ids, cached):
-        """`ids` decoded by `reusing` with `cached` of its tokens found in the cache, as `fresh` decodes them whole."""
+        """`ids` decoded by `reusing` with `cached` of its tokens found in the cache, as `fresh`
+        decodes them whole."""
         answer, whole = reusing.generate_ids([ids], PARAMS)[0], fresh.generate_ids([ids], PARAMS)[0]
         assert (answer.cached_tokens, whole.cached_tokens) == (cached, 0)
         assert answer.token_ids == whole.token_ids
@@ -157,9 +158,11 @@ def test_an_answer_stopped_by_its_client_can_be_continued(context_model, tiny_to
             and reply.token_ids == fresh.generate_ids([following], PARAMS)[0].token_ids
         )
 
-    def stop_after_11(row, token, count=[0]):
-        count[0] += 1
-        if count[0] == 11:
+    seen = []
+
+    def stop_after_11(row, token):
+        seen.append(token)
+        if len(seen) == 11:
             raise KeyboardInterrupt  # as a client going away stops the decoder's loop
 
     decoder = Decoder(build_decoder(context_model), tiny_tokenizer)

@@ -19,9 +19,13 @@ def test_quick_serve_load_answers_every_valid_request_and_refuses_every_hostile_
     record = json.loads((tmp_path / "serve_load.json").read_text())
     unloaded, hostile = record["rows"]
     for row in (unloaded, hostile):
-        assert row["valid_requests"] == row["complete"] == 4 and row["ttft_p99_ms"] > 0
+        # valid_errors: what ended a valid request short (an HTTP status, an error event), if any
+        assert row["valid_requests"] == row["complete"] == 4 and row["ttft_p99_ms"] > 0, row
+        assert not row["valid_errors"], row
         assert row["greedy_prompts"] == 1 and row["greedy_prompts_answered_differently"] in (0, 1)
-    allowed = {  # a 20 MB body is answered 413 before it is read; the client may still be sending, and see the connection closed
+    # a 20 MB body is answered 413 before it is read; the client may still be sending, and see the
+    # connection closed
+    allowed = {
         "20 MB body": {"413", "BrokenPipeError", "ConnectionResetError"},
         "malformed body": {"400"},
         "prompt over the character limit (1 MB)": {"400"},

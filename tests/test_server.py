@@ -83,6 +83,14 @@ def post(url, body, raw=None):
         return error.code, error.read().decode()
 
 
+def raw_request(body: bytes) -> bytes:
+    """POST /v1/completions of `body`, as a client that may leave at any byte sends it on a socket."""
+    return (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
+
+
 def sse_payloads(text):
     lines = [line[len("data: ") :] for line in text.splitlines() if line.startswith("data: ")]
     assert lines[-1] == "[DONE]"
@@ -216,10 +224,7 @@ def test_clients_that_go_away_give_back_their_admission(serve, read_first):
     ).encode()
     for _ in range(3):
         with socket.create_connection(("127.0.0.1", port)) as client:
-            client.sendall(
-                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
-                % (len(body), body)
-            )
+            client.sendall(raw_request(body))
             if read_first:
                 client.recv(read_first)
     deadline = time.time() + 30
@@ -231,7 +236,48 @@ def test_clients_that_go_away_give_back_their_admission(serve, read_first):
     assert status == 200, text
 
 
-PACE_S = 0.005  # a token's least time in the tests where a client leaves: 480 tokens outlast their waits on any machine
+def test_a_dropped_stream_frees_its_slot_before_its_decoding_stops(serve):
+    """A stream's slot is free as soon as its client's connection closes, not only once its
+    decoding reaches its next step (here a pass held up on purpose): with room for one request,
+    the next one is admitted at once. Under load a step can outlast a client's next requests,
+    and a client that dropped a stream and came back found its own old slot taken (429)."""
+    from slimlm.inference.server import ServerLimits
+
+    base, _ = serve(ServerLimits(max_prompt_tokens=64, max_new_tokens=32, max_concurrent=1), batched=True)
+    batcher, port = serve.batchers[-1], int(base.rsplit(":", 1)[1])
+    forward_segments, go = batcher.model.forward_segments, threading.Event()
+
+    def held(*args):
+        go.wait(timeout=60)
+        return forward_segments(*args)
+
+    batcher.model.forward_segments = held
+    body = json.dumps({"prompt": "the story of", "max_tokens": 32, "stream": True}).encode()
+    try:
+        with socket.create_connection(("127.0.0.1", port)) as client:
+            client.sendall(raw_request(body))
+            head = b""
+            while b"\r\n\r\n" not in head:  # the headers: its decoding waits for the held pass
+                head += client.recv(1024)
+            assert head.startswith(b"HTTP/1.1 200"), head
+        deadline = time.time() + 10
+        while True:
+            connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+            connection.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+            response = connection.getresponse()
+            if response.status != 429 or time.time() > deadline:
+                break
+            connection.close()
+            time.sleep(0.05)
+        assert response.status == 200, response.read()
+    finally:
+        go.set()
+    assert sse_payloads(response.read().decode())  # and it is answered once the pass goes on
+    connection.close()
+
+
+# a token's least time in the tests where a client leaves: 480 tokens outlast their waits on any machine
+PACE_S = 0.005
 
 
 def counted_tokens(decoder) -> list:
@@ -278,10 +324,7 @@ def test_one_at_a_time_a_stream_stops_decoding_when_its_client_goes_away(serve, 
         {"prompt": "the story of", "max_tokens": 480, "temperature": 1.0, "seed": seed, "stream": True}
     ).encode()
     with socket.create_connection(("127.0.0.1", int(base.rsplit(":", 1)[1]))) as client:
-        client.sendall(
-            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
-            % (len(body), body)
-        )
+        client.sendall(raw_request(body))
         client.recv(300)  # the stream has begun
     status, text = post(f"{base}/v1/completions", {"prompt": "hi", "max_tokens": 2, "temperature": 0})
     assert status == 200 and len(decoded) < 480, (status, len(decoded))
@@ -320,10 +363,7 @@ def test_a_whole_completion_stops_decoding_when_its_client_goes_away(serve, tiny
         {"prompt": "the story of", "max_tokens": 480, "temperature": 1.0, "seed": seed}
     ).encode()
     with socket.create_connection(("127.0.0.1", int(base.rsplit(":", 1)[1]))) as client:
-        client.sendall(
-            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
-            % (len(body), body)
-        )
+        client.sendall(raw_request(body))
         time.sleep(0.3)  # it is decoding
     status, text = post(f"{base}/v1/completions", {"prompt": "hi", "max_tokens": 2, "temperature": 0})
     assert status == 200, text
@@ -375,16 +415,19 @@ def test_concurrent_streams_are_batched_and_each_gets_its_own_answer(serve, tiny
 
 
 def test_serve_refuses_cache_rows_it_could_not_use(tmp_path):
-    """Checked before the model loads: a row per request decoding at once, and extra rows only with prefix reuse."""
+    """Checked before the model loads: a row per request decoding at once, and extra rows only
+    with prefix reuse."""
     import subprocess
     import sys
 
-    serve = lambda *options: subprocess.run(
-        [sys.executable, "-m", "slimlm.cli", "serve", str(tmp_path), *options],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-    )  # noqa: E731
+    def serve(*options: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "slimlm.cli", "serve", str(tmp_path), *options],
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+        )
+
     result = serve("--max-concurrent", "4", "--cache-rows", "2")
     assert result.returncode == 2 and "--cache-rows 2: give at least --max-concurrent (4)" in result.stderr, (
         result.stderr
@@ -536,7 +579,10 @@ def test_a_chatml_message_cannot_open_a_system_turn():
 
     tokenizer = build_tokenizer()
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
-    tokenizer.chat_template = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    tokenizer.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
     start = tokenizer.convert_tokens_to_ids("<|im_start|>")
     messages = [
         {"role": "system", "content": "be kind"},

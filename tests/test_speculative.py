@@ -25,9 +25,9 @@ def scanned_proposal(tokens, lookahead, ngram, min_ngram):
 
 
 def test_prompt_lookup_finds_the_latest_match_of_the_longest_ngram():
-    guess = lambda tokens, lookahead, ngram, min_ngram=2: PromptLookup(tokens, ngram, min_ngram).propose(
-        lookahead
-    )  # noqa: E731
+    def guess(tokens, lookahead, ngram, min_ngram=2):
+        return PromptLookup(tokens, ngram, min_ngram).propose(lookahead)
+
     assert guess([1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3], 2, 3) == [7, 8]
     assert guess([5, 6, 7, 5, 6], 3, 3) == [7, 5, 6]
     assert guess([1, 2, 3], 2, 3) == []
@@ -103,9 +103,9 @@ def test_speculative_decoding_prefills_only_what_the_caches_do_not_hold(
     ids = prompt(20, 1)
     first, _ = generate_speculative(target, ids, params, draft=draft)
     following = ids + first.token_ids + prompt(6, 2)
-    if (
-        draft is not None
-    ):  # the draft's row holds what it prefilled, up to its last prefill's end (its guesses beyond were never judged)
+    # the draft's row holds what it prefilled, up to its last prefill's end (its guesses beyond
+    # were never judged)
+    if draft is not None:
         held = draft.model.held[0].tokens
         assert len(ids) < len(held) == sum(prefills[-1]) and held == following[: len(held)]
         prefills.clear()

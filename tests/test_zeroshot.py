@@ -23,7 +23,8 @@ ENDINGS = [" road", " lane by the river", " flowers", " nothing at all", " trees
 
 
 def write_task(tmp_path, rows, name="mini", **fields):
-    """A multiple-choice task over `rows` (question, options, gold) in tmp_path; `fields` override or, as None, remove."""
+    """A multiple-choice task over `rows` (question, options, gold) in tmp_path; `fields` override
+    or, as None, remove."""
     (tmp_path / "mini.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
     spec = {
         "name": name,
@@ -227,7 +228,10 @@ FIRST_ROWS = {
     "arc_easy": (2376, "Sunlight is the source of energy for nearly all ecosystems.", 0),
     "piqa": (
         1838,
-        "Provide the guinea pig with a cage full of a few inches of bedding made of ripped paper strips, you will also need to supply it with a water bottle and a food dish.",
+        (
+            "Provide the guinea pig with a cage full of a few inches of bedding made of ripped paper strips, "
+            "you will also need to supply it with a water bottle and a food dish."
+        ),
         0,
     ),
     "hellaswag": (1000, "are in the gym practicing to do this pole vault, trying to do their best.", 3),
