@@ -51,6 +51,16 @@ SCRIPTS: dict[str, tuple[list[str], tuple[str, ...]]] = {
             "LoRA recovery of w4 g64 GPTQ",
         ),
     ),
+    "eval_quick_sizes": (
+        [],
+        (
+            "| metric | tokens | wall s | tokens/s | GFLOP/s (2 x params x tokens) |",
+            "| perplexity | 8188 |",
+            "| zeroshot |",
+            "| speed |",
+            "| the whole command (load included) |",
+        ),
+    ),
     "eval_speed_path": (
         [],
         ("| speed metric through | whole metric s |", "| bundled decoder |", "| transformers forward |"),

@@ -205,6 +205,8 @@ void attend_head(const float* queries, int64_t groups, const at::Tensor& k, cons
   }
 }
 
+// Over 80 lines because most of it is argument checks, one per input with its own message (the op
+// is callable from Python with anything); the arithmetic is in the functions above.
 at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k, const std::optional<at::Tensor>& k_scales, const at::Tensor& v, const std::optional<at::Tensor>& v_scales, const std::optional<at::Tensor>& mask, double softmax_scale, const std::optional<at::Tensor>& rows) {
   TORCH_CHECK(q_in.dim() == 4 && q_in.size(2) == 1, "decode_attention: q must be [batch, heads, 1, head_dim], got ", q_in.sizes());
   TORCH_CHECK(k.dim() == 4 && k.sizes() == v.sizes() && k.scalar_type() == v.scalar_type(), "decode_attention: keys and values must be [batch, kv_heads, slots, head_dim] of one shape and dtype");
