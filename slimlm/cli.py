@@ -406,6 +406,26 @@ SUBCOMMANDS = {
 }
 
 
+# Hydra's mutually exclusive modes and their flags
+HYDRA_MODES = {
+    "--run": ("--run", "-r"),
+    "--multirun": ("--multirun", "-m"),
+    "--cfg": ("--cfg", "-c"),
+    "--info": ("--info", "-i"),
+    "--shell-completion": ("--shell-completion", "-sc"),
+}
+
+
+def check_hydra_modes(args: list[str]) -> None:
+    """Hydra takes one of its modes at a time and says so with a traceback; say it in one line."""
+    given = [mode for mode, flags in HYDRA_MODES.items() if set(flags) & set(args)]
+    if len(given) > 1:
+        raise SlimlmError(
+            f"{' and '.join(given)} cannot be combined: give one (a sweep's config is printed one "
+            "combination at a time, e.g. slimlm recipe=w8-rtn --cfg job)"
+        )
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] in SUBCOMMANDS:
@@ -413,6 +433,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     register_schemas()
     try:
+        check_hydra_modes(args)
         args = register_recipes(args)
         overrides = plain_overrides(args)
         if overrides is not None:

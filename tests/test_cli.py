@@ -81,6 +81,17 @@ def test_bad_input_is_one_line_and_exit_code_2(override, expected, capsys, tmp_p
     assert not (tmp_path / "runs").exists()  # nothing written
 
 
+def test_hydra_modes_that_exclude_each_other_are_refused_in_one_line(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exited:
+        main(["-m", "recipe=w8-rtn,w4-rtn", "--cfg", "job"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exited.value.code == 2 and err == [
+        "slimlm: error: --multirun and --cfg cannot be combined: give one (a sweep's config is printed "
+        "one combination at a time, e.g. slimlm recipe=w8-rtn --cfg job)"
+    ]
+
+
 def test_gguf_of_unsupported_architecture_exits_2(capsys, tmp_path, monkeypatch):
     from tests.test_models import write_gguf
 
