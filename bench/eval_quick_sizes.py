@@ -71,8 +71,8 @@ def write_checkpoint(directory: Path, shape: str) -> int:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     if (directory / "config.json").is_file():
-        config = Qwen2Config.from_pretrained(directory)
-        return Qwen2ForCausalLM(config).num_parameters() if shape == "quick" else _count(config)
+        with torch.device("meta"):  # counted without allocating the weights
+            return Qwen2ForCausalLM(Qwen2Config.from_pretrained(directory)).num_parameters()
     tokenizer = test_tokenizer() if shape == "quick" else qwen_tokenizer()
     config = Qwen2Config(
         **SHAPES[shape],
@@ -91,13 +91,6 @@ def write_checkpoint(directory: Path, shape: str) -> int:
     tokenizer.save_pretrained(staging)
     staging.rename(directory)
     return model.num_parameters()
-
-
-def _count(config) -> int:
-    with torch.device("meta"):
-        from transformers import Qwen2ForCausalLM
-
-        return Qwen2ForCausalLM(config).num_parameters()
 
 
 def run_quick_eval(checkpoint: Path, workdir: Path, quick: bool) -> dict:
@@ -125,8 +118,9 @@ def run_quick_eval(checkpoint: Path, workdir: Path, quick: bool) -> dict:
 
 
 def zeroshot_tokens(checkpoint: Path, quick: bool) -> int:
-    """Tokens the quick profile's zero-shot tasks feed the model: each item's context once and
-    each continuation after it (the way the scorer packs them)."""
+    """Tokens of the quick profile's zero-shot items: each context once and each of its
+    continuations, as the scorer packs them (it feeds all of these but each continuation's last
+    token, which is only predicted)."""
     from omegaconf import OmegaConf
     from transformers import AutoTokenizer
 
@@ -159,7 +153,7 @@ def matmul_gflops(shape: str, repeats: int = 3) -> float:
 
 def metric_row(metric: str, seconds: float, tokens: int, parameters: int) -> dict:
     row = {"name": metric, "wall_s": round(seconds, 1)}
-    if tokens:
+    if tokens and seconds > 0:  # a tiny model's metric can round to 0.0 s: no rate then
         row.update(tokens=tokens, tok_s=round(tokens / seconds, 1))
         row["gflop_s"] = round(2 * parameters * tokens / seconds / 1e9, 1)
     return row
