@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 from slimlm.compress.clipping import search_clip
-from slimlm.compress.rtn import QuantizedWeight, dequantize_codes, group_params, keep_zeros, quantize_to_codes
+from slimlm.compress.rtn import QuantizedWeight, grid_codes, grid_values, group_params
 from slimlm.errors import SlimlmError
 from slimlm.qlinear import QuantScheme
 
@@ -62,7 +62,7 @@ class HessianAccumulator:
     """Running H = 2/n sum x x^T over every input row a Linear layer sees, and the mean |x| of
     each input feature (AWQ's activation statistic)."""
 
-    BAND = 512  # rows of H computed per product: its temporary stays under 30 MB for 14336 inputs
+    BAND = 256  # rows of H computed per product: its temporary stays under 15 MB for 14336 inputs
 
     def __init__(self, in_features: int, device: torch.device = torch.device("cpu")):
         # on the inputs' device: a GPU calibration keeps its statistics next to the block
@@ -74,10 +74,14 @@ class HessianAccumulator:
         x = calibration_rows(inputs)
         total = self.rows + x.shape[0]
         self.hessian *= self.rows / total
-        # A band of rows at a time, so the temporary stays small beside an 8B down projection's H.
+        # H is symmetric: each band of rows is computed from its diagonal on (about half the
+        # products) and mirrored below it; a band at a time keeps the temporary small beside an
+        # 8B down projection's H.
         for start in range(0, x.shape[1], self.BAND):
-            band = x[:, start : start + self.BAND].T @ x
-            self.hessian[start : start + self.BAND] += band.to(self.hessian.device).mul_(2.0 / total)
+            end = min(start + self.BAND, x.shape[1])
+            band = (x[:, start:end].T @ x[:, start:]).to(self.hessian.device).mul_(2.0 / total)
+            self.hessian[start:end, start:] += band
+            self.hessian[end:, start:end] += band[:, end - start :].T
         self.abs_mean *= self.rows / total
         self.abs_mean += x.abs().sum(dim=0).to(self.abs_mean.device) / total
         self.rows = total
@@ -173,9 +177,8 @@ def gptq_quantize(
     out_features, in_features = weight.shape
     group = scheme.group_size or in_features
     device = weight.device  # every tensor below lives where the weight does (a block on a GPU)
-    pruned = (
-        weight.detach() == 0
-    )  # exact zeros (a sparsify stage's work) stay zero; their error is spread like any other
+    # exact zeros (a sparsify stage's work) stay zero; their error is spread like any other
+    pruned = weight.detach() == 0
     H = hessian.to(device, solve_dtype(in_features))  # consumed: reordered and factorized in place
     dead = H.diagonal() == 0  # inputs that were always zero carry no information
     # Group parameters: from the original weights up front when act-order reorders columns (or one
@@ -187,6 +190,7 @@ def gptq_quantize(
         if scheme.symmetric
         else torch.zeros(out_features, in_features // group, dtype=torch.uint8, device=device)
     )
+    grid = _StaticGrid(scales, zeros, scheme, group) if static else _DynamicGrid(scales, zeros, scheme, group)
     if static:
         W = _working_weight(weight, None, dead)
         ranges = search_clip(W, scheme, H) if options.clip_search else W
@@ -200,31 +204,83 @@ def gptq_quantize(
         H.copy_(H[order[:, None], order])  # one temporary (a single gather), then H in the new order
     W = _working_weight(weight, order if options.act_order else None, dead)
     H[dead, dead] = 1.0
-    any_pruned = bool(pruned.any())
+    keep = ~pruned if bool(pruned.any()) else None
     Hinv = inverse_hessian_factor(H, options.damp, name)
     codes = torch.zeros(out_features, in_features, dtype=torch.uint8, device=device)
     block = group * max(1, options.block_size // group) if not static else options.block_size
     for start in range(0, in_features, block):
         end = min(start + block, in_features)
-        W1 = W[:, start:end].clone()
-        errors = torch.zeros_like(W1)
-        for i in range(end - start):
-            column = int(order[start + i])
-            g = column // group
-            if not static and column % group == 0:
-                _set_group(scales, zeros, g, *group_params(W1[:, i : i + group], scheme))
-            scale, zero = scales[:, g : g + 1].squeeze(1), None if zeros is None else zeros[:, g]
-            q = quantize_to_codes(W1[:, i : i + 1], scale, zero, scheme)
-            if any_pruned:
-                q = keep_zeros(q, ~pruned[:, start + i : start + i + 1], zero, scheme)
-            codes[:, column] = q[:, 0]
-            error = (W1[:, i] - dequantize_codes(q, scale, zero, scheme)[:, 0].to(W1.dtype)) / Hinv[
-                start + i, start + i
-            ]
-            W1[:, i:] -= error.unsqueeze(1) @ Hinv[start + i, start + i : end].unsqueeze(0)
-            errors[:, i] = error
+        grid.enter_block(order[start:end])
+        block_codes, errors = _quantize_block(
+            W[:, start:end].clone(),
+            Hinv[start:end, start:end],
+            grid,
+            None if keep is None else keep[:, start:end],
+        )
+        codes[:, order[start:end]] = block_codes
         W[:, end:] -= errors @ Hinv[start:end, end:]
     return QuantizedWeight(codes=codes, scales=scales, zeros=zeros)
+
+
+def _quantize_block(
+    W1: torch.Tensor, Hinv1: torch.Tensor, grid: "_StaticGrid | _DynamicGrid", keep: Optional[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPTQ inside one block of columns: each column rounded onto its grid (float32, as
+    compress/rtn.py rounds), its error divided by the inverse Hessian's diagonal and spread at
+    once over the block's later columns (W1, updated in place). Returns the block's codes (uint8)
+    and its scaled errors, which the caller spreads over the columns after the block."""
+    codes = torch.empty(W1.shape, dtype=torch.float32, device=W1.device)
+    errors = torch.empty_like(W1)
+    for i in range(W1.shape[1]):
+        scale, offset = grid.column(i, W1)
+        w = W1[:, i]
+        q = grid_codes(w.float(), scale, offset, grid.scheme)
+        if keep is not None:  # an exact zero keeps the code of 0.0
+            q = torch.where(keep[:, i], q, offset)
+        codes[:, i] = q
+        error = (w - grid_values(q, scale, offset).to(W1.dtype)) / Hinv1[i, i]
+        W1[:, i:] -= torch.outer(error, Hinv1[i, i:])
+        errors[:, i] = error
+    return codes.to(torch.uint8), errors
+
+
+class _StaticGrid:
+    """Group parameters fixed before the solve (act-order, or one group spanning the row): each
+    block's column scales and offsets (the code of 0.0) gathered up front, as float32."""
+
+    def __init__(self, scales: torch.Tensor, zeros: Optional[torch.Tensor], scheme: QuantScheme, group: int):
+        self.scales, self.zeros, self.scheme, self.group = scales, zeros, scheme, group
+        self.symmetric_zero = float(scheme.symmetric_zero)
+
+    def enter_block(self, columns: torch.Tensor) -> None:
+        groups = columns // self.group
+        self.block_scales = self.scales[:, groups].float()
+        self.block_offsets = None if self.zeros is None else self.zeros[:, groups].float()
+
+    def column(self, i: int, W1: torch.Tensor) -> tuple[torch.Tensor, "torch.Tensor | float"]:
+        offset = self.symmetric_zero if self.block_offsets is None else self.block_offsets[:, i]
+        return self.block_scales[:, i], offset
+
+
+class _DynamicGrid:
+    """Group parameters fixed from the updated weights when a group's first column is reached
+    (no act-order: columns in stored order, a block holds whole groups)."""
+
+    def __init__(self, scales: torch.Tensor, zeros: Optional[torch.Tensor], scheme: QuantScheme, group: int):
+        self.scales, self.zeros, self.scheme, self.group = scales, zeros, scheme, group
+
+    def enter_block(self, columns: torch.Tensor) -> None:
+        self.first = int(columns[0])
+
+    def column(self, i: int, W1: torch.Tensor) -> tuple[torch.Tensor, "torch.Tensor | float"]:
+        if (self.first + i) % self.group == 0:
+            g = (self.first + i) // self.group
+            _set_group(self.scales, self.zeros, g, *group_params(W1[:, i : i + self.group], self.scheme))
+            self.scale = self.scales[:, g].float()
+            self.offset = (
+                float(self.scheme.symmetric_zero) if self.zeros is None else self.zeros[:, g].float()
+            )
+        return self.scale, self.offset
 
 
 def _working_weight(weight: torch.Tensor, order: Optional[torch.Tensor], dead: torch.Tensor) -> torch.Tensor:

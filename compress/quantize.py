@@ -35,7 +35,7 @@ from slimlm.compress.mixed import bits_per_weight, choose_bits, fisher_diagonal,
 from slimlm.compress.rtn import QuantizedWeight, quantize_rtn
 from slimlm.compress.stream_rtn import stream_rtn
 from slimlm.compress.targets import compile_patterns, select_linear_modules
-from slimlm.data import check_text_source, load_text, tokenize_text
+from slimlm.data import check_text_source, load_text, tokenize_text_cached
 from slimlm.errors import ConfigError, SlimlmError
 from slimlm.experts import split_experts
 from slimlm.half_linear import float32_linears
@@ -423,7 +423,7 @@ def calibration_token_ids(state: RunState, tokenizer: Any = None) -> torch.Tenso
     """data.calibration as token ids, tokenized once per run (by `tokenizer` while no model is
     loaded: the one of the files the model lies in)."""
     if state.memo.calibration_ids is None:
-        state.memo.calibration_ids = tokenize_text(
+        state.memo.calibration_ids = tokenize_text_cached(
             tokenizer or state.tokenizer, load_text(state.cfg.data.calibration, "calibration")
         )
     return state.memo.calibration_ids

@@ -1,6 +1,6 @@
 """Round-to-nearest weight quantization: the baseline every other method is measured against.
 
-`group_params` and `quantize_to_codes` are also the grid GPTQ rounds onto, so both methods
+`group_params` and `grid_codes` are also the grid GPTQ rounds onto, so both methods
 produce exactly the storage format of slimlm.qlinear.QuantLinear.
 """
 
@@ -44,8 +44,18 @@ def quantize_to_codes(
 ) -> torch.Tensor:
     """Codes of `weight` [rows, cols] on the grid given by per-row `scale` and `zero`."""
     offset = scheme.symmetric_zero if zero is None else zero.float().unsqueeze(1)
-    codes = torch.round(weight.detach().float() / scale.float().unsqueeze(1)) + offset
-    return codes.clamp(0, scheme.max_code).to(torch.uint8)
+    return grid_codes(weight.detach().float(), scale.float().unsqueeze(1), offset, scheme).to(torch.uint8)
+
+
+def grid_codes(weight: torch.Tensor, scale: torch.Tensor, offset, scheme: QuantScheme) -> torch.Tensor:
+    """The codes, as float32, of float32 `weight` on the grid of `scale` and `offset` (the code of
+    0.0), which broadcast against it: the one rounding rule of RTN, GPTQ and AWQ."""
+    return torch.round(weight / scale).add_(offset).clamp_(0, scheme.max_code)
+
+
+def grid_values(codes: torch.Tensor, scale: torch.Tensor, offset) -> torch.Tensor:
+    """The float32 values that float32 `codes` stand for on the grid of `scale` and `offset`."""
+    return (codes - offset) * scale
 
 
 def keep_zeros(
@@ -65,7 +75,7 @@ def dequantize_codes(
     codes: torch.Tensor, scale: torch.Tensor, zero: Optional[torch.Tensor], scheme: QuantScheme
 ) -> torch.Tensor:
     offset = scheme.symmetric_zero if zero is None else zero.float().unsqueeze(1)
-    return (codes.float() - offset) * scale.float().unsqueeze(1)
+    return grid_values(codes.float(), scale.float().unsqueeze(1), offset)
 
 
 def quantize_rtn(weight: torch.Tensor, scheme: QuantScheme) -> QuantizedWeight:

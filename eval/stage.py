@@ -21,7 +21,7 @@ from typing import Any, Callable, List, Optional
 
 from slimlm.checkpoint import checkpoint_tokenizer
 from slimlm.config import check_metrics
-from slimlm.data import check_text_source, load_text, tokenize_text
+from slimlm.data import check_text_source, load_text, tokenize_text_cached
 from slimlm.errors import ConfigError
 from slimlm.eval.kl import ReferenceLogits, reference_path
 from slimlm.eval.perplexity import PerplexityResult, TextScores, score_text, window_count
@@ -153,7 +153,8 @@ def check_window(window: int, context: Optional[int]) -> None:
 def eval_token_ids(state: RunState, tokenizer: Any):
     """The evaluation text, tokenized once per run: every row scores the same windows."""
     if state.memo.eval_token_ids is None:
-        state.memo.eval_token_ids = tokenize_text(tokenizer, load_text(state.cfg.data.eval_text, "eval_text"))
+        text = load_text(state.cfg.data.eval_text, "eval_text")
+        state.memo.eval_token_ids = tokenize_text_cached(tokenizer, text)
     return state.memo.eval_token_ids
 
 

@@ -1,7 +1,10 @@
 import json
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
+from slimlm import data
 from slimlm.config import TextSourceConfig
 from slimlm.data import load_text
 from slimlm.errors import SlimlmError
@@ -61,3 +64,34 @@ def test_hub_data_set_offline_is_explained():
             TextSourceConfig(path="Salesforce/wikitext", format="hub", subset="wikitext-2-raw-v1"),
             "eval_text",
         )
+
+
+def test_token_ids_are_cached_per_text_and_tokenizer(tiny_tokenizer, tmp_path, monkeypatch):
+    """The second tokenization of the same text by the same tokenizer is read from the cache; a
+    different text, or a damaged cache entry, is tokenized afresh."""
+    monkeypatch.setenv("SLIMLM_CACHE", str(tmp_path))
+    calls = []
+    real = data.tokenize_text
+    monkeypatch.setattr(data, "tokenize_text", lambda tok, text: calls.append(text) or real(tok, text))
+    text = "the cat sat on the mat. " * 50
+    first = data.tokenize_text_cached(tiny_tokenizer, text)
+    assert torch.equal(first, real(tiny_tokenizer, text)) and len(calls) == 1
+    assert torch.equal(data.tokenize_text_cached(tiny_tokenizer, text), first) and len(calls) == 1
+    data.tokenize_text_cached(tiny_tokenizer, text + "!")
+    assert len(calls) == 2
+    (entry,) = [p for p in (tmp_path / "tokens").iterdir() if torch.equal(load_file(p)["ids"], first)]
+    entry.write_bytes(b"not a safetensors file")
+    assert torch.equal(data.tokenize_text_cached(tiny_tokenizer, text), first) and len(calls) == 3
+    assert torch.equal(load_file(entry)["ids"], first)  # the damaged entry was replaced
+
+
+def test_a_tokenizer_without_a_definition_to_hash_is_not_cached(tiny_tokenizer, tmp_path, monkeypatch):
+    monkeypatch.setenv("SLIMLM_CACHE", str(tmp_path))
+
+    class Slow:
+        def __call__(self, text, add_special_tokens):
+            return tiny_tokenizer(text, add_special_tokens=add_special_tokens)
+
+    ids = data.tokenize_text_cached(Slow(), "a few words")
+    assert torch.equal(ids, data.tokenize_text(tiny_tokenizer, "a few words"))
+    assert not (tmp_path / "tokens").exists()

@@ -39,9 +39,11 @@ def hessian_of(x):
 def test_running_hessian_equals_the_closed_form(band, monkeypatch):
     monkeypatch.setattr(HessianAccumulator, "BAND", band)
     x = correlated_inputs(rows=1000)
+    hessian = hessian_of(x)
     torch.testing.assert_close(
-        hessian_of(x), (2.0 / 1000 * (x.double().T @ x.double())).float(), rtol=1e-5, atol=1e-5
+        hessian, (2.0 / 1000 * (x.double().T @ x.double())).float(), rtol=1e-5, atol=1e-5
     )
+    assert torch.equal(hessian, hessian.T)  # the mirrored half is exactly the computed one
 
 
 @pytest.mark.parametrize(
