@@ -23,11 +23,13 @@ from typing import List, Optional
 import torch
 from omegaconf import OmegaConf
 
+from slimlm.architecture import decoder_blocks
 from slimlm.compress.quantize import calibration_token_ids
 from slimlm.data import check_text_source
 from slimlm.distill.data import BatchOrder, Windows, cut_windows
 from slimlm.distill.draft import draft_report
 from slimlm.distill.losses import LOSSES, HiddenProjector
+from slimlm.distill.qat import ScaleTrainedLinear, freeze_quantized, replace_quantized
 from slimlm.distill.teacher import OnlineTeacher, check_same_vocabulary, offline_teacher
 from slimlm.distill.train import Trainer, TrainSettings
 from slimlm.errors import ConfigError, SlimlmError
@@ -70,6 +72,9 @@ class DistillParams:
     lora_rank: Optional[int] = None
     lora_alpha: float = 16.0
     lora_targets: List[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    # End-to-end quantization-aware training: only the quantized decoder layers' scales learn,
+    # their codes stay (distill/qat.py); after a `reconstruct` stage, EfficientQAT's second phase.
+    quant_scales: bool = False
 
     def __post_init__(self) -> None:
         if self.loss not in (*LOSSES, "ce"):
@@ -133,6 +138,11 @@ class DistillParams:
                 f"eval_windows={self.eval_windows}] (prompts come from the held-out windows, "
                 "which need seq_len above 32) and draft_new_tokens be at least 1"
             )
+        if self.quant_scales and self.lora_rank is not None:
+            raise ConfigError(
+                "distill.quant_scales trains the quantized layers' scales and lora_rank an adapter "
+                "on frozen layers: choose one"
+            )
         if self.lora_rank is not None and (self.lora_rank < 1 or not self.lora_targets):
             raise ConfigError(
                 "distill.lora_rank must be at least 1 and lora_targets name at least one module"
@@ -184,9 +194,7 @@ def run(state: RunState, params: DistillParams) -> None:
     elif params.loss != "ce":
         signal = OnlineTeacher(teacher.model)
         section["teacher_signal"] = "online"
-    student = state.model
-    if params.lora_rank is not None:
-        student = with_lora(student, params)
+    student = trainable_student(state.model, params)
     projector = hidden_projector(params, student, teacher, state.device)
     settings = train_settings(params, steps)
     fingerprint = run_fingerprint(state, index, accelerator.num_processes)
@@ -194,9 +202,7 @@ def run(state: RunState, params: DistillParams) -> None:
     result = trainer.run()
     # later stages run in the model's own precision
     trained = accelerator.unwrap_model(trainer.student, keep_fp32_wrapper=False)
-    if params.lora_rank is not None:
-        trained = finish_lora(trained)
-    state.model = trained.eval()
+    state.model = finished_student(trained, params).eval()
     if prompts:
         section["draft_after"] = draft_report(
             draft_teacher, state.model, state.tokenizer, prompts, params.draft_new_tokens
@@ -367,6 +373,42 @@ def run_fingerprint(state: RunState, index: int, processes: int) -> dict:
         "data": str(state.cfg.data.calibration.path),
         "processes": processes,
     }
+
+
+def trainable_student(model, params: DistillParams):
+    """The student as training sees it: whole, with LoRA adapters, or with only its quantized
+    layers' scales trainable."""
+    if params.lora_rank is not None:
+        return with_lora(model, params)
+    if params.quant_scales:
+        return with_trainable_scales(model)
+    return model
+
+
+def finished_student(trained, params: DistillParams):
+    """The trained student back in the form later stages and exports take."""
+    if params.lora_rank is not None:
+        return finish_lora(trained)
+    if params.quant_scales:
+        freeze_quantized(trained)
+    return trained
+
+
+def with_trainable_scales(model):
+    """The model with its decoder layers' QuantLinears made ScaleTrainedLinears and everything
+    but their scales frozen (a quantized LM head stays as it is: a tied embedding reads its codes)."""
+    _, blocks = decoder_blocks(model)
+    if not replace_quantized(blocks, ScaleTrainedLinear):
+        raise SlimlmError(
+            "distill.quant_scales trains the scales of quantized decoder layers, and this model has "
+            "none: put a quantize stage before it"
+        )
+    for parameter in model.parameters():
+        parameter.requires_grad_(False)
+    for module in blocks.modules():
+        if isinstance(module, ScaleTrainedLinear):
+            module.scales.requires_grad_(True)
+    return model
 
 
 def with_lora(model, params: DistillParams):

@@ -33,6 +33,7 @@ from slimlm.compress.prune import PRUNE
 from slimlm.compress.quantize import QUANTIZE
 from slimlm.compress.sparsify import SPARSIFY
 from slimlm.config import register_schemas
+from slimlm.distill.reconstruct import RECONSTRUCT
 from slimlm.distill.stage import DISTILL
 from slimlm.errors import SlimlmError
 from slimlm.eval.stage import EVALUATE
@@ -46,7 +47,8 @@ from slimlm.rundir import claim_run_dir, write_status
 from slimlm.user_recipes import RECIPES_ENV, bundled_recipes, user_recipes
 
 STAGES: dict[str, Stage] = {
-    stage.name: stage for stage in (LOAD, PRUNE, SPARSIFY, QUANTIZE, DISTILL, EVALUATE, EXPORT, GENERATE)
+    stage.name: stage
+    for stage in (LOAD, PRUNE, SPARSIFY, QUANTIZE, RECONSTRUCT, DISTILL, EVALUATE, EXPORT, GENERATE)
 }
 CONFIG_MODULE = "slimlm.conf"
 log = logging.getLogger("slimlm")
