@@ -30,7 +30,7 @@ from slimlm.architecture import decoder_blocks, model_type, require_family, unti
 from slimlm.checkpoint import checkpoint_tokenizer
 from slimlm.compress.awq import AWQOptions, awq_quantize_layer
 from slimlm.compress.calibration import CalibrationParams, calibrate_sequentially, calibration_samples
-from slimlm.compress.gptq import GPTQOptions, LayerInputStatistics, gptq_quantize
+from slimlm.compress.gptq import GPTQOptions, LayerInputStatistics, gptq_quantize, precise_hessian
 from slimlm.compress.mixed import bits_per_weight, choose_bits, fisher_diagonal, predicted_loss
 from slimlm.compress.rtn import QuantizedWeight, quantize_rtn
 from slimlm.compress.stream_rtn import stream_rtn
@@ -346,9 +346,10 @@ class CalibratedQuantizer:
     unseen: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.mappings = (
-            require_family(model_type(self.model), "AWQ").mappings if self.params.method == "awq" else ()
-        )
+        self.mappings = ()
+        if self.params.method == "awq":
+            self.mappings = require_family(model_type(self.model), "AWQ").mappings
+            self.hessians = LayerInputStatistics(precise_hessian)
 
     def __call__(self, block: str, layer_names: list[str]) -> None:
         seen = [name for name in layer_names if name in self.hessians]

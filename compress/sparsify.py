@@ -22,7 +22,7 @@ import torch
 from tqdm import tqdm
 
 from slimlm.compress.calibration import CalibrationParams, calibrate_sequentially
-from slimlm.compress.gptq import LayerInputStatistics
+from slimlm.compress.gptq import HessianAccumulator, LayerInputStatistics, SquareSums
 from slimlm.compress.quantize import calibration_windows
 from slimlm.compress.sparsity import (
     SparsityPattern,
@@ -148,9 +148,8 @@ def run_calibrated(
     samples = calibration_windows(state, params.samples, params.seq_len, params.seed)
     ratios, outliers = owl_layer_ratios(state, samples, names, params) if params.owl else ({}, {})
     wanda = params.method == "wanda"
-    statistics = LayerInputStatistics(
-        square_sums=wanda
-    )  # Wanda reads the inputs' norms, SparseGPT the whole Hessian
+    # Wanda reads the inputs' norms, SparseGPT the whole Hessian
+    statistics = LayerInputStatistics(SquareSums if wanda else HessianAccumulator)
 
     unseen: list[str] = []
 
@@ -195,7 +194,7 @@ def owl_layer_ratios(
 ) -> tuple[dict[str, float], dict[str, float]]:
     """Each decoder layer's sparsity, and the outlier ratio it comes from (measured on the dense model)."""
     outliers: dict[str, float] = {}
-    statistics = LayerInputStatistics(square_sums=True)
+    statistics = LayerInputStatistics(SquareSums)
 
     def finish_layer(block: str, layer_names: list[str]) -> None:
         scores = [

@@ -7,6 +7,7 @@ from slimlm.compress.gptq import (
     LayerInputStatistics,
     SquareSums,
     gptq_quantize,
+    precise_hessian,
 )
 from slimlm.compress.rtn import quantize_rtn
 from slimlm.errors import SlimlmError
@@ -115,7 +116,7 @@ def test_square_sums_are_the_hessian_diagonal_without_the_hessian():
 
 @pytest.mark.parametrize("square_sums", [False, True])
 def test_layers_reading_the_same_inputs_share_their_statistics(square_sums):
-    statistics = LayerInputStatistics(square_sums=square_sums)
+    statistics = LayerInputStatistics(SquareSums if square_sums else HessianAccumulator)
     x, y = correlated_inputs(rows=64), correlated_inputs(rows=64, seed=1)
     for batch in (x, y):
         for name in ("q", "k"):  # one input tensor, two layers: accumulated once
@@ -176,3 +177,17 @@ def test_layers_sharing_a_hessian_each_see_it_whole():
         last is own and torch.equal(last, before) and not stats
     )  # the last user gets the accumulator's own tensor, no copy
     assert torch.equal(gptq_quantize(weight, last, QuantScheme(bits=4, group_size=16)).codes, first.codes)
+
+
+def test_awq_statistics_are_float64_where_the_solve_is(monkeypatch):
+    """precise_hessian computes its products in the layer's solve dtype: AWQ's grid searches
+    compare errors that float32 statistics blur."""
+    x = correlated_inputs(rows=500)
+    precise = precise_hessian(x.shape[1])
+    precise.add(x)
+    assert precise.hessian.dtype == torch.float64
+    torch.testing.assert_close(
+        precise.hessian, 2.0 / 500 * (x.double().T @ x.double()), rtol=1e-12, atol=1e-12
+    )
+    monkeypatch.setattr("slimlm.compress.gptq.SOLVE_FLOAT64_BYTES", 8 * 63 * 63)
+    assert precise_hessian(64).hessian.dtype == torch.float32
