@@ -4,8 +4,9 @@
 #
 #     bash bench/run_recipes.sh NAME RECIPE [RECIPE ...] [-- SLIMLM_ARG ...]
 #
-# A run that finished is kept, so an interrupted benchmark resumes where it stopped (delete a
-# run's directory to redo it). Arguments after `--` go to every slimlm run.
+# A run that finished is kept and one that was interrupted resumes in its directory (slimlm picks up
+# block-by-block calibration and training checkpoints; delete a run's directory to redo it).
+# Arguments after `--` go to every slimlm run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 name=$1; shift
@@ -20,7 +21,6 @@ for recipe in "${recipes[@]}"; do
     echo "$recipe: finished earlier, kept"
     continue
   fi
-  rm -rf "$run_dir"
   .venv/bin/slimlm recipe="$recipe" eval="${EVAL:-slice64}" data=shared hydra.run.dir="$run_dir" "$@"
 done
 notes=$( [ -f "bench/$name.notes.md" ] && echo "bench/$name.notes.md" || true )
