@@ -22,8 +22,7 @@ others=(w4-gptq w4-awq sparse-sparsegpt-50)
 recipes "[perplexity,kl]" "${others[@]}"
 mixed_run=$root/mixed-3.5bpw mixed_artifact=bench/runs/quantize_qwen05_mixed/mixed-3.5bpw/artifact
 if [ -d "$mixed_artifact" ]; then
-  if ! grep -qs '"complete"' "$mixed_run/status.json"; then
-    rm -rf "$mixed_run"
+  if ! grep -qs '"complete"' "$mixed_run/status.json"; then  # an interrupted run resumes in place
     .venv/bin/slimlm recipe=evaluate model=custom model.path="$mixed_artifact" eval=quick data=shared \
       "recipe.stages.0.label=mixed-3.5bpw-gptq" hydra.run.dir="$mixed_run" "${common[@]}"
   fi

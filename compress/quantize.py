@@ -30,7 +30,13 @@ from slimlm.architecture import decoder_blocks, model_type, require_family, unti
 from slimlm.checkpoint import checkpoint_tokenizer
 from slimlm.compress.awq import AWQOptions, awq_quantize_layer
 from slimlm.compress.calibration import CalibrationParams, calibrate_sequentially, calibration_samples
-from slimlm.compress.gptq import GPTQOptions, LayerInputStatistics, gptq_quantize, precise_hessian
+from slimlm.compress.gptq import (
+    GPTQOptions,
+    HessianAccumulator,
+    LayerInputStatistics,
+    gptq_quantize,
+    precise_hessian,
+)
 from slimlm.compress.mixed import bits_per_weight, choose_bits, fisher_diagonal, predicted_loss
 from slimlm.compress.rtn import QuantizedWeight, quantize_rtn
 from slimlm.compress.stream_rtn import stream_rtn
@@ -341,15 +347,14 @@ class CalibratedQuantizer:
     params: QuantizeParams
     schemes: dict[str, QuantScheme]
     replace: Callable[[str, QuantizedWeight, QuantScheme], None]
-    hessians: LayerInputStatistics = field(default_factory=LayerInputStatistics)
+    hessians: LayerInputStatistics = field(init=False)
     awq_errors: dict[str, list[float]] = field(default_factory=dict)
     unseen: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.mappings = ()
-        if self.params.method == "awq":
-            self.mappings = require_family(model_type(self.model), "AWQ").mappings
-            self.hessians = LayerInputStatistics(precise_hessian)
+        awq = self.params.method == "awq"
+        self.mappings = require_family(model_type(self.model), "AWQ").mappings if awq else ()
+        self.hessians = LayerInputStatistics(precise_hessian if awq else HessianAccumulator)
 
     def __call__(self, block: str, layer_names: list[str]) -> None:
         seen = [name for name in layer_names if name in self.hessians]

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from slimlm.compress.rtn import grid_codes, grid_values
 from slimlm.errors import SlimlmError
 from slimlm.qlinear import QuantLinear, QuantScheme, set_submodule
 
@@ -64,9 +65,8 @@ class GridTrainedLinear(nn.Module, ABC):
         """The integer codes [out, in] the layer computes with (float32)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = ((self.grouped(self.codes()) - self.offsets.unsqueeze(-1)) * self.grid_scales()).view(
-            self.out_features, self.in_features
-        )
+        grouped = grid_values(self.grouped(self.codes()), self.grid_scales(), self.offsets.unsqueeze(-1))
+        weight = grouped.view(self.out_features, self.in_features)
         return F.linear(x, weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
 
     @torch.no_grad()
@@ -89,9 +89,10 @@ class LatentWeightLinear(GridTrainedLinear):
         self.weight = nn.Parameter(layer.dequantize(torch.float32))
 
     def codes(self) -> torch.Tensor:
-        scaled = self.grouped(self.weight) / self.grid_scales()
-        codes = round_ste(scaled) + self.offsets.unsqueeze(-1)
-        return codes.clamp(0, self.scheme.max_code).view(self.out_features, self.in_features)
+        codes = grid_codes(
+            self.grouped(self.weight), self.grid_scales(), self.offsets.unsqueeze(-1), self.scheme, round_ste
+        )
+        return codes.view(self.out_features, self.in_features)
 
 
 class ScaleTrainedLinear(GridTrainedLinear):

@@ -21,6 +21,7 @@ from slimlm.errors import ConfigError, SlimlmError
 from slimlm.qlinear import QuantLinear, QuantScheme
 from tests.conftest import build_tiny_llama
 from tests.test_cli import slimlm, tiny_run_args
+from tests.test_decoder import quantized as quantize_with_stage
 
 SCHEMES = [QuantScheme(bits=3, group_size=16), QuantScheme(bits=2, group_size=16, symmetric=False)]
 
@@ -88,23 +89,12 @@ def test_a_layer_with_an_adapter_is_refused():
         LatentWeightLinear(layer)
 
 
-def quantize_decoder_layers(model, scheme: QuantScheme) -> None:
-    """RTN of every decoder Linear layer, so reconstruction has a clear error to remove."""
-    from slimlm.compress.rtn import quantize_rtn
-    from slimlm.qlinear import set_submodule
-
-    for name, module in list(model.named_modules()):
-        if isinstance(module, torch.nn.Linear) and name.startswith("model.layers."):
-            q = quantize_rtn(module.weight, scheme)
-            set_submodule(
-                model, name, QuantLinear.from_codes(q.codes, q.scales, q.zeros, scheme, module.bias)
-            )
-
-
-def test_block_reconstruction_lowers_every_blocks_error_and_stays_quantized(tiny_tokenizer):
+def test_block_reconstruction_lowers_every_blocks_error_and_stays_quantized(tiny_tokenizer, tmp_path):
     teacher = build_tiny_llama(len(tiny_tokenizer), seed=3).eval()
     student = build_tiny_llama(len(tiny_tokenizer), seed=3).eval()
-    quantize_decoder_layers(student, QuantScheme(bits=2, group_size=16))
+    quantize_with_stage(
+        student, tiny_tokenizer, tmp_path, bits=2, group_size=16
+    )  # RTN of every decoder layer
     samples = torch.randint(0, len(tiny_tokenizer), (8, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         before = (student(samples).logits - teacher(samples).logits).square().mean()
@@ -121,9 +111,9 @@ def test_block_reconstruction_lowers_every_blocks_error_and_stays_quantized(tiny
     assert all(p.requires_grad for p in student.parameters())  # as it was before training
 
 
-def test_replace_and_freeze_round_trip_a_whole_model(tiny_tokenizer):
+def test_replace_and_freeze_round_trip_a_whole_model(tiny_tokenizer, tmp_path):
     model = build_tiny_llama(len(tiny_tokenizer)).eval()
-    quantize_decoder_layers(model, SCHEMES[0])
+    quantize_with_stage(model, tiny_tokenizer, tmp_path, bits=3, group_size=16)
     ids = torch.randint(0, len(tiny_tokenizer), (2, 12))
     with torch.no_grad():
         expected = model(ids).logits
