@@ -5,7 +5,10 @@ Each optimizer step takes `accumulation` micro-batches per process (distill/data
 windows), computes the loss against the teacher's signal (distill/teacher.py) and, with
 `ce_weight`, the plain next-token cross-entropy; `loss: ce` is plain fine-tuning, the baseline.
 With `on_policy_fraction`, that share of micro-batches are the student's own continuations of
-the window's first half, scored by the (online) teacher: GKD's on-policy data.
+the window's first half, scored by the (online) teacher: GKD's on-policy data. Those get no
+cross-entropy term (fitting the student's own samples would only reinforce them): their loss is
+the `(1 - ce_weight)` share of the divergence (plus the hidden-state term), and the logged `ce`
+of a step averages over its data micro-batches alone.
 
 Checkpoints (`accelerator.save_state`: weights, optimizer, schedule, random states, plus the
 loss history) are written into a staging directory and renamed into place, so a kill leaves
@@ -98,15 +101,18 @@ class Trainer:
         from transformers import get_cosine_schedule_with_warmup
 
         optimizer = torch.optim.AdamW(trainable, lr=settings.lr, weight_decay=settings.weight_decay)
-        schedule = get_cosine_schedule_with_warmup(
+        # Not prepared by accelerate, which would step it once per process and optimizer step
+        # (its schedules count per-process batches); checkpointed all the same.
+        self.schedule = get_cosine_schedule_with_warmup(
             optimizer, int(settings.warmup_fraction * settings.steps), settings.steps
         )
+        accelerator.register_for_checkpointing(self.schedule)
         learns = projector is not None and any(
             True for _ in projector.parameters()
         )  # an identity projector has nothing to train or wrap
-        prepared = accelerator.prepare(student, optimizer, schedule, *([projector] if learns else []))
-        self.student, self.optimizer, self.schedule = prepared[:3]
-        self.projector = prepared[3] if learns else projector
+        prepared = accelerator.prepare(student, optimizer, *([projector] if learns else []))
+        self.student, self.optimizer = prepared[:2]
+        self.projector = prepared[2] if learns else projector
         self.models = [self.student, *([self.projector] if learns else [])]
 
     # ---- checkpoints ----------------------------------------------------------------
@@ -186,7 +192,7 @@ class Trainer:
         output = self.student(input_ids=ids, output_hidden_states=hidden, use_cache=False)
         logits = output.logits[:, :-1]
         terms: dict[str, torch.Tensor] = {}
-        if s.loss == "ce" or s.ce_weight > 0:
+        if s.loss == "ce" or (s.ce_weight > 0 and not on_policy):  # never fit the student's own samples
             ce = F.cross_entropy(
                 logits.reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1), reduction="none"
             ).view(ids.shape[0], -1)
@@ -255,6 +261,42 @@ class Trainer:
         self.student.train()
         return math.exp(total / count)
 
+    def train_step(self, step: int) -> dict[str, float]:
+        """One optimizer step over `accumulation` micro-batches per process; returns each loss
+        term's mean over the micro-batches that have it, averaged over the processes (so the
+        logged curve of N processes is that of one process with the same global batch)."""
+        s, acc = self.settings, self.accelerator
+        values: dict[str, list[float]] = {}
+        for micro in range(self.order.accumulation):
+            with acc.accumulate(*self.models):
+                terms = self.micro_loss(step, micro)
+                finite = acc.gather(
+                    torch.isfinite(terms["loss"].detach()).float().reshape(1)
+                ).min()  # every process stops together
+                if not finite:
+                    last = self.checkpoints()
+                    raise SlimlmError(
+                        f"the distillation loss became {float(terms['loss'].detach())} (on this "
+                        f"or another process) at step {step + 1}: training stopped; the last good "
+                        f"checkpoint is {last[-1] if last else 'none (none was written yet)'}; "
+                        "rerunning unchanged would meet the same batches: lower distill.lr "
+                        "(or raise distill.temperature) and run in a fresh run directory"
+                    )
+                acc.backward(terms["loss"])
+                if acc.sync_gradients and s.max_grad_norm > 0:
+                    acc.clip_grad_norm_(self.student.parameters(), s.max_grad_norm)
+                    if self.projector is not None:
+                        torch.nn.utils.clip_grad_norm_(self.projector.parameters(), s.max_grad_norm)
+                self.optimizer.step()
+                if acc.sync_gradients:  # once per optimizer step, on every process alike
+                    self.schedule.step()
+                self.optimizer.zero_grad()
+            for key, value in terms.items():
+                values.setdefault(key, []).append(float(value.detach()))
+        local = torch.tensor([sum(v) / len(v) for v in values.values()], dtype=torch.float64)
+        averaged = acc.reduce(local.to(acc.device), reduction="mean").cpu()
+        return dict(zip(values, averaged.tolist()))
+
     # ---- the loop ---------------------------------------------------------------------
 
     def run(self) -> TrainResult:
@@ -279,44 +321,18 @@ class Trainer:
             disable=not acc.is_main_process,
         )
         for step in progress:
-            sums: dict[str, float] = {}
-            for micro in range(self.order.accumulation):
-                with acc.accumulate(*self.models):
-                    terms = self.micro_loss(step, micro)
-                    finite = acc.gather(
-                        torch.isfinite(terms["loss"].detach()).float().reshape(1)
-                    ).min()  # every process stops together
-                    if not finite:
-                        last = self.checkpoints()
-                        raise SlimlmError(
-                            f"the distillation loss became {float(terms['loss'].detach())} (on this "
-                            f"or another process) at step {step + 1}: training stopped; the last good "
-                            f"checkpoint is {last[-1] if last else 'none (none was written yet)'}; "
-                            "rerunning unchanged would meet the same batches: lower distill.lr "
-                            "(or raise distill.temperature) and run in a fresh run directory"
-                        )
-                    acc.backward(terms["loss"])
-                    if acc.sync_gradients and s.max_grad_norm > 0:
-                        acc.clip_grad_norm_(self.student.parameters(), s.max_grad_norm)
-                        if self.projector is not None:
-                            torch.nn.utils.clip_grad_norm_(self.projector.parameters(), s.max_grad_norm)
-                    self.optimizer.step()
-                    if acc.sync_gradients:  # once per optimizer step, on every process alike
-                        self.schedule.step()
-                    self.optimizer.zero_grad()
-                for key, value in terms.items():
-                    sums[key] = sums.get(key, 0.0) + float(value.detach()) / self.order.accumulation
+            means = self.train_step(step)
             record = {
                 "step": step + 1,
                 "tokens": (step + 1) * tokens_per_step,
                 "lr": self.schedule.get_last_lr()[0],
-                **{k: round(v, 6) for k, v in sums.items()},
+                **{k: round(v, 6) for k, v in means.items()},
             }
             if s.eval_every and ((step + 1) % s.eval_every == 0 or step + 1 == s.steps):
                 record["held_out_ppl"] = self.held_out_perplexity(self.order.batch_size)
                 result.evals.append({"step": step + 1, "held_out_ppl": record["held_out_ppl"]})
             result.history.append(record)
-            progress.set_postfix(loss=f"{sums['loss']:.4f}")
+            progress.set_postfix(loss=f"{means['loss']:.4f}")
             if acc.is_main_process:
                 with metrics.open("a") as handle:
                     handle.write(json.dumps(record) + "\n")
@@ -324,9 +340,11 @@ class Trainer:
             if (step + 1) % s.checkpoint_every == 0 or step + 1 == s.steps:
                 self.save(step + 1, result)
         result.seconds = time.perf_counter() - started
-        write_atomic(
-            self.out_dir / "result.json", json.dumps({"settings": asdict(s), **asdict(result)}, indent=1)
-        )
+        if acc.is_main_process:
+            write_atomic(
+                self.out_dir / "result.json",
+                json.dumps({"settings": asdict(s), **asdict(result)}, indent=1),
+            )
         return result
 
 

@@ -382,4 +382,5 @@ EVALUATE = Stage(
     run=run,
     check=check,
     on_disk=(DiskRun(scores_from_disk, run_from_disk),),
+    reads_only=True,
 )

@@ -62,5 +62,9 @@ def record(state: RunState, completion: Completion) -> None:
 
 
 GENERATE = Stage(
-    name="generate", params=GenerateParams, run=run, on_disk=(DiskRun(decoder_reads, run_from_artifact),)
+    name="generate",
+    params=GenerateParams,
+    run=run,
+    on_disk=(DiskRun(decoder_reads, run_from_artifact),),
+    reads_only=True,
 )

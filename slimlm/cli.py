@@ -43,6 +43,7 @@ from slimlm.load import LOAD
 from slimlm.model_packages import ensure_model_file
 from slimlm.models import ModelSource, resolve_model, source_sha256
 from slimlm.pipeline import PlannedStage, RunState, Stage, plan_stages, run_stage
+from slimlm.processes import Launch, current_launch, shared_run_dir
 from slimlm.rundir import claim_run_dir, write_status
 from slimlm.user_recipes import RECIPES_ENV, bundled_recipes, user_recipes
 
@@ -104,10 +105,11 @@ def pick_device(setting: str) -> torch.device:
     return torch.device(setting)
 
 
-def execute(cfg: DictConfig, plan: Plan, run_dir: Path, resumes: bool) -> str:
+def execute(cfg: DictConfig, plan: Plan, run_dir: Path, resumes: bool, launch: Launch) -> str:
     """Run the stages (each loads the model when it first needs it), write the report;
     returns the Markdown report. `resumes`: the run directory held an unfinished run, whose
-    outputs the stages replace."""
+    outputs the stages replace. Of several processes, only the main one runs the stages that
+    read the model without changing it and writes the report (slimlm/processes.py)."""
     if cfg.hardware.threads:
         torch.set_num_threads(cfg.hardware.threads)
     torch.manual_seed(cfg.seed)
@@ -122,6 +124,7 @@ def execute(cfg: DictConfig, plan: Plan, run_dir: Path, resumes: bool) -> str:
         source_sha256=source_sha256(source),
         device=device,
         resumes=resumes,
+        launch=launch,
     )
     from slimlm.eval.report import (
         write_report,
@@ -131,6 +134,8 @@ def execute(cfg: DictConfig, plan: Plan, run_dir: Path, resumes: bool) -> str:
     timings: list[tuple[str, float]] = []
     markdown = ""
     for done, planned in enumerate(plan.stages, start=1):
+        if planned.stage.reads_only and not launch.is_main:
+            continue
         log.info("%s: starting", planned.title)
         started = time.perf_counter()
         load_seconds = run_stage(state, planned)
@@ -145,10 +150,11 @@ def execute(cfg: DictConfig, plan: Plan, run_dir: Path, resumes: bool) -> str:
         log.info("%s: done in %.1f s", planned.title, timings[-1][1])
         # After every stage, so that a run stopped later keeps what it measured (marked incomplete).
         progress = {"stages_done": done, "stages": len(plan.stages)}
-        markdown = write_report(
-            run_dir, {**header, "stage_seconds": timings, **progress}, state.evaluations, state.sections
-        )
-    for path in state.scratch:
+        if launch.is_main:
+            markdown = write_report(
+                run_dir, {**header, "stage_seconds": timings, **progress}, state.evaluations, state.sections
+            )
+    for path in state.scratch if launch.is_main else ():
         shutil.rmtree(path, ignore_errors=True)
     return markdown
 
@@ -168,15 +174,22 @@ def report_header(cfg: DictConfig, state: RunState, run_dir: Path) -> dict:
 
 @hydra.main(config_path=f"pkg://{CONFIG_MODULE}", config_name="config", version_base="1.3")
 def run_recipe(cfg: DictConfig) -> None:
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    own_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
+        launch = current_launch()
         plan = validate(cfg)
-        resumes = claim_run_dir(run_dir)
+        cpu = pick_device(cfg.hardware.device).type == "cpu"
+        run_dir, resumes = shared_run_dir(own_dir, launch, cpu, claim_run_dir)
     except SlimlmError as error:
-        discard_fresh_run_dir(run_dir)
+        discard_fresh_run_dir(own_dir)
         exit_with(error)
+    if run_dir.resolve() != own_dir.resolve():  # another process's directory is the run's
+        discard_fresh_run_dir(own_dir)
+    if not launch.is_main:  # it writes no status: the main process speaks for the run
+        execute(cfg, plan, run_dir, resumes, launch)
+        return
     try:
-        markdown = execute(cfg, plan, run_dir, resumes)
+        markdown = execute(cfg, plan, run_dir, resumes, launch)
     except SlimlmError as error:
         write_status(run_dir, "failed", str(error))
         exit_with(error)

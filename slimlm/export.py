@@ -187,4 +187,5 @@ EXPORT = Stage(
     run=run,
     check=check,
     on_disk=(DiskRun(exports_from_disk, run_from_disk),),
+    reads_only=True,
 )

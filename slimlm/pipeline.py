@@ -29,6 +29,7 @@ from omegaconf.errors import OmegaConfBaseException
 from slimlm.artifact import is_artifact, parse_manifest, scheme_of
 from slimlm.errors import ConfigError
 from slimlm.memory import return_freed_memory
+from slimlm.processes import Launch
 
 if TYPE_CHECKING:
     from slimlm.eval.kl import ReferenceLogits
@@ -92,6 +93,7 @@ class RunState:
     scratch: list[Path] = field(
         default_factory=list
     )  # kept for a resumed run to go on from; removed when the run completes
+    launch: Launch = field(default_factory=Launch)  # this process's place among the run's processes
 
     def output_path(self, name: str) -> Path:
         """Where a stage writes its output `name` in the run directory. In a run that resumes an
@@ -116,9 +118,11 @@ class RunState:
 
     def unloaded_local_source(self) -> bool:
         """The current model is the run's own local checkpoint (an HF directory, or a GGUF's
-        converted cache), and no stage has loaded it: a stage can read its files instead."""
+        converted cache), and no stage has loaded it: a stage can read its files instead. Not
+        in a run of several processes: each holds the model it trains, and one writes files."""
         local = self.source is not None and self.source.kind in ("hf-dir", "gguf")
-        return self.model is None and self.on_disk is None and local and self.cfg.model.bnb is None
+        unloaded = self.model is None and self.on_disk is None and not self.launch.several
+        return unloaded and local and self.cfg.model.bnb is None
 
     def recipe(self) -> dict:
         return OmegaConf.to_container(self.cfg.recipe, resolve=True)
@@ -191,6 +195,9 @@ class Stage:
     # limits of the model), run before any model loads: check(cfg, params, source).
     check: Optional[Callable[[DictConfig, Any, Any], None]] = None
     on_disk: tuple[DiskRun, ...] = ()  # the first that applies runs
+    # It reads the model without changing it (evaluate, export, generate): of several
+    # processes, only the main one runs it (slimlm/processes.py).
+    reads_only: bool = False
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,17 @@ def tiny_run_args(model_dir):
     ]
 
 
+# The prune stage (stage 2) of prune-student and prune-distill, shrunk to the tiny model.
+TINY_PRUNE_SHAPE = [
+    "recipe.stages.1.layers=1",
+    "recipe.stages.1.hidden_size=32",
+    "recipe.stages.1.intermediate_size=64",
+    "recipe.stages.1.kv_heads=1",
+    "+recipe.stages.1.samples=4",
+    "+recipe.stages.1.seq_len=32",
+]
+
+
 @pytest.mark.parametrize(
     "override, expected",
     [
@@ -589,15 +600,7 @@ def test_sparsify_recipes_on_a_tiny_model(method, pattern, tiny_model_dir, tmp_p
 def test_prune_recipe_exports_a_checkpoint_transformers_loads(tiny_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    shape = [
-        "recipe.stages.1.layers=1",
-        "recipe.stages.1.hidden_size=32",
-        "recipe.stages.1.intermediate_size=64",
-        "recipe.stages.1.kv_heads=1",
-        "+recipe.stages.1.samples=4",
-        "+recipe.stages.1.seq_len=32",
-    ]
-    slimlm("recipe=prune-student", *tiny_run_args(tiny_model_dir), *shape, cwd=tmp_path)
+    slimlm("recipe=prune-student", *tiny_run_args(tiny_model_dir), *TINY_PRUNE_SHAPE, cwd=tmp_path)
     run_dir = next(tmp_path.glob("runs/*/*"))
     report = json.loads((run_dir / "report.json").read_text())
     teacher, student = report["rows"]
@@ -618,14 +621,6 @@ def test_prune_recipe_exports_a_checkpoint_transformers_loads(tiny_model_dir, tm
 
 
 def test_prune_distill_recipe_on_a_tiny_model(tiny_model_dir, tmp_path):
-    shape = [
-        "recipe.stages.1.layers=1",
-        "recipe.stages.1.hidden_size=32",
-        "recipe.stages.1.intermediate_size=64",
-        "recipe.stages.1.kv_heads=1",
-        "+recipe.stages.1.samples=4",
-        "+recipe.stages.1.seq_len=32",
-    ]
     training = [
         "recipe.stages.3.tokens=2560",
         "recipe.stages.3.seq_len=40",
@@ -636,7 +631,13 @@ def test_prune_distill_recipe_on_a_tiny_model(tiny_model_dir, tmp_path):
         "recipe.stages.3.lr=3e-3",
     ]
     training += ["recipe.stages.3.draft_prompts=2", "+recipe.stages.3.draft_new_tokens=8"]
-    args = ["recipe=prune-distill", *tiny_run_args(tiny_model_dir), *shape, *training, "hydra.run.dir=run"]
+    args = [
+        "recipe=prune-distill",
+        *tiny_run_args(tiny_model_dir),
+        *TINY_PRUNE_SHAPE,
+        *training,
+        "hydra.run.dir=run",
+    ]
     slimlm(*args, cwd=tmp_path)
     report = json.loads((tmp_path / "run" / "report.json").read_text())
     teacher, pruned, distilled = report["rows"]

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from slimlm.distill.data import BatchOrder, cut_windows
-from slimlm.distill.losses import distillation_loss
+from slimlm.distill.losses import HiddenProjector, distillation_loss
 from slimlm.distill.teacher import OnlineTeacher, check_same_vocabulary, offline_teacher
 from slimlm.distill.train import Trainer, TrainSettings
 from slimlm.errors import SlimlmError
@@ -20,7 +20,17 @@ def accelerator(accumulation=2):
     return Accelerator(cpu=True, gradient_accumulation_steps=accumulation)
 
 
-def setup(tmp_path, steps=8, loss="forward_kl", top_k=16, lr=3e-3, fingerprint=None, student_seed=1):
+def setup(
+    tmp_path,
+    steps=8,
+    loss="forward_kl",
+    top_k=16,
+    lr=3e-3,
+    fingerprint=None,
+    student_seed=1,
+    hidden=False,
+    **settings,
+):
     windows = cut_windows(TOKENS, seq_len=32, held_out=4, batch_size=2)
     order = BatchOrder(windows=windows.train.shape[0], batch_size=2, accumulation=2, world=1, seed=0)
     teacher = build_tiny_llama(VOCAB, seed=0)
@@ -31,10 +41,21 @@ def setup(tmp_path, steps=8, loss="forward_kl", top_k=16, lr=3e-3, fingerprint=N
             if top_k
             else OnlineTeacher(teacher)
         )
-    student = build_tiny_llama(VOCAB, seed=student_seed, num_hidden_layers=1)
-    settings = TrainSettings(steps=steps, loss=loss, lr=lr, eval_every=4, checkpoint_every=2)
+    # with hidden states, a narrower student: its one layer is projected onto the teacher's last
+    narrow = dict(hidden_size=32, intermediate_size=64) if hidden else {}
+    student = build_tiny_llama(VOCAB, seed=student_seed, num_hidden_layers=1, **narrow)
+    projector = HiddenProjector(32, 64, 1, teacher.config.num_hidden_layers) if hidden else None
+    settings = TrainSettings(steps=steps, loss=loss, lr=lr, eval_every=4, checkpoint_every=2, **settings)
     return Trainer(
-        student, signal, windows, order, settings, tmp_path, fingerprint or {"recipe": "test"}, accelerator()
+        student,
+        signal,
+        windows,
+        order,
+        settings,
+        tmp_path,
+        fingerprint or {"recipe": "test"},
+        accelerator(),
+        projector,
     )
 
 
@@ -111,6 +132,49 @@ def test_a_killed_run_resumes_with_the_same_loss_curve(tmp_path, monkeypatch):
     assert result.resumed_from == 4
     assert [r["loss"] for r in result.history] == [r["loss"] for r in whole]
     assert len((tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()) == 8
+
+
+def test_on_policy_distillation_trains_through_the_trainer_without_fitting_its_own_samples(
+    tmp_path, monkeypatch
+):
+    """GKD: half the micro-batches are the student's own continuations, scored by the online
+    teacher; those get the divergence only, never cross-entropy on the student's own tokens."""
+    trainer = setup(tmp_path, steps=10, top_k=None, on_policy_fraction=0.5, ce_weight=0.3)
+    seen = []
+    micro_loss = trainer.micro_loss
+
+    def recording(step, micro):
+        terms = micro_loss(step, micro)
+        seen.append(("ce" in terms, terms["loss"].detach(), terms["kd"].detach()))
+        return terms
+
+    trainer.micro_loss = recording
+    before = held_out_kl(trainer)
+    history = trainer.run().history
+    after = held_out_kl(trainer)
+    on_policy = [(loss, kd) for has_ce, loss, kd in seen if not has_ce]
+    assert 0 < len(on_policy) < len(seen)  # both kinds of micro-batch ran
+    for loss, kd in on_policy:
+        torch.testing.assert_close(loss, 0.7 * kd)
+    assert any("ce" not in record for record in history)  # steps of on-policy batches alone log no ce
+    assert after < 0.9 * before
+
+
+@torch.no_grad()
+def held_out_kl(trainer) -> float:
+    """Forward KL from the online teacher to the student on the held-out windows."""
+    ids = trainer.windows.held_out
+    student = trainer.student(input_ids=ids).logits[:, :-1]
+    return float(distillation_loss(student, trainer.teacher(ids, None).logits).mean())
+
+
+def test_hidden_state_distillation_trains_through_the_trainer(tmp_path):
+    trainer = setup(tmp_path, steps=10, top_k=None, hidden=True, hidden_weight=1.0, lr=1e-2)
+    projection = trainer.projector.projections[0].weight.detach().clone()
+    history = trainer.run().history
+    assert history[-1]["hidden"] < 0.7 * history[0]["hidden"]
+    assert history[-1]["kd"] < history[0]["kd"]
+    assert not torch.equal(projection, trainer.projector.projections[0].weight)  # the projector learned
 
 
 def test_plain_cross_entropy_needs_no_teacher(tmp_path):
