@@ -7,7 +7,7 @@ produce exactly the storage format of slimlm.qlinear.QuantLinear.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
@@ -47,17 +47,10 @@ def quantize_to_codes(
     return grid_codes(weight.detach().float(), scale.float().unsqueeze(1), offset, scheme).to(torch.uint8)
 
 
-def grid_codes(
-    weight: torch.Tensor,
-    scale: torch.Tensor,
-    offset,
-    scheme: QuantScheme,
-    rounding: Callable[[torch.Tensor], torch.Tensor] = torch.round,
-) -> torch.Tensor:
+def grid_codes(weight: torch.Tensor, scale: torch.Tensor, offset, scheme: QuantScheme) -> torch.Tensor:
     """The codes, as float32, of float32 `weight` on the grid of `scale` and `offset` (the code of
-    0.0), which broadcast against it: the one rounding rule of RTN, GPTQ, AWQ and quantization-aware
-    training (whose `rounding` passes gradients straight through, distill/qat.py)."""
-    return rounding(weight / scale).add_(offset).clamp_(0, scheme.max_code)
+    0.0), which broadcast against it: the one rounding rule of RTN, GPTQ and AWQ."""
+    return torch.round(weight / scale).add_(offset).clamp_(0, scheme.max_code)
 
 
 def grid_values(codes: torch.Tensor, scale: torch.Tensor, offset) -> torch.Tensor:

@@ -1,10 +1,10 @@
 """The `reconstruct` stage: block-wise reconstruction of a quantized model against its original
-(EfficientQAT's Block-AP). Each decoder block in turn gets its quantized layers' latent weights
-and scales trained (distill/qat.py) so that, fed the quantized model's own hidden states, it
+(after EfficientQAT's Block-AP). Each decoder block in turn gets its quantized layers' scales
+trained, codes fixed (distill/qat.py), so that, fed the quantized model's own hidden states, it
 reproduces the original block's outputs on the original's hidden states; the mean squared error
-of those outputs is the loss. The block is then frozen back onto the integer grid and its outputs
+of those outputs is the loss. The block is then frozen back into QuantLinears and its outputs
 become the next block's inputs, so each block also learns to correct the error the blocks before
-it left. Start from GPTQ: the codes begin where GPTQ put them.
+it left. Start from GPTQ: its codes are the ones kept.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from slimlm.architecture import decoder_blocks
 from slimlm.compress.calibration import CalibrationParams, Captured, capture_layer_inputs, run_layer
 from slimlm.compress.quantize import calibration_windows
 from slimlm.data import check_text_source
-from slimlm.distill.qat import LatentWeightLinear, freeze_quantized, replace_quantized
+from slimlm.distill.qat import freeze_quantized, replace_quantized
 from slimlm.errors import ConfigError, SlimlmError
 from slimlm.models import load_model
 from slimlm.pipeline import RunState, Stage
@@ -36,8 +36,7 @@ class ReconstructParams(CalibrationParams):
     samples: int = 128
     epochs: int = 2  # passes over the windows per block
     batch_size: int = 4  # windows per optimizer step
-    lr: float = 1e-4  # the scales'
-    weight_lr: float = 1e-5  # the latent weights'
+    lr: float = 3e-3  # the scales' (about their relative change per step: they train as log-ratios)
 
     def __post_init__(self) -> None:
         self.check_calibration("reconstruct")
@@ -45,11 +44,8 @@ class ReconstructParams(CalibrationParams):
             raise ConfigError(
                 f"reconstruct: epochs ({self.epochs}) and batch_size ({self.batch_size}) must be at least 1"
             )
-        if not (0 < self.lr < math.inf and 0 <= self.weight_lr < math.inf):
-            raise ConfigError(
-                f"reconstruct: lr={self.lr} must be positive and weight_lr={self.weight_lr} at least 0 "
-                "(0 trains the scales alone)"
-            )
+        if not 0 < self.lr < math.inf:
+            raise ConfigError(f"reconstruct: lr={self.lr} must be a positive number")
 
 
 @dataclass
@@ -114,18 +110,11 @@ def train_block(
     """The block's quantized layers trained to map `captured` onto `targets`, then frozen."""
     started = time.perf_counter()
     before = block_mse(block, captured, targets)
-    trained = replace_quantized(block, LatentWeightLinear)
-    layers = [block.get_submodule(n) for n in trained]
     previously = {p: p.requires_grad for p in block.parameters()}
     for parameter in block.parameters():
         parameter.requires_grad_(False)
-    groups = [{"params": [layer.scales for layer in layers], "lr": params.lr}]
-    if params.weight_lr > 0:
-        groups.append({"params": [layer.weight for layer in layers], "lr": params.weight_lr})
-    for group in groups:
-        for parameter in group["params"]:
-            parameter.requires_grad_(True)
-    optimizer = torch.optim.AdamW(groups, weight_decay=0.0)
+    scales = [layer.log_scales for layer in replace_quantized(block)]  # trainable, the rest frozen
+    optimizer = torch.optim.AdamW(scales, lr=params.lr, weight_decay=0.0)
     steps = params.epochs * len(captured)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, steps)
     order = torch.Generator().manual_seed(params.seed)

@@ -29,7 +29,7 @@ from slimlm.data import check_text_source
 from slimlm.distill.data import BatchOrder, Windows, cut_windows
 from slimlm.distill.draft import draft_report
 from slimlm.distill.losses import LOSSES, HiddenProjector
-from slimlm.distill.qat import ScaleTrainedLinear, freeze_quantized, replace_quantized
+from slimlm.distill.qat import freeze_quantized, replace_quantized
 from slimlm.distill.teacher import OnlineTeacher, check_same_vocabulary, offline_teacher
 from slimlm.distill.train import Trainer, TrainSettings
 from slimlm.errors import ConfigError, SlimlmError
@@ -398,16 +398,13 @@ def with_trainable_scales(model):
     """The model with its decoder layers' QuantLinears made ScaleTrainedLinears and everything
     but their scales frozen (a quantized LM head stays as it is: a tied embedding reads its codes)."""
     _, blocks = decoder_blocks(model)
-    if not replace_quantized(blocks, ScaleTrainedLinear):
+    for parameter in model.parameters():
+        parameter.requires_grad_(False)
+    if not replace_quantized(blocks):  # their scales are trainable
         raise SlimlmError(
             "distill.quant_scales trains the scales of quantized decoder layers, and this model has "
             "none: put a quantize stage before it"
         )
-    for parameter in model.parameters():
-        parameter.requires_grad_(False)
-    for module in blocks.modules():
-        if isinstance(module, ScaleTrainedLinear):
-            module.scales.requires_grad_(True)
     return model
 
 
