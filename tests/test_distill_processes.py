@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -41,6 +42,13 @@ def launch_two(*args, cwd):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return result
+
+
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path, monkeypatch):
+    """A teacher cache of this test's own: another test's runs of prune-distill on the tiny model
+    would otherwise find this one's cache already written (or write it first)."""
+    monkeypatch.setenv("SLIMLM_CACHE", str(tmp_path / "cache"))
 
 
 def test_two_processes_make_one_run_with_the_training_of_one(tiny_model_dir, tmp_path):
