@@ -154,8 +154,9 @@ def execute(cfg: DictConfig, plan: Plan, run_dir: Path, resumes: bool, launch: L
             markdown = write_report(
                 run_dir, {**header, "stage_seconds": timings, **progress}, state.evaluations, state.sections
             )
-    for path in state.scratch if launch.is_main else ():
-        shutil.rmtree(path, ignore_errors=True)
+    if launch.is_main:  # the other processes never wrote there
+        for path in state.scratch:
+            shutil.rmtree(path, ignore_errors=True)
     return markdown
 
 
