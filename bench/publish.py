@@ -19,6 +19,7 @@ from slimlm.eval.report import (
     compression_stage_lines,
     markdown_tables,
     perplexity_note,
+    reconstruction_lines,
 )
 
 RESULTS = Path(__file__).parent / "results"
@@ -75,7 +76,11 @@ def publish(name: str, run_dirs: list[Path], command: str, notes: Path | None) -
             plots.append(shutil.copyfile(plot, RESULTS / f"{prefix}{plot.name}"))
     lines += [f"![{Path(plot).stem}]({Path(plot).name})\n" for plot in plots if plot is not None]
     for report in reports:
-        stage_lines = compression_stage_lines(report) + artifact_and_generation_lines(report)
+        stage_lines = (
+            compression_stage_lines(report)
+            + reconstruction_lines(report)
+            + artifact_and_generation_lines(report)
+        )
         lines += (
             [f"## {report['recipe']}", "", *stage_lines] if len(reports) > 1 and stage_lines else stage_lines
         )

@@ -1,19 +1,16 @@
 """Quantization-aware training on slimlm's integer grid, after EfficientQAT (Chen et al., 2024):
-first each decoder block's scales are trained to reproduce the original block's outputs
+first each decoder block's codes and scales are trained to reproduce the original block's outputs
 (block-wise reconstruction, one block at a time, like GPTQ's walk), then the scales are trained
 end to end against the teacher's distribution (the distill stage's `quant_scales`).
 
-The codes stay where GPTQ put them and only the per-group scales learn, as the log of their
-ratio to the starting scales: one learning rate fits every layer whatever the size of its
-weights (a step of lr changes a scale by about lr, relatively), and with the codes fixed the
-gradient is exact, no straight-through estimate. Training the codes too (latent weights rounded
-with a straight-through estimator, as EfficientQAT does from RTN) was measured and left out:
-from GPTQ's codes every latent starts on its grid point, Adam moves them all at about the same
-pace, and they cross the rounding boundary together (on the default model's first block, 175k
-codes flipped within four optimizer steps and its error doubled). Scales are rounded to fp16 in
-the forward pass, so the trained layer computes exactly what its QuantLinear (codes and fp16
-scales) computes after `to_quant_linear`: exported, reloaded and decoded by the packed kernels
-like any GPTQ model.
+Scales learn as the log of their ratio to the starting scales: one learning rate fits every
+layer whatever the size of its weights (a step of lr changes a scale by about lr, relatively).
+With the codes fixed their gradient is exact. Codes learn, block-wise only, as latent values in
+code units rounded with a straight-through estimator, starting from GPTQ's codes
+(RoundingTrainedLinear says why from the centre of each cell). Scales are rounded to fp16 in the
+forward pass, so a trained layer computes exactly what its QuantLinear (codes and fp16 scales)
+computes after `to_quant_linear`: exported, reloaded and decoded by the packed kernels like any
+GPTQ model.
 """
 
 from __future__ import annotations
@@ -57,8 +54,12 @@ class ScaleTrainedLinear(nn.Module):
         scales = (self.initial_scales * self.log_scales.exp()).clamp(min=torch.finfo(torch.float16).tiny)
         return (scales + (scales.half().float() - scales).detach()).unsqueeze(-1)
 
+    def grid_codes(self) -> torch.Tensor:
+        """The codes the forward pass uses, [out, groups, group_size]: fixed here."""
+        return self.codes
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = grid_values(self.codes, self.grid_scales(), self.offsets.unsqueeze(-1))
+        weight = grid_values(self.grid_codes(), self.grid_scales(), self.offsets.unsqueeze(-1))
         weight = weight.view(self.out_features, self.in_features)
         return F.linear(x, weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
 
@@ -67,8 +68,37 @@ class ScaleTrainedLinear(nn.Module):
         """The QuantLinear of this layer's codes and fp16 scales: the same function, frozen."""
         zeros = None if self.scheme.symmetric else self.offsets.to(torch.uint8)
         bias = None if self.bias is None else self.bias.detach()
-        codes = self.codes.view(self.out_features, self.in_features).to(torch.uint8)
+        codes = self.grid_codes().view(self.out_features, self.in_features).to(torch.uint8)
         return QuantLinear.from_codes(codes, self.grid_scales().squeeze(-1).half(), zeros, self.scheme, bias)
+
+
+class RoundingTrainedLinear(ScaleTrainedLinear):
+    """A ScaleTrainedLinear whose codes train too: each is a latent value in code units, rounded
+    to the nearest grid code in the forward pass with a straight-through gradient.
+
+    Every latent starts at the centre of its code's rounding cell: the layer starts exactly as
+    the quantized one computes, and a code moves only once its gradient has pushed the latent
+    half a grid step the same way over many steps, which Adam does for consistent gradients and
+    not for noise. (Starting latents at the original weight's place in the cell instead puts
+    every code GPTQ moved at the cell's edge, where the first noisy step flips it back: on the
+    default model's first blocks that raised the error above GPTQ's.) Latents in code units
+    make the learning rate a fraction of a grid step for every layer. Weights that are exactly
+    zero in `original` (pruned) keep their code."""
+
+    def __init__(self, layer: QuantLinear, original: torch.Tensor):
+        super().__init__(layer)
+        if original.shape != (self.out_features, self.in_features):
+            raise SlimlmError(
+                f"the original weight has shape {tuple(original.shape)}, the quantized layer "
+                f"({self.out_features}, {self.in_features}): not the model it was quantized from"
+            )
+        self.latents = nn.Parameter(self.codes.clone())
+        self.register_buffer("movable", original.detach().view_as(self.codes) != 0)
+
+    def grid_codes(self) -> torch.Tensor:
+        levels = self.latents.clamp(0, self.scheme.max_code)
+        rounded = levels + (levels.round() - levels).detach()
+        return torch.where(self.movable, rounded, self.codes)
 
 
 def replace_quantized(module: nn.Module) -> list[ScaleTrainedLinear]:
@@ -76,6 +106,16 @@ def replace_quantized(module: nn.Module) -> list[ScaleTrainedLinear]:
     names = [name for name, child in module.named_modules() if isinstance(child, QuantLinear)]
     for name in names:
         set_submodule(module, name, ScaleTrainedLinear(module.get_submodule(name)))
+    return [module.get_submodule(name) for name in names]
+
+
+def replace_quantized_with_rounding(module: nn.Module, original: nn.Module) -> list[RoundingTrainedLinear]:
+    """Every QuantLinear under `module` replaced by a RoundingTrainedLinear whose latents start
+    from the weight of the same name under `original` (the module it was quantized from)."""
+    names = [name for name, child in module.named_modules() if isinstance(child, QuantLinear)]
+    for name in names:
+        layer = RoundingTrainedLinear(module.get_submodule(name), original.get_submodule(name).weight)
+        set_submodule(module, name, layer)
     return [module.get_submodule(name) for name in names]
 
 

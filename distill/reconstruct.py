@@ -1,10 +1,11 @@
 """The `reconstruct` stage: block-wise reconstruction of a quantized model against its original
 (after EfficientQAT's Block-AP). Each decoder block in turn gets its quantized layers' scales
-trained, codes fixed (distill/qat.py), so that, fed the quantized model's own hidden states, it
-reproduces the original block's outputs on the original's hidden states; the mean squared error
-of those outputs is the loss. The block is then frozen back into QuantLinears and its outputs
-become the next block's inputs, so each block also learns to correct the error the blocks before
-it left. Start from GPTQ: its codes are the ones kept.
+trained, and with codes_lr their codes (distill/qat.py), so that, fed the quantized model's own
+hidden states, it reproduces the original block's outputs on the original's hidden states; the
+mean squared error of those outputs is the loss. The block is then frozen back into QuantLinears
+(or put back as it was, if training did not lower its error) and its outputs become the next
+block's inputs, so each block also learns to correct the error the blocks before it left.
+Start from GPTQ: training starts from its codes.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -19,12 +21,19 @@ from torch import nn
 from tqdm import tqdm
 
 from slimlm.architecture import decoder_blocks
+from slimlm.checkpoint import Checkpoint, open_checkpoint
 from slimlm.compress.calibration import CalibrationParams, Captured, capture_layer_inputs, run_layer
+from slimlm.compress.offload import materialize_outside_blocks
 from slimlm.compress.quantize import calibration_windows
 from slimlm.data import check_text_source
-from slimlm.distill.qat import freeze_quantized, replace_quantized
+from slimlm.distill.qat import (
+    ScaleTrainedLinear,
+    freeze_quantized,
+    replace_quantized,
+    replace_quantized_with_rounding,
+)
 from slimlm.errors import ConfigError, SlimlmError
-from slimlm.models import load_model
+from slimlm.models import DTYPES, checkpoint_directory, load_model, resolve_model, source_sha256
 from slimlm.pipeline import RunState, Stage
 from slimlm.qlinear import QuantLinear
 
@@ -37,6 +46,8 @@ class ReconstructParams(CalibrationParams):
     epochs: int = 2  # passes over the windows per block
     batch_size: int = 4  # windows per optimizer step
     lr: float = 3e-3  # the scales' (about their relative change per step: they train as log-ratios)
+    codes_lr: float = 0.0  # the codes' latents', in grid steps per optimizer step; 0: codes stay
+    norm_lr: float = 0.0  # the block's float parameters' (norm gains), absolute; 0: they stay
 
     def __post_init__(self) -> None:
         self.check_calibration("reconstruct")
@@ -46,13 +57,20 @@ class ReconstructParams(CalibrationParams):
             )
         if not 0 < self.lr < math.inf:
             raise ConfigError(f"reconstruct: lr={self.lr} must be a positive number")
+        for name in ("codes_lr", "norm_lr"):
+            if not 0 <= getattr(self, name) < math.inf:
+                raise ConfigError(
+                    f"reconstruct: {name}={getattr(self, name)} must be 0 (not trained) or positive"
+                )
 
 
 @dataclass
 class BlockResult:
     block: str
     mse_before: float
-    mse_after: float
+    mse_after: float  # of the block as kept
+    codes_changed: int  # codes that differ from the quantized model's, in the block as kept
+    kept: bool  # False: training did not lower the block's error, and it was put back as it was
     seconds: float
 
 
@@ -65,8 +83,8 @@ def run(state: RunState, params: ReconstructParams) -> None:
             "put a quantize stage (gptq) before it"
         )
     samples = calibration_windows(state, params.samples, params.seq_len, params.seed)
-    teacher = load_model(state.original_model_cfg(), state.device).model
-    results = reconstruct_blocks(state.model, teacher, samples, params)
+    teacher, teacher_blocks = original_model(state)
+    results = reconstruct_blocks(state.model, teacher, samples, params, teacher_blocks)
     del teacher
     state.mark_changed(f"block-wise reconstruction ({len(results)} blocks)")
     state.sections.setdefault("reconstruction", []).append(
@@ -80,24 +98,85 @@ def run(state: RunState, params: ReconstructParams) -> None:
     )
 
 
+class ResidentOriginal:
+    """The original model loaded whole: its blocks are in memory already."""
+
+    def load(self, name: str, block: nn.Module) -> None:
+        pass
+
+    def release(self, name: str, block: nn.Module) -> None:
+        pass
+
+
+@dataclass
+class OriginalFromCheckpoint:
+    """The original model's decoder blocks read from its checkpoint when their turn comes and
+    freed after: one block of the original in memory at a time, as GPTQ's walk holds."""
+
+    checkpoint: Checkpoint
+    device: torch.device
+    dtype: torch.dtype
+
+    def load(self, name: str, block: nn.Module) -> None:
+        self.checkpoint.materialize(block, f"{name}.", self.device, self.dtype)
+
+    def release(self, name: str, block: nn.Module) -> None:
+        self.checkpoint.release(block)
+
+
+OriginalBlocks = ResidentOriginal | OriginalFromCheckpoint
+RESIDENT = ResidentOriginal()
+
+
+def original_model(state: RunState) -> tuple[nn.Module, OriginalBlocks]:
+    """The model the current one was quantized from, and how its blocks come into memory: a
+    local checkpoint (an HF directory, a GGUF file's converted cache) as a skeleton whose
+    embedding alone is read up front, its blocks one at a time; a hub model loaded whole."""
+    cfg = state.original_model_cfg()
+    source = resolve_model(cfg)
+    same = state.source is not None and source.path == state.source.path
+    directory = checkpoint_directory(source, state.source_sha256 if same else source_sha256(source))
+    if directory is None:
+        return load_model(cfg, state.device).model, RESIDENT
+    return checkpoint_original(directory, DTYPES[cfg.dtype], state.device)
+
+
+def checkpoint_original(
+    directory: Path, dtype: torch.dtype, device: torch.device
+) -> tuple[nn.Module, OriginalFromCheckpoint]:
+    """The checkpoint's model as a skeleton with what runs before its blocks read (the
+    embedding), and the reader of its blocks."""
+    checkpoint, skeleton = open_checkpoint(directory, dtype)
+    prefix, _ = decoder_blocks(skeleton.eval())
+    materialize_outside_blocks(checkpoint, skeleton, prefix, device, skip=skeleton.get_output_embeddings())
+    return skeleton, OriginalFromCheckpoint(checkpoint, device, dtype)
+
+
 def reconstruct_blocks(
-    student: nn.Module, teacher: nn.Module, samples: torch.Tensor, params: ReconstructParams
+    student: nn.Module,
+    teacher: nn.Module,
+    samples: torch.Tensor,
+    params: ReconstructParams,
+    teacher_blocks: OriginalBlocks = RESIDENT,
 ) -> list[BlockResult]:
-    """Every decoder block of `student` holding quantized layers trained against `teacher`'s."""
+    """Every decoder block of `student` holding quantized layers trained against `teacher`'s,
+    whose blocks `teacher_blocks` loads when their turn comes and releases after."""
     prefix, student_blocks = decoder_blocks(student)
-    _, teacher_blocks = decoder_blocks(teacher)
+    _, original_blocks = decoder_blocks(teacher)
     with torch.no_grad():
         student_inputs = capture_layer_inputs(student, samples, params.batch_size)
         teacher_inputs = capture_layer_inputs(teacher, samples, params.batch_size)
     student_hidden, teacher_hidden = student_inputs.hidden, teacher_inputs.hidden
     results = []
     for index in tqdm(range(len(student_blocks)), desc="reconstruct", unit="block"):
-        block = student_blocks[index]
+        block, name = student_blocks[index], f"{prefix}.{index}"
+        teacher_blocks.load(name, original_blocks[index])
         with torch.no_grad():
-            targets = run_layer(teacher_blocks[index], teacher_inputs.of_layer(index, teacher_hidden))
+            targets = run_layer(original_blocks[index], teacher_inputs.of_layer(index, teacher_hidden))
         captured = student_inputs.of_layer(index, student_hidden)
         if any(isinstance(module, QuantLinear) for module in block.modules()):
-            results.append(train_block(f"{prefix}.{index}", block, captured, targets, params))
+            results.append(train_block(name, block, original_blocks[index], captured, targets, params))
+        teacher_blocks.release(name, original_blocks[index])
         with torch.no_grad():
             student_hidden = run_layer(block, captured)
         teacher_hidden = targets
@@ -105,18 +184,46 @@ def reconstruct_blocks(
 
 
 def train_block(
-    name: str, block: nn.Module, captured: Captured, targets: list[torch.Tensor], params: ReconstructParams
+    name: str,
+    block: nn.Module,
+    original: nn.Module,
+    captured: Captured,
+    targets: list[torch.Tensor],
+    params: ReconstructParams,
 ) -> BlockResult:
-    """The block's quantized layers trained to map `captured` onto `targets`, then frozen."""
+    """The block's quantized layers (and norms, with norm_lr) trained to map `captured` onto
+    `targets`, then frozen; put back as it was if that did not lower its error."""
     started = time.perf_counter()
     before = block_mse(block, captured, targets)
+    saved = {key: value.clone() for key, value in block.state_dict().items()}
     previously = {p: p.requires_grad for p in block.parameters()}
     for parameter in block.parameters():
         parameter.requires_grad_(False)
-    scales = [layer.log_scales for layer in replace_quantized(block)]  # trainable, the rest frozen
-    optimizer = torch.optim.AdamW(scales, lr=params.lr, weight_decay=0.0)
-    steps = params.epochs * len(captured)
-    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, steps)
+    layers, groups = trainable_groups(block, original, params)
+    fit_block(block, groups, captured, targets, params)
+    with torch.no_grad():
+        changed = sum(int((layer.grid_codes() != layer.codes).sum()) for layer in layers)
+    freeze_quantized(block)
+    for parameter, wanted in previously.items():
+        parameter.requires_grad_(wanted)
+    after = block_mse(block, captured, targets)
+    kept = after < before
+    if not kept:
+        block.load_state_dict(saved)
+    seconds = round(time.perf_counter() - started, 1)
+    return BlockResult(name, before, min(before, after), changed if kept else 0, kept, seconds)
+
+
+def fit_block(
+    block: nn.Module,
+    groups: list[dict],
+    captured: Captured,
+    targets: list[torch.Tensor],
+    params: ReconstructParams,
+) -> None:
+    """`params.epochs` passes of Adam over the windows in random order, cosine-decayed."""
+    optimizer = torch.optim.AdamW(groups, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, params.epochs * len(captured))
     order = torch.Generator().manual_seed(params.seed)
     with torch.enable_grad():
         for _ in range(params.epochs):
@@ -127,12 +234,25 @@ def train_block(
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 schedule.step()
-    freeze_quantized(block)
-    for parameter, wanted in previously.items():
-        parameter.requires_grad_(wanted)
-    return BlockResult(
-        name, before, block_mse(block, captured, targets), round(time.perf_counter() - started, 1)
-    )
+
+
+def trainable_groups(
+    block: nn.Module, original: nn.Module, params: ReconstructParams
+) -> tuple[list[ScaleTrainedLinear], list[dict]]:
+    """The block's quantized layers made trainable (codes too with codes_lr), and the block's
+    parameters to train by learning rate: scales, codes' latents, the other float parameters
+    (norm gains) with norm_lr. The rest stays frozen."""
+    if params.codes_lr:
+        layers = replace_quantized_with_rounding(block, original)
+        groups = [{"params": [layer.latents for layer in layers], "lr": params.codes_lr}]
+    else:
+        layers, groups = replace_quantized(block), []
+    groups.append({"params": [layer.log_scales for layer in layers], "lr": params.lr})
+    if params.norm_lr:
+        inside = {id(p) for layer in layers for p in layer.parameters()}
+        floats = [p.requires_grad_(True) for p in block.parameters() if id(p) not in inside]
+        groups.append({"params": floats, "lr": params.norm_lr})
+    return layers, groups
 
 
 def layer_output(block: nn.Module, hidden: torch.Tensor, kwargs: dict) -> torch.Tensor:

@@ -208,6 +208,7 @@ def render_markdown(report: dict[str, Any], plots: Sequence[str]) -> str:
                 "",
             ]
     lines += compression_stage_lines(report)
+    lines += reconstruction_lines(report)
     lines += artifact_and_generation_lines(report)
     if report.get("stage_seconds"):
         lines += ["## Time", "", "| stage | seconds |", "|---|---:|"]
@@ -286,6 +287,37 @@ def compression_stage_lines(report: dict[str, Any]) -> list[str]:
                 f"decoding: {before['identical_to_plain'] and after['identical_to_plain']}).",
                 "",
             ]
+    return lines
+
+
+def percent_change(before: float, after: float) -> float:
+    return 100 * (after / before - 1) if before else 0.0
+
+
+def reconstruction_lines(report: dict[str, Any]) -> list[str]:
+    """Markdown for the reconstruct stage: each block's output error before and after."""
+    lines: list[str] = []
+    for section in report.get("reconstruction", []):
+        blocks = section["blocks"]
+        lines += [
+            "## Block-wise reconstruction",
+            "",
+            f"{len(blocks)} blocks, {section['samples']} windows of {section['seq_len']} tokens, "
+            f"{section['epochs']} passes, {section['seconds']:.0f} s; "
+            f"{sum(not block['kept'] for block in blocks)} block(s) put back untrained "
+            "(training did not lower their error). Error: mean squared difference of the block's "
+            "outputs from the original block's.",
+            "",
+            "| block | error before | after | change % | codes changed | seconds |",
+            "|---|---:|---:|---:|---:|---:|",
+            *(
+                f"| {b['block']} | {b['mse_before']:.5f} | {b['mse_after']:.5f} | "
+                f"{percent_change(b['mse_before'], b['mse_after']):+.1f} | {b['codes_changed']:,} | "
+                f"{b['seconds']:.1f} |"
+                for b in blocks
+            ),
+            "",
+        ]
     return lines
 
 

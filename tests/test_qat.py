@@ -6,11 +6,12 @@ import json
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from slimlm.artifact import load_artifact
 from slimlm.compress.gptq import HessianAccumulator, gptq_quantize
-from slimlm.distill.qat import ScaleTrainedLinear, freeze_quantized, replace_quantized
-from slimlm.distill.reconstruct import ReconstructParams, reconstruct_blocks
+from slimlm.distill.qat import RoundingTrainedLinear, ScaleTrainedLinear, freeze_quantized, replace_quantized
+from slimlm.distill.reconstruct import ReconstructParams, checkpoint_original, reconstruct_blocks
 from slimlm.errors import ConfigError, SlimlmError
 from slimlm.qlinear import QuantLinear, QuantScheme
 from tests.conftest import build_tiny_llama
@@ -20,14 +21,20 @@ from tests.test_decoder import quantized as quantize_with_stage
 SCHEMES = [QuantScheme(bits=3, group_size=16), QuantScheme(bits=2, group_size=16, symmetric=False)]
 
 
-def quantized_layer(scheme: QuantScheme, seed: int = 0) -> QuantLinear:
+def original_and_quantized(scheme: QuantScheme, seed: int = 0) -> tuple[torch.Tensor, QuantLinear]:
+    """A random weight [24, 64] and its GPTQ layer."""
     generator = torch.Generator().manual_seed(seed)
     weight = torch.randn(24, 64, generator=generator)
     x = torch.randn(256, 64, generator=generator)
     stats = HessianAccumulator(64)
     stats.add(x)
     q = gptq_quantize(weight, stats.hessian, scheme)
-    return QuantLinear.from_codes(q.codes, q.scales, q.zeros, scheme, torch.randn(24, generator=generator))
+    bias = torch.randn(24, generator=generator)
+    return weight, QuantLinear.from_codes(q.codes, q.scales, q.zeros, scheme, bias)
+
+
+def quantized_layer(scheme: QuantScheme, seed: int = 0) -> QuantLinear:
+    return original_and_quantized(scheme, seed)[1]
 
 
 @pytest.mark.parametrize("scheme", SCHEMES, ids=str)
@@ -78,6 +85,43 @@ def test_the_scales_gradient_is_exact_and_nothing_else_trains():
     assert not any(b.requires_grad for b in trainable.buffers())
 
 
+@pytest.mark.parametrize("scheme", SCHEMES, ids=str)
+def test_rounding_latents_start_at_the_quantized_codes(scheme):
+    weight, layer = original_and_quantized(scheme)
+    trainable = RoundingTrainedLinear(layer, weight)
+    x = torch.randn(5, 64)
+    assert torch.equal(trainable(x), layer(x))
+    assert torch.equal(trainable.latents.detach(), trainable.codes)
+    assert [name for name, _ in trainable.named_parameters()] == ["log_scales", "bias", "latents"]
+
+
+def test_trained_rounding_flips_codes_and_freezes_to_what_it_computes():
+    """A gradient that pushes latents over their cell's edge changes those codes (straight
+    through the rounding); the frozen layer has the new codes; pruned weights keep theirs."""
+    weight, layer = original_and_quantized(SCHEMES[0])
+    weight[0, :8] = 0.0  # pruned
+    trainable = RoundingTrainedLinear(layer, weight)
+    optimizer = torch.optim.SGD([trainable.latents], lr=0.5)
+    x = torch.randn(32, 64)
+    for _ in range(3):
+        trainable(x).sum().backward()  # every latent's gradient: the sum of its input column
+        optimizer.step()
+        optimizer.zero_grad()
+    codes = trainable.grid_codes().view(24, 64)
+    start = layer.codes().float()
+    assert (codes != start).float().mean() > 0.1
+    assert torch.equal(codes[0, :8], start[0, :8])
+    frozen = trainable.to_quant_linear()
+    assert torch.equal(frozen(x), trainable(x))
+    assert torch.equal(frozen.codes().float(), codes)
+
+
+def test_rounding_from_a_weight_of_another_shape_is_refused():
+    weight, layer = original_and_quantized(SCHEMES[0])
+    with pytest.raises(SlimlmError, match="not the model it was quantized from"):
+        RoundingTrainedLinear(layer, weight.T)
+
+
 def test_a_layer_with_an_adapter_is_refused():
     layer = quantized_layer(SCHEMES[0])
     layer.add_adapter(torch.zeros(2, 64), torch.zeros(24, 2))
@@ -85,7 +129,10 @@ def test_a_layer_with_an_adapter_is_refused():
         ScaleTrainedLinear(layer)
 
 
-def test_block_reconstruction_lowers_every_blocks_error_and_stays_quantized(tiny_tokenizer, tmp_path):
+@pytest.mark.parametrize(
+    "codes", [{}, {"codes_lr": 0.05, "batch_size": 1, "epochs": 4}], ids=["scales", "scales-and-codes"]
+)
+def test_block_reconstruction_lowers_every_blocks_error_and_stays_quantized(codes, tiny_tokenizer, tmp_path):
     teacher = build_tiny_llama(len(tiny_tokenizer), seed=3).eval()
     student = build_tiny_llama(len(tiny_tokenizer), seed=3).eval()
     quantize_with_stage(
@@ -94,15 +141,40 @@ def test_block_reconstruction_lowers_every_blocks_error_and_stays_quantized(tiny
     samples = torch.randint(0, len(tiny_tokenizer), (8, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         before = (student(samples).logits - teacher(samples).logits).square().mean()
-    results = reconstruct_blocks(student, teacher, samples, ReconstructParams(samples=8, lr=1e-2))
+    results = reconstruct_blocks(student, teacher, samples, ReconstructParams(samples=8, lr=1e-2, **codes))
     assert len(results) == len(student.model.layers)
-    assert all(result.mse_after < result.mse_before for result in results)
+    assert all(result.mse_after < result.mse_before and result.kept for result in results)
+    assert (sum(result.codes_changed for result in results) > 0) == bool(codes)
     with torch.no_grad():
         after = (student(samples).logits - teacher(samples).logits).square().mean()
     assert after < before
     quantized = [m for m in student.modules() if isinstance(m, QuantLinear)]
     assert len(quantized) == 7 * len(student.model.layers) and all(m.scheme.bits == 2 for m in quantized)
     assert all(p.requires_grad for p in student.parameters())  # as it was before training
+
+
+def test_the_original_read_block_by_block_from_its_checkpoint_trains_exactly_as_loaded(
+    tiny_model_dir, tiny_tokenizer, tmp_path
+):
+    """The original model's blocks read from its checkpoint one at a time (the rest never
+    leaves the meta device) give the same targets, so the same trained student, as the whole
+    original in memory."""
+    loaded = AutoModelForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32).eval()
+    students = []
+    for _ in range(2):
+        student = AutoModelForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32).eval()
+        quantize_with_stage(student, tiny_tokenizer, tmp_path, bits=3, group_size=16)
+        students.append(student)
+    samples = torch.randint(0, len(tiny_tokenizer), (8, 32), generator=torch.Generator().manual_seed(0))
+    params = ReconstructParams(samples=8, lr=1e-2, codes_lr=0.05)
+    expected = reconstruct_blocks(students[0], loaded, samples, params)
+    skeleton, blocks = checkpoint_original(tiny_model_dir, torch.float32, torch.device("cpu"))
+    assert all(p.is_meta for p in skeleton.model.layers.parameters())
+    got = reconstruct_blocks(students[1], skeleton, samples, params, blocks)
+    assert [(r.mse_before, r.mse_after, r.codes_changed) for r in got] == [
+        (r.mse_before, r.mse_after, r.codes_changed) for r in expected
+    ]
+    assert all(p.is_meta for p in skeleton.model.layers.parameters())  # each block released
 
 
 def test_replace_and_freeze_round_trip_a_whole_model(tiny_tokenizer, tmp_path):
@@ -122,6 +194,8 @@ def test_reconstruct_settings_that_would_train_nothing_are_refused():
         ReconstructParams(epochs=0)
     with pytest.raises(ConfigError, match="lr"):
         ReconstructParams(lr=0.0)
+    with pytest.raises(ConfigError, match="codes_lr"):
+        ReconstructParams(codes_lr=-1.0)
 
 
 def test_qat_recipe_reconstructs_then_trains_scales_and_exports_what_it_trained(tiny_model_dir, tmp_path):
@@ -137,17 +211,19 @@ def test_qat_recipe_reconstructs_then_trains_scales_and_exports_what_it_trained(
         "recipe.stages.3.samples=8",
         "recipe.stages.3.seq_len=32",
         "recipe.stages.3.lr=0.01",
-        "recipe.stages.4.tokens=1024",
-        "recipe.stages.4.seq_len=32",
-        "recipe.stages.4.batch_size=4",
-        "recipe.stages.4.top_k=8",
-        "recipe.stages.4.lr=0.003",
-        "+recipe.stages.4.eval_every=100",
+        "recipe.stages.5.tokens=1024",
+        "recipe.stages.5.seq_len=32",
+        "recipe.stages.5.batch_size=4",
+        "recipe.stages.5.top_k=8",
+        "recipe.stages.5.lr=0.003",
+        "+recipe.stages.5.eval_every=100",
     ]
     slimlm("recipe=w3-qat", *tiny_run_args(tiny_model_dir), *shrink, "hydra.run.dir=qat", cwd=tmp_path)
     report = json.loads((tmp_path / "qat" / "report.json").read_text())
     blocks = report["reconstruction"][0]["blocks"]
     assert len(blocks) == 2 and all(block["mse_after"] < block["mse_before"] for block in blocks)
+    assert all(block["kept"] for block in blocks)
+    assert "## Block-wise reconstruction" in (tmp_path / "qat" / "report.md").read_text()
     losses = [step["loss"] for step in report["distillation"][0]["history"]]
     assert sum(losses[-3:]) < sum(losses[:3])
     slimlm(
