@@ -58,8 +58,8 @@ TINY_PRUNE_SHAPE = [
             "unknown recipe 'nope': choose one of demo, draft, eval-peers, evaluate, mixed-3.5bpw, "
             "prune-distill, prune-finetune, prune-student, sparse-magnitude-2of4, sparse-magnitude-50, "
             "sparse-sparsegpt-2of4, sparse-sparsegpt-50, sparse-sparsegpt-50-w4, sparse-wanda-2of4, "
-            "sparse-wanda-50, sparse-wanda-owl-50, w3-awq, w3-gptq, w3-qat, w3-rtn, w4-awq, w4-gptq, "
-            "w4-gptq-export, w4-gptq-gguf, w4-lora-recover, w4-rtn, w8-rtn",
+            "sparse-wanda-50, sparse-wanda-owl-50, w2-qat, w3-awq, w3-gptq, w3-qat, w3-rtn, w4-awq, "
+            "w4-gptq, w4-gptq-export, w4-gptq-gguf, w4-lora-recover, w4-qat, w4-rtn, w8-rtn",
         ),
         ("model=nope", "unknown model 'nope'"),
         ("model.pathh=x", "Key 'pathh' not in 'ModelConfig'"),
@@ -159,8 +159,8 @@ def test_help_lists_groups_and_recipes(tmp_path):
         "recipe: demo, draft, eval-peers, evaluate, mixed-3.5bpw, prune-distill, prune-finetune, "
         "prune-student, sparse-magnitude-2of4, sparse-magnitude-50, sparse-sparsegpt-2of4, "
         "sparse-sparsegpt-50, sparse-sparsegpt-50-w4, sparse-wanda-2of4, sparse-wanda-50, "
-        "sparse-wanda-owl-50, w3-awq, w3-gptq, w3-qat, w3-rtn, w4-awq, w4-gptq, w4-gptq-export, "
-        "w4-gptq-gguf, w4-lora-recover, w4-rtn, w8-rtn"
+        "sparse-wanda-owl-50, w2-qat, w3-awq, w3-gptq, w3-qat, w3-rtn, w4-awq, w4-gptq, "
+        "w4-gptq-export, w4-gptq-gguf, w4-lora-recover, w4-qat, w4-rtn, w8-rtn"
     ) in out and "model: custom, qwen2.5-coder-0.5b, smollm2-135m" in out
 
 
