@@ -1,11 +1,12 @@
 """Quantization-aware training on slimlm's integer grid, after EfficientQAT (Chen et al., 2024):
-first each decoder block's codes and scales are trained to reproduce the original block's outputs
-(block-wise reconstruction, one block at a time, like GPTQ's walk), then the scales are trained
-end to end against the teacher's distribution (the distill stage's `quant_scales`).
+first each decoder block's scales (optionally its codes) are trained to reproduce the original
+block's outputs (block-wise reconstruction, one block at a time, like GPTQ's walk), then the
+scales are trained end to end against the teacher's distribution (the distill stage's
+`quant_scales`).
 
 Scales learn as the log of their ratio to the starting scales: one learning rate fits every
 layer whatever the size of its weights (a step of lr changes a scale by about lr, relatively).
-With the codes fixed their gradient is exact. Codes learn, block-wise only, as latent values in
+With the codes fixed their gradient is exact. Codes can learn, block-wise only, as latent values in
 code units rounded with a straight-through estimator, starting from GPTQ's codes
 (RoundingTrainedLinear says why from the centre of each cell). Scales are rounded to fp16 in the
 forward pass, so a trained layer computes exactly what its QuantLinear (codes and fp16 scales)
@@ -110,8 +111,9 @@ def replace_quantized(module: nn.Module) -> list[ScaleTrainedLinear]:
 
 
 def replace_quantized_with_rounding(module: nn.Module, original: nn.Module) -> list[RoundingTrainedLinear]:
-    """Every QuantLinear under `module` replaced by a RoundingTrainedLinear whose latents start
-    from the weight of the same name under `original` (the module it was quantized from)."""
+    """Every QuantLinear under `module` replaced by a RoundingTrainedLinear; the weight of the
+    same name under `original` (the module it was quantized from) tells which weights were
+    pruned."""
     names = [name for name, child in module.named_modules() if isinstance(child, QuantLinear)]
     for name in names:
         layer = RoundingTrainedLinear(module.get_submodule(name), original.get_submodule(name).weight)
