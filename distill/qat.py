@@ -16,6 +16,8 @@ GPTQ model.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -104,20 +106,25 @@ class RoundingTrainedLinear(ScaleTrainedLinear):
 
 def replace_quantized(module: nn.Module) -> list[ScaleTrainedLinear]:
     """Every QuantLinear under `module` replaced by a ScaleTrainedLinear; returns those."""
-    names = [name for name, child in module.named_modules() if isinstance(child, QuantLinear)]
-    for name in names:
-        set_submodule(module, name, ScaleTrainedLinear(module.get_submodule(name)))
-    return [module.get_submodule(name) for name in names]
+    return replace_each_quantized(module, lambda name, layer: ScaleTrainedLinear(layer))
 
 
 def replace_quantized_with_rounding(module: nn.Module, original: nn.Module) -> list[RoundingTrainedLinear]:
     """Every QuantLinear under `module` replaced by a RoundingTrainedLinear; the weight of the
     same name under `original` (the module it was quantized from) tells which weights were
     pruned."""
+    return replace_each_quantized(
+        module, lambda name, layer: RoundingTrainedLinear(layer, original.get_submodule(name).weight)
+    )
+
+
+def replace_each_quantized(
+    module: nn.Module, make: Callable[[str, QuantLinear], ScaleTrainedLinear]
+) -> list[ScaleTrainedLinear]:
+    """Every QuantLinear under `module` replaced by `make(its name, it)`; returns the new layers."""
     names = [name for name, child in module.named_modules() if isinstance(child, QuantLinear)]
     for name in names:
-        layer = RoundingTrainedLinear(module.get_submodule(name), original.get_submodule(name).weight)
-        set_submodule(module, name, layer)
+        set_submodule(module, name, make(name, module.get_submodule(name)))
     return [module.get_submodule(name) for name in names]
 
 

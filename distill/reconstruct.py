@@ -33,7 +33,7 @@ from slimlm.distill.qat import (
     replace_quantized_with_rounding,
 )
 from slimlm.errors import ConfigError, SlimlmError
-from slimlm.models import DTYPES, checkpoint_directory, load_model, resolve_model, source_sha256
+from slimlm.models import DTYPES, checkpoint_directory, load_model, resolve_model
 from slimlm.pipeline import RunState, Stage
 from slimlm.qlinear import QuantLinear
 
@@ -135,7 +135,7 @@ def original_model(state: RunState) -> tuple[nn.Module, OriginalBlocks]:
     cfg = state.original_model_cfg()
     source = resolve_model(cfg)
     same = state.source is not None and source.path == state.source.path
-    directory = checkpoint_directory(source, state.source_sha256 if same else source_sha256(source))
+    directory = checkpoint_directory(source, state.source_sha256 if same else None)
     if directory is None:
         return load_model(cfg, state.device).model, RESIDENT
     return checkpoint_original(directory, DTYPES[cfg.dtype], state.device)

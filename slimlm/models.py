@@ -163,9 +163,10 @@ def source_sha256(source: ModelSource) -> Optional[str]:
 
 def checkpoint_directory(source: ModelSource, sha256: Optional[str]) -> Optional[Path]:
     """The local safetensors checkpoint a source's weights are read from (a GGUF file's
-    converted cache); None for a hub id or an artifact."""
+    converted cache, keyed by the file's `sha256`: hashed here when None); None for a hub id or
+    an artifact."""
     if source.kind == "gguf":
-        return gguf_checkpoint(source.path, sha256)
+        return gguf_checkpoint(source.path, sha256 or source_sha256(source))
     return source.path if source.kind == "hf-dir" else None
 
 
