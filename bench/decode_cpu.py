@@ -74,18 +74,25 @@ def load_default():
     return cfg, load_model(cfg, torch.device("cpu"))
 
 
-def quantized_copy(cfg, bits_params: dict):
-    loaded = load_model(cfg, torch.device("cpu"))
+def quantize_in_place(model, tokenizer, params: QuantizeParams) -> None:
+    """The quantize stage (data-free methods) run on `model` outside a recipe."""
     state = RunState(
         cfg=None,
         run_dir=RUNS,
-        model=loaded.model,
-        tokenizer=loaded.tokenizer,
+        model=model,
+        tokenizer=tokenizer,
         source=None,
         source_sha256=None,
         device=torch.device("cpu"),
     )
-    quantize(state, QuantizeParams(targets=[r"model\.layers\.\d+\..*", "lm_head"], **bits_params))
+    quantize(state, params)
+
+
+def quantized_copy(cfg, bits_params: dict):
+    """A fresh load of `cfg`'s model with every decoder Linear and the LM head RTN-quantized."""
+    loaded = load_model(cfg, torch.device("cpu"))
+    targets = [r"model\.layers\.\d+\..*", "lm_head"]
+    quantize_in_place(loaded.model, loaded.tokenizer, QuantizeParams(targets=targets, **bits_params))
     return loaded.model
 
 

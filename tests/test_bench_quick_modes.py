@@ -49,6 +49,8 @@ SCRIPTS: dict[str, tuple[list[str], tuple[str, ...]]] = {
             "| trained student | ppl | KL to teacher |",
             "| distilled (forward KL) |",
             "LoRA recovery of w4 g64 GPTQ",
+            "| model | ppl | KL to teacher | gap closed | decode tok/s (b1) | speed-up |",
+            "| distilled student, w4-g64-gptq |",
         ),
     ),
     "eval_quick_sizes": (
@@ -154,6 +156,15 @@ SCRIPTS: dict[str, tuple[list[str], tuple[str, ...]]] = {
             "| request | new tokens |",
             "| edit a passage, all three at once |",
             "| 3 answers x 5 tokens after 1500 cached, an attention call per answer |",
+        ),
+    ),
+    "student_speed_cpu": (
+        [],
+        (
+            "| model | layers | MLP | parameters | weight bytes | decode tok/s |",
+            "| teacher, fp32 | 2 | 256 |",
+            "| student, fp32 | 1 | 128 |",
+            "| student, w4 g64 | 1 | 128 |",
         ),
     ),
 }

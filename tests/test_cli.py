@@ -56,10 +56,10 @@ TINY_PRUNE_SHAPE = [
         (
             "recipe=nope",
             "unknown recipe 'nope': choose one of demo, draft, eval-peers, evaluate, mixed-3.5bpw, "
-            "prune-distill, prune-finetune, prune-student, sparse-magnitude-2of4, sparse-magnitude-50, "
-            "sparse-sparsegpt-2of4, sparse-sparsegpt-50, sparse-sparsegpt-50-w4, sparse-wanda-2of4, "
-            "sparse-wanda-50, sparse-wanda-owl-50, w2-qat, w3-awq, w3-gptq, w3-qat, w3-rtn, w4-awq, "
-            "w4-gptq, w4-gptq-export, w4-gptq-gguf, w4-lora-recover, w4-qat, w4-rtn, w8-rtn",
+            "prune-distill, prune-distill-keep, prune-finetune, prune-student, sparse-magnitude-2of4, "
+            "sparse-magnitude-50, sparse-sparsegpt-2of4, sparse-sparsegpt-50, sparse-sparsegpt-50-w4, "
+            "sparse-wanda-2of4, sparse-wanda-50, sparse-wanda-owl-50, w2-qat, w3-awq, w3-gptq, w3-qat, "
+            "w3-rtn, w4-awq, w4-gptq, w4-gptq-export, w4-gptq-gguf, w4-lora-recover, w4-qat, w4-rtn, w8-rtn",
         ),
         ("model=nope", "unknown model 'nope'"),
         ("model.pathh=x", "Key 'pathh' not in 'ModelConfig'"),
@@ -156,8 +156,8 @@ def test_debug_flag_shows_the_exception(monkeypatch, tmp_path):
 def test_help_lists_groups_and_recipes(tmp_path):
     out = slimlm("--help", cwd=tmp_path).stdout
     assert (
-        "recipe: demo, draft, eval-peers, evaluate, mixed-3.5bpw, prune-distill, prune-finetune, "
-        "prune-student, sparse-magnitude-2of4, sparse-magnitude-50, sparse-sparsegpt-2of4, "
+        "recipe: demo, draft, eval-peers, evaluate, mixed-3.5bpw, prune-distill, prune-distill-keep, "
+        "prune-finetune, prune-student, sparse-magnitude-2of4, sparse-magnitude-50, sparse-sparsegpt-2of4, "
         "sparse-sparsegpt-50, sparse-sparsegpt-50-w4, sparse-wanda-2of4, sparse-wanda-50, "
         "sparse-wanda-owl-50, w2-qat, w3-awq, w3-gptq, w3-qat, w3-rtn, w4-awq, w4-gptq, "
         "w4-gptq-export, w4-gptq-gguf, w4-lora-recover, w4-qat, w4-rtn, w8-rtn"
@@ -655,6 +655,33 @@ def test_prune_distill_recipe_on_a_tiny_model(tiny_model_dir, tmp_path):
         "## Distillation" in (tmp_path / "run" / "report.md").read_text()
         and (tmp_path / "run" / "training_1.png").is_file()
     )
+
+
+def test_prune_distill_keep_recipe_measures_every_model_and_exports_the_quantized_student(
+    tiny_model_dir, tmp_path
+):
+    """Teacher, pruned, distilled and w4 student each get zero-shot tasks and decode speed, and
+    the quantized student is what the artifact holds."""
+    from tests.test_zeroshot import DATA_ROOT
+
+    shape = ["recipe.stages.1.layers=1", "recipe.stages.1.intermediate_size=64"]
+    shape += ["+recipe.stages.1.samples=4", "+recipe.stages.1.seq_len=32"]
+    training = ["recipe.stages.3.tokens=1280", "recipe.stages.3.seq_len=40", "recipe.stages.3.batch_size=4"]
+    training += ["recipe.stages.3.top_k=16", "recipe.stages.3.lr=3e-3", "+recipe.stages.3.eval_windows=2"]
+    quantize = ["recipe.stages.5.group_size=32", "+recipe.stages.5.samples=4", "+recipe.stages.5.seq_len=32"]
+    measure = [f"data.benchmarks_root={DATA_ROOT}", "eval.zeroshot.tasks=[arc_easy]", "eval.zeroshot.limit=4"]
+    measure += ["eval.speed.new_tokens=4", "eval.speed.repeats=1", "eval.speed.warmup=0"]
+    args = [*tiny_run_args(tiny_model_dir), *shape, *training, *quantize, *measure, "hydra.run.dir=run"]
+    slimlm("recipe=prune-distill-keep", *args, cwd=tmp_path)
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    rows = {row["name"]: row for row in report["rows"]}
+    assert list(rows) == ["teacher", "pruned student", "distilled student", "distilled student, w4-g64-gptq"]
+    assert all(row["decode_tok_s"] > 0 for row in rows.values())
+    assert all("arc_easy_acc" in rows[name] for name in ("teacher", "distilled student"))
+    assert report["distillation"][0]["steps"] == 8 and report["quantization"][0]["method"] == "gptq"
+    assert rows["distilled student, w4-g64-gptq"]["bytes"] < rows["distilled student"]["bytes"]
+    artifact = load_artifact(tmp_path / "run" / "artifact")
+    assert artifact.model.config.num_hidden_layers == 1 and artifact.model.config.intermediate_size == 64
 
 
 def test_lora_recovery_recipe_trains_adapters_on_a_quantized_model(tiny_model_dir, tmp_path):
