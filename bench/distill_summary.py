@@ -25,6 +25,8 @@ from typing import Callable, Optional
 
 from benchlib import REPO, RESULTS
 
+from slimlm.eval.report import zeroshot_tasks
+
 RUNS = REPO / "bench" / "runs" / "distill_default"
 
 
@@ -91,7 +93,7 @@ def default_summary(rows: list[dict]) -> tuple[dict, list[str]]:
 
 def zeroshot_mean(record: dict) -> Optional[float]:
     """Mean accuracy over the zero-shot tasks a row reports (None if it reports none)."""
-    accuracies = [record[key] for key in record if key.endswith("_acc") and f"{key[:-4]}_n" in record]
+    accuracies = [record[f"{task}_acc"] for task in zeroshot_tasks([record])]
     return sum(accuracies) / len(accuracies) if accuracies else None
 
 
