@@ -15,14 +15,15 @@ Quantized slimlm rows run with bf16 activations (torch's packed CPU kernels) or 
 rounded to int8 (integer dot products), eager and with the decode step compiled
 (Decoder.compile_decode_step). Each row reports the share of the
 measured memory bandwidth its decoding uses (bytes read per token x tokens/s / bandwidth).
-Writes bench/results/decode_cpu.{md,json,png}.
+Writes bench/results/decode_cpu.{md,json,png}; --quick (the tiny test model, a test) only prints.
 
-    python bench/decode_cpu.py [--repeats 5 --threads 2 --new-tokens 128 --prompt-tokens 16]
+    python bench/decode_cpu.py [--repeats 5 --threads 2 --new-tokens 128 --prompt-tokens 16] [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
 import time
 from dataclasses import dataclass
@@ -31,16 +32,19 @@ from typing import Callable
 
 import torch
 from benchlib import (
+    QUICK_RUNS,
     REPO,
     RESULTS,
     call_us,
     check_llama_cpp,
     command_line,
     default_model_cfg,
+    eval_ids,
     llama_cpp_bytes,
+    load_bench_model,
     machine_line,
+    publish,
     wikitext_ids,
-    write_result,
 )
 from tqdm import tqdm
 
@@ -104,9 +108,21 @@ def default_int4(threads: int):
     return quantized_copy(cfg, dict(bits=4, group_size=64)), loaded
 
 
-def eval_windows(tokenizer, count: int = 4, window: int = 512) -> torch.Tensor:
-    """The first `count` windows of `window` tokens of WikiText-2 test (data=shared)."""
-    return wikitext_ids(tokenizer)[: count * window].view(count, window)
+def eval_windows(tokenizer, quick: bool) -> torch.Tensor:
+    """The windows a row's KL to fp32 is measured on: the first 4 windows of 512 tokens of
+    WikiText-2 test (data=shared), or for a --quick run 2 windows of 256 tokens of its excerpt."""
+    if quick:
+        return eval_ids(tokenizer, True)[: 2 * 256].view(2, 256)
+    return wikitext_ids(tokenizer)[: 4 * 512].view(4, 512)
+
+
+@torch.inference_mode()
+def reference_quality(model, windows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(windows, the fp32 `model`'s next-token log-probabilities at every position of each): what
+    slimlm_contender's `quality` measures a row's KL against."""
+    return windows, torch.stack(
+        [torch.log_softmax(model(ids[None]).logits[0].float(), dim=-1) for ids in windows]
+    )
 
 
 @torch.inference_mode()
@@ -203,10 +219,11 @@ def slimlm_contender(
     return Contender(name, run, info)
 
 
-def llama_cpp_file(name: str, gguf_type: str, model, tokenizer, source) -> Path:
-    path = RUNS / f"{name}.gguf"
+def llama_cpp_file(name: str, gguf_type: str, model, tokenizer, source, directory: Path = RUNS) -> Path:
+    """`directory`/<name>.gguf, written from `model` unless it is there already."""
+    path = directory / f"{name}.gguf"
     if not path.exists():
-        RUNS.mkdir(parents=True, exist_ok=True)
+        directory.mkdir(parents=True, exist_ok=True)
         export_gguf(model, tokenizer, path, gguf_type, source.path if source.kind == "gguf" else None)
     return path
 
@@ -318,6 +335,59 @@ def race(contenders: list[Contender], repeats: int) -> list[dict]:
     ]
 
 
+def llama_cpp_contenders(
+    cfg, model, tokenizer, prompt: list[int], options, directory: Path
+) -> list[Contender]:
+    """llama.cpp's Q8_0 and Q4_0 rows, on GGUF files of `model` written by slimlm's GGUF writer."""
+    source = resolve_model(cfg)
+    contenders = []
+    for gguf_type in ("Q8_0", "Q4_0"):
+        path = llama_cpp_file(f"default-{gguf_type.lower()}", gguf_type, model, tokenizer, source, directory)
+        check_llama_cpp(path, options.threads)
+        contenders.append(llama_cpp_contender(f"llama.cpp {gguf_type}", path, prompt, options, model.config))
+    return contenders
+
+
+def quantized_contenders(
+    cfg, tokenizer, prompt: list[int], options, quality
+) -> tuple[list[Contender], list[dict]]:
+    """slimlm's rows of each of SCHEMES (bf16 or int8 activations, eager or compiled; an int8 KV
+    cache at int4), each scheme's model quantized afresh; and the layer-by-layer kernel table."""
+    contenders: list[Contender] = []
+    kernels: list[dict] = []
+    for name, scheme in SCHEMES.items():
+        quantized = quantized_copy(cfg, scheme)
+        kernels += kernel_table(quantized, name)
+        rows_of = [
+            (f"slimlm {name}, bf16 activations, eager", dict()),
+            (f"slimlm {name}, bf16 activations, compiled", dict(compiled=True)),
+            (f"slimlm {name}, int8 activations, eager", dict(int8_activations=True)),
+            (f"slimlm {name}, int8 activations, compiled", dict(compiled=True, int8_activations=True)),
+        ]
+        if scheme["bits"] == 4:
+            rows_of.append(
+                (
+                    f"slimlm {name}, int8 activations, int8 KV cache, compiled",
+                    dict(compiled=True, int8_activations=True, cache_dtype=torch.int8),
+                )
+            )
+        for row_name, settings in rows_of:
+            print(f"preparing {row_name}", flush=True)
+            contenders.append(
+                slimlm_contender(
+                    row_name,
+                    quantized,
+                    tokenizer,
+                    prompt,
+                    options,
+                    torch.bfloat16,
+                    quality=quality,
+                    **settings,
+                )
+            )
+    return contenders, kernels
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_decode_options(parser)
@@ -326,10 +396,18 @@ def main() -> None:
         action="store_true",
         help="when llama-cpp-python is not installed (pip install -e '.[bench]')",
     )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a tiny random-weight model, 8 new tokens, 1 round; results only printed (tests)",
+    )
     options = parser.parse_args()
+    command = command_line("decode_cpu.py", parser, options)
+    if options.quick:
+        options.repeats, options.new_tokens = 1, 8
     torch.set_num_threads(options.threads)
     started = time.perf_counter()
-    cfg, loaded = load_default()
+    cfg, loaded = load_bench_model(options.quick)
     model, tokenizer = loaded.model, loaded.tokenizer
     prompt = benchmark_prompt(tokenizer, options.prompt_tokens).tolist()
     bandwidth = memory_bandwidth(
@@ -340,45 +418,13 @@ def main() -> None:
         slimlm_contender("slimlm fp32", model, tokenizer, prompt, options, torch.float32),
     ]
     if not options.skip_llama_cpp:
-        source = resolve_model(cfg)
-        for gguf_type in ("Q8_0", "Q4_0"):
-            path = llama_cpp_file(f"default-{gguf_type.lower()}", gguf_type, model, tokenizer, source)
-            check_llama_cpp(path, options.threads)
-            contenders.append(
-                llama_cpp_contender(f"llama.cpp {gguf_type}", path, prompt, options, model.config)
-            )
-    windows = eval_windows(tokenizer)
-    with torch.inference_mode():
-        quality = (
-            windows,
-            torch.stack([torch.log_softmax(model(ids[None]).logits[0].float(), dim=-1) for ids in windows]),
-        )
-    kernels: list[dict] = []
-    for name, scheme in SCHEMES.items():
-        quantized = quantized_copy(cfg, scheme)
-        kernels += kernel_table(quantized, name)
-        rows_of = [
-            (f"slimlm {name}, bf16 activations, eager", dict(quality=quality)),
-            (f"slimlm {name}, bf16 activations, compiled", dict(compiled=True, quality=quality)),
-            (f"slimlm {name}, int8 activations, eager", dict(int8_activations=True, quality=quality)),
-            (
-                f"slimlm {name}, int8 activations, compiled",
-                dict(compiled=True, int8_activations=True, quality=quality),
-            ),
-        ]
-        if scheme["bits"] == 4:
-            rows_of.append(
-                (
-                    f"slimlm {name}, int8 activations, int8 KV cache, compiled",
-                    dict(compiled=True, int8_activations=True, quality=quality, cache_dtype=torch.int8),
-                )
-            )
-        for row_name, settings in rows_of:
-            print(f"preparing {row_name}", flush=True)
-            contenders.append(
-                slimlm_contender(row_name, quantized, tokenizer, prompt, options, torch.bfloat16, **settings)
-            )
-    rows = race(contenders, options.repeats)
+        directory = QUICK_RUNS / "decode_cpu" if options.quick else RUNS
+        if options.quick:
+            shutil.rmtree(directory, ignore_errors=True)  # the tiny model's files, made afresh
+        contenders += llama_cpp_contenders(cfg, model, tokenizer, prompt, options, directory)
+    quality = reference_quality(model, eval_windows(tokenizer, options.quick))
+    quantized, kernels = quantized_contenders(cfg, tokenizer, prompt, options, quality)
+    rows = race(contenders + quantized, options.repeats)
     for row in rows:
         row["bandwidth_fraction"] = row["decode_tok_s"] * row["bytes_per_token"] / bandwidth
         print(
@@ -399,14 +445,14 @@ def main() -> None:
         "threads": options.threads,
         "seconds": time.perf_counter() - started,
     }
-    command = command_line("decode_cpu.py", parser, options)
-    RESULTS.mkdir(exist_ok=True)
-    write_plot(rows)
-    write_result(
+    if not options.quick:
+        write_plot(rows)
+    publish(
         "decode_cpu",
         command,
         {"summary": summary, "rows": rows, "kernels": kernels},
         markdown(rows, summary, command, kernels),
+        options.quick,
     )
 
 

@@ -26,8 +26,8 @@ import time
 from pathlib import Path
 
 import torch
-from benchlib import QUICK_RUNS, call_us, command_line, eval_ids, load_bench_model, machine_line, publish
-from decode_cpu import add_decode_options, eval_windows, race, slimlm_contender, write_plot
+from benchlib import QUICK_RUNS, call_us, command_line, load_bench_model, machine_line, publish
+from decode_cpu import add_decode_options, eval_windows, race, reference_quality, slimlm_contender, write_plot
 
 from slimlm.artifact import load_artifact, save_artifact
 from slimlm.compress.quantize import QuantizeParams
@@ -157,14 +157,7 @@ def main() -> None:
     _, reference = load_bench_model(options.quick)
     tokenizer = adapted.tokenizer
     prompt = benchmark_prompt(tokenizer, options.prompt_tokens).tolist()
-    windows = eval_ids(tokenizer, True)[: 2 * 256].view(2, 256) if options.quick else eval_windows(tokenizer)
-    with torch.inference_mode():
-        quality = (
-            windows,
-            torch.stack(
-                [torch.log_softmax(reference.model(ids[None]).logits[0].float(), dim=-1) for ids in windows]
-            ),
-        )
+    quality = reference_quality(reference.model, eval_windows(tokenizer, options.quick))
     del reference
     rank = "/".join(str(r) for r in ranks)
     contenders = []

@@ -35,6 +35,18 @@ SCRIPTS: dict[str, tuple[list[str], tuple[str, ...]]] = {
             "| 8 prompts of 30 tokens, one pass |",
         ),
     ),
+    "decode_cpu": (
+        [] if HAS_LLAMA_CPP else ["--skip-llama-cpp"],
+        (
+            "| decoder | decode tok/s | vs transformers fp32 |",
+            "| transformers fp32 generate |",
+            "| slimlm fp32 |",
+            *llama_cpp_rows("| llama.cpp Q8_0 |", "| llama.cpp Q4_0 |"),
+            "| slimlm int8, bf16 activations, compiled |",
+            "| slimlm int4 g64, int8 activations, int8 KV cache, compiled |",
+            "| int4 g64 tied head (",
+        ),
+    ),
     "decode_cpu_isa": (
         [],
         (
