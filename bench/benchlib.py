@@ -265,11 +265,16 @@ def machine_line(machine: dict, threads: str, seconds: float) -> str:
 
 
 def llama_cpp_bytes(path: Path, config, cache_bytes_per_value: float) -> tuple[int, float]:
-    """What llama.cpp reads per decoded token of the GGUF at `path`: the bytes of all its tensors,
-    and its key/value cache's bytes per slot (`cache_bytes_per_value`: 2 for f16, 34/32 for q8_0)."""
+    """What llama.cpp reads per decoded token of the GGUF at `path`: the bytes of its tensors (the
+    token embedding's only where it is also the output matrix: otherwise a step reads one row of
+    it), and its key/value cache's bytes per slot (`cache_bytes_per_value`: 2 for f16, 34/32 for
+    q8_0)."""
     from gguf import GGUFReader
 
-    weights = sum(int(t.n_bytes) for t in GGUFReader(path).tensors)
+    tensors = {t.name: int(t.n_bytes) for t in GGUFReader(path).tensors}
+    if "output.weight" in tensors:
+        tensors.pop("token_embd.weight", None)
+    weights = sum(tensors.values())
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return (
         weights,

@@ -273,11 +273,19 @@ def generate_command(args: Sequence[str]) -> None:
     sampling_params(options)  # a bad setting is refused now, not after the model has loaded
     decoder = open_decoder(model, options)
     draft = open_decoder(options.draft, options) if options.draft else None
-    stream_answer(
-        decoder,
-        prompt_ids(decoder.tokenizer, prompt, not options.no_chat_template)[0].tolist(),
-        options,
-        draft,
+    ids = prompt_ids(decoder.tokenizer, prompt, not options.no_chat_template)[0].tolist()
+    if options.compile:
+        decoder.ensure_cache(1, len(ids) + options.max_new_tokens)
+        warm_up_compiled_step(decoder)
+    stream_answer(decoder, ids, options, draft)
+
+
+def warm_up_compiled_step(decoder) -> None:
+    """Compile the decode step for the cache as now sized, before the answer, and say how long it
+    took: the answer's tokens/s is then the compiled step's, not its compile's."""
+    seconds = decoder.warm_up_step()
+    print(
+        f"[decode step compiled for {decoder.model.max_seq} cache slots in {seconds:.1f} s]", file=sys.stderr
     )
 
 
@@ -297,12 +305,20 @@ def stream_answer(decoder, ids: list[int], options, draft=None) -> str:
         passes.append(stats)
         return generation
 
-    answer = ""
-    for piece in decoder.stream_ids(
-        ids, params, results, decode=speculative if options.prompt_lookup or draft is not None else None
-    ):
-        answer += piece
+    written: list[str] = []
+
+    def write(piece: str) -> None:
+        written.append(piece)
         print(piece, end="", flush=True)
+
+    decoder.write_ids(
+        ids,
+        params,
+        write,
+        results,
+        decode=speculative if options.prompt_lookup or draft is not None else None,
+    )
+    answer = "".join(written)
     print()
     # none when the stream saw a stop string before the decoding did (then stopped, its statistics
     # never written)
@@ -330,8 +346,9 @@ def stream_answer(decoder, ids: list[int], options, draft=None) -> str:
 CHAT_CONTEXT = 4096
 
 
-def conversation_cache(decoder, needed: int, context: int) -> None:
-    """Size the cache of a compiled chat for a turn that needs `needed` slots. The step is
+def conversation_cache(decoder, needed: int, context: int) -> bool:
+    """Size the cache of a compiled chat for a turn that needs `needed` slots; whether it was
+    (re)sized, so the step compiles for it. The step is
     compiled for its cache's size, and a new size compiles it again (minutes): the cache is
     sized once ahead and, when a turn outgrows it, doubled (a few compiles in a long
     conversation, not one a turn). On a CPU the step reads only the slots up to its own, so
@@ -341,14 +358,14 @@ def conversation_cache(decoder, needed: int, context: int) -> None:
     limit = model.args.max_position_embeddings
     # it fits; or generation refuses it, naming the model's context
     if needed <= model.max_seq or needed > limit:
-        return
+        return False
     if model.max_seq == 0:
         decoder.ensure_cache(1, max(needed, min(context, limit)) if decoder.device.type == "cpu" else needed)
         print(
             f"[{model.max_seq} cache slots for the conversation, {model.cache_bytes() / 2**20:.0f} MiB]",
             file=sys.stderr,
         )
-        return
+        return True
     size = min(max(needed, 2 * model.max_seq), limit)
     print(
         f"[this turn needs {needed} cache slots, more than the {model.max_seq} set aside: {size} "
@@ -356,6 +373,7 @@ def conversation_cache(decoder, needed: int, context: int) -> None:
         file=sys.stderr,
     )
     decoder.ensure_cache(1, size)
+    return True
 
 
 def chat_command(args: Sequence[str]) -> None:
@@ -406,8 +424,10 @@ def chat_command(args: Sequence[str]) -> None:
         history.append({"role": "user", "content": line})
         text = tokenizer.apply_chat_template(system + history, tokenize=False, add_generation_prompt=True)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        if options.compile:
-            conversation_cache(decoder, len(ids) + options.max_new_tokens, options.context or CHAT_CONTEXT)
+        if options.compile and conversation_cache(
+            decoder, len(ids) + options.max_new_tokens, options.context or CHAT_CONTEXT
+        ):
+            warm_up_compiled_step(decoder)
         answer = stream_answer(decoder, ids, options, draft)
         history.append({"role": "assistant", "content": answer})
 

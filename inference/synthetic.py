@@ -69,6 +69,84 @@ def random_linear(
     return layer.requires_grad_(False)
 
 
+def random_model(
+    config: dict,
+    scheme: QuantScheme,
+    head_scheme: Optional[QuantScheme] = None,
+    dtype: torch.dtype = torch.bfloat16,
+    seed: int = 0,
+) -> tuple[nn.Module, dict[str, dict]]:
+    """An HF model of `config` with random weights in its stored form, made one layer at a time on
+    the CPU (peak memory: the quantized model, never an fp copy of it): every decoder Linear a
+    QuantLinear in `scheme`, the LM head in `head_scheme` (None: float), norms of ones. With the
+    quantization schemes by module name, it is what save_artifact and export_gguf take, so a
+    benchmark can hand the same weights to slimlm and to llama.cpp at sizes whose fp32 copy would
+    not fit in memory."""
+    from transformers import AutoModelForCausalLM
+
+    cpu = torch.device("cpu")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(transformers_config(config), dtype=dtype)
+    generator = torch.Generator().manual_seed(seed)
+    schemes: dict[str, dict] = {}
+    for index, layer in enumerate(model.model.layers):
+        for name in LINEARS:
+            try:
+                meta = layer.get_submodule(name)
+            except AttributeError:
+                raise ValueError(
+                    f"{config['model_type']} layers have no {name}: random_model makes dense Llama-family "
+                    "layers only"
+                ) from None
+            set_submodule(
+                layer,
+                name,
+                random_linear(
+                    meta.in_features, meta.out_features, scheme, meta.bias is not None, dtype, cpu, generator
+                ),
+            )
+            schemes[f"model.layers.{index}.{name}"] = scheme.to_dict()
+    head = model.get_output_embeddings()
+    model.set_output_embeddings(
+        random_linear(head.in_features, head.out_features, head_scheme, False, dtype, cpu, generator)
+    )
+    if head_scheme is not None:
+        schemes["lm_head"] = head_scheme.to_dict()
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    if tied and head_scheme is not None:
+        tie_quantized_head(model)
+    elif tied:
+        model.get_input_embeddings().weight = model.get_output_embeddings().weight
+    else:
+        table = model.get_input_embeddings()
+        table.weight = nn.Parameter(
+            torch.empty(table.weight.shape, dtype=dtype).normal_(generator=generator), requires_grad=False
+        )
+    materialize_rest(model, dtype)
+    return model.eval(), schemes
+
+
+def materialize_rest(model: nn.Module, dtype: torch.dtype) -> None:
+    """What is still on the meta device after the Linears and embeddings were made: 1-D
+    parameters (norms of ones, biases of zeros) and rotary embeddings (built again on the CPU,
+    which recomputes their frequencies). A matrix left there (a mixture of experts' experts) is
+    an error: this builder makes the dense layers of LINEARS only."""
+    for module_name, module in list(model.named_modules()):
+        if type(module).__name__.endswith("RotaryEmbedding"):
+            set_submodule(model, module_name, type(module)(module.config))
+            continue
+        for name, parameter in list(module.named_parameters(recurse=False)):
+            if not parameter.is_meta:
+                continue
+            if parameter.dim() != 1:
+                raise ValueError(
+                    f"{module_name}.{name} {tuple(parameter.shape)} is not a layer random_model makes: it "
+                    "makes dense Llama-family layers only"
+                )
+            fill = torch.ones if "norm" in type(module).__name__.lower() else torch.zeros
+            setattr(module, name, nn.Parameter(fill(parameter.shape, dtype=dtype), requires_grad=False))
+
+
 def random_decoder(
     config: dict,
     scheme: Optional[QuantScheme],

@@ -47,6 +47,18 @@ SCRIPTS: dict[str, tuple[list[str], tuple[str, ...]]] = {
             "| int4 g64 tied head (",
         ),
     ),
+    "decode_sizes_cpu": (
+        [] if HAS_LLAMA_CPP else ["--skip-llama-cpp"],
+        (
+            "| size | scheme | prompt | decoder | decode tok/s | vs llama.cpp |",
+            "| tiny-tied | int4-g32 | 16 | slimlm, eager |",
+            "| tiny-untied | int8-g32 | 64 | slimlm, compiled |",
+            *llama_cpp_rows(
+                "| tiny-untied | int8-g32 | 64 | llama.cpp Q8_0 |",
+                "| tiny-tied | int4-g32 | 16 | llama.cpp Q4_0 |",
+            ),
+        ),
+    ),
     "decode_cpu_isa": (
         [],
         (

@@ -288,6 +288,29 @@ def test_stop_strings_end_the_text_and_streaming_gives_the_same_text(tiny_model,
     assert (
         len(results) == 1 and replace(results[0], cached_tokens=0) == free
     )  # the same prompt again: all but its last token were in the cache
+    ids = prompt_ids_of(tiny_tokenizer, "the story of")
+    written, results = [], []
+    decoder.write_ids(ids, SamplingParams(**sampled, stop=[stop]), written.append, results)
+    assert written == streamed and results[0].finish_reason == "stop"  # decoded here, written by a helper
+
+
+def prompt_ids_of(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def test_a_failing_writer_stops_the_decoding_and_its_error_is_raised(tiny_model, tiny_tokenizer):
+    decoder = Decoder(build_decoder(tiny_model), tiny_tokenizer)
+    steps = []
+    decode_step = decoder.step
+    decoder.step = lambda *args: steps.append(1) or decode_step(*args)
+
+    def write(piece: str) -> None:
+        raise BrokenPipeError("the reader went away")
+
+    params = SamplingParams(max_new_tokens=200, ignore_eos=True)
+    with pytest.raises(BrokenPipeError, match="the reader went away"):
+        decoder.write_ids(prompt_ids_of(tiny_tokenizer, "the story of"), params, write)
+    assert len(steps) < 100  # stopped soon after the first piece, not after 200 tokens
 
 
 def metaspace_tokenizer():
@@ -428,6 +451,7 @@ def test_generate_and_chat_commands_stream_from_a_checkpoint(tiny_model_dir, tmp
     assert (
         "Recompiling" not in chat.stderr
     )  # the conversation's cache was set aside once: the second turn reuses the compiled step
+    assert chat.stderr.count("[decode step compiled for") == 1  # before the first answer, not inside it
     speculating = run("generate", str(tiny_model_dir), "hi", "--prompt-lookup", "--compile")
     assert (
         speculating.returncode == 2 and "--compile speeds up one-token decode steps" in speculating.stderr
