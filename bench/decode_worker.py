@@ -54,6 +54,9 @@ class SlimlmDecoding:
         self.eager: Callable = self.decoder.step
         self.compiled: Callable = self.eager
 
+    def close(self) -> None:
+        pass
+
     def compile(self) -> Answer:
         """Compile the decode step for the cache (`slimlm generate --compile`'s warm-up)."""
         self.decoder.compile_decode_step()
@@ -95,8 +98,14 @@ class LlamaCppDecoding:
     def compile(self) -> Answer:
         return {"compile_s": 0.0}
 
+    def close(self) -> None:
+        self.llm.close()  # now, not in the interpreter's teardown (where llama-cpp-python's fails)
+
     def next_token(self) -> int:
-        return int(np.argmax(self.llm.scores[self.llm.n_tokens - 1]))
+        """The argmax of the last evaluated position's logits, read from llama.cpp's own buffer
+        (without logits_all the Python wrapper keeps no copy of them)."""
+        logits = np.ctypeslib.as_array(self.llm._ctx.get_logits(), shape=(self.llm.n_vocab(),))
+        return int(np.argmax(logits))
 
     def decode(self, prompt: list[int], new_tokens: int, compiled: bool) -> Answer:
         self.llm.reset()
@@ -138,6 +147,7 @@ def main() -> None:
         except (ValueError, KeyError, TypeError) as error:
             raise SystemExit(f"decode_worker: bad request {line.strip()[:200]!r}: {error}") from None
         print(json.dumps(reply), flush=True)
+    decoding.close()
 
 
 if __name__ == "__main__":
