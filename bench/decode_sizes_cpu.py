@@ -19,7 +19,8 @@ A size's files are deleted once it is measured (`--keep-files` keeps them).
     python bench/decode_sizes_cpu.py [--sizes smollm2-135m ... llama-3-8b] [--schemes int4-g32 int8-g32]
                                      [--repeats 3 --threads 2 --new-tokens 128] [--quick]
 
-Writes bench/results/decode_sizes_cpu.{md,json,png}; --quick (two tiny shapes, a test) only prints.
+Writes bench/results/decode_sizes_cpu.{md,json,png}; --quick (two tiny shapes, one scheme each, a
+test) only prints.
 """
 
 from __future__ import annotations
@@ -115,6 +116,7 @@ QUICK_SIZES: dict[str, dict] = {
         TINY, hidden_size=256, intermediate_size=512, num_hidden_layers=2, tie_word_embeddings=False
     ),
 }
+QUICK_SCHEMES = {"tiny-tied": ["int4-g32"], "tiny-untied": ["int8-g32"]}  # one each: the test's time
 # scheme -> (slimlm's scheme, the GGUF block type whose grid it is)
 SCHEMES: dict[str, tuple[QuantScheme, str]] = {
     "int4-g32": (QuantScheme(bits=4, group_size=32), "Q4_0"),
@@ -364,7 +366,7 @@ def main() -> None:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="two tiny shapes, 8 new tokens, 1 round; results only printed (tests)",
+        help="two tiny shapes, one scheme each, 8 new tokens, 1 round; results only printed (tests)",
     )
     options = parser.parse_args()
     command = command_line("decode_sizes_cpu.py", parser, options)
@@ -379,7 +381,7 @@ def main() -> None:
     rows = []
     for size, config in sizes.items():
         transformers_config(config)  # a shape transformers rejects fails here, before any work
-        for scheme in options.schemes:
+        for scheme in QUICK_SCHEMES[size] if options.quick else options.schemes:
             print(f"preparing {size} {scheme}", flush=True)
             files = prepare(size, config, scheme, directory)
             rows += measure(size, scheme, files, options, bandwidth)
