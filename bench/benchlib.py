@@ -282,6 +282,15 @@ def llama_cpp_bytes(path: Path, config, cache_bytes_per_value: float) -> tuple[i
     )
 
 
+def add_skip_llama_cpp(parser: argparse.ArgumentParser) -> None:
+    """The --skip-llama-cpp option of the benchmarks that race llama.cpp."""
+    parser.add_argument(
+        "--skip-llama-cpp",
+        action="store_true",
+        help="when llama-cpp-python is not installed (pip install -e '.[bench]')",
+    )
+
+
 def check_llama_cpp(gguf: Path, threads: int) -> None:
     """Evaluate three tokens of `gguf` with llama-cpp-python in a child process, so that a build
     that dies on this processor stops the benchmark with a reason instead of killing it silently.

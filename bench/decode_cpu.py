@@ -35,6 +35,7 @@ from benchlib import (
     QUICK_RUNS,
     REPO,
     RESULTS,
+    add_skip_llama_cpp,
     call_us,
     check_llama_cpp,
     command_line,
@@ -391,11 +392,7 @@ def quantized_contenders(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_decode_options(parser)
-    parser.add_argument(
-        "--skip-llama-cpp",
-        action="store_true",
-        help="when llama-cpp-python is not installed (pip install -e '.[bench]')",
-    )
+    add_skip_llama_cpp(parser)
     parser.add_argument(
         "--quick",
         action="store_true",

@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 import torch
-from benchlib import REPO, check_llama_cpp, command_line, publish_table
+from benchlib import REPO, add_skip_llama_cpp, check_llama_cpp, command_line, publish_table
 from decode_cpu import add_decode_options, llama_cpp_contender, race, slimlm_contender, write_plot
 
 from slimlm.artifact import parse_manifest, planner_inputs, save_artifact
@@ -242,11 +242,7 @@ def ratio_cell(ratio) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_decode_options(parser)
-    parser.add_argument(
-        "--skip-llama-cpp",
-        action="store_true",
-        help="when llama-cpp-python is not installed (pip install -e '.[bench]')",
-    )
+    add_skip_llama_cpp(parser)
     parser.add_argument(
         "--group-size",
         type=int,

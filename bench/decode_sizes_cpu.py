@@ -36,7 +36,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from benchlib import QUICK_RUNS, REPO, check_llama_cpp, command_line, llama_cpp_bytes, publish_table
+from benchlib import (
+    QUICK_RUNS,
+    REPO,
+    add_skip_llama_cpp,
+    check_llama_cpp,
+    command_line,
+    llama_cpp_bytes,
+    publish_table,
+)
 from tqdm import tqdm
 
 from slimlm.artifact import save_artifact
@@ -246,6 +254,10 @@ def measure(size: str, scheme: str, files: Files, options, bandwidth: float) -> 
         theirs = Worker(f"{size} {scheme} llama.cpp", "llama.cpp", files.gguf, options.threads, slots)
         contenders.append(Contender(f"llama.cpp {SCHEMES[scheme][1]}", theirs))
     compile_s = ours.ask(compile=True)["compile_s"]
+    # what llama.cpp reads per token: its tensors once, its f16 cache per slot (the GGUF read once)
+    llama_weights, llama_per_slot = (
+        (0, 0.0) if theirs is None else llama_cpp_bytes(files.gguf, files.config, 2)
+    )
     generator = torch.Generator().manual_seed(0)
     rows = []
     for length in options.prompts:
@@ -255,8 +267,8 @@ def measure(size: str, scheme: str, files: Files, options, bandwidth: float) -> 
         for contender in contenders:
             result = results[contender.name]
             if contender.worker is theirs:
-                weights, per_slot = llama_cpp_bytes(files.gguf, files.config, 2)  # f16 cache
-                result["weight_bytes"], result["bytes_per_token"] = weights, int(weights + per_slot * context)
+                result["weight_bytes"] = llama_weights
+                result["bytes_per_token"] = int(llama_weights + llama_per_slot * context)
             rows.append(
                 {
                     "name": f"{size} {scheme}, {length}-token prompt, {contender.name}",
@@ -358,11 +370,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--keep-files", action="store_true", help="keep each size's artifact and GGUF file")
-    parser.add_argument(
-        "--skip-llama-cpp",
-        action="store_true",
-        help="when llama-cpp-python is not installed (pip install -e '.[bench]')",
-    )
+    add_skip_llama_cpp(parser)
     parser.add_argument(
         "--quick",
         action="store_true",

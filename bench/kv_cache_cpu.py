@@ -35,6 +35,7 @@ import torch
 from benchlib import (
     QUICK_RUNS,
     RESULTS,
+    add_skip_llama_cpp,
     check_llama_cpp,
     command_line,
     eval_ids,
@@ -225,11 +226,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--kl-positions", type=int, default=64)
-    parser.add_argument(
-        "--skip-llama-cpp",
-        action="store_true",
-        help="when llama-cpp-python is not installed (pip install -e '.[bench]')",
-    )
+    add_skip_llama_cpp(parser)
     parser.add_argument(
         "--quick",
         action="store_true",

@@ -69,6 +69,33 @@ def random_linear(
     return layer.requires_grad_(False)
 
 
+def randomize_linears(
+    layer: nn.Module,
+    scheme: Optional[QuantScheme],
+    dtype: torch.dtype,
+    device: torch.device,
+    generator: torch.Generator,
+) -> None:
+    """Replace each of a decoder layer's LINEARS (the meta skeleton's) with random_linear's of
+    its shape and bias. A layer without one (a mixture of experts') is refused: the builders
+    here make dense Llama-family layers only."""
+    for name in LINEARS:
+        try:
+            meta = layer.get_submodule(name)
+        except AttributeError:
+            raise ValueError(
+                f"{type(layer).__name__} has no {name}: random models are made of dense Llama-family layers "
+                "only"
+            ) from None
+        set_submodule(
+            layer,
+            name,
+            random_linear(
+                meta.in_features, meta.out_features, scheme, meta.bias is not None, dtype, device, generator
+            ),
+        )
+
+
 def random_model(
     config: dict,
     scheme: QuantScheme,
@@ -90,22 +117,8 @@ def random_model(
     generator = torch.Generator().manual_seed(seed)
     schemes: dict[str, dict] = {}
     for index, layer in enumerate(model.model.layers):
-        for name in LINEARS:
-            try:
-                meta = layer.get_submodule(name)
-            except AttributeError:
-                raise ValueError(
-                    f"{config['model_type']} layers have no {name}: random_model makes dense Llama-family "
-                    "layers only"
-                ) from None
-            set_submodule(
-                layer,
-                name,
-                random_linear(
-                    meta.in_features, meta.out_features, scheme, meta.bias is not None, dtype, cpu, generator
-                ),
-            )
-            schemes[f"model.layers.{index}.{name}"] = scheme.to_dict()
+        randomize_linears(layer, scheme, dtype, cpu, generator)
+        schemes.update({f"model.layers.{index}.{name}": scheme.to_dict() for name in LINEARS})
     head = model.get_output_embeddings()
     model.set_output_embeddings(
         random_linear(head.in_features, head.out_features, head_scheme, False, dtype, cpu, generator)
@@ -140,8 +153,8 @@ def materialize_rest(model: nn.Module, dtype: torch.dtype) -> None:
                 continue
             if parameter.dim() != 1:
                 raise ValueError(
-                    f"{module_name}.{name} {tuple(parameter.shape)} is not a layer random_model makes: it "
-                    "makes dense Llama-family layers only"
+                    f"{module_name}.{name} {tuple(parameter.shape)} is not a layer random_model makes: "
+                    "random models are made of dense Llama-family layers only"
                 )
             fill = torch.ones if "norm" in type(module).__name__.lower() else torch.zeros
             setattr(module, name, nn.Parameter(fill(parameter.shape, dtype=dtype), requires_grad=False))
@@ -174,21 +187,7 @@ def random_decoder(
     ones = lambda dim: nn.Parameter(torch.ones(dim, dtype=dtype, device=device), requires_grad=False)  # noqa: E731
     blocks = []
     for index, layer in enumerate(skeleton.model.layers):
-        for name in LINEARS:
-            meta = layer.get_submodule(name)
-            set_submodule(
-                layer,
-                name,
-                random_linear(
-                    meta.in_features,
-                    meta.out_features,
-                    scheme,
-                    meta.bias is not None,
-                    dtype,
-                    device,
-                    generator,
-                ),
-            )
+        randomize_linears(layer, scheme, dtype, device, generator)
         layer.input_layernorm.weight = ones(parts.args.dim)
         layer.post_attention_layernorm.weight = ones(parts.args.dim)
         blocks.append(parts.block(index, layer))

@@ -53,5 +53,5 @@ def test_random_model_is_stored_form_that_artifact_and_gguf_hold_exactly(config,
 
 def test_random_model_refuses_layers_it_does_not_make():
     experts = dict(SHAPE, model_type="olmoe", num_experts=4, num_experts_per_tok=2)
-    with pytest.raises(ValueError, match="dense Llama-family layers only"):
+    with pytest.raises(ValueError, match="made of dense Llama-family layers only"):
         random_model(experts, INT4_G32)
