@@ -17,10 +17,12 @@ the measured memory bandwidth a decoded token uses, and each process's peak resi
 A size's files are deleted once it is measured (`--keep-files` keeps them).
 
     python bench/decode_sizes_cpu.py [--sizes smollm2-135m ... llama-3-8b] [--schemes int4-g32 int8-g32]
-                                     [--repeats 3 --threads 2 --new-tokens 128] [--quick]
+                                     [--repeats 3 --threads 2 --new-tokens 128] [--add] [--quick]
 
-Writes bench/results/decode_sizes_cpu.{md,json,png}; --quick (two tiny shapes, one scheme each, a
-test) only prints.
+Writes bench/results/decode_sizes_cpu.{md,json,png}; --add keeps the published rows of the sizes
+and schemes this run does not measure (an 8B run need not repeat the small ones; each row names
+the command and the bandwidth of its run); --quick (two tiny shapes, one scheme each, a test)
+only prints.
 """
 
 from __future__ import annotations
@@ -131,6 +133,8 @@ SCHEMES: dict[str, tuple[QuantScheme, str]] = {
     "int8-g32": (QuantScheme(bits=8, group_size=32), "Q8_0"),
 }
 PROMPTS = (16, 512)
+WARM_UP_TOKENS = 8  # a warm-up decode's new tokens: its prompt is the measured one, its decode short
+RESULTS = REPO / "bench" / "results" / "decode_sizes_cpu.json"
 
 
 @dataclass
@@ -226,13 +230,13 @@ class Contender:
 def race(contenders: list[Contender], prompt: list[int], new_tokens: int, repeats: int) -> dict[str, dict]:
     """A warm-up each, then `repeats` rounds in which every contender decodes once; the median of
     each measure per contender, the last answer's other fields."""
-    ask = lambda c: c.worker.ask(prompt=prompt, new_tokens=new_tokens, compiled=c.compiled)  # noqa: E731
+    ask = lambda c, tokens: c.worker.ask(prompt=prompt, new_tokens=tokens, compiled=c.compiled)  # noqa: E731
     for contender in contenders:
-        ask(contender)
+        ask(contender, min(new_tokens, WARM_UP_TOKENS))
     answers: dict[str, list[dict]] = {c.name: [] for c in contenders}
     for _ in tqdm(range(repeats), desc=f"rounds, {len(prompt)}-token prompt"):
         for contender in contenders:
-            answers[contender.name].append(ask(contender))
+            answers[contender.name].append(ask(contender, new_tokens))
     return {
         name: {
             **runs[-1],
@@ -243,7 +247,7 @@ def race(contenders: list[Contender], prompt: list[int], new_tokens: int, repeat
     }
 
 
-def measure(size: str, scheme: str, files: Files, options, bandwidth: float) -> list[dict]:
+def measure(size: str, scheme: str, files: Files, options, bandwidth: float, command: str) -> list[dict]:
     """Every row of one size in one scheme: both prompts, then each worker's peak memory."""
     slots = max(options.prompts) + options.new_tokens
     ours = Worker(f"{size} {scheme} slimlm", "slimlm", files.artifact, options.threads, slots)
@@ -283,6 +287,8 @@ def measure(size: str, scheme: str, files: Files, options, bandwidth: float) -> 
                     "weight_bytes": result["weight_bytes"],
                     "bandwidth_fraction": result["decode_tok_s"] * result["bytes_per_token"] / bandwidth,
                     "compile_s": compile_s if contender.compiled else None,
+                    "memory_bandwidth_bytes_s": bandwidth,
+                    "command": command,
                 }
             )
     peaks = {id(w): w.ask(memory=True)["peak_rss_bytes"] for w in (ours, theirs) if w is not None}
@@ -291,6 +297,28 @@ def measure(size: str, scheme: str, files: Files, options, bandwidth: float) -> 
     for worker in (ours, theirs):
         if worker is not None:
             worker.close()
+    return rows
+
+
+def with_published(rows: list[dict], published: list[dict]) -> list[dict]:
+    """`rows` and the `published` rows of the sizes and schemes they do not measure, in SIZES'
+    order (--add)."""
+    measured = {(r["size"], r["scheme"]) for r in rows}
+    kept = [r for r in published if (r["size"], r["scheme"]) not in measured]
+    order = [*SIZES, *QUICK_SIZES]
+    return sorted(kept + rows, key=lambda r: (order.index(r["size"]), r["scheme"]))
+
+
+def published_rows() -> list[dict]:
+    """The rows of bench/results/decode_sizes_cpu.json, each with its run's command and bandwidth."""
+    if not RESULTS.exists():
+        return []
+    rows = json.loads(RESULTS.read_text())["rows"]
+    missing = [r["name"] for r in rows if "command" not in r or "memory_bandwidth_bytes_s" not in r]
+    if missing:
+        raise SystemExit(
+            f"{RESULTS}: rows without their run's command or bandwidth, cannot --add: {missing[:3]}"
+        )
     return rows
 
 
@@ -310,6 +338,18 @@ def add_ratios(rows: list[dict]) -> None:
         mine = peer is not None and row["decoder"].startswith("slimlm")
         row["decode_vs_llama_cpp"] = row["decode_tok_s"] / peer["decode_tok_s"] if mine else None
         row["prefill_vs_llama_cpp"] = row["prefill_tok_s"] / peer["prefill_tok_s"] if mine else None
+
+
+def runs_lines(rows: list[dict]) -> list[str]:
+    """A line per run the rows come from: its schemes and sizes, its command and its measured
+    bandwidth."""
+    lines = []
+    for command, bandwidth in dict.fromkeys((r["command"], r["memory_bandwidth_bytes_s"]) for r in rows):
+        mine = [r for r in rows if r["command"] == command]
+        schemes = ", ".join(dict.fromkeys(r["scheme"] for r in mine))
+        sizes = ", ".join(dict.fromkeys(r["size"] for r in mine))
+        lines.append(f"- {schemes} at {sizes}: `{command}`, memory bandwidth {bandwidth / 1e9:.1f} GB/s")
+    return lines
 
 
 def ratio_cell(ratio) -> str:
@@ -370,6 +410,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--keep-files", action="store_true", help="keep each size's artifact and GGUF file")
+    parser.add_argument(
+        "--add", action="store_true", help="keep the published rows of sizes and schemes not measured now"
+    )
     add_skip_llama_cpp(parser)
     parser.add_argument(
         "--quick",
@@ -385,28 +428,32 @@ def main() -> None:
     directory = QUICK_RUNS / "decode_sizes_cpu" if options.quick else RUNS
     directory.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    bandwidth = memory_bandwidth("cpu", refresh=True).bytes_per_s
+    published = published_rows() if options.add and not options.quick else []
+    # measured afresh for a published run; a quick run takes the cached figure (not its own cores' load)
+    bandwidth = memory_bandwidth("cpu", refresh=not options.quick).bytes_per_s
     rows = []
     for size, config in sizes.items():
         transformers_config(config)  # a shape transformers rejects fails here, before any work
         for scheme in QUICK_SCHEMES[size] if options.quick else options.schemes:
             print(f"preparing {size} {scheme}", flush=True)
             files = prepare(size, config, scheme, directory)
-            rows += measure(size, scheme, files, options, bandwidth)
+            rows += measure(size, scheme, files, options, bandwidth, command)
             if not options.keep_files:
                 shutil.rmtree(files.artifact)
                 files.gguf.unlink()
+    rows = with_published(rows, published)
     add_ratios(rows)
     if not options.quick:
         write_plot(rows, PROMPTS[0])
     details = [
         f"- batch 1, prompts of {' and '.join(map(str, options.prompts))} random tokens, exactly "
-        f"{options.new_tokens} greedy new tokens, median of {options.repeats} interleaved rounds after a "
-        f"warm-up, {options.threads} threads for each tool, one process per tool",
-        "- memory bandwidth (eval/bandwidth.py, measured at the start of the run): "
-        f"{bandwidth / 1e9:.1f} GB/s; "
-        "bandwidth used = bytes a decoded token reads (weights but the untied embedding table, the cache "
-        "at the mean context) x tokens/s / bandwidth",
+        f"{options.new_tokens} greedy new tokens, the median of interleaved rounds after a warm-up (3 "
+        "rounds or the row's command's --repeats), 2 threads for each tool (or its --threads), one "
+        "process per tool",
+        *runs_lines(rows),
+        "- bandwidth used = bytes a decoded token reads (weights but the untied embedding table, the cache "
+        "at the mean context) x tokens/s / the memory bandwidth (eval/bandwidth.py) measured at the start "
+        "of the row's run",
     ]
     publish_table(
         "decode_sizes_cpu",

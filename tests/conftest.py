@@ -8,6 +8,9 @@ from pathlib import Path
 # Before anything imports huggingface_hub, which reads these once: tests never touch the hub.
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
+# torch.compile in this process and the benchmarks' it starts: compile in-process, not in a pool of
+# compile workers, whose start cost about 5 s a process when two test workers already hold the cores.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -197,20 +197,23 @@ inline __m256i dot8_half(__m256i acc, __m256i first, __m256i second, __m256i low
 // int8 codes reach 255, and 2 * 255 * 127 would saturate those pair sums: the codes are taken as
 // code - 128 (signed) with their sign moved onto the activation (llama.cpp's Q8 way), pairs at
 // most 2 * 128 * 127, and tile() starts each block's sums at 128 * sum(a) to give back code . a.
-inline __m256i dot4_recentred(__m256i acc, __m256i codes, __m256i a) {
+// Two such pair sums would overflow int16, so each is widened on its own, and both go to `even`,
+// as for int4: one accumulator a token leaves more of the sixteen registers to the tile's loads.
+inline __m256i pairs_recentred(__m256i codes, __m256i a) {
   const __m256i centred = _mm256_xor_si256(codes, _mm256_set1_epi8(static_cast<char>(0x80)));
-  const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(centred), _mm256_sign_epi8(a, centred));
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(centred), _mm256_sign_epi8(a, centred)), _mm256_set1_epi16(1));
+}
+inline __m256i dot8_recentred(__m256i acc, __m256i first, __m256i second, __m256i low, __m256i high) {
+  return _mm256_add_epi32(acc, _mm256_add_epi32(pairs_recentred(first, low), pairs_recentred(second, high)));
 }
 constexpr bool kRecentredInt8 = true;
 template <int Bits>
-inline void dot8(Ints& even, Ints& odd, Ints first, Ints second, int32_t a_low, int32_t a_high) {
+inline void dot8(Ints& even, Ints&, Ints first, Ints second, int32_t a_low, int32_t a_high) {
   const __m256i low = _mm256_set1_epi32(a_low), high = _mm256_set1_epi32(a_high);
   if constexpr (Bits == 4) {
     even = {dot8_half(even.lo, first.lo, second.lo, low, high), dot8_half(even.hi, first.hi, second.hi, low, high)};
   } else {
-    even = {dot4_recentred(even.lo, first.lo, low), dot4_recentred(even.hi, first.hi, low)};
-    odd = {dot4_recentred(odd.lo, second.lo, high), dot4_recentred(odd.hi, second.hi, high)};
+    even = {dot8_recentred(even.lo, first.lo, second.lo, low, high), dot8_recentred(even.hi, first.hi, second.hi, low, high)};
   }
 }
 #endif  // __AVXVNNI__
