@@ -23,6 +23,29 @@ CHAT_TEMPLATE = (
 )
 
 
+# The files whose tests take minutes, longest first. pytest-xdist (`--dist loadfile
+# --no-loadscope-reorder`, the Makefile's) hands files out in collection order: these start at
+# once, and the many short files fill in behind them, instead of a long file with few tests
+# starting last while the other worker idles (by test count, the integration tests came last).
+LONG_FILES = (
+    "test_bench_quick_modes.py",
+    "test_cli.py",
+    "test_integration.py",
+    "test_decoder.py",
+    "test_distill_processes.py",
+    "test_bench_decode_families.py",
+    "test_fuzz.py",
+    "test_serve_load.py",
+    "test_bench_scale.py",
+    "test_bench_gpu.py",
+)
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONG_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FILES)))  # stable: files keep their order
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _isolated_environment(tmp_path_factory):
     """A private cache, so tests never depend on the user's machine state."""
