@@ -1,5 +1,6 @@
 """bench/decode_sizes_cpu.py --add: a run of some sizes keeps the published rows of the others,
-and the page names the run each row comes from."""
+and the page names the run each row comes from; bench/decode_worker.py's protocol, driven
+directly (the quick run drives it only through the whole benchmark)."""
 
 import json
 import sys
@@ -51,3 +52,18 @@ def test_published_rows_without_their_run_are_refused(monkeypatch, tmp_path):
     monkeypatch.setattr(decode_sizes_cpu, "RESULTS", results)
     with pytest.raises(SystemExit, match="without their run's command or bandwidth"):
         decode_sizes_cpu.published_rows()
+
+
+def test_the_slimlm_decode_worker_answers_each_request_and_exits_on_a_malformed_one(tmp_path):
+    files = decode_sizes_cpu.prepare(
+        "tiny-tied", decode_sizes_cpu.QUICK_SIZES["tiny-tied"], "int4-g32", tmp_path
+    )
+    worker = decode_sizes_cpu.Worker("tiny slimlm", "slimlm", files.artifact, threads=1, slots=32)
+    assert worker.ready["ready"] is True
+    answer = worker.ask(prompt=[1, 2, 3, 4], new_tokens=4, compiled=False)
+    assert answer["decode_tok_s"] > 0 and answer["ttft_s"] > 0 and answer["weight_bytes"] > 0
+    memory = worker.ask(memory=True)
+    assert memory["peak_rss_bytes"] >= memory["rss_bytes"] > 0
+    with pytest.raises(SystemExit, match="the decode worker exited"):
+        worker.ask(prompt=[], new_tokens=4)
+    assert worker.process.wait() != 0
