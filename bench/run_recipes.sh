@@ -6,7 +6,7 @@
 #
 # A run that finished is kept and one that was interrupted resumes in its directory (slimlm picks up
 # block-by-block calibration and training checkpoints; delete a run's directory to redo it).
-# Arguments after `--` go to every slimlm run.
+# Arguments after `--` go to every slimlm run; DATA chooses the data option (default shared).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 name=$1; shift
@@ -21,7 +21,7 @@ for recipe in "${recipes[@]}"; do
     echo "$recipe: finished earlier, kept"
     continue
   fi
-  .venv/bin/slimlm recipe="$recipe" eval="${EVAL:-slice64}" data=shared hydra.run.dir="$run_dir" "$@"
+  .venv/bin/slimlm recipe="$recipe" eval="${EVAL:-slice64}" data="${DATA:-shared}" hydra.run.dir="$run_dir" "$@"
 done
 notes=$( [ -f "bench/$name.notes.md" ] && echo "bench/$name.notes.md" || true )
 .venv/bin/python bench/publish.py "$name" "${recipes[@]/#/$root/}" --command "${BENCH_COMMAND:-bash bench/$name.sh $*}"${notes:+ --notes "$notes"}

@@ -41,11 +41,12 @@ from slimlm.compress.mixed import bits_per_weight, choose_bits, fisher_diagonal,
 from slimlm.compress.rtn import QuantizedWeight, quantize_rtn
 from slimlm.compress.stream_rtn import stream_rtn
 from slimlm.compress.targets import compile_patterns, select_linear_modules
-from slimlm.data import check_text_source, load_text, tokenize_text_cached
+from slimlm.data import MODEL_FORMAT, check_text_source, load_text, tokenize_text_cached
 from slimlm.errors import ConfigError, SlimlmError
 from slimlm.experts import split_experts
 from slimlm.half_linear import float32_linears
 from slimlm.memory import peak_memory
+from slimlm.model_samples import original_model_samples
 from slimlm.models import DTYPES, checkpoint_directory
 from slimlm.packing import PACKABLE_BITS
 from slimlm.pipeline import DiskRun, RunState, Stage
@@ -427,10 +428,13 @@ def describe_bits(schemes: dict[str, QuantScheme]) -> str:
 
 def calibration_token_ids(state: RunState, tokenizer: Any = None) -> torch.Tensor:
     """data.calibration as token ids, tokenized once per run (by `tokenizer` while no model is
-    loaded: the one of the files the model lies in)."""
-    if state.memo.calibration_ids is None:
+    loaded: the one of the files the model lies in), or the original model's own samples."""
+    source = state.cfg.data.calibration
+    if state.memo.calibration_ids is None and source.format == MODEL_FORMAT:
+        state.memo.calibration_ids = original_model_samples(state)
+    elif state.memo.calibration_ids is None:
         state.memo.calibration_ids = tokenize_text_cached(
-            tokenizer or state.tokenizer, load_text(state.cfg.data.calibration, "calibration")
+            tokenizer or state.tokenizer, load_text(source, "calibration")
         )
     return state.memo.calibration_ids
 

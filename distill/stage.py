@@ -25,7 +25,7 @@ from omegaconf import OmegaConf
 
 from slimlm.architecture import decoder_blocks
 from slimlm.compress.quantize import calibration_token_ids
-from slimlm.data import check_text_source
+from slimlm.data import check_text_source, describe_calibration
 from slimlm.distill.data import BatchOrder, Windows, cut_windows
 from slimlm.distill.draft import draft_report
 from slimlm.distill.losses import LOSSES, HiddenProjector
@@ -168,9 +168,9 @@ def run(state: RunState, params: DistillParams) -> None:
     accelerator = make_accelerator(state, params, out_dir)
     prepare_student(state, params)
     teacher = load_teacher(state, params)
-    windows = cut_windows(
-        calibration_token_ids(state), params.seq_len, params.eval_windows, params.batch_size
-    )
+    with accelerator.main_process_first():  # the main process samples or tokenizes into the cache first
+        token_ids = calibration_token_ids(state)
+    windows = cut_windows(token_ids, params.seq_len, params.eval_windows, params.batch_size)
     order = BatchOrder(
         windows=windows.train.shape[0],
         batch_size=params.batch_size,
@@ -180,6 +180,7 @@ def run(state: RunState, params: DistillParams) -> None:
     )
     steps = optimizer_steps(params, accelerator.num_processes)
     section = section_header(params, steps, accelerator.num_processes)
+    section["data"] = describe_calibration(state.cfg.data)
     prompts = [window[:32].tolist() for window in windows.held_out[: params.draft_prompts]]
     draft_teacher = teacher.model if prompts else None
     if prompts:
@@ -370,7 +371,7 @@ def run_fingerprint(state: RunState, index: int, processes: int) -> dict:
         "stages": OmegaConf.to_container(state.cfg.recipe.stages, resolve=True),
         "distill_stage": index,
         "model": str(state.cfg.model.path),
-        "data": str(state.cfg.data.calibration.path),
+        "data": describe_calibration(state.cfg.data),
         "processes": processes,
     }
 

@@ -177,6 +177,15 @@ def render_markdown(report: dict[str, Any], plots: Sequence[str]) -> str:
     lines += [f"![{Path(p).stem}]({p})" for p in plots]
     if plots:
         lines.append("")
+    samples = report.get("calibration_samples")
+    if samples:
+        lines += [
+            "## Calibration text",
+            "",
+            f"{samples['tokens']:,} tokens sampled from the original model "
+            + ("(read from the cache)." if samples["reused"] else f"in {samples['seconds']:.0f} s."),
+            "",
+        ]
     for quant in report.get("quantization", []):
         errors = list(quant["weight_rel_error"].values())
         lines += [
@@ -259,7 +268,9 @@ def compression_stage_lines(report: dict[str, Any]) -> list[str]:
             f"{section['loss']}, teacher {section.get('teacher_signal', 'none')}: {section['steps']} "
             f"optimizer steps, {section['tokens']:,} tokens, {section['processes']} process(es), "
             f"{section['train_seconds']:.0f} s of training ({section['seconds']:.0f} s "
-            f"with the teacher's cache); loss {first['loss']:.4f} → {last['loss']:.4f}"
+            f"with the teacher's cache)"
+            + (f" on {section['data']}" if "data" in section else "")
+            + f"; loss {first['loss']:.4f} → {last['loss']:.4f}"
             + (
                 f"; held-out perplexity {evals[0]['held_out_ppl']:.2f} (step {evals[0]['step']}) "
                 f"→ {evals[-1]['held_out_ppl']:.2f} (step {evals[-1]['step']})"

@@ -77,17 +77,42 @@ class ModelConfig:
 @dataclass
 class TextSourceConfig:
     path: str = MISSING  # a local file, or a hub data set id with format=hub
-    format: str = "text"  # text: the whole file is one document; jsonl: one record per line; hub
+    # text: the whole file is one document; jsonl: one record per line; hub; model (calibration
+    # only): sampled from the original model (DataConfig.sampling)
+    format: str = "text"
     field: str = "text"  # the field holding the text (jsonl and hub)
     subset: Optional[str] = None  # hub data set configuration, e.g. wikitext-2-raw-v1
     split: str = "test"  # hub data set split
 
 
 @dataclass
+class SamplingConfig:
+    """Text sampled from the run's original model, the calibration text when
+    data.calibration.format is `model` (slimlm/model_samples.py)."""
+
+    tokens: int = 100_000  # sampled in all (rounded up to whole samples)
+    length: int = 256  # tokens per sample
+    temperature: float = 1.0
+    batch_size: int = 128  # samples drawn together
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.tokens < 1 or self.length < 2 or self.batch_size < 1:
+            raise ConfigError(
+                f"data.sampling: tokens ({self.tokens}) and batch_size ({self.batch_size}) must be "
+                f"at least 1 and length ({self.length}) at least 2"
+            )
+        if not 0 < self.temperature < float("inf"):
+            raise ConfigError(f"data.sampling.temperature={self.temperature} must be a positive number")
+
+
+@dataclass
 class DataConfig:
     name: str = MISSING
     eval_text: TextSourceConfig = field(default_factory=TextSourceConfig)
+    # format `model`: sampled from the original model as `sampling` says (path is not read)
     calibration: TextSourceConfig = field(default_factory=TextSourceConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
     # The folder holding the zero-shot benchmark sets (lambada/, arc/, piqa/, hellaswag/).
     benchmarks_root: str = "${oc.env:SLIMLM_DATA_DIR,../shared/data}"
 

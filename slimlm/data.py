@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from slimlm.config import TextSourceConfig
+from slimlm.config import DataConfig, TextSourceConfig
 from slimlm.errors import SlimlmError
 from slimlm.resources import cache_dir, resolve_path
 from slimlm.rundir import save_tensors_atomic
@@ -18,13 +18,17 @@ from slimlm.rundir import save_tensors_atomic
 log = logging.getLogger(__name__)
 
 FORMATS = ("text", "jsonl", "hub")
+MODEL_FORMAT = "model"  # calibration text sampled from the original model
 
 
 def check_text_source(src: TextSourceConfig, role: str) -> Optional[Path]:
     """Fail early, naming the file and where it comes from, if a data file is missing or is not
     UTF-8 text (jsonl: one JSON object per line). Reading it once costs about a second per GB."""
+    if src.format == MODEL_FORMAT and role == "calibration":
+        return None  # sampled from the model (slimlm/model_samples.py): no file to check
     if src.format not in FORMATS:
-        raise SlimlmError(f"data.{role}.format='{src.format}' is unknown; use one of {', '.join(FORMATS)}")
+        formats = ", ".join((*FORMATS, MODEL_FORMAT) if role == "calibration" else FORMATS)
+        raise SlimlmError(f"data.{role}.format='{src.format}' is unknown; use one of {formats}")
     if src.format == "hub":
         return None  # only the download can tell whether the hub has it
     path = resolve_path(src.path)
@@ -58,6 +62,18 @@ def check_text_source(src: TextSourceConfig, role: str) -> Optional[Path]:
     if not text:
         raise SlimlmError(f"data.{role}: '{src.path}' contains no text")
     return path
+
+
+def describe_calibration(data: DataConfig) -> str:
+    """Where the calibration and training text comes from, in a report's words: the file, or the
+    sampling settings (which, like a file, decide what a resumed training may go on from)."""
+    if data.calibration.format != MODEL_FORMAT:
+        return str(data.calibration.path)
+    sampling = data.sampling
+    return (
+        f"samples of the original model ({sampling.tokens:,} tokens, {sampling.length} a sample, "
+        f"temperature {sampling.temperature:g}, seed {sampling.seed})"
+    )
 
 
 def json_object(line: str) -> object:

@@ -198,27 +198,30 @@ def test_reconstruct_settings_that_would_train_nothing_are_refused():
         ReconstructParams(codes_lr=-1.0)
 
 
+# The w3-qat recipe shrunk to the tiny model: GPTQ, reconstruct and distill on a few short windows.
+TINY_QAT = [
+    "recipe.stages.1.group_size=16",
+    "+recipe.stages.1.samples=8",
+    "+recipe.stages.1.seq_len=32",
+    "recipe.stages.3.samples=8",
+    "recipe.stages.3.seq_len=32",
+    "recipe.stages.3.lr=0.01",
+    "recipe.stages.5.tokens=1024",
+    "recipe.stages.5.seq_len=32",
+    "recipe.stages.5.batch_size=4",
+    "recipe.stages.5.top_k=8",
+    "recipe.stages.5.lr=0.003",
+    "+recipe.stages.5.eval_every=100",
+]
+
+
 def test_qat_recipe_reconstructs_then_trains_scales_and_exports_what_it_trained(tiny_model_dir, tmp_path):
     """The bundled w3-qat recipe, shrunk: GPTQ, block-wise reconstruction, end-to-end scale
     training, export. Each block's error and the distillation loss fall, and the exported
     artifact has GPTQ's bytes and scores exactly as the trained model did. (A random-weight model's
     near-uniform outputs make its KL too small to rank the steps; bench/ measures that on the
     real model.)"""
-    shrink = [
-        "recipe.stages.1.group_size=16",
-        "+recipe.stages.1.samples=8",
-        "+recipe.stages.1.seq_len=32",
-        "recipe.stages.3.samples=8",
-        "recipe.stages.3.seq_len=32",
-        "recipe.stages.3.lr=0.01",
-        "recipe.stages.5.tokens=1024",
-        "recipe.stages.5.seq_len=32",
-        "recipe.stages.5.batch_size=4",
-        "recipe.stages.5.top_k=8",
-        "recipe.stages.5.lr=0.003",
-        "+recipe.stages.5.eval_every=100",
-    ]
-    slimlm("recipe=w3-qat", *tiny_run_args(tiny_model_dir), *shrink, "hydra.run.dir=qat", cwd=tmp_path)
+    slimlm("recipe=w3-qat", *tiny_run_args(tiny_model_dir), *TINY_QAT, "hydra.run.dir=qat", cwd=tmp_path)
     report = json.loads((tmp_path / "qat" / "report.json").read_text())
     blocks = report["reconstruction"][0]["blocks"]
     assert len(blocks) == 2 and all(block["mse_after"] < block["mse_before"] for block in blocks)
