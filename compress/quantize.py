@@ -429,10 +429,12 @@ def describe_bits(schemes: dict[str, QuantScheme]) -> str:
 def calibration_token_ids(state: RunState, tokenizer: Any = None) -> torch.Tensor:
     """data.calibration as token ids, tokenized once per run (by `tokenizer` while no model is
     loaded: the one of the files the model lies in), or the original model's own samples."""
+    if state.memo.calibration_ids is not None:
+        return state.memo.calibration_ids
     source = state.cfg.data.calibration
-    if state.memo.calibration_ids is None and source.format == MODEL_FORMAT:
+    if source.format == MODEL_FORMAT:
         state.memo.calibration_ids = original_model_samples(state)
-    elif state.memo.calibration_ids is None:
+    else:
         state.memo.calibration_ids = tokenize_text_cached(
             tokenizer or state.tokenizer, load_text(source, "calibration")
         )
