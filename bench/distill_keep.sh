@@ -7,8 +7,13 @@
 # decoder, 16-token prompt, 128 new tokens, median of 5). bench/distill_summary.py then adds the
 # share of the log-perplexity gap closed and the speed-up over the teacher. About 75 minutes;
 # resumable (bench/run_recipes.sh); arguments go to the run.
+#
+# DATA=samples trains (and calibrates the GPTQ) on 100k tokens sampled from the teacher itself,
+# three passes over them, into bench/results/distill_keep_samples.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-BENCH_COMMAND="bash bench/distill_keep.sh $*" bash bench/run_recipes.sh distill_keep prune-distill-keep -- \
-  eval.speed.new_tokens=128 eval.speed.repeats=5 "$@"
-.venv/bin/python bench/distill_summary.py distill_keep
+data=${DATA:-shared}
+name=distill_keep$( [ "$data" = shared ] || echo "_$data" )
+BENCH_COMMAND="${DATA:+DATA=$DATA }bash bench/distill_keep.sh $*" DATA=$data bash bench/run_recipes.sh "$name" \
+  prune-distill-keep -- eval.speed.new_tokens=128 eval.speed.repeats=5 "$@"
+.venv/bin/python bench/distill_summary.py "$name"

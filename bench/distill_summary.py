@@ -5,8 +5,9 @@ section of bench/results/NAME.md and a "summary" entry of NAME.json:
   perplexity gap each training closed, the KL the LoRA adapters removed from the w4 model, the
   draft's acceptance before and after, and the student's decode speed-up over the teacher
   (bench/results/prune_default.json: the same shapes, same bundled decoder);
-- distill_keep (after bash bench/distill_keep.sh): the gap closed, decode speed-up over the
-  teacher and mean zero-shot accuracy of the distilled student and its w4 GPTQ.
+- distill_keep (after bash bench/distill_keep.sh) and distill_keep_samples (DATA=samples): the gap
+  closed, decode speed-up over the teacher and mean zero-shot accuracy of the distilled student and
+  its w4 GPTQ.
 
 The gap is in log-perplexity, i.e. mean NLL per token: (NLL_pruned - NLL_trained) /
 (NLL_pruned - NLL_teacher).
@@ -125,6 +126,7 @@ def keep_summary(rows: list[dict]) -> tuple[dict, list[str]]:
 SUMMARIES: dict[str, Callable[[list[dict]], tuple[dict, list[str]]]] = {
     "distill_default": default_summary,
     "distill_keep": keep_summary,
+    "distill_keep_samples": keep_summary,
 }
 
 
