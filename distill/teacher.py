@@ -23,7 +23,7 @@ from tqdm import tqdm
 from slimlm.distill.losses import bucketed
 from slimlm.errors import SlimlmError
 from slimlm.resources import cache_dir
-from slimlm.rundir import save_tensors_atomic
+from slimlm.rundir import load_cached_tensors, save_tensors_atomic
 
 
 @dataclass
@@ -107,16 +107,11 @@ def offline_teacher(
 ) -> tuple[OfflineTeacher, Path, bool]:
     """The cached signal for the windows `used`, computing and storing it if absent.
     Returns the teacher signal, the cache file and whether it was already there."""
-    from safetensors.torch import load_file
-
     windows = train[used]
     path = cache_path(teacher_key, windows, top_k, temperature)
-    if path.is_file():
-        try:
-            tensors = load_file(path)
-            return OfflineTeacher(tensors["log_probs"], tensors["indices"], used), path, True
-        except Exception as error:  # a damaged cache is recomputed, never trusted
-            print(f"teacher cache {path} is unreadable ({error}); recomputing it")
+    cached = load_cached_tensors(path, "teacher cache")
+    if cached is not None and {"log_probs", "indices"} <= cached.keys():
+        return OfflineTeacher(cached["log_probs"], cached["indices"], used), path, True
     device = next(teacher.parameters()).device
     log_probs, indices = [], []
     for chunk in tqdm(windows.split(batch_size), desc=f"teacher top-{top_k} cache", unit="batch"):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 from pathlib import Path
 from typing import Optional
 
@@ -13,9 +12,7 @@ import torch
 from slimlm.config import DataConfig, TextSourceConfig
 from slimlm.errors import SlimlmError
 from slimlm.resources import cache_dir, resolve_path
-from slimlm.rundir import save_tensors_atomic
-
-log = logging.getLogger(__name__)
+from slimlm.rundir import load_cached_tensors, save_tensors_atomic
 
 FORMATS = ("text", "jsonl", "hub")
 MODEL_FORMAT = "model"  # calibration text sampled from the original model
@@ -126,13 +123,9 @@ def tokenize_text_cached(tokenizer, text: str) -> torch.Tensor:
     if key is None:
         return tokenize_text(tokenizer, text)
     path = cache_dir() / "tokens" / f"{key}.safetensors"
-    if path.is_file():
-        from safetensors.torch import load_file
-
-        try:
-            return load_file(path)["ids"]
-        except Exception as error:  # a damaged cache entry: tokenize again and replace it
-            log.warning("ignoring the damaged token cache '%s' (%s)", path, error)
+    cached = load_cached_tensors(path, "token cache")
+    if cached is not None and "ids" in cached:
+        return cached["ids"]
     ids = tokenize_text(tokenizer, text)
     save_tensors_atomic(path, {"ids": ids})
     return ids

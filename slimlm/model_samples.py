@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from slimlm.config import SamplingConfig
 from slimlm.resources import cache_dir
-from slimlm.rundir import save_tensors_atomic
+from slimlm.rundir import load_cached_tensors, save_tensors_atomic
 
 if TYPE_CHECKING:
     from slimlm.pipeline import RunState
@@ -53,13 +53,14 @@ def original_model_samples(state: RunState) -> torch.Tensor:
     key = sha256 or f"id:{source.id}"
     ids = cached_samples(key, sampling)
     reused = ids is not None
-    if ids is None:
+    if not reused:
         log.info("sampling %s tokens of calibration text from the original model", f"{sampling.tokens:,}")
-    if ids is None and state.model is not None and state.is_original():
-        ids = sample_stream(state.model, ordinary_ids(state.tokenizer), key, sampling)
-    elif ids is None:
-        loaded = load_model(original_cfg, state.device, sha256)
-        ids = sample_stream(loaded.model, ordinary_ids(loaded.tokenizer), key, sampling)
+        sampler = (
+            state
+            if state.model is not None and state.is_original()
+            else load_model(original_cfg, state.device, sha256)
+        )
+        ids = sample_stream(sampler.model, ordinary_ids(sampler.tokenizer), key, sampling)
     state.sections["calibration_samples"] = {
         "tokens": ids.numel(),
         "reused": reused,
@@ -82,17 +83,12 @@ def samples_path(model_key: str, sampling: SamplingConfig) -> Path:
 
 def cached_samples(model_key: str, sampling: SamplingConfig) -> torch.Tensor | None:
     """The cached token stream of these settings, or None (absent or unreadable)."""
-    from safetensors.torch import load_file
-
     path = samples_path(model_key, sampling)
-    if not path.is_file():
+    tensors = load_cached_tensors(path, "sample cache")
+    if tensors is None:
         return None
-    try:
-        ids = load_file(path)["ids"]
-    except Exception as error:  # a damaged cache entry is sampled again, never trusted
-        log.warning("ignoring the damaged sample cache '%s' (%s)", path, error)
-        return None
-    if ids.dtype != torch.int64 or ids.shape != (sample_count(sampling) * sampling.length,):
+    ids = tensors.get("ids")
+    if ids is None or ids.dtype != torch.int64 or ids.shape != (sample_count(sampling) * sampling.length,):
         log.warning("ignoring the sample cache '%s': it does not hold the stream its settings make", path)
         return None
     return ids
@@ -110,11 +106,14 @@ def sample_stream(
     from the `ordinary` token ids only, as one 1-D stream; cached under `model_key`."""
     count = sample_count(sampling)
     generator = torch.Generator().manual_seed(sampling.seed)
-    allowed = torch.zeros(model.config.vocab_size, dtype=torch.bool)
-    allowed[ordinary[ordinary < allowed.numel()]] = True
+    ordinary = ordinary[ordinary < model.config.vocab_size]
+    blocked = torch.full((model.config.vocab_size,), float("-inf"))
+    blocked[ordinary] = 0.0
     batches = [min(sampling.batch_size, count - start) for start in range(0, count, sampling.batch_size)]
     progress = tqdm(total=count * sampling.length, desc="sampling calibration text", unit="tok")
-    samples = [sample_batch(model, allowed, rows, sampling, generator, progress) for rows in batches]
+    samples = [
+        sample_batch(model, ordinary, blocked, rows, sampling, generator, progress) for rows in batches
+    ]
     progress.close()
     ids = torch.cat(samples).flatten()
     save_tensors_atomic(samples_path(model_key, sampling), {"ids": ids})
@@ -124,18 +123,19 @@ def sample_stream(
 @torch.no_grad()
 def sample_batch(
     model: nn.Module,
-    allowed: torch.Tensor,
+    ordinary: torch.Tensor,
+    blocked: torch.Tensor,
     rows: int,
     sampling: SamplingConfig,
     generator: torch.Generator,
     progress: tqdm,
 ) -> torch.Tensor:
-    """`rows` samples of `sampling.length` tokens, [rows, length], with the model's KV cache (whose
-    size `rows` sets)."""
+    """`rows` samples of `sampling.length` tokens, [rows, length], each started at a random one of
+    the `ordinary` ids, `blocked` (-inf at every other id) added to the logits; with the model's KV
+    cache (whose size `rows` sets)."""
     device = next(model.parameters()).device
-    ordinary = allowed.nonzero().squeeze(1)
     tokens = ordinary[torch.randint(ordinary.numel(), (rows, 1), generator=generator)]
-    blocked = torch.where(allowed, 0.0, float("-inf")).to(device)
+    blocked = blocked.to(device)
     cache, step_input = None, tokens
     for _ in range(sampling.length - 1):
         output = model(input_ids=step_input.to(device), cache=cache, use_cache=True)

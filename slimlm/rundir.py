@@ -73,6 +73,20 @@ def save_tensors_atomic(path: Path, tensors: dict, metadata: Optional[dict[str, 
         save_file(tensors, temp, metadata=metadata)
 
 
+def load_cached_tensors(path: Path, what: str) -> Optional[dict[str, torch.Tensor]]:
+    """The tensors of the cache file `path`, or None where it is absent or unreadable (a warning
+    naming `what`): a damaged cache entry is computed again, never trusted."""
+    from safetensors.torch import load_file
+
+    if not path.is_file():
+        return None
+    try:
+        return load_file(path)
+    except Exception as error:
+        logging.getLogger("slimlm").warning("ignoring the damaged %s '%s' (%s)", what, path, error)
+        return None
+
+
 @contextmanager
 def staged_directory(path: Path, what: str = "exports") -> Iterator[Path]:
     """A hidden staging directory beside `path`, renamed to `path` when the block succeeds and

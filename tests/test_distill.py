@@ -80,6 +80,9 @@ def test_offline_cache_gives_the_online_loss_up_to_the_top_k_truncation(tmp_path
     everything, path, reused = offline_teacher(teacher, "tiny", windows.train, used, VOCAB, 1.0, 4)
     assert not reused and path.is_file()
     exact = everything(ids, used)
+    path.write_bytes(b"not safetensors")  # a damaged cache is computed again, never trusted
+    again, _, reused = offline_teacher(teacher, "tiny", windows.train, used, VOCAB, 1.0, 4)
+    assert not reused and torch.equal(again(ids, used).log_probs, exact.log_probs)
     torch.testing.assert_close(
         distillation_loss(logits, exact.log_probs, teacher_indices=exact.indices).mean(),
         online,
