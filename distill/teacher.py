@@ -109,8 +109,8 @@ def offline_teacher(
     Returns the teacher signal, the cache file and whether it was already there."""
     windows = train[used]
     path = cache_path(teacher_key, windows, top_k, temperature)
-    cached = load_cached_tensors(path, "teacher cache")
-    if cached is not None and {"log_probs", "indices"} <= cached.keys():
+    cached = load_cached_tensors(path, "teacher cache", ("log_probs", "indices"))
+    if cached is not None:
         return OfflineTeacher(cached["log_probs"], cached["indices"], used), path, True
     device = next(teacher.parameters()).device
     log_probs, indices = [], []

@@ -123,8 +123,8 @@ def tokenize_text_cached(tokenizer, text: str) -> torch.Tensor:
     if key is None:
         return tokenize_text(tokenizer, text)
     path = cache_dir() / "tokens" / f"{key}.safetensors"
-    cached = load_cached_tensors(path, "token cache")
-    if cached is not None and "ids" in cached:
+    cached = load_cached_tensors(path, "token cache", ("ids",))
+    if cached is not None:
         return cached["ids"]
     ids = tokenize_text(tokenizer, text)
     save_tensors_atomic(path, {"ids": ids})

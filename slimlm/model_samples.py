@@ -84,11 +84,11 @@ def samples_path(model_key: str, sampling: SamplingConfig) -> Path:
 def cached_samples(model_key: str, sampling: SamplingConfig) -> torch.Tensor | None:
     """The cached token stream of these settings, or None (absent or unreadable)."""
     path = samples_path(model_key, sampling)
-    tensors = load_cached_tensors(path, "sample cache")
+    tensors = load_cached_tensors(path, "sample cache", ("ids",))
     if tensors is None:
         return None
-    ids = tensors.get("ids")
-    if ids is None or ids.dtype != torch.int64 or ids.shape != (sample_count(sampling) * sampling.length,):
+    ids = tensors["ids"]
+    if ids.dtype != torch.int64 or ids.shape != (sample_count(sampling) * sampling.length,):
         log.warning("ignoring the sample cache '%s': it does not hold the stream its settings make", path)
         return None
     return ids

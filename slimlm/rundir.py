@@ -73,18 +73,25 @@ def save_tensors_atomic(path: Path, tensors: dict, metadata: Optional[dict[str, 
         save_file(tensors, temp, metadata=metadata)
 
 
-def load_cached_tensors(path: Path, what: str) -> Optional[dict[str, torch.Tensor]]:
-    """The tensors of the cache file `path`, or None where it is absent or unreadable (a warning
-    naming `what`): a damaged cache entry is computed again, never trusted."""
+def load_cached_tensors(path: Path, what: str, names: tuple[str, ...]) -> Optional[dict[str, torch.Tensor]]:
+    """The tensors of the cache file `path`, or None where it is absent, unreadable or lacks one of
+    `names` (a warning naming `what`): a damaged cache entry is computed again, never trusted."""
     from safetensors.torch import load_file
 
     if not path.is_file():
         return None
     try:
-        return load_file(path)
+        tensors = load_file(path)
     except Exception as error:
         logging.getLogger("slimlm").warning("ignoring the damaged %s '%s' (%s)", what, path, error)
         return None
+    missing = [name for name in names if name not in tensors]
+    if missing:
+        logging.getLogger("slimlm").warning(
+            "ignoring the damaged %s '%s' (no %s)", what, path, ", ".join(missing)
+        )
+        return None
+    return tensors
 
 
 @contextmanager

@@ -50,6 +50,8 @@ def test_a_damaged_or_mismatched_sample_cache_is_ignored(monkeypatch, tmp_path):
     path.parent.mkdir(parents=True)
     path.write_bytes(b"not safetensors")
     assert cached_samples("key", sampling) is None
+    save_file({"tokens": torch.zeros(100, dtype=torch.int64)}, path)  # readable, but not the stream
+    assert cached_samples("key", sampling) is None
     save_file({"ids": torch.zeros(90, dtype=torch.int64)}, path)  # 9 samples where 10 were asked for
     assert cached_samples("key", sampling) is None
     save_file({"ids": torch.zeros(100, dtype=torch.int64)}, path)
