@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # A student that keeps its teacher's quality (recipe prune-distill-keep) on the default model,
-# 2 CPU cores: 8 of 30 layers removed and the MLP narrowed to 1152, distilled with forward KL
+# 2 CPU cores: 8 of 30 layers removed and the MLP narrowed to 1152, each block trained to give the
+# teacher's hidden state after the layers it stands for (reconstruct), distilled with forward KL
 # from the teacher's cached top-64 on 300k tokens of the Gutenberg corpus (data=shared), then
 # w4 g64 GPTQ. Every model is evaluated on the first 64 windows of 2048 tokens of WikiText-2
 # test (eval=slice64), the zero-shot tasks' first 100 items, and decode speed at batch 1 (bundled

@@ -107,17 +107,17 @@ def keep_summary(rows: list[dict]) -> tuple[dict, list[str]]:
     ]
     summary: dict = {}
     for record in rows:
-        name = record["name"]
+        name, speed = record["name"], record.get("decode_tok_s")  # a row may skip the speed metric
         entry = {
             "gap_closed": gap_closed(rows, name),
-            "speedup": record["decode_tok_s"] / teacher["decode_tok_s"],
+            "speedup": None if speed is None else speed / teacher["decode_tok_s"],
             "zeroshot_mean_acc": zeroshot_mean(record),
         }
         summary[name] = entry
-        mean = entry["zeroshot_mean_acc"]
+        mean, speedup = entry["zeroshot_mean_acc"], entry["speedup"]
         lines.append(
             f"| {name} | {record['ppl']:.2f} | {record['kl_mean']:.3f} | {100 * entry['gap_closed']:.1f}% | "
-            f"{record['decode_tok_s']:.1f} | {entry['speedup']:.2f}x | "
+            f"{'–' if speed is None else f'{speed:.1f}'} | {'–' if speedup is None else f'{speedup:.2f}x'} | "
             f"{'–' if mean is None else f'{100 * mean:.1f}'} |"
         )
     return {"models": summary}, lines

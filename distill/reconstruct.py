@@ -1,11 +1,14 @@
-"""The `reconstruct` stage: block-wise reconstruction of a quantized model against its original
-(after EfficientQAT's Block-AP). Each decoder block in turn gets its quantized layers' scales
-trained, and with codes_lr their codes (distill/qat.py), so that, fed the quantized model's own
-hidden states, it reproduces the original block's outputs on the original's hidden states; the
-mean squared error of those outputs is the loss. The block is then frozen back into QuantLinears
-(or put back as it was, if training did not lower its error) and its outputs become the next
-block's inputs, so each block also learns to correct the error the blocks before it left.
-Start from GPTQ: training starts from its codes.
+"""The `reconstruct` stage: block-wise reconstruction of a quantized or pruned model against its
+original (after EfficientQAT's Block-AP, and the layer-wise healing of pruned models). Each decoder
+block in turn is trained so that, fed the model's own hidden states, it reproduces the original's
+hidden state at the point the block stands for: the original block's output, or, where the prune
+stage removed the layers after it, the output of the whole span it now replaces. The mean squared
+error of those outputs is the loss. Quantized layers train their scales, and with codes_lr their
+codes (distill/qat.py); float layers (a pruned student's) train their weights with weights_lr.
+The block is then frozen back into QuantLinears (or put back as it was, if training did not lower
+its error) and its outputs become the next block's inputs, so each block also learns to correct
+the error the blocks before it left. For a quantized model, start from GPTQ: training starts from
+its codes.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +26,13 @@ from tqdm import tqdm
 
 from slimlm.architecture import decoder_blocks
 from slimlm.checkpoint import Checkpoint, open_checkpoint
-from slimlm.compress.calibration import CalibrationParams, Captured, capture_layer_inputs, run_layer
+from slimlm.compress.calibration import (
+    CalibrationParams,
+    Captured,
+    LayerInputs,
+    capture_layer_inputs,
+    run_layer,
+)
 from slimlm.compress.offload import materialize_outside_blocks
 from slimlm.compress.quantize import calibration_windows
 from slimlm.data import check_text_source
@@ -47,7 +57,8 @@ class ReconstructParams(CalibrationParams):
     batch_size: int = 4  # windows per optimizer step
     lr: float = 3e-3  # the scales' (about their relative change per step: they train as log-ratios)
     codes_lr: float = 0.0  # the codes' latents', in grid steps per optimizer step; 0: codes stay
-    norm_lr: float = 0.0  # the block's float parameters' (norm gains), absolute; 0: they stay
+    weights_lr: float = 0.0  # the float Linear layers' weights and biases (a pruned student's); 0: they stay
+    norm_lr: float = 0.0  # the block's other float parameters' (norm gains), absolute; 0: they stay
 
     def __post_init__(self) -> None:
         self.check_calibration("reconstruct")
@@ -57,7 +68,7 @@ class ReconstructParams(CalibrationParams):
             )
         if not 0 < self.lr < math.inf:
             raise ConfigError(f"reconstruct: lr={self.lr} must be a positive number")
-        for name in ("codes_lr", "norm_lr"):
+        for name in ("codes_lr", "weights_lr", "norm_lr"):
             if not 0 <= getattr(self, name) < math.inf:
                 raise ConfigError(
                     f"reconstruct: {name}={getattr(self, name)} must be 0 (not trained) or positive"
@@ -67,6 +78,7 @@ class ReconstructParams(CalibrationParams):
 @dataclass
 class BlockResult:
     block: str
+    original_layers: str  # the original's layers whose output the block reproduces: "4", "11-17"
     mse_before: float
     mse_after: float  # of the block as kept
     codes_changed: int  # codes that differ from the quantized model's, in the block as kept
@@ -77,14 +89,16 @@ class BlockResult:
 def run(state: RunState, params: ReconstructParams) -> None:
     started = time.perf_counter()
     _, blocks = decoder_blocks(state.model)
-    if not any(isinstance(module, QuantLinear) for module in blocks.modules()):
+    if not params.weights_lr and not any(isinstance(module, QuantLinear) for module in blocks.modules()):
         raise SlimlmError(
-            "reconstruct trains a quantized model's decoder layers, and this model has none: "
-            "put a quantize stage (gptq) before it"
+            "reconstruct trains a quantized model's scales, or a pruned model's weights with "
+            "weights_lr, and this model has no quantized decoder layers: put a quantize stage "
+            "(gptq) before it, or set reconstruct.weights_lr"
         )
     samples = calibration_windows(state, params.samples, params.seq_len, params.seed)
     teacher, teacher_blocks = original_model(state)
-    results = reconstruct_blocks(state.model, teacher, samples, params, teacher_blocks)
+    kept = kept_original_layers(state.sections.get("pruning", []), len(decoder_blocks(teacher)[1]))
+    results = reconstruct_blocks(state.model, teacher, samples, params, teacher_blocks, kept)
     del teacher
     state.mark_changed(f"block-wise reconstruction ({len(results)} blocks)")
     state.sections.setdefault("reconstruction", []).append(
@@ -96,6 +110,24 @@ def run(state: RunState, params: ReconstructParams) -> None:
             "seconds": round(time.perf_counter() - started, 1),
         }
     )
+
+
+def kept_original_layers(pruning: list[dict], original_layers: int) -> list[int]:
+    """The original layer each of the model's decoder blocks was, after the prune stages'
+    removals (their report sections, in order). A narrowed hidden size is refused: the blocks'
+    outputs could no longer be compared with the original's."""
+    kept = list(range(original_layers))
+    for section in pruning:
+        before, after = section["shape_before"], section["shape_after"]
+        if before["hidden_size"] != after["hidden_size"]:
+            raise SlimlmError(
+                f"reconstruct compares hidden states with the original's, and the prune stage narrowed "
+                f"them ({before['hidden_size']} -> {after['hidden_size']}): drop prune.hidden_size, or "
+                "the reconstruct stage"
+            )
+        removed = set(section.get("removed_layers", []))
+        kept = [layer for index, layer in enumerate(kept) if index not in removed]
+    return kept
 
 
 class ResidentOriginal:
@@ -158,41 +190,82 @@ def reconstruct_blocks(
     samples: torch.Tensor,
     params: ReconstructParams,
     teacher_blocks: OriginalBlocks = RESIDENT,
+    kept: Optional[list[int]] = None,
 ) -> list[BlockResult]:
-    """Every decoder block of `student` holding quantized layers trained against `teacher`'s,
-    whose blocks `teacher_blocks` loads when their turn comes and releases after."""
+    """Every decoder block of `student` with something to train, trained against `teacher`'s
+    hidden state at the point it stands for; `kept`: the original layer each student block was
+    (None: the student has the original's layers). The original's blocks come into memory as
+    `teacher_blocks` loads them, one at a time."""
     prefix, student_blocks = decoder_blocks(student)
     _, original_blocks = decoder_blocks(teacher)
+    kept = list(range(len(original_blocks))) if kept is None else kept
+    if len(kept) != len(student_blocks) or kept != sorted(set(kept)) or kept[-1] >= len(original_blocks):
+        raise SlimlmError(
+            f"reconstruct: the student's {len(student_blocks)} decoder blocks do not map onto the "
+            f"original's {len(original_blocks)} layers; reconstruct a model against the one it was "
+            "pruned or quantized from"
+        )
+    ends = [*kept[1:], len(original_blocks)]  # block j stands for the original's layers up to ends[j]
     with torch.no_grad():
         student_inputs = capture_layer_inputs(student, samples, params.batch_size)
         teacher_inputs = capture_layer_inputs(teacher, samples, params.batch_size)
     student_hidden, teacher_hidden = student_inputs.hidden, teacher_inputs.hidden
     results = []
     for index in tqdm(range(len(student_blocks)), desc="reconstruct", unit="block"):
-        block, name = student_blocks[index], f"{prefix}.{index}"
-        teacher_blocks.load(name, original_blocks[index])
-        with torch.no_grad():
-            targets = run_layer(original_blocks[index], teacher_inputs.of_layer(index, teacher_hidden))
+        block, name, start = student_blocks[index], f"{prefix}.{index}", ends[index - 1] if index else 0
+        for layer in range(start, ends[index]):
+            teacher_hidden = original_output(
+                layer, prefix, original_blocks, teacher_blocks, teacher_inputs, teacher_hidden
+            )
         captured = student_inputs.of_layer(index, student_hidden)
-        if any(isinstance(module, QuantLinear) for module in block.modules()):
-            results.append(train_block(name, block, original_blocks[index], captured, targets, params))
-        teacher_blocks.release(name, original_blocks[index])
+        if trainable(block, params):
+            counterpart = original_blocks[kept[index]]  # what quantized codes round against
+            teacher_blocks.load(f"{prefix}.{kept[index]}", counterpart)
+            span = str(start) if ends[index] - start == 1 else f"{start}-{ends[index] - 1}"
+            results.append(train_block(name, span, block, counterpart, captured, teacher_hidden, params))
+            teacher_blocks.release(f"{prefix}.{kept[index]}", counterpart)
         with torch.no_grad():
             student_hidden = run_layer(block, captured)
-        teacher_hidden = targets
     return results
+
+
+@torch.no_grad()
+def original_output(
+    index: int,
+    prefix: str,
+    blocks: nn.ModuleList,
+    loader: OriginalBlocks,
+    inputs: LayerInputs,
+    hidden: list[torch.Tensor],
+) -> list[torch.Tensor]:
+    """The original's layer `index` run on `hidden`, in memory only meanwhile."""
+    loader.load(f"{prefix}.{index}", blocks[index])
+    output = run_layer(blocks[index], inputs.of_layer(index, hidden))
+    loader.release(f"{prefix}.{index}", blocks[index])
+    return output
+
+
+def trainable(block: nn.Module, params: ReconstructParams) -> bool:
+    """Whether the settings train anything in `block`: quantized layers, or float ones with weights_lr."""
+    return any(
+        isinstance(module, QuantLinear) or (params.weights_lr > 0 and isinstance(module, nn.Linear))
+        for module in block.modules()
+    )
 
 
 def train_block(
     name: str,
+    original_layers: str,
     block: nn.Module,
     original: nn.Module,
     captured: Captured,
     targets: list[torch.Tensor],
     params: ReconstructParams,
 ) -> BlockResult:
-    """The block's quantized layers (and norms, with norm_lr) trained to map `captured` onto
-    `targets`, then frozen; put back as it was if that did not lower its error."""
+    """The block's quantized layers (float ones with weights_lr, norms with norm_lr) trained to
+    map `captured` onto `targets`, then frozen; put back as it was if that did not lower its
+    error. `original`: the original's block of the same index, whose weights a quantized layer's
+    codes round against."""
     started = time.perf_counter()
     before = block_mse(block, captured, targets)
     saved = {key: value.clone() for key, value in block.state_dict().items()}
@@ -211,7 +284,8 @@ def train_block(
     if not kept:
         block.load_state_dict(saved)
     seconds = round(time.perf_counter() - started, 1)
-    return BlockResult(name, before, min(before, after), changed if kept else 0, kept, seconds)
+    changed = changed if kept else 0
+    return BlockResult(name, original_layers, before, min(before, after), changed, kept, seconds)
 
 
 def fit_block(
@@ -240,19 +314,26 @@ def trainable_groups(
     block: nn.Module, original: nn.Module, params: ReconstructParams
 ) -> tuple[list[ScaleTrainedLinear], list[dict]]:
     """The block's quantized layers made trainable (codes too with codes_lr), and the block's
-    parameters to train by learning rate: scales, codes' latents, the other float parameters
-    (norm gains) with norm_lr. The rest stays frozen."""
+    parameters to train by learning rate: scales, codes' latents, float Linear layers' weights
+    and biases with weights_lr, the other float parameters (norm gains) with norm_lr. The rest
+    stays frozen."""
+    groups = []
     if params.codes_lr:
         layers = replace_quantized_with_rounding(block, original)
-        groups = [{"params": [layer.latents for layer in layers], "lr": params.codes_lr}]
+        groups.append({"params": [layer.latents for layer in layers], "lr": params.codes_lr})
     else:
-        layers, groups = replace_quantized(block), []
+        layers = replace_quantized(block)
     groups.append({"params": [layer.log_scales for layer in layers], "lr": params.lr})
-    if params.norm_lr:
-        inside = {id(p) for layer in layers for p in layer.parameters()}
-        floats = [p.requires_grad_(True) for p in block.parameters() if id(p) not in inside]
-        groups.append({"params": floats, "lr": params.norm_lr})
-    return layers, groups
+    inside = {id(p) for layer in layers for p in layer.parameters()}
+    linears = {id(p) for m in block.modules() if isinstance(m, nn.Linear) for p in m.parameters()}
+    floats = [p for p in block.parameters() if id(p) not in inside]
+    for lr, chosen in (
+        (params.weights_lr, [p for p in floats if id(p) in linears]),
+        (params.norm_lr, [p for p in floats if id(p) not in linears]),
+    ):
+        if lr:
+            groups.append({"params": [p.requires_grad_(True) for p in chosen], "lr": lr})
+    return layers, [group for group in groups if group["params"]]
 
 
 def layer_output(block: nn.Module, hidden: torch.Tensor, kwargs: dict) -> torch.Tensor:

@@ -317,12 +317,13 @@ def reconstruction_lines(report: dict[str, Any]) -> list[str]:
             f"{section['epochs']} passes, {section['seconds']:.0f} s; "
             f"{sum(not block['kept'] for block in blocks)} block(s) put back untrained "
             "(training did not lower their error). Error: mean squared difference of the block's "
-            "outputs from the original block's.",
+            "outputs from the original's hidden state after the layers the block stands for.",
             "",
-            "| block | error before | after | change % | codes changed | seconds |",
-            "|---|---:|---:|---:|---:|---:|",
+            "| block | original layers | error before | after | change % | codes changed | seconds |",
+            "|---|---:|---:|---:|---:|---:|---:|",
             *(
-                f"| {b['block']} | {b['mse_before']:.5f} | {b['mse_after']:.5f} | "
+                f"| {b['block']} | {b.get('original_layers', '')} | "  # absent from older runs' reports
+                f"{b['mse_before']:.5f} | {b['mse_after']:.5f} | "
                 f"{percent_change(b['mse_before'], b['mse_after']):+.1f} | {b['codes_changed']:,} | "
                 f"{b['seconds']:.1f} |"
                 for b in blocks

@@ -660,23 +660,33 @@ def test_prune_distill_recipe_on_a_tiny_model(tiny_model_dir, tmp_path):
 def test_prune_distill_keep_recipe_measures_every_model_and_exports_the_quantized_student(
     tiny_model_dir, tmp_path
 ):
-    """Teacher, pruned, distilled and w4 student each get zero-shot tasks and decode speed, and
-    the quantized student is what the artifact holds."""
+    """Teacher, pruned, distilled and w4 student each get zero-shot tasks and decode speed, the
+    student's one block learns the teacher's two layers block-wise, and the quantized student is
+    what the artifact holds."""
     from tests.test_zeroshot import DATA_ROOT
 
     shape = ["recipe.stages.1.layers=1", "recipe.stages.1.intermediate_size=64"]
     shape += ["+recipe.stages.1.samples=4", "+recipe.stages.1.seq_len=32"]
-    training = ["recipe.stages.3.tokens=1280", "recipe.stages.3.seq_len=40", "recipe.stages.3.batch_size=4"]
-    training += ["recipe.stages.3.top_k=16", "recipe.stages.3.lr=3e-3", "+recipe.stages.3.eval_windows=2"]
-    quantize = ["recipe.stages.5.group_size=32", "+recipe.stages.5.samples=4", "+recipe.stages.5.seq_len=32"]
+    training = ["recipe.stages.3.samples=4", "recipe.stages.3.seq_len=32", "recipe.stages.3.weights_lr=1e-3"]
+    training += ["recipe.stages.5.tokens=1280", "recipe.stages.5.seq_len=40", "recipe.stages.5.batch_size=4"]
+    training += ["recipe.stages.5.top_k=16", "recipe.stages.5.lr=3e-3", "+recipe.stages.5.eval_windows=2"]
+    quantize = ["recipe.stages.7.group_size=32", "+recipe.stages.7.samples=4", "+recipe.stages.7.seq_len=32"]
     measure = [f"data.benchmarks_root={DATA_ROOT}", "eval.zeroshot.tasks=[arc_easy]", "eval.zeroshot.limit=4"]
     measure += ["eval.speed.new_tokens=4", "eval.speed.repeats=1", "eval.speed.warmup=0"]
     args = [*tiny_run_args(tiny_model_dir), *shape, *training, *quantize, *measure, "hydra.run.dir=run"]
     slimlm("recipe=prune-distill-keep", *args, cwd=tmp_path)
     report = json.loads((tmp_path / "run" / "report.json").read_text())
     rows = {row["name"]: row for row in report["rows"]}
-    assert list(rows) == ["teacher", "pruned student", "distilled student", "distilled student, w4-g64-gptq"]
-    assert all(row["decode_tok_s"] > 0 for row in rows.values())
+    assert list(rows) == [
+        "teacher",
+        "pruned student",
+        "pruned student, block-wise",
+        "distilled student",
+        "distilled student, w4-g64-gptq",
+    ]
+    assert rows["pruned student, block-wise"]["kl_mean"] < rows["pruned student"]["kl_mean"]
+    assert [block["original_layers"] for block in report["reconstruction"][0]["blocks"]] == ["0-1"]
+    assert all(rows[name]["decode_tok_s"] > 0 for name in rows if name != "pruned student, block-wise")
     assert all("arc_easy_acc" in rows[name] for name in ("teacher", "distilled student"))
     assert report["distillation"][0]["steps"] == 8 and report["quantization"][0]["method"] == "gptq"
     assert rows["distilled student, w4-g64-gptq"]["bytes"] < rows["distilled student"]["bytes"]

@@ -1,6 +1,7 @@
 """Quantization-aware training (distill/qat.py, distill/reconstruct.py): the trained layers stay
 on slimlm's integer grid with their codes, their scales get the exact gradient, block-wise
-reconstruction lowers each block's error, and a whole recipe exports what it trained."""
+reconstruction lowers each block's error (a pruned student's too, against the spans of layers
+its blocks replace), and a whole recipe exports what it trained."""
 
 import json
 
@@ -10,8 +11,14 @@ from transformers import AutoModelForCausalLM
 
 from slimlm.artifact import load_artifact
 from slimlm.compress.gptq import HessianAccumulator, gptq_quantize
+from slimlm.compress.prune import PruneParams, prune_model
 from slimlm.distill.qat import RoundingTrainedLinear, ScaleTrainedLinear, freeze_quantized, replace_quantized
-from slimlm.distill.reconstruct import ReconstructParams, checkpoint_original, reconstruct_blocks
+from slimlm.distill.reconstruct import (
+    ReconstructParams,
+    checkpoint_original,
+    kept_original_layers,
+    reconstruct_blocks,
+)
 from slimlm.errors import ConfigError, SlimlmError
 from slimlm.qlinear import QuantLinear, QuantScheme
 from tests.conftest import build_tiny_llama
@@ -177,6 +184,43 @@ def test_the_original_read_block_by_block_from_its_checkpoint_trains_exactly_as_
     assert all(p.is_meta for p in skeleton.model.layers.parameters())  # each block released
 
 
+def test_a_pruned_students_blocks_learn_the_spans_of_layers_they_replace(tiny_tokenizer):
+    """After depth and MLP pruning, each student block is trained (weights and norms) to give
+    the teacher's hidden state after the span of teacher layers it now stands for."""
+    teacher = build_tiny_llama(len(tiny_tokenizer), seed=3, num_hidden_layers=5).eval()
+    samples = torch.randint(0, len(tiny_tokenizer), (8, 32), generator=torch.Generator().manual_seed(0))
+    student, section = prune_model(teacher, samples, PruneParams(layers=3, intermediate_size=96))
+    kept = kept_original_layers([section], 5)
+    assert kept == [i for i in range(5) if i not in section["removed_layers"]]
+    with torch.no_grad():
+        before = (student(samples).logits - teacher(samples).logits).square().mean()
+    params = ReconstructParams(samples=8, epochs=4, batch_size=2, weights_lr=1e-3, norm_lr=1e-3)
+    results = reconstruct_blocks(student, teacher, samples, params, kept=kept)
+    spans = [[int(x) for x in r.original_layers.split("-")] for r in results]
+    assert spans[0][0] == 0 and spans[-1][-1] == 4 and [s[0] for s in spans[1:]] == kept[1:]
+    assert all(r.kept and r.mse_after < r.mse_before and r.codes_changed == 0 for r in results)
+    with torch.no_grad():
+        after = (student(samples).logits - teacher(samples).logits).square().mean()
+    assert after < before
+    assert all(p.requires_grad for p in student.parameters())  # as it was before training
+
+
+def test_reconstruct_refuses_a_student_that_does_not_map_onto_its_original(tiny_tokenizer):
+    teacher = build_tiny_llama(len(tiny_tokenizer), num_hidden_layers=3).eval()
+    student = build_tiny_llama(len(tiny_tokenizer), num_hidden_layers=2).eval()
+    samples = torch.randint(0, len(tiny_tokenizer), (2, 16))
+    with pytest.raises(SlimlmError, match="do not map onto the original's 3 layers"):
+        reconstruct_blocks(student, teacher, samples, ReconstructParams(samples=2, weights_lr=1e-3))
+    narrowed = {"shape_before": {"hidden_size": 64}, "shape_after": {"hidden_size": 48}}
+    with pytest.raises(SlimlmError, match="narrowed them \\(64 -> 48\\)"):
+        kept_original_layers([narrowed], 3)
+    twice = [
+        {"shape_before": {"hidden_size": 64}, "shape_after": {"hidden_size": 64}, "removed_layers": [1]},
+        {"shape_before": {"hidden_size": 64}, "shape_after": {"hidden_size": 64}, "removed_layers": [0, 2]},
+    ]
+    assert kept_original_layers(twice, 5) == [2, 4]  # the second prune's indices are the first's student's
+
+
 def test_replace_and_freeze_round_trip_a_whole_model(tiny_tokenizer, tmp_path):
     model = build_tiny_llama(len(tiny_tokenizer)).eval()
     quantize_with_stage(model, tiny_tokenizer, tmp_path, bits=3, group_size=16)
@@ -196,6 +240,8 @@ def test_reconstruct_settings_that_would_train_nothing_are_refused():
         ReconstructParams(lr=0.0)
     with pytest.raises(ConfigError, match="codes_lr"):
         ReconstructParams(codes_lr=-1.0)
+    with pytest.raises(ConfigError, match="weights_lr"):
+        ReconstructParams(weights_lr=-1.0)
 
 
 # The w3-qat recipe shrunk to the tiny model: GPTQ, reconstruct and distill on a few short windows.
