@@ -29,7 +29,6 @@ from slimlm.checkpoint import Checkpoint, open_checkpoint
 from slimlm.compress.calibration import (
     CalibrationParams,
     Captured,
-    LayerInputs,
     capture_layer_inputs,
     run_layer,
 )
@@ -89,7 +88,7 @@ class BlockResult:
 def run(state: RunState, params: ReconstructParams) -> None:
     started = time.perf_counter()
     _, blocks = decoder_blocks(state.model)
-    if not params.weights_lr and not any(isinstance(module, QuantLinear) for module in blocks.modules()):
+    if not any(trainable(block, params) for block in blocks):
         raise SlimlmError(
             "reconstruct trains a quantized model's scales, or a pruned model's weights with "
             "weights_lr, and this model has no quantized decoder layers: put a quantize stage "
@@ -195,7 +194,8 @@ def reconstruct_blocks(
     """Every decoder block of `student` with something to train, trained against `teacher`'s
     hidden state at the point it stands for; `kept`: the original layer each student block was
     (None: the student has the original's layers). The original's blocks come into memory as
-    `teacher_blocks` loads them, one at a time."""
+    `teacher_blocks` loads them: each read once, and at most two at a time (a block's
+    counterpart and the next layer of the span it stands for)."""
     prefix, student_blocks = decoder_blocks(student)
     _, original_blocks = decoder_blocks(teacher)
     kept = list(range(len(original_blocks))) if kept is None else kept
@@ -213,36 +213,23 @@ def reconstruct_blocks(
     results = []
     for index in tqdm(range(len(student_blocks)), desc="reconstruct", unit="block"):
         block, name, start = student_blocks[index], f"{prefix}.{index}", ends[index - 1] if index else 0
+        counterpart = original_blocks[kept[index]]  # what quantized codes round against
         for layer in range(start, ends[index]):
-            teacher_hidden = original_output(
-                layer, prefix, original_blocks, teacher_blocks, teacher_inputs, teacher_hidden
-            )
+            teacher_blocks.load(f"{prefix}.{layer}", original_blocks[layer])
+            with torch.no_grad():
+                teacher_hidden = run_layer(
+                    original_blocks[layer], teacher_inputs.of_layer(layer, teacher_hidden)
+                )
+            if layer != kept[index]:  # the counterpart stays in memory until its student block has trained
+                teacher_blocks.release(f"{prefix}.{layer}", original_blocks[layer])
         captured = student_inputs.of_layer(index, student_hidden)
         if trainable(block, params):
-            counterpart = original_blocks[kept[index]]  # what quantized codes round against
-            teacher_blocks.load(f"{prefix}.{kept[index]}", counterpart)
             span = str(start) if ends[index] - start == 1 else f"{start}-{ends[index] - 1}"
             results.append(train_block(name, span, block, counterpart, captured, teacher_hidden, params))
-            teacher_blocks.release(f"{prefix}.{kept[index]}", counterpart)
+        teacher_blocks.release(f"{prefix}.{kept[index]}", counterpart)
         with torch.no_grad():
             student_hidden = run_layer(block, captured)
     return results
-
-
-@torch.no_grad()
-def original_output(
-    index: int,
-    prefix: str,
-    blocks: nn.ModuleList,
-    loader: OriginalBlocks,
-    inputs: LayerInputs,
-    hidden: list[torch.Tensor],
-) -> list[torch.Tensor]:
-    """The original's layer `index` run on `hidden`, in memory only meanwhile."""
-    loader.load(f"{prefix}.{index}", blocks[index])
-    output = run_layer(blocks[index], inputs.of_layer(index, hidden))
-    loader.release(f"{prefix}.{index}", blocks[index])
-    return output
 
 
 def trainable(block: nn.Module, params: ReconstructParams) -> bool:

@@ -177,7 +177,10 @@ def test_the_original_read_block_by_block_from_its_checkpoint_trains_exactly_as_
     expected = reconstruct_blocks(students[0], loaded, samples, params)
     skeleton, blocks = checkpoint_original(tiny_model_dir, torch.float32, torch.device("cpu"))
     assert all(p.is_meta for p in skeleton.model.layers.parameters())
+    reads, read = [], blocks.load
+    blocks.load = lambda name, block: (reads.append(name), read(name, block))
     got = reconstruct_blocks(students[1], skeleton, samples, params, blocks)
+    assert reads == [f"model.layers.{i}" for i in range(len(skeleton.model.layers))]  # each read once
     assert [(r.mse_before, r.mse_after, r.codes_changed) for r in got] == [
         (r.mse_before, r.mse_after, r.codes_changed) for r in expected
     ]
